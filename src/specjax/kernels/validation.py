@@ -1,0 +1,223 @@
+"""Input conversion and validation at the kernels' public boundary (outside jit).
+
+Messages have the form ``draft_probs: expected shape (B, G, V) = (2, 3, 50), got
+(2, 4, 50)`` so that a user sees which argument is wrong and what was expected.
+Shape and dtype checks are free (no device sync); value checks need one
+device→host transfer and are skipped with ``validate=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_INT32_MAX = np.iinfo(np.int32).max
+_INT32_MIN = np.iinfo(np.int32).min
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def as_array(name: str, x: Any) -> Any:
+    """Convert a list, NumPy array, JAX array or torch tensor without changing its dtype.
+
+    Returns a NumPy array or a JAX array. torch tensors cross zero-copy through
+    :func:`specjax.adapters.to_jax` (which also turns int64 ids into int32 with a
+    range check).
+    """
+    if x is None:
+        raise ValueError(f"{name}: expected an array, got None")
+    if isinstance(x, jax.Array | np.ndarray):
+        return x
+    if _is_torch(x):
+        from specjax.adapters import to_jax  # lazy: kernels do not depend on torch
+
+        try:
+            return to_jax(x)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{name}: {err}") from err
+    if isinstance(x, list | tuple | int | float | np.generic):
+        try:
+            return np.asarray(x)
+        except ValueError as err:  # ragged nested lists
+            raise ValueError(f"{name}: expected a rectangular array, got a ragged nested list") from err
+    if hasattr(x, "__array__"):
+        return np.asarray(x)
+    raise ValueError(
+        f"{name}: expected a list, NumPy array, JAX array or torch tensor, got {type(x).__name__}"
+    )
+
+
+def dtype_name(x: Any) -> str:
+    return np.dtype(x.dtype).name if not hasattr(x.dtype, "name") else x.dtype.name
+
+
+def check_float(name: str, x: Any) -> None:
+    dt = dtype_name(x)
+    if dt not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), got {dt}"
+        )
+
+
+def as_token_ids(name: str, x: Any) -> Any:
+    """Integer token ids as int32; int64 values are range-checked before narrowing."""
+    dt = x.dtype
+    if dtype_name(x) == "bool" or not jnp.issubdtype(dt, jnp.integer):
+        raise ValueError(f"{name}: expected integer token ids (int32 or int64), got {dtype_name(x)}")
+    if isinstance(x, np.ndarray) and x.dtype != np.int32:
+        if x.size and (x.max() > _INT32_MAX or x.min() < _INT32_MIN):
+            raise ValueError(
+                f"{name}: token ids must fit in int32, got values in [{x.min()}, {x.max()}]"
+            )
+        return x.astype(np.int32)
+    if x.dtype != jnp.int32:
+        return x.astype(jnp.int32)
+    return x
+
+
+def check_rank(name: str, x: Any, rank: int, letters: str) -> None:
+    if x.ndim != rank:
+        raise ValueError(
+            f"{name}: expected rank {rank} with shape ({', '.join(letters)}), got shape {tuple(x.shape)}"
+        )
+
+
+def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(
+            f"{name}: expected shape ({', '.join(letters)}) = {tuple(expected)}, got {tuple(x.shape)}"
+        )
+
+
+@jax.jit
+def _kernel_value_summary(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms):
+    def bad(x):
+        x32 = x.astype(jnp.float32)
+        return jnp.sum(~jnp.isfinite(x32)), jnp.sum(x32 < 0)
+
+    dp_nonfinite, dp_neg = bad(draft_probs)
+    tp_nonfinite, tp_neg = bad(target_probs)
+    u = accept_uniforms
+    s = sample_uniforms
+    big = jnp.asarray(jnp.iinfo(jnp.int32).max, jnp.int32)
+    return {
+        "tok_min": jnp.min(draft_tokens, initial=big),
+        "tok_max": jnp.max(draft_tokens, initial=-1),
+        "draft_probs_nonfinite": dp_nonfinite,
+        "draft_probs_negative": dp_neg,
+        "target_probs_nonfinite": tp_nonfinite,
+        "target_probs_negative": tp_neg,
+        "target_row_sum_min": jnp.min(jnp.sum(target_probs.astype(jnp.float32), axis=-1), initial=jnp.inf),
+        "u_bad": jnp.sum(~((u >= 0) & (u < 1))),
+        "u_min": jnp.min(u.astype(jnp.float32), initial=jnp.inf),
+        "u_max": jnp.max(u.astype(jnp.float32), initial=-jnp.inf),
+        "s_bad": jnp.sum(~((s >= 0) & (s < 1))),
+        "s_min": jnp.min(s.astype(jnp.float32), initial=jnp.inf),
+        "s_max": jnp.max(s.astype(jnp.float32), initial=-jnp.inf),
+    }
+
+
+def check_uniform_values_host(name: str, x: np.ndarray) -> None:
+    """Range check of uniforms done on the host in their own precision (before any narrowing)."""
+    if x.size == 0:
+        return
+    bad = ~((x >= 0) & (x < 1))
+    if np.any(bad):
+        raise ValueError(
+            f"{name}: expected values in [0, 1), got values in [{np.nanmin(x)}, {np.nanmax(x)}]"
+            + (" including NaN" if np.any(np.isnan(x)) else "")
+        )
+
+
+def convert_kernel_inputs(
+    draft_tokens: Any,
+    draft_probs: Any,
+    target_probs: Any,
+    accept_uniforms: Any,
+    sample_uniforms: Any,
+    *,
+    validate: bool,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Convert and check the five inputs of :func:`specjax.rejection_sample`."""
+    draft_tokens = as_array("draft_tokens", draft_tokens)
+    draft_probs = as_array("draft_probs", draft_probs)
+    target_probs = as_array("target_probs", target_probs)
+    accept_uniforms = as_array("accept_uniforms", accept_uniforms)
+    sample_uniforms = as_array("sample_uniforms", sample_uniforms)
+
+    check_rank("draft_tokens", draft_tokens, 2, "BG")
+    check_rank("draft_probs", draft_probs, 3, "BGV")
+    check_rank("target_probs", target_probs, 3, ("B", "G+1", "V"))
+    check_rank("accept_uniforms", accept_uniforms, 2, "BG")
+    check_rank("sample_uniforms", sample_uniforms, 1, "B")
+    b, g = draft_tokens.shape
+    vocab = target_probs.shape[2]
+    check_shape("target_probs", target_probs, (b, g + 1, vocab), ("B", "G+1", "V"))
+    check_shape("draft_probs", draft_probs, (b, g, vocab), "BGV")
+    check_shape("accept_uniforms", accept_uniforms, (b, g), "BG")
+    check_shape("sample_uniforms", sample_uniforms, (b,), "B")
+    if vocab == 0:
+        raise ValueError("target_probs: expected a vocabulary size V >= 1, got V = 0")
+
+    for name, x in (
+        ("draft_probs", draft_probs),
+        ("target_probs", target_probs),
+        ("accept_uniforms", accept_uniforms),
+        ("sample_uniforms", sample_uniforms),
+    ):
+        check_float(name, x)
+    host_checked = set()
+    if validate:
+        # NumPy uniforms are range-checked in their own precision, before JAX may
+        # narrow float64 to float32 (where 0.99999999 rounds to 1.0).
+        for name, x in (("accept_uniforms", accept_uniforms), ("sample_uniforms", sample_uniforms)):
+            if isinstance(x, np.ndarray):
+                check_uniform_values_host(name, x)
+                host_checked.add(name)
+    draft_tokens = as_token_ids("draft_tokens", draft_tokens)
+
+    if validate and b > 0:
+        summary = jax.device_get(
+            _kernel_value_summary(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms)
+        )
+        if g > 0 and (summary["tok_min"] < 0 or summary["tok_max"] >= vocab):
+            raise ValueError(
+                f"draft_tokens: expected token ids in [0, V) = [0, {vocab}), "
+                f"got values in [{summary['tok_min']}, {summary['tok_max']}]"
+            )
+        for name in ("draft_probs", "target_probs"):
+            if summary[f"{name}_nonfinite"]:
+                raise ValueError(
+                    f"{name}: expected finite probabilities, got {summary[f'{name}_nonfinite']} NaN or infinite values"
+                )
+            if summary[f"{name}_negative"]:
+                raise ValueError(
+                    f"{name}: expected non-negative probabilities, got {summary[f'{name}_negative']} negative values"
+                )
+        if summary["target_row_sum_min"] <= 0:
+            raise ValueError(
+                "target_probs: expected every distribution p_i to have a positive sum, got a row summing to 0"
+            )
+        if summary["u_bad"] and "accept_uniforms" not in host_checked:
+            raise ValueError(
+                f"accept_uniforms: expected values in [0, 1), got values in [{summary['u_min']}, {summary['u_max']}]"
+            )
+        if summary["s_bad"] and "sample_uniforms" not in host_checked:
+            raise ValueError(
+                f"sample_uniforms: expected values in [0, 1), got values in [{summary['s_min']}, {summary['s_max']}]"
+            )
+
+    return (
+        jnp.asarray(draft_tokens),
+        jnp.asarray(draft_probs),
+        jnp.asarray(target_probs),
+        jnp.asarray(accept_uniforms),
+        jnp.asarray(sample_uniforms),
+    )
