@@ -167,7 +167,7 @@ def _rejection_sample_jit(
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
 ) -> dict[str, jax.Array]:
-    b, g = draft_tokens.shape
+    g = draft_tokens.shape[1]
     ct = compute_dtype(jnp.result_type(draft_probs.dtype, target_probs.dtype))
     draft_tokens = draft_tokens.astype(jnp.int32)
     idx = draft_tokens[:, :, None]
@@ -267,7 +267,7 @@ def straightforward_rejection_sample(
 
 @jax.jit
 def _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms):
-    b, g = draft_tokens.shape
+    g = draft_tokens.shape[1]
     p = target_probs.astype(jnp.float32)
     q = draft_probs.astype(jnp.float32)
     onehot = jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=jnp.float32)

@@ -1,0 +1,579 @@
+"""The logits front end: the one place where logits become a sampling distribution.
+
+Speculative decoding is lossless only if the draft distribution ``q`` in the
+acceptance test is exactly the distribution the draft token was sampled from,
+and the target distribution ``p`` is processed exactly as the user asked. Both
+:func:`sample_from_logits` (the draft side) and :func:`verify_from_logits` (the
+acceptance step) go through the same :func:`row_stats` / :func:`probs_from_stats`
+pair, so they cannot disagree (vocabulary: see :mod:`specjax.kernels.rejection`).
+
+Processing, per row, with the semantics of transformers' warpers
+(``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper`` with
+``min_tokens_to_keep=1``), in float32 whatever the input dtype:
+
+1. temperature: ``logits / T``; ``T = 0`` means greedy: the distribution is
+   one-hot at ``argmax(logits)`` (first index on ties, like ``torch.argmax``);
+2. top-k: keep the logits ``>=`` the k-th largest; ``k = 0`` keeps all;
+3. top-p: sort ascending, softmax, cumulative sum; drop the tokens whose
+   cumulative probability is ``<= 1 - top_p``, always keeping the largest;
+   ``top_p = 1`` keeps all;
+4. softmax over the kept logits.
+
+A processed row is summarised by :class:`RowStats` (scale, cutoff, max,
+normaliser, argmax), so probabilities are computed only where needed: at the B·G
+draft tokens, and on the one row per batch row the correction token is drawn
+from. The (B, G+1, V) probabilities are never materialised.
+
+Per-row parameters (temperature, top_k, top_p, num_draft_tokens) are arrays:
+changing their values never recompiles. Whether top-k / top-p are used at all
+(``None`` or not) is static, because it decides whether rows get sorted.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from specjax.kernels import validation as _v
+from specjax.kernels.rejection import (
+    assemble_tokens,
+    inverse_cdf,
+    num_accepted_from_ratios,
+    residual_weights,
+)
+
+__all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "verify_from_logits"]
+
+_NEG_INF = -jnp.inf
+
+
+class RowStats(NamedTuple):
+    """Summary of one processed distribution per row (all f32/i32 of the row shape).
+
+    ``prob(v) = [v == argmax]`` for greedy rows, else
+    ``exp(logit(v)/temperature - max) / normaliser`` where
+    ``logit(v)/temperature >= cutoff``, and 0 elsewhere.
+    """
+
+    temperature: jax.Array  # f32[...]: the divisor (1 for greedy rows)
+    greedy: jax.Array  # bool[...]
+    cutoff: jax.Array  # f32[...]: smallest kept scaled logit (-inf: keep all)
+    max: jax.Array  # f32[...]: max scaled logit
+    normaliser: jax.Array  # f32[...]: sum of exp(scaled - max) over kept tokens
+    argmax: jax.Array  # i32[...]: first index of the largest logit
+
+
+# --------------------------------------------------------------------------- #
+# Reductions over the vocabulary axis. With ``axis_name`` set they run inside
+# ``shard_map`` over a vocabulary-sharded mesh axis and combine shard partials
+# with collectives over small (row-shaped) arrays only.
+# --------------------------------------------------------------------------- #
+
+
+def vocab_max(x: jax.Array, axis_name: str | None) -> jax.Array:
+    m = jnp.max(x, axis=-1)
+    return lax.pmax(m, axis_name) if axis_name else m
+
+
+def vocab_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
+    s = jnp.sum(x, axis=-1)
+    return lax.psum(s, axis_name) if axis_name else s
+
+
+def vocab_argmax(x: jax.Array, axis_name: str | None, offset: jax.Array | int) -> jax.Array:
+    """First index of the maximum (global index when sharded)."""
+    local = jnp.argmax(x, axis=-1).astype(jnp.int32) + offset
+    if not axis_name:
+        return local
+    local_max = jnp.max(x, axis=-1)
+    global_max = lax.pmax(local_max, axis_name)
+    big = jnp.iinfo(jnp.int32).max
+    return lax.pmin(jnp.where(local_max == global_max, local, big), axis_name)
+
+
+def vocab_gather(x: jax.Array, index: jax.Array, axis_name: str | None, offset: jax.Array | int) -> jax.Array:
+    """``x[..., index]`` per row, for a (possibly sharded) last axis."""
+    local = index - offset
+    size = x.shape[-1]
+    inside = (local >= 0) & (local < size)
+    val = jnp.take_along_axis(x, jnp.clip(local, 0, size - 1)[..., None], axis=-1)[..., 0]
+    if not axis_name:
+        return val
+    return lax.psum(jnp.where(inside, val, 0), axis_name)
+
+
+# --------------------------------------------------------------------------- #
+# Processing
+# --------------------------------------------------------------------------- #
+
+
+def _cutoff(scaled: jax.Array, top_k: jax.Array | None, one_minus_top_p: jax.Array | None) -> jax.Array:
+    """Smallest scaled logit kept by top-k then top-p (-inf when nothing is dropped)."""
+    vocab = scaled.shape[-1]
+    asc = jnp.sort(scaled, axis=-1)
+    cut = jnp.full(scaled.shape[:-1], _NEG_INF, scaled.dtype)
+    if top_k is not None:
+        k = jnp.clip(top_k, 0, vocab)
+        kth = jnp.take_along_axis(asc, (vocab - jnp.maximum(k, 1))[..., None], axis=-1)[..., 0]
+        cut = jnp.where(k > 0, kth, cut)
+    if one_minus_top_p is not None:
+        masked = jnp.where(asc >= cut[..., None], asc, _NEG_INF)
+        cum = jnp.cumsum(jax.nn.softmax(masked, axis=-1), axis=-1)
+        dropped = jnp.sum(cum <= one_minus_top_p[..., None], axis=-1)
+        first_kept = jnp.minimum(dropped, vocab - 1)
+        cut_p = jnp.take_along_axis(asc, first_kept[..., None], axis=-1)[..., 0]
+        cut = jnp.where(one_minus_top_p > 0, jnp.maximum(cut, cut_p), cut)
+    return cut
+
+
+def row_stats(
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array | None = None,
+    one_minus_top_p: jax.Array | None = None,
+    *,
+    axis_name: str | None = None,
+    offset: jax.Array | int = 0,
+) -> RowStats:
+    """Summarise the processed distribution of every row of ``logits``.
+
+    Args:
+      logits: f[..., V] (any float dtype; processed in float32).
+      temperature: f32[...] (broadcast to the row shape); 0 means greedy.
+      top_k: optional i32[...]; 0 keeps all.
+      one_minus_top_p: optional f32[...], ``1 - top_p``; 0 keeps all.
+      axis_name: the mesh axis the vocabulary is split over, inside shard_map.
+      offset: the global index of this shard's first vocabulary entry.
+    """
+    x = logits.astype(jnp.float32)
+    rows = x.shape[:-1]
+    temperature = jnp.broadcast_to(temperature, rows)
+    greedy = temperature <= 0
+    divisor = jnp.where(greedy, jnp.float32(1), temperature)
+    scaled = x / divisor[..., None]
+    if top_k is not None or one_minus_top_p is not None:
+        if axis_name:
+            raise NotImplementedError("top-k/top-p with a vocabulary-sharded mesh axis")
+        cut = _cutoff(
+            scaled,
+            None if top_k is None else jnp.broadcast_to(top_k, rows),
+            None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
+        )
+    else:
+        cut = jnp.full(rows, _NEG_INF, jnp.float32)
+    m = vocab_max(scaled, axis_name)
+    kept = scaled >= cut[..., None]
+    z = vocab_sum(jnp.where(kept, jnp.exp(scaled - m[..., None]), 0), axis_name)
+    return RowStats(divisor, greedy, cut, m, z, vocab_argmax(x, axis_name, offset))
+
+
+def probs_from_stats(stats: RowStats, logit_values: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Probability of ``token_ids`` (whose logits are ``logit_values``) under ``stats``.
+
+    ``stats`` fields have the shape of ``logit_values`` without its trailing
+    axes; both ``logit_values`` and ``token_ids`` broadcast against each other.
+    Returns f32 of their broadcast shape.
+    """
+    extra = logit_values.ndim - stats.max.ndim
+
+    def e(a):
+        return a.reshape(a.shape + (1,) * extra)
+
+    scaled = logit_values.astype(jnp.float32) / e(stats.temperature)
+    soft = jnp.where(scaled >= e(stats.cutoff), jnp.exp(scaled - e(stats.max)) / e(stats.normaliser), 0)
+    onehot = (token_ids == e(stats.argmax)).astype(jnp.float32)
+    return jnp.where(e(stats.greedy), onehot, soft)
+
+
+def _take_rows(stats: RowStats, index: jax.Array) -> RowStats:
+    """Select one position per batch row: fields [B, P] -> [B]."""
+    return RowStats(*(jnp.take_along_axis(f, index[:, None], axis=1)[:, 0] for f in stats))
+
+
+def _uniforms(key: jax.Array, batch: int, count: int) -> jax.Array:
+    """f32[B, count] uniforms in [0, 1) from one key, or from one key per row."""
+    if key.ndim == 0:
+        return jax.random.uniform(key, (batch, count), jnp.float32)
+    return jax.vmap(lambda k: jax.random.uniform(k, (count,), jnp.float32))(key)
+
+
+# --------------------------------------------------------------------------- #
+# Jitted cores
+# --------------------------------------------------------------------------- #
+
+
+def verify_core(
+    draft_tokens: jax.Array,
+    draft_logits: jax.Array,
+    target_logits: jax.Array,
+    accept_uniforms: jax.Array,
+    sample_uniforms: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array | None,
+    one_minus_top_p: jax.Array | None,
+    num_draft_tokens: jax.Array,
+    *,
+    axis_name: str | None = None,
+    offset: jax.Array | int = 0,
+) -> dict[str, jax.Array]:
+    """The acceptance step from logits (traceable; see :func:`verify_from_logits`).
+
+    With ``axis_name``, the last axis of the logits is this shard's slice of the
+    vocabulary (starting at global index ``offset``) inside ``shard_map``.
+    """
+    b, g = draft_tokens.shape
+    vocab_local = target_logits.shape[-1]
+    row = (slice(None), None)
+    t_stats = row_stats(
+        target_logits,
+        temperature[row],
+        None if top_k is None else top_k[row],
+        None if one_minus_top_p is None else one_minus_top_p[row],
+        axis_name=axis_name,
+        offset=offset,
+    )
+    positions = jnp.arange(g, dtype=jnp.int32)
+    valid = positions[None, :] < num_draft_tokens[:, None]
+    x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
+    if g > 0:
+        d_stats = row_stats(
+            draft_logits,
+            temperature[row],
+            None if top_k is None else top_k[row],
+            None if one_minus_top_p is None else one_minus_top_p[row],
+            axis_name=axis_name,
+            offset=offset,
+        )
+        t_first = RowStats(*(f[:, :g] for f in t_stats))
+        p_x = probs_from_stats(t_first, vocab_gather(target_logits[:, :g], x, axis_name, offset), x)
+        q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
+        n = num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
+    else:
+        n = jnp.zeros((b,), jnp.int32)
+
+    ids = (jnp.arange(vocab_local, dtype=jnp.int32) + offset)[None, :]
+    t_row = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
+    p_n = probs_from_stats(_take_rows(t_stats, n), t_row, ids)
+    if g > 0:
+        d_pos = jnp.minimum(n, g - 1)
+        d_row = jnp.take_along_axis(draft_logits, d_pos[:, None, None], axis=1)[:, 0]
+        q_n = probs_from_stats(_take_rows(d_stats, d_pos), d_row, ids)
+        q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
+    else:
+        q_n = jnp.zeros_like(p_n)
+    if axis_name:
+        from specjax.kernels.sharded import sharded_inverse_cdf, sharded_residual_weights
+
+        weights = sharded_residual_weights(p_n, q_n, axis_name)
+        y = sharded_inverse_cdf(weights, sample_uniforms, axis_name, offset)
+    else:
+        y = inverse_cdf(residual_weights(p_n, q_n), sample_uniforms)
+    return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+
+
+# Recompiles when shapes/dtypes change, when the key kind changes (one key or one
+# per row), or when top_k / top_p switch between None and given. Never for values.
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"))
+def _verify_jit(draft_tokens, draft_logits, target_logits, key, temperature, top_k, one_minus_top_p,
+                num_draft_tokens, *, use_top_k, use_top_p):
+    b, g = draft_tokens.shape
+    u = _uniforms(key, b, g + 1)
+    return verify_core(
+        draft_tokens,
+        draft_logits,
+        target_logits,
+        u[:, :g],
+        u[:, g],
+        temperature,
+        top_k if use_top_k else None,
+        one_minus_top_p if use_top_p else None,
+        num_draft_tokens,
+    )
+
+
+# Recompiles when shapes/dtypes, the key kind or the use of top_k/top_p change.
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"))
+def _sample_jit(logits, key, temperature, top_k, one_minus_top_p, *, use_top_k, use_top_p):
+    b, vocab = logits.shape
+    stats = row_stats(
+        logits,
+        temperature,
+        top_k if use_top_k else None,
+        one_minus_top_p if use_top_p else None,
+    )
+    ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    probs = probs_from_stats(stats, logits, ids)
+    tokens = inverse_cdf(probs, _uniforms(key, b, 1)[:, 0])
+    return tokens, probs
+
+
+# --------------------------------------------------------------------------- #
+# Public API and its validation
+# --------------------------------------------------------------------------- #
+
+
+def as_key(key: Any, batch: int) -> jax.Array:
+    """A typed JAX PRNG key of shape () or (B,); raw uint32 keys are wrapped."""
+    if key is None:
+        raise ValueError(
+            "key: expected a JAX PRNG key (jax.random.key(seed)), or one per row of shape (B,), got None"
+        )
+    if not isinstance(key, jax.Array):
+        raise ValueError(f"key: expected a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        typed = key
+    elif key.dtype == jnp.uint32 and key.ndim >= 1:
+        typed = jax.random.wrap_key_data(key)
+    else:
+        raise ValueError(
+            f"key: expected a JAX PRNG key (jax.random.key(seed)), got an array of dtype {key.dtype}"
+        )
+    if typed.shape not in ((), (batch,)):
+        raise ValueError(f"key: expected one key (shape ()) or one per row (shape ({batch},)), got shape {typed.shape}")
+    return typed
+
+
+def _row_param(name: str, value: Any, batch: int, kind: str) -> Any:
+    """A per-row parameter as a host or device array of shape (B,)."""
+    if isinstance(value, jax.Array):
+        arr = value
+    elif type(value).__module__.split(".")[0] == "torch":
+        arr = _v.as_array(name, value)
+    else:
+        arr = np.asarray(value)
+    if arr.ndim == 0:
+        arr = jnp.broadcast_to(arr, (batch,)) if isinstance(arr, jax.Array) else np.broadcast_to(arr, (batch,))
+    if arr.shape != (batch,):
+        raise ValueError(f"{name}: expected a scalar or shape (B,) = ({batch},), got shape {tuple(arr.shape)}")
+    dt = np.dtype(arr.dtype) if not isinstance(arr, jax.Array) else arr.dtype
+    if kind == "int":
+        if dt == np.bool_ or not jnp.issubdtype(dt, jnp.integer):
+            raise ValueError(f"{name}: expected integers, got dtype {dt}")
+    elif dt == np.bool_ or not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+        raise ValueError(f"{name}: expected real numbers, got dtype {dt}")
+    return arr
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def _check_params(temperature, top_k, top_p, validate: bool) -> None:
+    if not validate:
+        return
+    t = _host(temperature).astype(np.float64)
+    if not np.all(np.isfinite(t)) or np.any(t < 0):
+        raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got {t.tolist()}")
+    if top_k is not None:
+        k = _host(top_k)
+        if np.any(k < 0):
+            raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {k.tolist()}")
+    if top_p is not None:
+        p = _host(top_p).astype(np.float64)
+        if not np.all((p > 0) & (p <= 1)):
+            raise ValueError(f"top_p: expected values in (0, 1], got {p.tolist()}")
+
+
+def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
+    if temperature is None:
+        raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
+    temperature = _row_param("temperature", temperature, batch, "float")
+    top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
+    top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")
+    _check_params(temperature, top_k, top_p, validate)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    if top_k is not None:
+        top_k = jnp.asarray(np.clip(top_k, 0, np.iinfo(np.int32).max) if isinstance(top_k, np.ndarray) else top_k,
+                            jnp.int32)
+    if top_p is not None:
+        # 1 - top_p in float64 on the host when possible, as transformers does.
+        one_minus = 1.0 - top_p.astype(np.float64) if isinstance(top_p, np.ndarray) else 1.0 - top_p
+        top_p = jnp.asarray(one_minus, jnp.float32)
+    return temperature, top_k, top_p
+
+
+def _dummy(batch: int, dtype) -> jax.Array:
+    return jnp.zeros((batch,), dtype)
+
+
+def sample_from_logits(
+    logits: Any,
+    *,
+    key: Any,
+    temperature: Any,
+    top_k: Any = None,
+    top_p: Any = None,
+    validate: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Process logits into a sampling distribution and draw one token per row.
+
+    Args:
+      logits: f[B, V] (float16/bfloat16/float32/float64; processed in float32).
+      key: a JAX PRNG key, or one key per row (shape (B,)).
+      temperature: scalar or f32[B]; 0 = greedy (argmax, first index on ties).
+      top_k: None, or scalar / i32[B]; 0 keeps all.
+      top_p: None, or scalar / f32[B] in (0, 1]; 1 keeps all.
+      validate: check values (one host sync). Shapes are always checked.
+
+    Returns:
+      ``(tokens, probs)``: ``tokens`` i32[B] drawn from ``probs`` f32[B, V], the
+      processed distribution (one-hot for greedy rows). The draw is the inverse
+      CDF of ``probs`` at a uniform from ``key``, so tokens and probabilities agree
+      by construction.
+
+    Compilation: recompiles when shapes/dtypes change, when ``key`` switches
+    between one key and one per row, or when ``top_k``/``top_p`` switch between
+    None and given; never when their values change.
+    """
+    logits = _v.as_array("logits", logits)
+    _v.check_rank("logits", logits, 2, "BV")
+    _v.check_float("logits", logits)
+    batch, vocab = logits.shape
+    if vocab == 0:
+        raise ValueError("logits: expected a vocabulary size V >= 1, got V = 0")
+    key = as_key(key, batch)
+    temperature, top_k_arr, top_p_arr = _prepare_params(temperature, top_k, top_p, batch, validate)
+    logits = jnp.asarray(logits)
+    if validate and batch:
+        _check_logits("logits", logits)
+    if batch == 0:
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0, vocab), jnp.float32)
+    return _sample_jit(
+        logits,
+        key,
+        temperature,
+        top_k_arr if top_k_arr is not None else _dummy(batch, jnp.int32),
+        top_p_arr if top_p_arr is not None else _dummy(batch, jnp.float32),
+        use_top_k=top_k_arr is not None,
+        use_top_p=top_p_arr is not None,
+    )
+
+
+@jax.jit
+def _logit_summary(logits):
+    x = logits.astype(jnp.float32)
+    return jnp.sum(jnp.isnan(x)), jnp.sum(x == jnp.inf), jnp.sum(jnp.all(x == -jnp.inf, axis=-1))
+
+
+def _check_logits(name: str, logits: jax.Array) -> None:
+    nan, pinf, empty_rows = (int(v) for v in jax.device_get(_logit_summary(logits)))
+    if nan or pinf:
+        raise ValueError(f"{name}: expected no NaN or +inf logits, got {nan} NaN and {pinf} +inf values")
+    if empty_rows:
+        raise ValueError(f"{name}: expected every row to have a finite logit, got {empty_rows} rows of all -inf")
+
+
+def verify_from_logits(
+    draft_tokens: Any,
+    draft_logits: Any,
+    target_logits: Any,
+    *,
+    key: Any,
+    temperature: Any,
+    top_k: Any = None,
+    top_p: Any = None,
+    num_draft_tokens: Any = None,
+    validate: bool = True,
+) -> dict[str, jax.Array]:
+    """The acceptance step from logits: process both sides identically, then accept/draw.
+
+    Args:
+      draft_tokens: i32/i64[B, G], ``x_i``; entries at positions ``>= k_b`` are ignored.
+      draft_logits: f[B, G, V]: the draft model's logits the ``x_i`` were sampled from.
+      target_logits: f[B, G+1, V]: the target model's logits at the same positions,
+        plus the one after the last draft token.
+      key: a JAX PRNG key, or one per row (shape (B,)) so that a row's outcome does
+        not depend on which other rows share its batch. The acceptance uniforms
+        ``u`` and the sampling uniform ``s`` come from it.
+      temperature: scalar or f32[B]; rows with 0 are greedy: ``x_i`` is accepted iff
+        it equals ``argmax p_i``, and the correction/bonus token is ``argmax``.
+      top_k: None, or scalar / i32[B] (0 keeps all).
+      top_p: None, or scalar / f32[B] in (0, 1] (1 keeps all).
+      num_draft_tokens: None (= G for every row), or i32[B] ``k_b`` in [0, G]: row b
+        tests only its first ``k_b`` draft tokens; its correction or bonus token
+        sits at position ``<= k_b``; ``k_b = 0`` emits one token from ``p_0``.
+      validate: check values (one host sync); shapes are always checked.
+
+    Returns:
+      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}`` as
+      :func:`specjax.rejection_sample`: accepted tokens, then the emitted token,
+      then -1.
+
+    Both logits go through :func:`row_stats` with the same parameters, then the
+    foundation kernel's acceptance rule and blocked inverse-CDF draw run in the
+    same jitted function. Compilation: recompiles when shapes/dtypes change,
+    when ``key`` switches between one key and one per row, or when ``top_k`` /
+    ``top_p`` switch between None and given; never for new values.
+    """
+    draft_tokens = _v.as_array("draft_tokens", draft_tokens)
+    draft_logits = _v.as_array("draft_logits", draft_logits)
+    target_logits = _v.as_array("target_logits", target_logits)
+    _v.check_rank("draft_tokens", draft_tokens, 2, "BG")
+    _v.check_rank("draft_logits", draft_logits, 3, "BGV")
+    _v.check_rank("target_logits", target_logits, 3, ("B", "G+1", "V"))
+    batch, g = draft_tokens.shape
+    vocab = target_logits.shape[2]
+    if draft_logits.ndim == 3 and draft_logits.shape[2] != vocab:
+        raise ValueError(
+            f"draft_logits: expected the target's vocabulary size V = {vocab}, got {draft_logits.shape[2]} "
+            "(pad the smaller vocabulary with -inf logits first)"
+        )
+    _v.check_shape("target_logits", target_logits, (batch, g + 1, vocab), ("B", "G+1", "V"))
+    _v.check_shape("draft_logits", draft_logits, (batch, g, vocab), "BGV")
+    if vocab == 0:
+        raise ValueError("target_logits: expected a vocabulary size V >= 1, got V = 0")
+    _v.check_float("draft_logits", draft_logits)
+    _v.check_float("target_logits", target_logits)
+    draft_tokens = _v.as_token_ids("draft_tokens", draft_tokens)
+    key = as_key(key, batch)
+    temperature, top_k_arr, top_p_arr = _prepare_params(temperature, top_k, top_p, batch, validate)
+    if num_draft_tokens is None:
+        k = jnp.full((batch,), g, jnp.int32)
+    else:
+        k = _row_param("num_draft_tokens", num_draft_tokens, batch, "int")
+        if validate:
+            kh = _host(k)
+            if np.any(kh < 0) or np.any(kh > g):
+                raise ValueError(f"num_draft_tokens: expected values in [0, G] = [0, {g}], got {kh.tolist()}")
+        k = jnp.asarray(k, jnp.int32)
+    draft_tokens = jnp.asarray(draft_tokens)
+    draft_logits = jnp.asarray(draft_logits)
+    target_logits = jnp.asarray(target_logits)
+    if batch == 0:
+        return {"num_accepted": jnp.zeros((0,), jnp.int32), "tokens": jnp.zeros((0, g + 1), jnp.int32)}
+    if validate:
+        _check_draft_token_range(draft_tokens, k, vocab)
+        _check_logits("target_logits", target_logits)
+        if g:
+            _check_logits("draft_logits", draft_logits)
+    return _verify_jit(
+        draft_tokens,
+        draft_logits,
+        target_logits,
+        key,
+        temperature,
+        top_k_arr if top_k_arr is not None else _dummy(batch, jnp.int32),
+        top_p_arr if top_p_arr is not None else _dummy(batch, jnp.float32),
+        k,
+        use_top_k=top_k_arr is not None,
+        use_top_p=top_p_arr is not None,
+    )
+
+
+def _check_draft_token_range(draft_tokens: jax.Array, k: jax.Array, vocab: int) -> None:
+    g = draft_tokens.shape[1]
+    if g == 0:
+        return
+    valid = jnp.arange(g)[None, :] < k[:, None]
+    lo = int(jnp.min(jnp.where(valid, draft_tokens, 0)))
+    hi = int(jnp.max(jnp.where(valid, draft_tokens, 0)))
+    if lo < 0 or hi >= vocab:
+        raise ValueError(
+            f"draft_tokens: expected token ids in [0, V) = [0, {vocab}) at positions < num_draft_tokens, "
+            f"got values in [{lo}, {hi}]"
+        )
