@@ -1,0 +1,238 @@
+"""The speculative generation loop over Hugging Face models (see :mod:`.loop`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from specjax.generate.loop import SpeculativeOutput, SpeculativeStats, run_loop
+
+__all__ = ["SpeculativeOutput", "SpeculativeStats", "check_pair", "speculative_generate"]
+
+# Vocabulary sizes may differ by padding only (e.g. 151936 vs 151665 for Qwen2.5):
+# the larger may exceed the smaller by at most this fraction.
+_MAX_VOCAB_PADDING = 0.01
+
+
+def _vocab_size(model: Any) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_tokenizer: Any = None) -> None:
+    """Raise ``ValueError`` unless target and draft can share token ids.
+
+    Checks the devices, the vocabulary sizes (equal up to padding), the special
+    token ids both configs define, and, when tokenizers are given, that the
+    vocabularies map the same strings to the same ids.
+    """
+    dt, dd = _device(target), _device(draft)
+    if dt != dd:
+        raise ValueError(f"draft: expected the target's device {dt}, got {dd} (move both models to one device)")
+    vt, vd = _vocab_size(target), _vocab_size(draft)
+    if max(vt, vd) > min(vt, vd) * (1 + _MAX_VOCAB_PADDING):
+        raise ValueError(
+            f"draft: the target's vocabulary has {vt} entries and the draft's {vd}; they differ by more than "
+            "padding, so the models do not share a tokenizer (use a draft trained with the target's tokenizer)"
+        )
+    for attr in ("bos_token_id", "eos_token_id"):
+        a = _as_id_set(getattr(target.config, attr, None))
+        b = _as_id_set(getattr(draft.config, attr, None))
+        if a and b and not (a & b):
+            raise ValueError(
+                f"draft: target {attr} = {sorted(a)} but draft {attr} = {sorted(b)}: the models do not share a "
+                "tokenizer"
+            )
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        tv, dv = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+        common = min(len(tv), len(dv))
+        t_inv = {i: s for s, i in tv.items() if i < common}
+        d_inv = {i: s for s, i in dv.items() if i < common}
+        if t_inv != d_inv:
+            diff = sum(1 for i in t_inv if t_inv.get(i) != d_inv.get(i))
+            raise ValueError(
+                f"draft_tokenizer: {diff} of the first {common} token ids map to different strings than in the "
+                "target's tokenizer; speculative decoding needs one shared tokenizer"
+            )
+
+
+def _as_id_set(v: Any) -> set[int]:
+    if v is None:
+        return set()
+    if isinstance(v, list | tuple | set):
+        return {int(x) for x in v}
+    if isinstance(v, torch.Tensor):
+        return {int(x) for x in v.flatten().tolist()}
+    return {int(v)}
+
+
+def _check_sliding_window(model: Any, needed: int, name: str) -> None:
+    window = getattr(model.config, "sliding_window", None)
+    layer_types = getattr(model.config, "layer_types", None) or []
+    uses_window = window is not None and (not layer_types or any("sliding" in t for t in layer_types))
+    if uses_window and getattr(model.config, "use_sliding_window", True) and needed > window:
+        raise ValueError(
+            f"{name}: sliding-window attention (window {window}) is not supported for sequences of up to "
+            f"{needed} cache slots; use max_new_tokens and prompts that fit in the window"
+        )
+
+
+def speculative_generate(
+    target: Any,
+    draft: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int = 4,
+    temperature: float | Any = 0.0,
+    top_k: int | Any | None = None,
+    top_p: float | Any | None = None,
+    seed: int = 0,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    sampler: str | Any = "jax",
+    target_tokenizer: Any = None,
+    draft_tokenizer: Any = None,
+    on_tokens: Any = None,
+) -> SpeculativeOutput:
+    """Generate with the target's distribution, drafting with a smaller model.
+
+    Args:
+      target: a transformers causal LM (``AutoModelForCausalLM``), in eval mode.
+      draft: a causal LM sharing the target's tokenizer, on the same device.
+        Vocabulary sizes may differ by padding: ids beyond the draft's
+        vocabulary get draft probability 0.
+      input_ids: i64[B, P] prompts, left-padded when their lengths differ.
+      attention_mask: i64/bool[B, P], 1 for real tokens; required when padded.
+      max_new_tokens: tokens to generate per row at most (>= 1).
+      num_draft_tokens: G, draft tokens proposed per step (>= 1).
+      temperature: scalar or f32[B]; 0 = greedy (the default).
+      top_k: None, scalar or i32[B] (0 = off); top_p: None, scalar or f32[B] in (0, 1].
+      seed: seeds the per-row JAX keys (row b's draws depend on seed and b only).
+      eos_token_id: an id or a list of ids that end a row (defaults to the target's
+        generation config).
+      pad_token_id: fills rows after they end (defaults to the target's, then EOS).
+      sampler: "jax" (the fused kernel), or the name of an installed sampler
+        (:func:`specjax.load_sampler`), or a callable with the
+        :func:`specjax.rejection_sample` contract.
+      target_tokenizer, draft_tokenizer: optional; when both are given their
+        vocabularies are compared.
+      on_tokens: optional callback ``on_tokens(row, token_ids)`` called as tokens
+        are committed (for streaming).
+
+    Returns:
+      :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``.
+
+    Raises:
+      ValueError: for models that do not share a tokenizer or a device, a padded
+        batch without ``attention_mask``, ``max_new_tokens < 1``,
+        ``num_draft_tokens < 1``, an unknown sampler or bad sampling parameters.
+    """
+    import jax
+
+    from specjax.kernels.frontend import _prepare_params
+
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        shape = tuple(input_ids.shape) if hasattr(input_ids, "shape") else type(input_ids).__name__
+        raise ValueError(f"input_ids: expected a torch tensor of shape (B, P), got {shape}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids: expected integer token ids, got {input_ids.dtype}")
+    batch, prompt_len = input_ids.shape
+    if batch < 1 or prompt_len < 1:
+        raise ValueError(f"input_ids: expected at least one row and one token, got shape {tuple(input_ids.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int | np.integer) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens: expected an integer >= 1, got {num_draft_tokens!r}")
+    check_pair(target, draft, target_tokenizer, draft_tokenizer)
+    device = _device(target)
+    if input_ids.device != device:
+        raise ValueError(f"input_ids: expected the models' device {device}, got {input_ids.device}")
+
+    gen_cfg = getattr(target, "generation_config", None)
+    if eos_token_id is None and gen_cfg is not None:
+        eos_token_id = gen_cfg.eos_token_id
+    eos_ids = _as_id_set(eos_token_id)
+    if pad_token_id is None and gen_cfg is not None:
+        pad_token_id = gen_cfg.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = min(eos_ids) if eos_ids else 0
+
+    if attention_mask is None:
+        if batch > 1 and pad_token_id is not None and bool((input_ids[:, 0] == pad_token_id).any()) and \
+                not bool((input_ids == pad_token_id).all()):
+            raise ValueError(
+                "attention_mask: the batch looks left-padded (pad_token_id in the first column) but no "
+                "attention_mask was given; pass the tokenizer's attention_mask"
+            )
+        attention_mask = torch.ones_like(input_ids)
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+            shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+            raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids, got {shape}")
+        attention_mask = attention_mask.to(device)
+        if not bool(attention_mask[:, -1].bool().all()):
+            raise ValueError(
+                "attention_mask: expected left padding (every row's last token real); got a row whose last "
+                "position is padding — tokenize with padding_side='left'"
+            )
+    input_ids = input_ids.long()
+
+    target_vocab = _vocab_size(target)
+    needed = prompt_len + max_new_tokens * (num_draft_tokens + 2)
+    _check_sliding_window(target, needed, "target")
+    _check_sliding_window(draft, needed, "draft")
+
+    sampler_fn = _resolve_sampler(sampler)
+    temperature_a, top_k_a, top_p_a = _prepare_params(temperature, top_k, top_p, batch, True)
+    params = (
+        temperature_a,
+        top_k_a if top_k_a is not None else jax.numpy.zeros((batch,), jax.numpy.int32),
+        top_p_a if top_p_a is not None else jax.numpy.zeros((batch,), jax.numpy.float32),
+        top_k_a is not None,
+        top_p_a is not None,
+    )
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+        raise ValueError(f"seed: expected an integer, got {seed!r}")
+    base = jax.random.key(int(seed))
+    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jax.numpy.arange(batch))
+
+    target.eval()
+    draft.eval()
+    return run_loop(
+        target,
+        draft,
+        input_ids,
+        attention_mask,
+        max_new_tokens=int(max_new_tokens),
+        num_draft_tokens=int(num_draft_tokens),
+        params=params,
+        row_keys=row_keys,
+        eos_ids=eos_ids,
+        pad_token_id=int(pad_token_id),
+        target_vocab=target_vocab,
+        sampler=sampler_fn,
+        on_tokens=on_tokens,
+    )
+
+
+def _resolve_sampler(sampler: str | Any) -> Any:
+    """None for the fused JAX path, else a rejection_sample-contract callable."""
+    if callable(sampler):
+        return sampler
+    if not isinstance(sampler, str):
+        raise ValueError(f"sampler: expected a sampler name or a callable, got {type(sampler).__name__}")
+    if sampler == "jax":
+        return None
+    from specjax.plugin.registry import load_sampler
+
+    return load_sampler(sampler)

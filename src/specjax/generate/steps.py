@@ -1,0 +1,112 @@
+"""Jitted JAX steps used by the generation loop (no torch here).
+
+The loop never does probability arithmetic itself: the draft's token draw and
+the acceptance step both go through :mod:`specjax.kernels.frontend`, so the draft
+distribution ``q`` used in the acceptance test is exactly the one the draft
+tokens were sampled from.
+
+Keys: the loop holds one key per batch row (``row_keys``, typed keys of shape
+(B,)) so that a row's draws do not depend on the other rows of its batch. For
+step ``t`` the row key is ``fold_in(row_key, t)``; draft draw ``i`` uses
+``fold_in(step_key, i + 1)`` and the acceptance step ``fold_in(step_key, 0)``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kernels.frontend import _uniforms, probs_from_stats, row_stats, verify_core
+from specjax.kernels.rejection import inverse_cdf
+
+
+def fit_vocab(logits: jax.Array, vocab: int) -> jax.Array:
+    """Pad the last axis with -inf (ids the model cannot produce) or cut it to ``vocab``."""
+    have = logits.shape[-1]
+    if have == vocab:
+        return logits
+    if have > vocab:
+        return logits[..., :vocab]
+    pad = [(0, 0)] * (logits.ndim - 1) + [(0, vocab - have)]
+    return jnp.pad(logits, pad, constant_values=-jnp.inf)
+
+
+def step_keys(row_keys: jax.Array, step: jax.Array | int, purpose: int) -> jax.Array:
+    """One key per row for ``purpose`` (0: acceptance, i + 1: draft draw i) at ``step``."""
+    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+    return fold(fold(row_keys, step), purpose)
+
+
+# Recompiles when B, the draft vocabulary, `vocab` or the use of top-k/top-p change.
+@partial(jax.jit, static_argnames=("vocab", "use_top_k", "use_top_p"))
+def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_top_p, *, vocab,
+               use_top_k, use_top_p):
+    """Draw one draft token per row.
+
+    Args:
+      logits: f[B, V_draft], the draft's logits at its last position.
+      row_keys: key[B]; step: i32[]; purpose: i32[].
+      temperature: f32[B]; top_k: i32[B]; one_minus_top_p: f32[B].
+      vocab: the target's vocabulary size V (the draft's logits are padded/cut to it).
+
+    Returns:
+      i32[B] draft tokens, drawn from exactly the distribution
+      :func:`specjax.verify_from_logits` will recompute from the same logits.
+    """
+    x = fit_vocab(logits, vocab)
+    stats = row_stats(x, temperature, top_k if use_top_k else None,
+                      one_minus_top_p if use_top_p else None)
+    ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    probs = probs_from_stats(stats, x, ids)
+    keys = step_keys(row_keys, step, purpose)
+    return inverse_cdf(probs, _uniforms(keys, x.shape[0], 1)[:, 0])
+
+
+# Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"))
+def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, temperature, top_k,
+                one_minus_top_p, num_draft_tokens, *, use_top_k, use_top_p):
+    """The acceptance step of the loop (the fused JAX sampler).
+
+    Args:
+      draft_tokens: i32[B, G]; draft_logits: tuple of G f[B, V_draft];
+      target_logits: f[B, G+1, V].
+    """
+    vocab = target_logits.shape[-1]
+    d = fit_vocab(jnp.stack(draft_logits, axis=1), vocab) if draft_logits else \
+        jnp.zeros((*draft_tokens.shape, vocab), jnp.float32)
+    b, g = draft_tokens.shape
+    u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)
+    return verify_core(
+        draft_tokens, d, target_logits, u[:, :g], u[:, g], temperature,
+        top_k if use_top_k else None, one_minus_top_p if use_top_p else None, num_draft_tokens,
+    )
+
+
+# Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"))
+def probs_step(draft_logits, target_logits, row_keys, step, temperature, top_k, one_minus_top_p,
+               *, use_top_k, use_top_p):
+    """Processed probabilities and uniforms for a sampler with the probabilities contract.
+
+    Returns ``(draft_probs f32[B, G, V], target_probs f32[B, G+1, V],
+    uniforms f32[B, G+1])``; ``uniforms[:, :G]`` are the acceptance uniforms and
+    ``uniforms[:, G]`` the sampling uniform, exactly those :func:`verify_step`
+    uses, so every sampler sees the same randomness.
+    """
+    vocab = target_logits.shape[-1]
+    b, g1 = target_logits.shape[:2]
+    g = g1 - 1
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+
+    def probs(x):
+        stats = row_stats(x, temperature[:, None], top_k[:, None] if use_top_k else None,
+                          one_minus_top_p[:, None] if use_top_p else None)
+        return probs_from_stats(stats, x, ids)
+
+    d = fit_vocab(jnp.stack(draft_logits, axis=1), vocab) if draft_logits else \
+        jnp.zeros((b, 0, vocab), jnp.float32)
+    u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)
+    return probs(d), probs(target_logits), u
