@@ -44,6 +44,8 @@ not enough. The generation loop enforces this with :func:`borrowed`::
     tokens = to_torch(out["tokens"])
 
 which blocks (``jax.block_until_ready``) on the registered results on exit.
+For the same reason never donate (``donate_argnums``) an array made by
+:func:`to_jax` without a copy: XLA could write its outputs into torch's buffer.
 In the other direction, a tensor from :func:`to_torch` aliases an immutable
 JAX buffer: treat it as read-only, or ``.clone()`` it before writing.
 
