@@ -137,6 +137,8 @@ def speculative_generate(
         batch without ``attention_mask``, ``max_new_tokens < 1``,
         ``num_draft_tokens < 1``, an unknown sampler or bad sampling parameters.
     """
+    if _device(target).type == "cuda":
+        _share_gpu_with_torch()
     import jax
 
     from specjax.kernels.frontend import _prepare_params
@@ -223,6 +225,22 @@ def speculative_generate(
         sampler=sampler_fn,
         on_tokens=on_tokens,
     )
+
+
+def _share_gpu_with_torch() -> None:
+    """Keep JAX from preallocating the GPU beside torch (see configure_jax_memory).
+
+    If JAX already started with other settings this can no longer take effect:
+    warn once and go on (the caller chose JAX's memory policy then).
+    """
+    import logging
+
+    from specjax.adapters import configure_jax_memory
+
+    try:
+        configure_jax_memory()
+    except RuntimeError as err:
+        logging.getLogger("specjax.generate").warning("%s", err)
 
 
 def _resolve_sampler(sampler: str | Any) -> Any:
