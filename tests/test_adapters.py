@@ -579,3 +579,27 @@ def test_import_has_no_side_effects():
     )
     assert proc.returncode == 0, proc.stderr
 
+
+
+def test_explicit_copy_realigns_when_the_allocator_returns_a_misaligned_buffer(monkeypatch):
+    """The copy's destination is checked: a misaligned fresh buffer is replaced by an aligned slice."""
+    real_empty = torch.empty
+    calls = []
+
+    def misaligned_once(*shape, dtype=None, device=None):
+        calls.append(shape)
+        if len(calls) == 1:  # hand back a buffer 4 bytes past a 64-byte boundary
+            flat = real_empty(int(np.prod(shape[0])) + 1, dtype=dtype, device=device)[1:]
+            assert flat.data_ptr() % 64 != 0
+            return flat.view(shape[0])
+        return real_empty(*shape, dtype=dtype, device=device)
+
+    monkeypatch.setattr(torch, "empty", misaligned_once)
+    v = torch.randn(2, 5, 64)[:, -3:]
+    with count_copies() as c:
+        a = to_jax(v)
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert c.copies == 1 and c.by_reason["dlpack_copy"] == 0  # JAX did not have to copy it again
+    assert ptr(a) % 64 == 0
+    np.testing.assert_array_equal(np.asarray(a), v.numpy())
