@@ -93,7 +93,10 @@ def _torch_device(name: str) -> Any:
 def load_model(path: str, *, gguf_file: str | None, device: Any, role: str) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer from a local directory (or a cached hub id)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one line per error; our own bars show progress
+    hf_logging.set_verbosity_error()
     local = Path(path)
     offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     if not local.exists() and (offline or "/" not in path or path.startswith((".", "/"))):

@@ -1,0 +1,159 @@
+"""The installed ``specjax`` command: generate on local models, and its one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXE = Path(sys.executable).with_name("specjax")
+
+
+def _tokenizer(words: list[str]):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def _model_dir(path: Path, *, layers: int, seed: int, words: list[str] | None, vocab: int = 64,
+               with_tokenizer: bool = True) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    if with_tokenizer:
+        _tokenizer(words or [f"w{i}" for i in range(vocab - 4)]).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_models")
+    return {
+        "target": _model_dir(root / "target", layers=2, seed=0, words=None),
+        "draft": _model_dir(root / "draft", layers=1, seed=1, words=None),
+        "notok": _model_dir(root / "notok", layers=1, seed=2, words=None, with_tokenizer=False),
+        "other": _model_dir(root / "other", layers=1, seed=3, words=[f"x{i}" for i in range(60)]),
+        "big": _model_dir(root / "big", layers=1, seed=4, words=[f"w{i}" for i in range(252)], vocab=256),
+    }
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([str(EXE), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_console_script_is_installed():
+    assert EXE.exists(), f"console script missing at {EXE}: is the package installed?"
+
+
+def test_generate_json_matches_target_greedy(models, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w1 w2 w3"}\n"w4 w5"\n{"prompt": "w7 w8 w9 w10 w11"}\n')
+    proc = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["draft"]),
+                   "--prompts-file", str(prompts), "--max-new-tokens", "6", "--batch-size", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert [r["prompt"] for r in records] == ["w1 w2 w3", "w4 w5", "w7 w8 w9 w10 w11"]
+    target = AutoModelForCausalLM.from_pretrained(models["target"]).eval()
+    tok = AutoTokenizer.from_pretrained(models["target"])
+    for rec in records:
+        ids = tok(rec["prompt"], return_tensors="pt")["input_ids"]
+        ref = target.generate(ids, do_sample=False, max_new_tokens=6, pad_token_id=0)
+        assert rec["token_ids"] == ref[0, ids.shape[1]:].tolist()
+        assert set(rec["stats"]) >= {"acceptance_rate", "tokens_per_s", "mean_accepted_length", "steps"}
+        assert rec["text"] == tok.decode(rec["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_streams_single_prompt(models):
+    proc = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["draft"]),
+                   "--prompt", "w1 w2", "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "10",
+                   "--top-p", "0.9", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), "no text streamed"
+    assert "tokens/s" in proc.stderr and "acceptance" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["generate", "--target", "/nonexistent/model", "--draft", "/nonexistent/d", "--prompt", "x"],
+         r"--target /nonexistent/model: no such model directory"),
+        (["generate", "--prompt", "x", "--max-new-tokens", "0"], r"--max-new-tokens: .*expected an integer >= 1"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], r"--temperature: .*expected a finite number >= 0"),
+        (["generate", "--prompt", "x", "--top-p", "1.5"], r"--top-p: .*expected a number in \(0, 1\]"),
+        (["generate", "--prompt", "x", "--top-k", "abc"], r"--top-k: .*expected an integer >= 0"),
+        (["generate", "--prompt", "x", "--device", "tpu"], r"--device: invalid choice"),
+        (["generate", "--max-new-tokens", "3"], r"give exactly one of --prompt TEXT or --prompts-file"),
+        (["frobnicate"], r"invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_flags_one_line_exit_2(args, pattern):
+    proc = run_cli(*args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    import re
+
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_model_without_tokenizer(models):
+    proc = run_cli("generate", "--target", str(models["notok"]), "--draft", str(models["draft"]), "--prompt", "w1")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "has no usable tokenizer" in proc.stderr
+
+
+def test_incompatible_vocabularies(models):
+    same_size = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["other"]),
+                        "--prompt", "w1")
+    assert same_size.returncode == 2, same_size.stderr
+    assert "incompatible with the target" in same_size.stderr and "different strings" in same_size.stderr
+    bigger = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["big"]), "--prompt", "w1")
+    assert bigger.returncode == 2
+    assert "differ by more than padding" in bigger.stderr
+    assert "Traceback" not in same_size.stderr + bigger.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "pattern"),
+    [
+        (None, r"--prompts-file .*: cannot read it"),
+        ("{not json\n", r"line 1 is not JSON"),
+        ('{"text": "w1"}\n', r'line 1: expected \{"prompt": "..."\}'),
+        ("\n\n", r"no prompts in the file"),
+    ],
+)
+def test_unreadable_prompts_file(models, tmp_path, content, pattern):
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_text(content)
+    proc = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["draft"]),
+                   "--prompts-file", str(path))
+    assert proc.returncode == 2
+    import re
+
+    assert re.search(pattern, proc.stderr), proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_debug_shows_traceback():
+    proc = run_cli("--debug", "generate", "--target", "/nonexistent/model", "--draft", "/x", "--prompt", "x")
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr
