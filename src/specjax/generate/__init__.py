@@ -7,12 +7,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from specjax.generate.loop import SpeculativeOutput, SpeculativeStats, run_loop
+from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 
-__all__ = ["SpeculativeOutput", "SpeculativeStats", "check_pair", "speculative_generate"]
+__all__ = ["LoopState", "SpeculativeOutput", "SpeculativeStats", "check_pair", "speculative_generate"]
 
-# Vocabulary sizes may differ by padding only (e.g. 151936 vs 151665 for Qwen2.5):
-# the larger may exceed the smaller by at most this fraction.
+# Vocabulary sizes may differ by padding only: the larger may exceed the smaller by at
+# most this many ids (padding to a multiple of 128 adds at most 127), or by this fraction
+# of the larger when that is more (151936 vs 151665 for Qwen2.5 7B and 0.5B).
+_MAX_VOCAB_PADDING_IDS = 127
 _MAX_VOCAB_PADDING = 0.01
 
 
@@ -38,7 +40,7 @@ def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_toke
     if dt != dd:
         raise ValueError(f"draft: expected the target's device {dt}, got {dd} (move both models to one device)")
     vt, vd = _vocab_size(target), _vocab_size(draft)
-    if max(vt, vd) > min(vt, vd) * (1 + _MAX_VOCAB_PADDING):
+    if abs(vt - vd) > max(_MAX_VOCAB_PADDING_IDS, _MAX_VOCAB_PADDING * max(vt, vd)):
         raise ValueError(
             f"draft: the target's vocabulary has {vt} entries and the draft's {vd}; they differ by more than "
             "padding, so the models do not share a tokenizer (use a draft trained with the target's tokenizer)"
@@ -103,6 +105,7 @@ def speculative_generate(
     target_tokenizer: Any = None,
     draft_tokenizer: Any = None,
     on_tokens: Any = None,
+    return_state: bool = False,
 ) -> SpeculativeOutput:
     """Generate with the target's distribution, drafting with a smaller model.
 
@@ -128,6 +131,8 @@ def speculative_generate(
         vocabularies are compared.
       on_tokens: optional callback ``on_tokens(row, token_ids)`` called as tokens
         are committed (for streaming).
+      return_state: keep the loop's final caches in ``output.state`` (a
+        :class:`LoopState`; for tests and debugging — it holds both KV caches).
 
     Returns:
       :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``.
@@ -224,6 +229,7 @@ def speculative_generate(
         target_vocab=target_vocab,
         sampler=sampler_fn,
         on_tokens=on_tokens,
+        return_state=return_state,
     )
 
 

@@ -83,11 +83,40 @@ class SpeculativeOutput:
         tokens, padded with ``pad_token_id`` after a row ends.
       stats: :class:`SpeculativeStats`.
       num_new_tokens: i64[B], tokens generated per row.
+      state: the caches after the last step (:class:`LoopState`), only with
+        ``return_state=True``; else None.
     """
 
     sequences: torch.Tensor
     stats: SpeculativeStats
     num_new_tokens: torch.Tensor
+    state: LoopState | None = None
+
+
+@dataclass
+class LoopState:
+    """The loop's state after its last step (``speculative_generate(..., return_state=True)``).
+
+    For tests and debugging. Cache row ``j`` belongs to batch row ``rows[j]``
+    (finished rows may have been dropped). With ``seq`` that row's prompt
+    (without padding) followed by its generated tokens:
+
+    * ``target_cache`` holds ``seq[:-1]`` in its valid slots and ``last[j] == seq[-1]``;
+    * ``draft_cache`` holds ``seq`` minus its last one or two tokens, which are
+      ``pending[j][pending_valid[j]]``.
+
+    Attributes:
+      target_cache, draft_cache: :class:`SlotCache`.
+      rows: list of B' ints.
+      last: i64[B']; pending: i64[B', 2]; pending_valid: bool[B', 2].
+    """
+
+    target_cache: SlotCache
+    draft_cache: SlotCache
+    rows: list[int]
+    last: torch.Tensor
+    pending: torch.Tensor
+    pending_valid: torch.Tensor
 
 
 class _Row:
@@ -116,12 +145,14 @@ def run_loop(
     target_vocab: int,
     sampler: Any,
     on_tokens: Any = None,
+    return_state: bool = False,
 ) -> SpeculativeOutput:
     """The loop proper; arguments are already validated by :func:`speculative_generate`.
 
     ``params`` is ``(temperature f32[B], top_k i32[B], one_minus_top_p f32[B],
     use_top_k, use_top_p)``; ``sampler`` is None for the fused JAX path, else a
-    callable with the :func:`specjax.rejection_sample` contract.
+    callable with the :func:`specjax.rejection_sample` contract. Finished rows
+    stay in the caches until they are dropped, but append no valid slots.
     """
     import jax
     import jax.numpy as jnp
@@ -143,7 +174,10 @@ def run_loop(
 
     with count_copies() as copies:
         t_cache = SlotCache(target, batch, device)
-        d_cache = SlotCache(draft, batch, device)
+        # The target may emit ids the draft cannot embed (vocabularies that differ by
+        # padding); the draft then sees id 0 there, which only affects its proposals.
+        d_embed = draft.get_input_embeddings().weight.shape[0]
+        d_cache = SlotCache(draft, batch, device, input_vocab=d_embed if d_embed < target_vocab else None)
         if prompt_len > 1:
             # Prefill all but the last prompt token: the target scores that one with
             # the first draft, and the draft feeds it first.
@@ -160,6 +194,7 @@ def run_loop(
             state = [rows[i] for i in cache_rows]
             b_now = len(state)
             remaining = np.array([0 if r.done else max_new_tokens - len(r.generated) for r in state])
+            active = torch.as_tensor(remaining > 0, device=device)[:, None]  # bool[B', 1]
             k_rows = np.minimum(num_draft_tokens, np.maximum(remaining - 1, 0))
             g = int(k_rows.max())
             sel = jnp.asarray(np.asarray(cache_rows, np.int32))
@@ -169,6 +204,7 @@ def run_loop(
             d_start = d_cache.length
             two_pending = bool(pending_valid[:, 0].any())
             feed, feed_valid = (pending, pending_valid) if two_pending else (pending[:, 1:], pending_valid[:, 1:])
+            feed_valid = feed_valid & active
             width0 = feed.shape[1]
             draft_x: list[Any] = []
             draft_logits: list[Any] = []
@@ -182,7 +218,7 @@ def run_loop(
                                      use_top_k=use_top_k, use_top_p=use_top_p)
                 draft_x.append(x)
                 feed = to_torch(x).to(torch.long)[:, None]
-                feed_valid = torch.ones((b_now, 1), dtype=torch.bool, device=device)
+                feed_valid = active
             if g == 0:
                 width0 = 0  # the draft did not run: its pending tokens stay pending
 
@@ -191,7 +227,7 @@ def run_loop(
                 torch.zeros((b_now, 0), dtype=torch.long, device=device)
             t_start_slot = t_cache.length
             t_in = torch.cat([last[:, None], x_torch], dim=1)
-            target_logits = t_cache.forward(t_in, torch.ones_like(t_in, dtype=torch.bool), last_only=False)
+            target_logits = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False)
             held.append(target_logits)
             tj = to_jax(target_logits)
             xj = jnp.stack(draft_x, axis=1) if g else jnp.zeros((b_now, 0), jnp.int32)
@@ -216,6 +252,7 @@ def run_loop(
             new_pending = torch.stack([last, last], dim=1)
             new_pending_valid = torch.zeros((b_now, 2), dtype=torch.bool, device=device)
             new_pending_valid[:, 1] = True
+            kept = np.zeros(b_now, np.int64)  # accepted draft tokens each row keeps (EOS may cut them)
             for j, row in enumerate(state):
                 if row.done:
                     continue
@@ -238,13 +275,15 @@ def run_loop(
                 row_steps += 1
                 if on_tokens is not None:
                     on_tokens(row.index, emitted)
-                y = int(tok_host[j, n])
+                kept[j] = m = len(emitted) - 1
+                y = emitted[-1]
                 new_last[j] = y
                 new_pending[j, 1] = y
-                if g and n == g:
+                if g and m == g:
                     new_pending[j, 0] = int(tok_host[j, g - 1])
                     new_pending_valid[j, 0] = True
-            n_t = torch.as_tensor(n_host, device=device)
+            n_t = torch.as_tensor(kept, device=device)
+            # the target fed [last, x_0 .. x_{g-1}]: last and the kept draft tokens stay
             t_cache.invalidate(t_start_slot, 1 + n_t)
             if g:
                 # the draft fed its pending chunk (all of it stays) and x_0 .. x_{g-2}
@@ -268,7 +307,10 @@ def run_loop(
     stats.draft_forwards = d_cache.forwards
     stats.adapter_copies = copies.copies
     _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start)
-    return _build_output(input_ids, rows, pad_token_id, stats)
+    out = _build_output(input_ids, rows, pad_token_id, stats)
+    if return_state:
+        out.state = LoopState(t_cache, d_cache, cache_rows, last, pending, pending_valid)
+    return out
 
 
 def _run_sampler(sampler, xj, draft_logits, tj, keys, step, row_t, row_k, row_p, k_rows, use_top_k, use_top_p):

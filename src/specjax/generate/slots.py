@@ -28,9 +28,11 @@ class SlotCache:
       cache: the model's KV cache (``DynamicCache``).
       mask: i64[B, S], 1 where slot s of row b holds a real token.
       num_valid: i64[B], valid slots per row (= the next position id).
+      input_vocab: when set, token ids >= it (which the model cannot embed: a
+        draft whose vocabulary is the target's minus padding) are fed as id 0.
     """
 
-    def __init__(self, model: Any, batch: int, device: torch.device) -> None:
+    def __init__(self, model: Any, batch: int, device: torch.device, input_vocab: int | None = None) -> None:
         from transformers import DynamicCache
 
         self.model = model
@@ -43,6 +45,7 @@ class SlotCache:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
+        self.input_vocab = input_vocab
         self.forwards = 0
 
     @property
@@ -61,6 +64,8 @@ class SlotCache:
           f32[B, W, V] logits (or f32[B, 1, V] with ``last_only``), as the model
           produced them (a fresh tensor each call).
         """
+        if self.input_vocab is not None:
+            tokens = torch.where(tokens < self.input_vocab, tokens, torch.zeros_like(tokens))
         v = valid.long()
         positions = self.num_valid[:, None] + torch.cumsum(v, dim=1) - v
         self.mask = torch.cat([self.mask, v], dim=1)
@@ -124,9 +129,16 @@ class SlotCache:
             keys = getattr(layer, "keys", None)
             if keys is None or not torch.is_tensor(keys) or keys.numel() == 0:
                 return  # unknown layer layout: keep the slots (still exact, only slower)
+            seen = getattr(layer, "cumulative_length", None)
+            if seen is not None and seen != keys.shape[-2]:
+                return  # a sliding-window layer that dropped slots itself: keep ours
         for layer in self.cache.layers:
             layer.keys = layer.keys[:, :, first:].contiguous()
             layer.values = layer.values[:, :, first:].contiguous()
+            if getattr(layer, "cumulative_length", None) is not None:
+                # DynamicSlidingWindowLayer reports this as its length (the mask sizes
+                # and cache positions follow it): it must drop the slots too.
+                layer.cumulative_length = layer.keys.shape[-2]
         self.mask = self.mask[:, first:]
 
 

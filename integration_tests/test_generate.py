@@ -1,0 +1,503 @@
+"""``speculative_generate`` on real transformers models (tiny configs, fixed seeds, offline).
+
+What is checked, each against something independent of the loop:
+
+* greedy output equals ``target.generate(do_sample=False)`` token for token, on
+  Llama, GPT-2, Qwen2 and Mistral, at B=1 and B=4 (left padding, prompt lengths
+  1..7), with a draft of another size and seed, with a perturbed copy of the
+  target (rows accept different numbers of tokens in one step: asserted), and
+  with the target itself (everything accepted);
+* EOS inside an accepted draft ends that row exactly there; ``max_new_tokens``
+  is never exceeded;
+* the caches after the loop give the logits of a fresh forward pass over each
+  row's whole sequence;
+* bad input raises ``ValueError`` with a plain message;
+* vocabularies that differ by padding only (136 vs 128, both ways);
+* the statistics agree with counts rebuilt from the streamed tokens.
+
+The sampling distribution is tested in ``test_generate_stats.py``. Every model
+here has vocabulary 96 (except the padding tests), so the runs share the loop's
+JAX compilations; set ``JAX_COMPILATION_CACHE_DIR`` to keep them across runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import specjax
+
+ARCHS = ("llama", "gpt2", "qwen2", "mistral")
+VOCAB = 96
+G = 4
+LENGTHS = (5, 1, 7, 3)  # B=4, left-padded to 7
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_lm, perturbed_copy) -> Callable[[str], dict[str, Any]]:
+    """``pairs(arch)``: the target and three drafts of that architecture (built once)."""
+    built: dict[str, dict[str, Any]] = {}
+
+    def get(arch: str) -> dict[str, Any]:
+        if arch not in built:
+            target = tiny_lm(arch, layers=2, hidden=32, seed=0)
+            built[arch] = {
+                "target": target,
+                "other": tiny_lm(arch, layers=1, hidden=16, seed=1),  # other size, other init
+                "perturbed": perturbed_copy(target, noise=0.05, seed=3),  # agrees ~75% of the time
+                "same": target,
+            }
+        return built[arch]
+
+    return get
+
+
+class StepRecorder:
+    """``on_tokens`` callback that regroups the streamed tokens into steps.
+
+    The loop calls ``on_tokens(row, tokens)`` once per active row per step, rows
+    in increasing order; a row index that does not increase starts a new step.
+    ``steps`` is a list of ``{row: tokens}``.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[dict[int, list[int]]] = []
+        self._prev = math.inf
+
+    def __call__(self, row: int, tokens: list[int]) -> None:
+        if row <= self._prev:
+            self.steps.append({})
+        self.steps[-1][row] = list(tokens)
+        self._prev = row
+
+
+def hf_greedy(target, ids, mask, max_new_tokens, eos_token_id=None) -> torch.Tensor:
+    kwargs = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
+    return target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                           pad_token_id=0, **kwargs)
+
+
+def row_sequence(ids, mask, out, row) -> list[int]:
+    """Row ``row``'s prompt without padding followed by its generated tokens."""
+    prompt = ids[row][mask[row].bool()].tolist()
+    new = out.sequences[row, ids.shape[1] : ids.shape[1] + int(out.num_new_tokens[row])].tolist()
+    return prompt + new
+
+
+# --------------------------------------------------------------------------- #
+# Greedy equals target.generate
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("draft_kind", ["other", "perturbed", "same"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_target_generate(arch, draft_kind, batch, pairs, left_padded):
+    models = pairs(arch)
+    target, draft = models["target"], models[draft_kind]
+    ids, mask = left_padded(LENGTHS[:batch] if batch > 1 else (6,), vocab_size=VOCAB, seed=11)
+    rec = StepRecorder()
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G,
+                                       on_tokens=rec)
+    ref = hf_greedy(target, ids, mask, 12)
+    assert out.sequences.dtype == torch.long
+    assert out.sequences.shape == ref.shape
+    assert torch.equal(out.sequences, ref), f"\n{out.sequences[:, ids.shape[1]:]}\n{ref[:, ids.shape[1]:]}"
+    assert out.num_new_tokens.tolist() == [12] * batch
+    stats = out.stats
+    if draft_kind == "same":
+        assert stats.acceptance_rate == 1.0
+        assert stats.acceptance_rate_per_position == [1.0] * G
+        assert stats.draft_tokens_accepted == stats.draft_tokens_proposed > 0
+    if draft_kind == "perturbed" and batch > 1:
+        assert 0.0 < stats.acceptance_rate < 1.0, stats
+        assert ragged_steps(rec, batch, 12) >= 1, rec.steps
+
+
+def ragged_steps(rec: StepRecorder, batch: int, max_new_tokens: int) -> int:
+    """Steps in which all ``batch`` rows had a full draft of G tokens and gained different counts."""
+    budget = dict.fromkeys(range(batch), max_new_tokens)
+    ragged = 0
+    for step in rec.steps:
+        full = len(step) == batch and all(budget[r] > G for r in step)
+        if full and len({len(t) for t in step.values()}) > 1:
+            ragged += 1
+        for r, t in step.items():
+            budget[r] -= len(t)
+    return ragged
+
+
+# --------------------------------------------------------------------------- #
+# EOS and max_new_tokens
+# --------------------------------------------------------------------------- #
+
+
+def _eos_mid_draft(ref_new: torch.Tensor, index: int) -> int | None:
+    """A token at ``ref_new[0, index]`` that occurs neither earlier in row 0 nor anywhere in row 1."""
+    tok = int(ref_new[0, index])
+    if tok in ref_new[0, :index].tolist() or tok in ref_new[1].tolist() or tok == 0:
+        return None
+    return tok
+
+
+def test_eos_inside_accepted_draft_ends_that_row_there(pairs, left_padded):
+    target = pairs("llama")["target"]
+    n_new = 12
+    for seed in range(20):
+        ids, mask = left_padded((4, 6), vocab_size=VOCAB, seed=seed)
+        plain = hf_greedy(target, ids, mask, n_new)[:, ids.shape[1]:]
+        eos = _eos_mid_draft(plain, 2)
+        if eos is not None:
+            break
+    else:
+        pytest.fail("no prompt pair gives a usable EOS token")
+    rec = StepRecorder()
+    out = specjax.speculative_generate(target, target, ids, mask, max_new_tokens=n_new, num_draft_tokens=G,
+                                       eos_token_id=eos, pad_token_id=0, on_tokens=rec)
+    new = out.sequences[:, ids.shape[1]:]
+    # row 0: the first step accepts the whole draft x_0..x_3; EOS is x_2, the row ends right after it
+    assert rec.steps[0][0] == plain[0, :3].tolist()
+    assert new[0, :3].tolist() == plain[0, :3].tolist()
+    assert (new[0, 3:] == 0).all()
+    assert out.num_new_tokens.tolist() == [3, n_new]
+    # row 1 goes on, unaffected
+    assert new[1].tolist() == plain[1].tolist()
+    assert len(rec.steps) > 1 and all(0 not in s for s in rec.steps[1:])
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, n_new, eos_token_id=eos))
+
+
+@pytest.mark.parametrize("draft_kind", ["perturbed", "other"])
+def test_eos_matches_target_generate(draft_kind, pairs, left_padded):
+    """With EOS ids that occur in the greedy continuations, output equals target.generate."""
+    models = pairs("qwen2")
+    target, draft = models["target"], models[draft_kind]
+    ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=5)
+    plain = hf_greedy(target, ids, mask, 14)[:, ids.shape[1]:]
+    eos = [int(plain[0, 5]), int(plain[2, 9])]
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G,
+                                       eos_token_id=eos, pad_token_id=0)
+    ref = hf_greedy(target, ids, mask, 14, eos_token_id=eos)
+    assert torch.equal(out.sequences, ref)
+    assert int(out.num_new_tokens[0]) <= 6 and int(out.num_new_tokens[2]) <= 10
+
+
+@pytest.mark.parametrize("max_new_tokens", range(1, 10))
+@pytest.mark.parametrize("draft_kind", ["same", "perturbed"])
+def test_max_new_tokens_is_never_exceeded(draft_kind, max_new_tokens, pairs, left_padded):
+    models = pairs("llama")
+    target, draft = models["target"], models[draft_kind]
+    ids, mask = left_padded((3, 5), vocab_size=VOCAB, seed=2)
+    rec = StepRecorder()
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
+                                       num_draft_tokens=G, on_tokens=rec)
+    assert out.sequences.shape == (2, ids.shape[1] + max_new_tokens)
+    assert out.num_new_tokens.tolist() == [max_new_tokens] * 2
+    assert sum(len(s.get(0, [])) for s in rec.steps) == max_new_tokens
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, max_new_tokens))
+    if draft_kind == "same":
+        # every step accepts as much as the limit allows: G+1 tokens, then the rest
+        assert out.stats.steps == math.ceil(max_new_tokens / (G + 1))
+
+
+# --------------------------------------------------------------------------- #
+# The caches after the loop
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("with_eos", [False, True])
+def test_caches_match_a_fresh_forward(arch, with_eos, pairs, left_padded):
+    models = pairs(arch)
+    target, draft = models["target"], models["perturbed"]
+    ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=7)
+    eos = None
+    if with_eos:
+        plain = hf_greedy(target, ids, mask, 15)[:, ids.shape[1]:]
+        eos = int(plain[1, 6])
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=15, num_draft_tokens=G,
+                                       eos_token_id=eos, pad_token_id=0, return_state=True)
+    assert out.stats.steps >= 3
+    state = out.state
+    seqs = [row_sequence(ids, mask, out, i) for i in state.rows]
+    b = len(seqs)
+    t_cache, d_cache = state.target_cache, state.draft_cache
+    assert t_cache.num_valid.tolist() == [len(s) - 1 for s in seqs]
+    assert state.last.tolist() == [s[-1] for s in seqs]
+    assert int(t_cache.mask.sum()) == sum(len(s) - 1 for s in seqs)
+    # target: one more slot with `last` gives the next-token logits
+    cached = t_cache.forward(state.last[:, None], torch.ones((b, 1), dtype=torch.bool), last_only=True)[:, 0]
+    # draft: its pending tokens (one or two) complete the sequence
+    pend = [state.pending[j][state.pending_valid[j]].tolist() for j in range(b)]
+    assert [len(s) - len(p) for s, p in zip(seqs, pend, strict=True)] == d_cache.num_valid.tolist()
+    assert [s[len(s) - len(p):] for s, p in zip(seqs, pend, strict=True)] == pend
+    d_cached = d_cache.forward(state.pending, state.pending_valid, last_only=True)[:, 0]
+    with torch.inference_mode():
+        for j, seq in enumerate(seqs):
+            x = torch.tensor([seq])
+            fresh_t = target(x).logits[0, -1]
+            fresh_d = draft(x).logits[0, -1]
+            torch.testing.assert_close(cached[j], fresh_t, atol=1e-4, rtol=0)
+            torch.testing.assert_close(d_cached[j], fresh_d, atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------------------- #
+# Bad input
+# --------------------------------------------------------------------------- #
+
+
+def _word_tokenizer(words: list[str]):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]")
+
+
+def test_tokenizers_that_do_not_match_are_refused(pairs):
+    models = pairs("llama")
+    words = ["[PAD]", "[UNK]", *[f"w{i}" for i in range(VOCAB - 2)]]
+    shuffled = words[:2] + sorted(words[2:], key=lambda w: int(w[1:]) * 7 % (VOCAB - 2))
+    ids = torch.tensor([[5, 6, 7]])
+    same = _word_tokenizer(words)
+    out = specjax.speculative_generate(models["target"], models["same"], ids, max_new_tokens=2,
+                                       target_tokenizer=same, draft_tokenizer=_word_tokenizer(list(words)))
+    assert out.sequences.shape == (1, 5)
+    with pytest.raises(ValueError, match=r"draft_tokenizer: \d+ of the first 96 token ids map to different"):
+        specjax.speculative_generate(models["target"], models["same"], ids, max_new_tokens=2,
+                                     target_tokenizer=same, draft_tokenizer=_word_tokenizer(shuffled))
+
+
+def test_vocabularies_of_different_sizes_are_refused(pairs, tiny_lm):
+    big = tiny_lm("llama", vocab_size=1024, layers=1, hidden=16, seed=1)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="vocabulary has 96 entries and the draft's 1024; they differ by more "
+                                         "than padding"):
+        specjax.speculative_generate(pairs("llama")["target"], big, ids, max_new_tokens=2)
+
+
+def test_models_on_different_devices_are_refused(pairs, tiny_lm):
+    with torch.device("meta"):
+        meta_draft = tiny_lm("llama", layers=1, hidden=16, seed=1)
+    assert next(meta_draft.parameters()).device.type == "meta"
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"draft: expected the target's device cpu, got meta"):
+        specjax.speculative_generate(pairs("llama")["target"], meta_draft, ids, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": 0}, r"max_new_tokens: expected an integer >= 1, got 0"),
+        ({"max_new_tokens": -3}, r"max_new_tokens: expected an integer >= 1, got -3"),
+        ({"max_new_tokens": 2.0}, r"max_new_tokens: expected an integer >= 1, got 2.0"),
+        ({"max_new_tokens": 4, "num_draft_tokens": 0}, r"num_draft_tokens: expected an integer >= 1, got 0"),
+        ({"max_new_tokens": 4, "num_draft_tokens": -1}, r"num_draft_tokens: expected an integer >= 1, got -1"),
+    ],
+    ids=["max_new_0", "max_new_negative", "max_new_float", "draft_0", "draft_negative"],
+)
+def test_bad_lengths_are_refused(kwargs, message, pairs):
+    models = pairs("llama")
+    with pytest.raises(ValueError, match=message):
+        specjax.speculative_generate(models["target"], models["other"], torch.tensor([[5, 6, 7]]), **kwargs)
+
+
+def test_padded_batch_without_attention_mask_is_refused(pairs, left_padded):
+    models = pairs("llama")
+    ids, mask = left_padded((2, 5), vocab_size=VOCAB, seed=1)
+    with pytest.raises(ValueError, match="attention_mask: the batch looks left-padded"):
+        specjax.speculative_generate(models["target"], models["other"], ids, max_new_tokens=2)
+    right = torch.flip(mask, dims=[1])
+    with pytest.raises(ValueError, match="attention_mask: expected left padding"):
+        specjax.speculative_generate(models["target"], models["other"], ids, right, max_new_tokens=2)
+
+
+def test_unknown_sampler_name_is_refused(pairs):
+    pytest.importorskip("specjax.plugin.registry")
+    models = pairs("llama")
+    with pytest.raises(ValueError, match="unknown sampler 'no-such-sampler'"):
+        specjax.speculative_generate(models["target"], models["other"], torch.tensor([[5, 6, 7]]),
+                                     max_new_tokens=2, sampler="no-such-sampler")
+
+
+def test_sliding_window_too_short_is_refused(tiny_lm):
+    target = tiny_lm("mistral", sliding_window=16)
+    with pytest.raises(ValueError, match=r"target: sliding-window attention \(window 16\) is not supported"):
+        specjax.speculative_generate(target, target, torch.tensor([[5, 6, 7]]), max_new_tokens=20)
+
+
+def test_sliding_window_layers_within_the_window_are_exact(tiny_lm, perturbed_copy, left_padded):
+    """Mistral with a (large) sliding window: DynamicSlidingWindowLayer caches, rows dropped mid-run."""
+    target = tiny_lm("mistral", sliding_window=4096)
+    draft = perturbed_copy(target, noise=0.05, seed=3)
+    ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=11)
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G)
+    assert 0 < out.stats.acceptance_rate < 1
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 16))
+
+
+# --------------------------------------------------------------------------- #
+# Vocabularies that differ by padding
+# --------------------------------------------------------------------------- #
+
+
+class RecordingSampler:
+    """A probabilities-contract sampler (``specjax.rejection_sample``) that records the draft tokens."""
+
+    def __init__(self) -> None:
+        self.max_draft_token = -1
+        self.calls = 0
+
+    def __call__(self, draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *, validate=True):
+        x = np.asarray(draft_tokens)
+        self.calls += 1
+        if x.size:
+            self.max_draft_token = max(self.max_draft_token, int(x.max()))
+            # the draft distribution gives the padding ids no mass
+            assert float(np.asarray(draft_probs)[..., 128:].max(initial=0.0)) == 0.0
+        return specjax.rejection_sample(draft_tokens, draft_probs, target_probs, accept_uniforms,
+                                        sample_uniforms, validate=validate)
+
+
+def _boost_padding_rows(model, vocab: int) -> None:
+    """Make ids >= 128 likely by giving them copies of (scaled) real output rows."""
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[128:vocab] = head[8 : 8 + vocab - 128] * 1.3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_target_vocabulary_padded_beyond_the_drafts(temperature, tiny_lm, perturbed_copy, left_padded):
+    target = tiny_lm("llama", vocab_size=136, seed=0)
+    _boost_padding_rows(target, 136)
+    draft = tiny_lm("llama", vocab_size=128, seed=0)
+    with torch.no_grad():  # the draft is the target without the padding ids: it accepts often
+        for p, q in zip(draft.parameters(), target.parameters(), strict=True):
+            p.copy_(q[: p.shape[0]] if p.shape != q.shape else q)
+    ids, mask = left_padded(LENGTHS, vocab_size=128, seed=3)
+    sampler = RecordingSampler()
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G,
+                                       temperature=temperature, sampler=sampler, seed=1)
+    new = out.sequences[:, ids.shape[1]:]
+    assert int(new.max()) >= 128, "the target never emitted a padding id: the test does not test"
+    assert sampler.calls > 0 and 0 <= sampler.max_draft_token < 128
+    assert out.stats.draft_tokens_accepted > 0
+    if temperature == 0.0:
+        assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 16))
+    fused = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G,
+                                         temperature=temperature, seed=1)
+    assert torch.equal(fused.sequences, out.sequences)
+
+
+def test_draft_vocabulary_padded_beyond_the_targets(tiny_lm, left_padded):
+    target = tiny_lm("llama", vocab_size=128, seed=0)
+    draft = tiny_lm("llama", vocab_size=136, layers=1, hidden=16, seed=1)
+    _boost_padding_rows(draft, 136)
+    ids, mask = left_padded(LENGTHS, vocab_size=128, seed=3)
+    with torch.inference_mode():  # the draft alone would pick padding ids
+        assert int(draft(ids, attention_mask=mask).logits.argmax(-1).max()) >= 128
+    sampler = RecordingSampler()
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G,
+                                       sampler=sampler)
+    assert sampler.calls > 0 and 0 <= sampler.max_draft_token < 128
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 12))
+    fused = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G)
+    assert torch.equal(fused.sequences, out.sequences)
+
+
+# --------------------------------------------------------------------------- #
+# Statistics
+# --------------------------------------------------------------------------- #
+
+
+def _expected_stats(rec: StepRecorder, batch: int, max_new_tokens: int, g: int, prompt_len: int) -> dict:
+    """Rebuild the statistics from the streamed tokens (no EOS: each row gains n + 1 per step)."""
+    generated = dict.fromkeys(range(batch), 0)
+    proposed = accepted = draft_forwards = row_steps = 0
+    tested = np.zeros(g, np.int64)
+    passed = np.zeros(g, np.int64)
+    for step in rec.steps:
+        ks = []
+        for row, tokens in step.items():
+            k = min(g, max_new_tokens - generated[row] - 1)
+            n = len(tokens) - 1
+            assert 0 <= n <= k
+            ks.append(k)
+            proposed += k
+            accepted += n
+            tested[: min(n + 1, k)] += 1
+            passed[:n] += 1
+            generated[row] += len(tokens)
+            row_steps += 1
+        draft_forwards += max(ks)
+    prefill = int(prompt_len > 1)
+    return {
+        "steps": len(rec.steps),
+        "target_forwards": len(rec.steps) + prefill,
+        "draft_forwards": draft_forwards + prefill,
+        "draft_tokens_proposed": proposed,
+        "draft_tokens_accepted": accepted,
+        "new_tokens": batch * max_new_tokens,
+        "tested": tested,
+        "passed": passed,
+        "row_steps": row_steps,
+    }
+
+
+@pytest.mark.parametrize(
+    ("draft_kind", "batch", "max_new_tokens", "g", "temperature"),
+    [
+        ("perturbed", 4, 11, 3, 0.0),
+        ("perturbed", 4, 13, 4, 1.0),
+        ("other", 1, 9, 2, 0.0),
+        ("same", 1, 11, 4, 0.0),
+    ],
+)
+def test_stats_are_consistent(draft_kind, batch, max_new_tokens, g, temperature, pairs, left_padded):
+    models = pairs("llama")
+    ids, mask = left_padded(LENGTHS[:batch] if batch > 1 else (4,), vocab_size=VOCAB, seed=9)
+    rec = StepRecorder()
+    out = specjax.speculative_generate(models["target"], models[draft_kind], ids, mask,
+                                       max_new_tokens=max_new_tokens, num_draft_tokens=g,
+                                       temperature=temperature, on_tokens=rec)
+    s = out.stats
+    want = _expected_stats(rec, batch, max_new_tokens, g, ids.shape[1])
+    for name in ("steps", "target_forwards", "draft_forwards", "draft_tokens_proposed", "draft_tokens_accepted",
+                 "new_tokens"):
+        assert getattr(s, name) == want[name], name
+    assert s.acceptance_rate == pytest.approx(want["draft_tokens_accepted"] / want["draft_tokens_proposed"])
+    assert s.mean_accepted_length == pytest.approx(want["new_tokens"] / want["row_steps"])
+    assert s.tokens_per_target_forward == pytest.approx(want["new_tokens"] / want["target_forwards"])
+    rates = [p / t if t else 0.0 for p, t in zip(want["passed"], want["tested"], strict=True)]
+    assert s.acceptance_rate_per_position == pytest.approx(rates)
+    assert len(s.acceptance_rate_per_position) == g
+    assert s.tokens_per_s == pytest.approx(s.new_tokens / s.wall_time_s)
+    assert s.adapter_copies == 0  # fresh contiguous logits cross to JAX without a copy
+    assert set(s.as_dict()) >= {"steps", "acceptance_rate", "tokens_per_s", "acceptance_rate_per_position"}
+    if draft_kind == "same":
+        assert s.steps == math.ceil(max_new_tokens / (g + 1))
+        assert s.mean_accepted_length == pytest.approx(max_new_tokens / s.steps)
+
+
+def test_sampler_callable_matches_the_fused_path(pairs, left_padded):
+    """``rejection_sample`` passed as a callable (probabilities path) draws the same tokens as the fused kernel."""
+    models = pairs("llama")
+    ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=4)
+    kwargs = dict(max_new_tokens=10, num_draft_tokens=G, temperature=0.8, top_k=20, seed=3)
+    fused = specjax.speculative_generate(models["target"], models["perturbed"], ids, mask, **kwargs)
+    called = specjax.speculative_generate(models["target"], models["perturbed"], ids, mask,
+                                          sampler=specjax.rejection_sample, **kwargs)
+    assert torch.equal(fused.sequences, called.sequences)
+    assert fused.stats.draft_tokens_accepted == called.stats.draft_tokens_accepted
