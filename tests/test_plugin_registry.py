@@ -245,6 +245,16 @@ def test_filter_applies_to_both_groups(fake: types.SimpleNamespace, monkeypatch:
             registry.load_sampler("ep_sampler")
 
 
+def test_filter_is_read_once_per_process(fake: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake.install({"good": f"{FAKE}:good"}, [("ep_sampler", f"{FAKE}:sampler_b")])
+    monkeypatch.setenv(registry.ENV_VAR, "good")
+    assert registry.available_samplers() == ["from_good", "jax"]
+    monkeypatch.setenv(registry.ENV_VAR, "ep_sampler")  # too late: the first load_plugins() read it
+    assert registry.available_samplers() == ["from_good", "jax"]
+    with pytest.raises(ValueError, match=r"\(SPECJAX_PLUGINS='good' restricts which entry points load\)"):
+        registry.load_sampler("ep_sampler")
+
+
 _PROBE = """
 import json, sys
 import specjax

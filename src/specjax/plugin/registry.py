@@ -30,8 +30,8 @@ An empty value allows nothing. The ``jax`` sampler (the package's own kernel)
 is always available. So ``SPECJAX_PLUGINS=builtin_samplers`` gives ``jax``,
 ``numpy`` and ``torch`` and no third-party code runs; ``SPECJAX_PLUGINS=""``
 gives ``jax`` only. The variable is read once, by the first
-:func:`load_plugins` call of the process (plugins are never unloaded); sampler
-entry points are filtered with its value at each lookup.
+:func:`load_plugins` call of the process (plugins are never unloaded), and that
+value filters both groups for the rest of the process.
 
 Names
 -----
@@ -86,7 +86,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _lock = threading.RLock()
 _plugins_loaded = False
 _plugin_info: dict[str, PluginInfo] = {}
-_allowed_at_load: frozenset[str] | None = None
+_env_at_load: str | None = None  # SPECJAX_PLUGINS as the first load_plugins() read it
 
 
 @dataclass(frozen=True)
@@ -167,16 +167,25 @@ def _dist_label(ep: importlib.metadata.EntryPoint) -> str:
         return ""
 
 
-def allowed_names() -> frozenset[str] | None:
-    """The allowlist from ``SPECJAX_PLUGINS`` now: None when unset (allow all)."""
-    raw = os.environ.get(ENV_VAR)
+def _parse(raw: str | None) -> frozenset[str] | None:
     if raw is None:
         return None
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
 
 
+def allowed_names() -> frozenset[str] | None:
+    """The allowlist from ``SPECJAX_PLUGINS`` as of now: None when unset (allow all)."""
+    return _parse(os.environ.get(ENV_VAR))
+
+
+def _allowed_for_process() -> frozenset[str] | None:
+    """The allowlist the process uses: ``SPECJAX_PLUGINS`` as the first :func:`load_plugins` read it."""
+    load_plugins()
+    return _parse(_env_at_load)
+
+
 def _filter_note() -> str:
-    raw = os.environ.get(ENV_VAR)
+    raw = _env_at_load
     return "" if raw is None else f" ({ENV_VAR}={raw!r} restricts which entry points load)"
 
 
@@ -212,12 +221,13 @@ def load_plugins() -> dict[str, PluginInfo]:
     Returns:
       ``{plugin name: PluginInfo}`` (the same as :func:`plugin_status`).
     """
-    global _plugins_loaded, _allowed_at_load
+    global _plugins_loaded, _env_at_load
     with _lock:
         if _plugins_loaded:
             return dict(_plugin_info)
         _plugins_loaded = True  # before calling plugins: a plugin may call load_sampler
-        allowed = _allowed_at_load = allowed_names()
+        _env_at_load = os.environ.get(ENV_VAR)
+        allowed = _parse(_env_at_load)
         for ep in _entry_points(PLUGINS_GROUP):
             label = _dist_label(ep)
             if allowed is not None and ep.name not in allowed:
@@ -252,10 +262,10 @@ def plugin_status() -> dict[str, PluginInfo]:
 
 def _reset_for_tests() -> None:
     """Forget loaded plugins and registrations (tests only: plugins are never unloaded)."""
-    global _plugins_loaded, _allowed_at_load
+    global _plugins_loaded, _env_at_load
     with _lock:
         _plugins_loaded = False
-        _allowed_at_load = None
+        _env_at_load = None
         _plugin_info.clear()
         _samplers.registered.clear()
         _custom_generates.registered.clear()
@@ -326,8 +336,7 @@ def register_custom_generate(name: str, fn: Callable[..., Any] | str, *, overrid
 
 def _sampler_table() -> tuple[dict[str, _Target], dict[str, list[str]]]:
     """Visible samplers ``{name: target}`` and ambiguous names ``{name: [origins]}``."""
-    load_plugins()
-    allowed = allowed_names()
+    allowed = _allowed_for_process()
     table: dict[str, _Target] = {
         _BUILTIN_SAMPLER[0]: _Target(_BUILTIN_SAMPLER[1], None, "built in (always available)")
     }
