@@ -157,9 +157,12 @@ def row_stats(
     divisor = jnp.where(greedy, jnp.float32(1), temperature)
     scaled = x / divisor[..., None]
     if top_k is not None or one_minus_top_p is not None:
+        cutoff = _cutoff
         if axis_name:
-            raise NotImplementedError("top-k/top-p with a vocabulary-sharded mesh axis")
-        cut = _cutoff(
+            from specjax.kernels.sharded import sharded_cutoff
+
+            cutoff = partial(sharded_cutoff, axis_name=axis_name)
+        cut = cutoff(
             scaled,
             None if top_k is None else jnp.broadcast_to(top_k, rows),
             None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
@@ -509,6 +512,10 @@ def verify_from_logits(
     same jitted function. Compilation: recompiles when shapes/dtypes change,
     when ``key`` switches between one key and one per row, or when ``top_k`` /
     ``top_p`` switch between None and given; never for new values.
+
+    Device meshes: when ``target_logits`` is a ``NamedSharding`` that splits B
+    and/or V (a tensor-parallel LM head), the step runs on that mesh without
+    gathering the vocabulary (:mod:`specjax.kernels.sharded`, ``docs/distributed.md``).
     """
     draft_tokens = _v.as_array("draft_tokens", draft_tokens)
     draft_logits = _v.as_array("draft_logits", draft_logits)
@@ -551,7 +558,11 @@ def verify_from_logits(
         _check_logits("target_logits", target_logits)
         if g:
             _check_logits("draft_logits", draft_logits)
-    return _verify_jit(
+    from specjax.kernels import sharded  # lazy: sharded imports this module
+
+    layout = sharded.mesh_layout(target_logits, "target_logits")  # split over B and/or V?
+    verify = _verify_jit if layout is None else partial(sharded.verify_on_mesh, layout=layout)
+    return verify(
         draft_tokens,
         draft_logits,
         target_logits,

@@ -235,6 +235,10 @@ def rejection_sample(
     Compilation: jitted; recompiles only when the shapes or dtypes of the inputs
     change, never for new values.
 
+    Device meshes: when ``target_probs`` is a ``NamedSharding`` that splits B
+    and/or V, the kernel runs on that mesh without gathering the vocabulary
+    (:mod:`specjax.kernels.sharded`, ``docs/distributed.md``).
+
     Raises:
       ValueError: naming the argument, with what was expected and what was got.
     """
@@ -247,6 +251,11 @@ def rejection_sample(
             "num_accepted": jnp.zeros((0,), jnp.int32),
             "tokens": jnp.zeros((0, g + 1), jnp.int32),
         }
+    from specjax.kernels import sharded  # lazy: sharded imports this module
+
+    layout = sharded.mesh_layout(args[2], "target_probs")
+    if layout is not None:  # split over B and/or V on a device mesh
+        return sharded.rejection_sample_on_mesh(*args, layout)
     return _rejection_sample_jit(*args)
 
 
