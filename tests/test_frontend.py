@@ -368,20 +368,6 @@ def test_greedy_verify_equals_argmax_decisions(num_draft):
 # The whole verify step against the float64 reference
 # --------------------------------------------------------------------------- #
 
-# Known front-end bug, reported with a minimal reproducer (see
-# test_cutoff_token_keeps_its_probability_in_the_acceptance_test): XLA turns the
-# full-row ``logits / T`` into ``logits * (1/T)`` but divides the gathered
-# ``logit(x_i) / T`` exactly, so a draft token sitting exactly at the top-k/top-p
-# cutoff can get p_i(x_i) = 0 or q_i(x_i) = 0 in the acceptance test while
-# the full-row distributions (sampling, residual) keep it. strict=True: these
-# cases start passing when the bug is fixed, and the marks must then go.
-CUTOFF_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="frontend bug: the token at the top-k/top-p cutoff is dropped from p_i(x_i)/q_i(x_i) "
-    "(x/T divided in the gather, multiplied by 1/T in the row)",
-)
-
-
 @dataclasses.dataclass
 class VerifyCase:
     name: str
@@ -441,14 +427,9 @@ def _run_case(case: VerifyCase, key_seed: int):
     return out, refs, kb
 
 
-# The cases whose draws hit the bug (every mismatch there is a draft token at the
-# target's cutoff whose logit/T differs from logit*(1/T) in float32).
-KNOWN_CUTOFF_BUG_CASES = {"T0.7-k20-p0.9-row-keys", "ragged-extremes"}
-
-
 @pytest.mark.parametrize(
     "case",
-    [pytest.param(c, marks=CUTOFF_BUG) if c.name in KNOWN_CUTOFF_BUG_CASES else c for c in VERIFY_CASES],
+    VERIFY_CASES,
     ids=lambda c: c.name,
 )
 def test_verify_matches_float64_reference(case):
@@ -474,16 +455,16 @@ def test_verify_matches_float64_reference(case):
         assert accepted > 0  # the cases exercise acceptance, not only rejection
 
 
-@CUTOFF_BUG
 def test_cutoff_token_keeps_its_probability_in_the_acceptance_test():
     """Minimal reproducer. Top-2 of [5, 3.0299606, -1, ...] at T = 0.7 keeps tokens 0 and 1.
 
     With draft logits = target logits, p = q, so ``u < p(x)/q(x) = 1`` passes for
     every u: x_i = 1 (probability 0.057) must be accepted at every position. In
     float32, 3.0299606 / 0.7 = 4.328515 but 3.0299606 * (1 / 0.7) = 4.3285155:
-    the row's cutoff is computed one way and the gathered logit of x the other,
-    so p(x) = q(x) = 0 in the test and nothing is accepted. (Shape (1, 4, 40), as
-    the validation table, to share its compilation.)
+    if the row's cutoff were computed one way and the gathered logit of x the
+    other, p(x) = q(x) = 0 in the test and nothing would be accepted (a bug the
+    front end had: it now scales by a stored reciprocal everywhere). (Shape
+    (1, 4, 40), as the validation table, to share its compilation.)
     """
     row = np.full(MV, -1.0, np.float32)
     row[:2] = [5.0, 3.0299606]

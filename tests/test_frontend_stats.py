@@ -67,38 +67,7 @@ def logits_rows(seed: int) -> tuple[np.ndarray, np.ndarray]:
     return target, draft
 
 
-def cutoff_bug_hits(seed: int) -> bool:
-    """Whether the known front-end cutoff bug changes position 0's outcome for these logits.
-
-    The bug (see CUTOFF_BUG in test_frontend.py): the row's top-k/top-p cutoff is
-    ``logit_c * (1/T)`` while the acceptance test gathers ``logit(x) / T``; the
-    cutoff token c itself gets probability 0 in the test when ``logit_c / T`` is
-    the smaller of the two in float32. That changes the acceptance probability
-    min(1, p(c)/q(c)) when c is the target's cutoff and q(c) > 0 (never accepted),
-    or c is the draft's cutoff and 0 < p(c) < q(c) (always accepted).
-    """
-    target, draft = logits_rows(seed)
-    p, q = ref_process(target[0], T, K, P), ref_process(draft[0], T, K, P)
-    t32 = np.float32(T)
-
-    def dropped_cutoff(row, probs):
-        kept = np.flatnonzero(probs)
-        c = kept[np.argmin(row[kept])]
-        return c if row[c] / t32 < row[c] * (np.float32(1) / t32) else None
-
-    c = dropped_cutoff(target[0], p)
-    if c is not None and q[c] > 0:
-        return True
-    c = dropped_cutoff(draft[0], q)
-    return c is not None and 0 < p[c] < q[c]
-
-
-CUTOFF_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="frontend bug: the token at the top-k/top-p cutoff is dropped from p(x)/q(x) "
-    "(x/T divided in the gather, multiplied by 1/T in the row)",
-)
-SEEDS = [0, 14, 48]  # 14: the target row hits the cutoff bug; 48: the draft row does
+SEEDS = [0, 14, 48]  # 14 and 48: the target / draft cutoff token lies where x/T != x*(1/T) in float32
 
 
 def test_sample_from_logits_tokens_follow_probs():
@@ -136,7 +105,7 @@ def _position0_tokens(seed: int, draft_temperature: float) -> tuple[np.ndarray, 
     return np.asarray(out["tokens"])[:, 0], ref_process(target[0], T, K, P)
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=CUTOFF_BUG) if cutoff_bug_hits(s) else s for s in SEEDS])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_verify_emits_the_processed_target_distribution(seed):
     tokens, expected = _position0_tokens(seed, T)
     assert chisquare_on_support(tokens, expected) > 1e-3
@@ -144,6 +113,6 @@ def test_verify_emits_the_processed_target_distribution(seed):
 
 def test_verify_detects_a_draft_sampled_differently():
     """Negative control: draft tokens drawn at T = 1.2 while verify assumes T = 0.7."""
-    seed = next(s for s in SEEDS if not cutoff_bug_hits(s))
+    seed = SEEDS[0]
     tokens, expected = _position0_tokens(seed, 1.2)
     assert chisquare_on_support(tokens, expected) < 1e-6

@@ -7,8 +7,9 @@ chi-square test of the output distribution with a negative control, each edge
 case by name, every validation message, compilation caching and the kernel's
 memory footprint.
 
-Known deviations of the kernel from the contract are pinned as strict xfails
-(they start failing, i.e. XPASS, once the kernel is fixed).
+Subnormal probabilities (which XLA:CPU flushes to zero in arithmetic), float64
+uniforms that round to 1.0 in float32, and the temporary-memory bound each have
+a test of their own.
 """
 
 from __future__ import annotations
@@ -777,16 +778,26 @@ def test_subnormal_probabilities_are_positive_in_the_reference() -> None:
     assert ref.num_accepted.tolist() == [1]
 
 
-@pytest.mark.xfail(jax.default_backend() == "cpu", strict=True,
-                   reason="XLA:CPU flushes subnormal float32 to zero (FTZ/DAZ), so "
-                   "p(x) = 1e-40 counts as 0 (kernel report: subnormal probabilities)")
 def test_kernel_subnormal_target_probability_passes() -> None:
+    """XLA:CPU flushes subnormals to zero; positivity is decided on the bits."""
     assert run_row([1], [[1, 0]], [[1, 1e-40], [0.5, 0.5]], [0.5], 0.5)[0] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="float64 u = 1 - 1e-9 passes validation (< 1) but the kernel "
-                   "rounds it to float32 1.0, which fails u < p/q = 1 (kernel report: uniforms)")
+def test_kernel_subnormal_ratio_of_two_subnormals() -> None:
+    """p = 3e-40, q = 1e-40: ratio 3 passes any u; p = 1e-40, q = 3e-40: ratio 1/3."""
+    assert run_row([1], [[0.5, 1e-40]], [[0.5, 3e-40], [0.5, 0.5]], [0.9], 0.5)[0] == 1
+    assert run_row([1], [[0.5, 3e-40]], [[0.5, 1e-40], [0.5, 0.5]], [0.3], 0.5)[0] == 1
+    assert run_row([1], [[0.5, 3e-40]], [[0.5, 1e-40], [0.5, 0.5]], [0.34], 0.5)[0] == 0
+
+
+def test_kernel_u_zero_with_subnormal_ratio_passes() -> None:
+    """p = 1e-39 (subnormal), q = 0.5: p/q flushes to 0, but 0 < p/q in the contract."""
+    assert run_row([1], [[0.5, 0.5]], [[1 - 1e-39, 1e-39], [0.5, 0.5]], [0.0], 0.5)[0] == 1
+    assert run_row([1], [[0.5, 0.5]], [[1 - 1e-39, 1e-39], [0.5, 0.5]], [1e-30], 0.5)[0] == 0
+
+
 def test_float64_uniform_just_below_one_with_p_equal_q_accepts() -> None:
+    """float64 u = 1 - 1e-9 < 1 = p/q must pass although float32 would round u to 1.0."""
     dist = [[0.25, 0.25, 0.5, 0, 0, 0, 0, 0]] * 2
     out = run([[0]] * EDGE_B, [dist[:1]] * EDGE_B, [dist] * EDGE_B, [[1 - 1e-9]] * EDGE_B,
               [0.5] * EDGE_B)
@@ -1051,9 +1062,6 @@ def test_kernel_has_no_bgv_intermediate() -> None:
     assert big_g <= 4 * BV_BYTES, big_g
 
 
-@pytest.mark.xfail(jax.default_backend() == "cpu", strict=True,
-                   reason="the kernel keeps 3 (B, V) float32 buffers (the gathered rows "
-                   "p_n and q_n and the residual): 24.6 MB > 16.4 MB (kernel report: memory)")
 def test_kernel_temporaries_below_quarter_of_bgv() -> None:
     temp = _temp_bytes("kernel", MEM_B, MEM_G, MEM_V)
     assert temp < BGV_BYTES / 4, temp

@@ -42,9 +42,9 @@ from jax import lax
 from specjax.kernels import validation as _v
 from specjax.kernels.rejection import (
     assemble_tokens,
+    draw_rows,
     inverse_cdf,
     num_accepted_from_ratios,
-    residual_weights,
 )
 
 __all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "verify_from_logits"]
@@ -56,11 +56,17 @@ class RowStats(NamedTuple):
     """Summary of one processed distribution per row (all f32/i32 of the row shape).
 
     ``prob(v) = [v == argmax]`` for greedy rows, else
-    ``exp(logit(v)/temperature - max) / normaliser`` where
-    ``logit(v)/temperature >= cutoff``, and 0 elsewhere.
+    ``exp(logit(v)·inv_temperature - max) / normaliser`` where
+    ``logit(v)·inv_temperature >= cutoff``, and 0 elsewhere.
+
+    The scaling is a multiplication by a stored reciprocal, never a division:
+    XLA may turn ``x / t`` into ``x * (1/t)`` in one fused loop and not in
+    another, and a one-ulp difference would move the token at the top-k/top-p
+    cutoff in or out of the distribution between the full-row and the
+    gathered-token paths.
     """
 
-    temperature: jax.Array  # f32[...]: the divisor (1 for greedy rows)
+    inv_temperature: jax.Array  # f32[...]: 1 / temperature (1 for greedy rows)
     greedy: jax.Array  # bool[...]
     cutoff: jax.Array  # f32[...]: smallest kept scaled logit (-inf: keep all)
     max: jax.Array  # f32[...]: max scaled logit
@@ -112,23 +118,76 @@ def vocab_gather(x: jax.Array, index: jax.Array, axis_name: str | None, offset: 
 # --------------------------------------------------------------------------- #
 
 
+# Top-k / top-p look at the largest few logits first: lax.top_k over this many
+# candidates is far cheaper than sorting V entries. Rows whose cutoff may lie
+# below the candidates (top_k > 256, or a nucleus with more than the
+# candidates' mass) fall back to a full sort.
+_CUTOFF_CANDIDATES = 256
+# A row takes the candidates' top-p cutoff only if the mass outside them is
+# below 1 - top_p by this margin, so that rounding cannot move the cutoff out.
+_REST_MARGIN = 1e-5
+
+
 def _cutoff(scaled: jax.Array, top_k: jax.Array | None, one_minus_top_p: jax.Array | None) -> jax.Array:
-    """Smallest scaled logit kept by top-k then top-p (-inf when nothing is dropped)."""
+    """Smallest scaled logit kept by top-k then top-p (-inf when nothing is dropped).
+
+    transformers' semantics: top-k keeps the logits ``>=`` the k-th largest;
+    top-p sorts ascending, takes the cumulative softmax and drops entries whose
+    cumulative probability is ``<= 1 - top_p``, keeping at least the largest.
+    Each row's cutoff is computed by the same arithmetic whichever path the
+    batch takes, so a row's result never depends on the other rows.
+    """
     vocab = scaled.shape[-1]
-    asc = jnp.sort(scaled, axis=-1)
-    cut = jnp.full(scaled.shape[:-1], _NEG_INF, scaled.dtype)
-    if top_k is not None:
-        k = jnp.clip(top_k, 0, vocab)
-        kth = jnp.take_along_axis(asc, (vocab - jnp.maximum(k, 1))[..., None], axis=-1)[..., 0]
+    rows = scaled.shape[:-1]
+    kc = min(_CUTOFF_CANDIDATES, vocab)
+    cand = lax.top_k(scaled, kc)[0][..., ::-1]  # f32[..., kc], ascending: the kc largest
+    k = None if top_k is None else jnp.clip(top_k, 0, vocab)
+    neg_inf = jnp.full(rows, _NEG_INF, scaled.dtype)
+
+    # Candidate path.
+    cut = neg_inf
+    eligible = jnp.ones(rows, bool)
+    if k is not None:
+        kth = jnp.take_along_axis(cand, (kc - jnp.clip(k, 1, kc))[..., None], axis=-1)[..., 0]
         cut = jnp.where(k > 0, kth, cut)
+        eligible = k <= kc
+        k_active = k > 0
+    else:
+        k_active = jnp.zeros(rows, bool)
     if one_minus_top_p is not None:
-        masked = jnp.where(asc >= cut[..., None], asc, _NEG_INF)
-        cum = jnp.cumsum(jax.nn.softmax(masked, axis=-1), axis=-1)
+        top = cand[..., -1]
+        e = jnp.exp(jnp.where(cand >= cut[..., None], cand, _NEG_INF) - top[..., None])
+        cand_mass = jnp.sum(e, axis=-1)
+        if kc < vocab:
+            full = jnp.sum(jnp.exp(scaled - top[..., None]), axis=-1)
+            rest = jnp.where(k_active, 0, jnp.maximum(full - cand_mass, 0))
+        else:
+            rest = jnp.zeros(rows, scaled.dtype)
+        z = cand_mass + rest
+        cum = (rest[..., None] + jnp.cumsum(e, axis=-1)) / z[..., None]
         dropped = jnp.sum(cum <= one_minus_top_p[..., None], axis=-1)
-        first_kept = jnp.minimum(dropped, vocab - 1)
-        cut_p = jnp.take_along_axis(asc, first_kept[..., None], axis=-1)[..., 0]
+        cut_p = jnp.take_along_axis(cand, jnp.minimum(dropped, kc - 1)[..., None], axis=-1)[..., 0]
         cut = jnp.where(one_minus_top_p > 0, jnp.maximum(cut, cut_p), cut)
-    return cut
+        eligible &= (one_minus_top_p <= 0) | k_active | (rest / z <= one_minus_top_p - _REST_MARGIN)
+    if kc == vocab:
+        return cut
+
+    def full_sort() -> jax.Array:
+        asc = jnp.sort(scaled, axis=-1)
+        full_cut = neg_inf
+        if k is not None:
+            kth_full = jnp.take_along_axis(asc, (vocab - jnp.maximum(k, 1))[..., None], axis=-1)[..., 0]
+            full_cut = jnp.where(k > 0, kth_full, full_cut)
+        if one_minus_top_p is not None:
+            masked = jnp.where(asc >= full_cut[..., None], asc, _NEG_INF)
+            cum_full = jnp.cumsum(jax.nn.softmax(masked, axis=-1), axis=-1)
+            dropped_full = jnp.sum(cum_full <= one_minus_top_p[..., None], axis=-1)
+            first_kept = jnp.minimum(dropped_full, vocab - 1)
+            cut_full_p = jnp.take_along_axis(asc, first_kept[..., None], axis=-1)[..., 0]
+            full_cut = jnp.where(one_minus_top_p > 0, jnp.maximum(full_cut, cut_full_p), full_cut)
+        return jnp.where(eligible, cut, full_cut)
+
+    return lax.cond(jnp.all(eligible), lambda: cut, full_sort)
 
 
 def row_stats(
@@ -154,8 +213,8 @@ def row_stats(
     rows = x.shape[:-1]
     temperature = jnp.broadcast_to(temperature, rows)
     greedy = temperature <= 0
-    divisor = jnp.where(greedy, jnp.float32(1), temperature)
-    scaled = x / divisor[..., None]
+    inv_t = jnp.where(greedy, jnp.float32(1), 1 / jnp.where(greedy, jnp.float32(1), temperature))
+    scaled = x * inv_t[..., None]
     if top_k is not None or one_minus_top_p is not None:
         cutoff = _cutoff
         if axis_name:
@@ -172,7 +231,12 @@ def row_stats(
     m = vocab_max(scaled, axis_name)
     kept = scaled >= cut[..., None]
     z = vocab_sum(jnp.where(kept, jnp.exp(scaled - m[..., None]), 0), axis_name)
-    return RowStats(divisor, greedy, cut, m, z, vocab_argmax(x, axis_name, offset))
+    if axis_name:
+        am = vocab_argmax(x, axis_name, offset)
+    else:  # the argmax reduction is costly on CPU: only when some row is greedy
+        am = lax.cond(jnp.any(greedy), lambda: vocab_argmax(x, None, offset),
+                      lambda: jnp.zeros(rows, jnp.int32))
+    return RowStats(inv_t, greedy, cut, m, z, am)
 
 
 def probs_from_stats(stats: RowStats, logit_values: jax.Array, token_ids: jax.Array) -> jax.Array:
@@ -187,7 +251,7 @@ def probs_from_stats(stats: RowStats, logit_values: jax.Array, token_ids: jax.Ar
     def e(a):
         return a.reshape(a.shape + (1,) * extra)
 
-    scaled = logit_values.astype(jnp.float32) / e(stats.temperature)
+    scaled = logit_values.astype(jnp.float32) * e(stats.inv_temperature)
     soft = jnp.where(scaled >= e(stats.cutoff), jnp.exp(scaled - e(stats.max)) / e(stats.normaliser), 0)
     onehot = (token_ids == e(stats.argmax)).astype(jnp.float32)
     return jnp.where(e(stats.greedy), onehot, soft)
@@ -259,6 +323,13 @@ def verify_core(
     else:
         n = jnp.zeros((b,), jnp.int32)
 
+    if not axis_name:
+        y = _draw_from_logits(target_logits, draft_logits, t_stats, d_stats if g > 0 else None, n,
+                              num_draft_tokens, sample_uniforms)
+        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+
+    from specjax.kernels.sharded import sharded_inverse_cdf, sharded_residual_weights
+
     ids = (jnp.arange(vocab_local, dtype=jnp.int32) + offset)[None, :]
     t_row = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
     p_n = probs_from_stats(_take_rows(t_stats, n), t_row, ids)
@@ -269,14 +340,38 @@ def verify_core(
         q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
     else:
         q_n = jnp.zeros_like(p_n)
-    if axis_name:
-        from specjax.kernels.sharded import sharded_inverse_cdf, sharded_residual_weights
-
-        weights = sharded_residual_weights(p_n, q_n, axis_name)
-        y = sharded_inverse_cdf(weights, sample_uniforms, axis_name, offset)
-    else:
-        y = inverse_cdf(residual_weights(p_n, q_n), sample_uniforms)
+    weights = sharded_residual_weights(p_n, q_n, axis_name)
+    y = sharded_inverse_cdf(weights, sample_uniforms, axis_name, offset)
     return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+
+
+def _draw_from_logits(target_logits, draft_logits, t_stats, d_stats, n, num_draft_tokens, sample_uniforms):
+    """y per row from the residual of the processed rows ``p_n``, ``q_n`` (single device).
+
+    Only row ``n`` of the target logits (and of the draft logits, when a draft
+    token was rejected) is turned into probabilities, inside
+    :func:`specjax.kernels.rejection.draw_rows`.
+    """
+    g = draft_logits.shape[1]
+    vocab = target_logits.shape[-1]
+    ids = jnp.arange(vocab, dtype=jnp.int32)
+    t_sel = _take_rows(t_stats, n)
+    if d_stats is not None:
+        d_pos = jnp.minimum(n, g - 1)
+        d_sel = _take_rows(d_stats, d_pos)
+        has_q = n < num_draft_tokens
+    else:
+        d_pos, d_sel, has_q = n, t_sel, jnp.zeros_like(n, dtype=bool)
+
+    def row_fn(row):
+        t_logits, d_logits, n_b, d_b, has_q_b, t_st, d_st = row
+        p_row = probs_from_stats(t_st, lax.dynamic_index_in_dim(t_logits, n_b, 0, keepdims=False), ids)
+        if d_stats is None:
+            return p_row, jnp.zeros_like(p_row)
+        q_row = probs_from_stats(d_st, lax.dynamic_index_in_dim(d_logits, d_b, 0, keepdims=False), ids)
+        return p_row, jnp.where(has_q_b, q_row, 0)
+
+    return draw_rows((target_logits, draft_logits, n, d_pos, has_q, t_sel, d_sel), row_fn, sample_uniforms)
 
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one

@@ -47,6 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from specjax.kernels import validation as _v
 
@@ -85,12 +86,49 @@ def num_accepted_from_ratios(
     a token the target gives probability zero never passes, whatever ``u_i``.
     """
     p, q, u = target_at_draft, draft_at_draft, accept_uniforms
-    safe_q = jnp.where(q > 0, q, 1)
-    passes = jnp.where(q > 0, u < p / safe_q, p > 0)
+    p_pos, q_pos = is_positive(p), is_positive(q)
+    passes = jnp.where(q_pos, (u < positive_ratio(p, q)) | ((u == 0) & p_pos), p_pos)
     if num_draft_tokens is not None:
         positions = jnp.arange(p.shape[1], dtype=jnp.int32)
         passes = passes & (positions[None, :] < num_draft_tokens[:, None])
     return jnp.sum(jnp.cumprod(passes.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+
+
+def _int_view(x: jax.Array) -> jax.Array:
+    """The bits of a float array as a signed integer of the same width."""
+    return lax.bitcast_convert_type(x, {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize])
+
+
+def is_positive(x: jax.Array) -> jax.Array:
+    """``x > 0`` decided on the bits, so subnormals count as positive.
+
+    XLA:CPU flushes subnormal floats to zero (FTZ/DAZ) in arithmetic and in
+    comparisons; a probability of 1e-40 is still a positive probability.
+    """
+    return _int_view(x) > 0
+
+
+def positive_ratio(p: jax.Array, q: jax.Array) -> jax.Array:
+    """``p / q`` for ``q > 0`` (bits), exact also when both are subnormal.
+
+    Subnormal values are their bit patterns times one constant, so for two
+    subnormals the ratio of the integer views is the ratio of the values.
+    """
+    tiny = _int_view(jnp.asarray(jnp.finfo(p.dtype).tiny, p.dtype))
+    pi, qi = _int_view(p), _int_view(q)
+    both_subnormal = (pi < tiny) & (qi < tiny) & (qi > 0)
+    int_ratio = pi.astype(p.dtype) / jnp.where(both_subnormal, qi, 1).astype(p.dtype)
+    safe_q = jnp.where(qi > 0, q, 1)
+    return jnp.where(both_subnormal, int_ratio, p / safe_q)
+
+
+def below_one(u: jax.Array) -> jax.Array:
+    """Clamp uniforms to the largest value below 1 of their dtype.
+
+    A float64 uniform just below 1 can round to 1.0 when JAX stores it as
+    float32; the contract's ``u < 1`` must survive that narrowing.
+    """
+    return jnp.minimum(u, jnp.nextafter(jnp.asarray(1, u.dtype), jnp.asarray(0, u.dtype)))
 
 
 def inverse_cdf(weights: jax.Array, sample_uniforms: jax.Array) -> jax.Array:
@@ -158,6 +196,64 @@ def residual_weights(target_row: jax.Array, draft_row: jax.Array) -> jax.Array:
     return jnp.where(empty, target_row, residual)
 
 
+def draw_rows(
+    rows: Any,
+    row_fn: Any,
+    sample_uniforms: jax.Array,
+) -> jax.Array:
+    """Draw ``y`` per batch row from ``residual_weights(*row_fn(row))``.
+
+    Args:
+      rows: a pytree of arrays with a leading batch axis B (the per-row inputs).
+      row_fn: maps one row's slice of ``rows`` to ``(p_row f32[V], q_row f32[V])``.
+      sample_uniforms: f32[B].
+
+    Returns:
+      i32[B], as :func:`inverse_cdf` of :func:`residual_weights` (same blocks,
+      same sums, so the same tokens). On CPU the rows are drawn one at a time
+      (``lax.map``): each row is read once into its block sums, then only the
+      one 128-wide block holding the draw is re-read, so the temporaries are a
+      few rows, not (B, V) buffers. Elsewhere the batch is drawn vectorised.
+    """
+
+    def vectorised(rows, s):
+        p_n, q_n = jax.vmap(row_fn)(rows)
+        return inverse_cdf(residual_weights(p_n, q_n), s)
+
+    def per_row(rows, s):
+        return lax.map(lambda a: _draw_one(*row_fn(a[0]), a[1]), (rows, s))
+
+    return lax.platform_dependent(rows, sample_uniforms, cpu=per_row, default=vectorised)
+
+
+def _draw_one(p_row: jax.Array, q_row: jax.Array, s: jax.Array) -> jax.Array:
+    """One row of :func:`draw_rows`: f32[V] target and draft rows, scalar s -> i32."""
+    vocab = p_row.shape[0]
+    k = min(_CDF_BLOCK, vocab)
+    nb = -(-vocab // k)
+    residual = jnp.maximum(p_row - q_row, 0)
+    if nb * k != vocab:
+        residual = jnp.pad(residual, (0, nb * k - vocab))
+        p_row = jnp.pad(p_row, (0, nb * k - vocab))
+    res_sums = jnp.sum(residual.reshape(nb, k), axis=1)
+    empty = jnp.sum(res_sums) <= 0
+    weights = lax.cond(empty, lambda: p_row, lambda: residual).reshape(nb, k)
+    block_sums = lax.cond(empty, lambda: jnp.sum(weights, axis=1), lambda: res_sums)
+    block_cdf = jnp.cumsum(block_sums)
+    threshold = s.astype(weights.dtype) * block_cdf[-1]
+    blk = jnp.sum(block_cdf <= threshold, dtype=jnp.int32)
+    found = blk < nb
+    ids = jnp.arange(nb, dtype=jnp.int32)
+    last_block = jnp.maximum(jnp.max(jnp.where(block_sums > 0, ids, -1)), 0)
+    b = jnp.where(found, blk, last_block)
+    prev = jnp.where(b > 0, block_cdf[jnp.maximum(b - 1, 0)], 0)
+    row = lax.dynamic_index_in_dim(weights, b, 0, keepdims=False)
+    j = jnp.sum(prev + jnp.cumsum(row) <= threshold, dtype=jnp.int32)
+    lane = jnp.arange(k, dtype=jnp.int32)
+    last_in = jnp.max(jnp.where(row > 0, lane, -1))
+    return (b * k + jnp.where(found & (j < k), j, last_in)).astype(jnp.int32)
+
+
 # Recompiles only when the shapes or dtypes of the five inputs change.
 @jax.jit
 def _rejection_sample_jit(
@@ -174,15 +270,17 @@ def _rejection_sample_jit(
     # Gather in the input dtype, then widen: B·G scalars, never (B, G, V).
     p_x = jnp.take_along_axis(target_probs[:, :g], idx, axis=2)[:, :, 0].astype(ct)
     q_x = jnp.take_along_axis(draft_probs, idx, axis=2)[:, :, 0].astype(ct)
-    n = num_accepted_from_ratios(p_x, q_x, accept_uniforms.astype(ct))
+    n = num_accepted_from_ratios(p_x, q_x, below_one(accept_uniforms.astype(ct)))
 
-    p_n = jnp.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0].astype(ct)
-    if g > 0:
-        q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, g - 1)[:, None, None], axis=1)[:, 0]
-        q_n = jnp.where((n < g)[:, None], q_n.astype(ct), 0)
-    else:
-        q_n = jnp.zeros_like(p_n)
-    y = inverse_cdf(residual_weights(p_n, q_n), sample_uniforms.astype(ct))
+    def row_fn(row):
+        p_b, q_b, n_b = row  # f[G+1, V], f[G, V], i32[]
+        p_row = lax.dynamic_index_in_dim(p_b, n_b, 0, keepdims=False).astype(ct)
+        if g == 0:
+            return p_row, jnp.zeros_like(p_row)
+        q_row = lax.dynamic_index_in_dim(q_b, jnp.minimum(n_b, g - 1), 0, keepdims=False).astype(ct)
+        return p_row, jnp.where(n_b < g, q_row, 0)
+
+    y = draw_rows((target_probs, draft_probs, n), row_fn, sample_uniforms.astype(ct))
     return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y)}
 
 
