@@ -229,13 +229,25 @@ def row_stats(
     else:
         cut = jnp.full(rows, _NEG_INF, jnp.float32)
     m = vocab_max(scaled, axis_name)
-    kept = scaled >= cut[..., None]
-    z = vocab_sum(jnp.where(kept, jnp.exp(scaled - m[..., None]), 0), axis_name)
+
+    def normaliser() -> jax.Array:
+        kept = scaled >= cut[..., None]
+        return vocab_sum(jnp.where(kept, jnp.exp(scaled - m[..., None]), 0), axis_name)
+
     if axis_name:
-        am = vocab_argmax(x, axis_name, offset)
-    else:  # the argmax reduction is costly on CPU: only when some row is greedy
-        am = lax.cond(jnp.any(greedy), lambda: vocab_argmax(x, None, offset),
-                      lambda: jnp.zeros(rows, jnp.int32))
+        return RowStats(inv_t, greedy, cut, m, normaliser(), vocab_argmax(x, axis_name, offset))
+    # One device: skip the exp pass when every row is greedy and the argmax pass
+    # when none is. Greedy rows have scaled == x (times 1.0), so their argmax is
+    # the first index where x equals the max already computed.
+    z = lax.cond(jnp.all(greedy), lambda: jnp.ones(rows, jnp.float32), normaliser)
+    vocab = x.shape[-1]
+
+    def first_max() -> jax.Array:
+        ids = jnp.arange(vocab, dtype=jnp.int32)
+        first = jnp.min(jnp.where(scaled == m[..., None], ids, vocab), axis=-1)
+        return jnp.minimum(first, vocab - 1) + offset
+
+    am = lax.cond(jnp.any(greedy), first_max, lambda: jnp.zeros(rows, jnp.int32))
     return RowStats(inv_t, greedy, cut, m, z, am)
 
 
