@@ -22,7 +22,7 @@ How a vocabulary-sharded step runs, per batch row (S vocabulary shards, shard
 4. The inverse-CDF draw: per-shard totals (the local blocked sums, as in
    :func:`~specjax.kernels.rejection.inverse_cdf`) are all-gathered, (B, S);
    their cumulative sum names the shard holding the draw; that shard searches
-   its blocks, the others answer -1, and one ``pmax`` of (B, 2) int32 returns
+   its blocks, the others answer -1, and one ``pmax`` of (2, B) int32 returns
    its global id together with the global rounding fallback (the largest id
    with positive weight).
 
@@ -712,7 +712,8 @@ def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
 def _nbytes(dtype: str, dims: tuple[int, ...]) -> int:
     width = _BYTES.get(dtype)
     if width is None:
-        width = max(int(re.sub(r"\D", "", dtype) or 8) // 8, 1)
+        bits = re.match(r"[a-z]+(\d+)", dtype)
+        width = max(int(bits.group(1)) // 8, 1) if bits else 1
     return width * math.prod(dims)
 
 
