@@ -127,7 +127,8 @@ def probs_inputs(batch: int, g: int, vocab: int, seed: int) -> tuple[np.ndarray,
     p_0 <= q_0 everywhere (test 0 fails, the residual sums to zero, the draw
     falls back to p_0). Row 2: q_0(x_0) = 0 < p_0(x_0) (test 0 passes whatever
     u). Row 3: draft tokens in the first and the last ids; s just below 1.
-    Row 4: one-hot target rows; s = 0. Row 5: u = 0 everywhere. (s within a
+    Row 4: one-hot target rows; s = 0. Row 5: u = 0 everywhere. Row 6:
+    subnormal p_0(x_0) = 1e-40 and q_0(x_0) = 2e-40 with u = 0.3 (passes). (s within a
     few float32 ulps of 1 is a rounding tie, see :func:`_rounding_edge`.)
     """
     rng = np.random.default_rng(seed)
@@ -149,6 +150,10 @@ def probs_inputs(batch: int, g: int, vocab: int, seed: int) -> tuple[np.ndarray,
             p[4, i, (i * 7919) % vocab] = 1
         s[4] = 0
         u[5] = 0
+    if g and batch >= 7:
+        p[6, 0, x[6, 0]] = 1e-40  # subnormal: XLA:CPU arithmetic would flush it to 0
+        q[6, 0, x[6, 0]] = 2e-40
+        u[6, 0] = 0.3
     return x, q, p, u, s
 
 

@@ -11,8 +11,8 @@ How a vocabulary-sharded step runs, per batch row (S vocabulary shards, shard
 ``k`` holding the ids ``[k·L, (k+1)·L)``):
 
 1. ``p_i(x_i)`` and ``q_i(x_i)``: the shard that owns ``x_i`` reads it, the
-   others contribute 0, one ``psum`` of (B, G) values (exact: a sum of one value
-   and zeros).
+   others contribute 0, one ``psum`` of (B, G) values, summed as integer bit
+   patterns (exact, subnormals included).
 2. ``n`` is computed from those replicated values, so every shard takes the
    same decisions; the uniforms come from one key (or are passed in), the same
    on every shard: no per-shard random streams (vLLM #17498 was shards
@@ -74,7 +74,9 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.rejection import (
     _CDF_BLOCK,
+    _int_view,
     assemble_tokens,
+    below_one,
     compute_dtype,
     inverse_cdf,
     num_accepted_from_ratios,
@@ -422,6 +424,17 @@ def sharded_cutoff(
 # --------------------------------------------------------------------------- #
 
 
+def _psum_owned(values: tuple[jax.Array, ...], axis_name: AxisName) -> tuple[jax.Array, ...]:
+    """psum of values that one shard owns and the others hold as +0, bit for bit.
+
+    Summed as integer bit patterns, so a subnormal probability survives (XLA:CPU
+    flushes subnormals to zero in float arithmetic, and the acceptance test
+    counts them as positive).
+    """
+    bits = lax.psum(tuple(_int_view(v) for v in values), axis_name)
+    return tuple(lax.bitcast_convert_type(b, v.dtype) for b, v in zip(bits, values, strict=True))
+
+
 def _rejection_body(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *,
                     vocab_axis: AxisName, per_shard: bool):
     """One shard's step: rows of its batch slice, columns of its vocabulary slice."""
@@ -434,12 +447,12 @@ def _rejection_body(draft_tokens, draft_probs, target_probs, accept_uniforms, sa
         local = x - offset
         inside = (local >= 0) & (local < size)
         idx = jnp.clip(local, 0, size - 1)[:, :, None]
-        # Gather in the input dtype (exact), zero elsewhere, then one psum of (B, G) pairs.
+        # Gather in the input dtype, zero elsewhere, then one psum of (B, G) pairs.
         p_x = jnp.where(inside, jnp.take_along_axis(target_probs[:, :g], idx, axis=2)[:, :, 0], 0)
         q_x = jnp.where(inside, jnp.take_along_axis(draft_probs, idx, axis=2)[:, :, 0], 0)
         if vocab_axis:
-            p_x, q_x = lax.psum((p_x, q_x), vocab_axis)
-        n = num_accepted_from_ratios(p_x.astype(ct), q_x.astype(ct), accept_uniforms.astype(ct))
+            p_x, q_x = _psum_owned((p_x, q_x), vocab_axis)
+        n = num_accepted_from_ratios(p_x.astype(ct), q_x.astype(ct), below_one(accept_uniforms.astype(ct)))
     else:
         n = jnp.zeros((x.shape[0],), jnp.int32)
 
