@@ -214,19 +214,28 @@ def test_max_new_tokens_is_never_exceeded(draft_kind, max_new_tokens, pairs, lef
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("with_eos", [False, True])
-def test_caches_match_a_fresh_forward(arch, with_eos, pairs, left_padded):
+@pytest.mark.parametrize(
+    ("arch", "draft_kind", "max_new_tokens", "with_eos"),
+    [
+        ("llama", "perturbed", 15, False),
+        ("llama", "perturbed", 15, True),
+        ("gpt2", "perturbed", 15, False),
+        ("gpt2", "perturbed", 15, True),
+        ("llama", "same", 6, False),  # the last step has one token left per row: it does not draft
+        ("llama", "same", 1, False),
+    ],
+)
+def test_caches_match_a_fresh_forward(arch, draft_kind, max_new_tokens, with_eos, pairs, left_padded):
     models = pairs(arch)
-    target, draft = models["target"], models["perturbed"]
+    target, draft = models["target"], models[draft_kind]
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=7)
     eos = None
     if with_eos:
-        plain = hf_greedy(target, ids, mask, 15)[:, ids.shape[1]:]
+        plain = hf_greedy(target, ids, mask, max_new_tokens)[:, ids.shape[1]:]
         eos = int(plain[1, 6])
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=15, num_draft_tokens=G,
-                                       eos_token_id=eos, pad_token_id=0, return_state=True)
-    assert out.stats.steps >= 3
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
+                                       num_draft_tokens=G, eos_token_id=eos, pad_token_id=0, return_state=True)
+    assert out.stats.steps >= (3 if draft_kind == "perturbed" else math.ceil(max_new_tokens / (G + 1)))
     state = out.state
     seqs = [row_sequence(ids, mask, out, i) for i in state.rows]
     b = len(seqs)
@@ -236,11 +245,15 @@ def test_caches_match_a_fresh_forward(arch, with_eos, pairs, left_padded):
     assert int(t_cache.mask.sum()) == sum(len(s) - 1 for s in seqs)
     # target: one more slot with `last` gives the next-token logits
     cached = t_cache.forward(state.last[:, None], torch.ones((b, 1), dtype=torch.bool), last_only=True)[:, 0]
-    # draft: its pending tokens (one or two) complete the sequence
-    pend = [state.pending[j][state.pending_valid[j]].tolist() for j in range(b)]
+    # draft: its pending tokens (the ones it has not fed yet) complete the sequence
+    pend = state.draft_pending
+    assert all(1 <= len(p) <= 3 for p in pend)
     assert [len(s) - len(p) for s, p in zip(seqs, pend, strict=True)] == d_cache.num_valid.tolist()
     assert [s[len(s) - len(p):] for s, p in zip(seqs, pend, strict=True)] == pend
-    d_cached = d_cache.forward(state.pending, state.pending_valid, last_only=True)[:, 0]
+    width = max(len(p) for p in pend)
+    feed = torch.tensor([[0] * (width - len(p)) + p for p in pend])
+    feed_valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in pend])
+    d_cached = d_cache.forward(feed, feed_valid, last_only=True)[:, 0]
     with torch.inference_mode():
         for j, seq in enumerate(seqs):
             x = torch.tensor([seq])

@@ -102,21 +102,21 @@ class LoopState:
     (without padding) followed by its generated tokens:
 
     * ``target_cache`` holds ``seq[:-1]`` in its valid slots and ``last[j] == seq[-1]``;
-    * ``draft_cache`` holds ``seq`` minus its last one or two tokens, which are
-      ``pending[j][pending_valid[j]]``.
+    * ``draft_cache`` holds ``seq`` minus its last few tokens, which are
+      ``draft_pending[j]`` (one or two; three after a final step that did not draft).
 
     Attributes:
       target_cache, draft_cache: :class:`SlotCache`.
       rows: list of B' ints.
-      last: i64[B']; pending: i64[B', 2]; pending_valid: bool[B', 2].
+      last: i64[B'].
+      draft_pending: B' lists of token ids.
     """
 
     target_cache: SlotCache
     draft_cache: SlotCache
     rows: list[int]
     last: torch.Tensor
-    pending: torch.Tensor
-    pending_valid: torch.Tensor
+    draft_pending: list[list[int]]
 
 
 class _Row:
@@ -184,12 +184,14 @@ def run_loop(
             prompt_valid = attention_mask[:, :-1].bool()
             t_cache.forward(input_ids[:, :-1], prompt_valid, last_only=True)
             d_cache.forward(input_ids[:, :-1], prompt_valid, last_only=True)
-        last = input_ids[:, -1].clone()  # i64[B]: last committed token, not yet in the target cache
-        pending = torch.stack([last, last], dim=1)  # i64[B, 2]: draft input, right-aligned
-        pending_valid = torch.zeros((batch, 2), dtype=torch.bool, device=device)
-        pending_valid[:, 1] = True
+        # Host-side bookkeeping (NumPy, rebuilt as tensors once per step):
+        last_h = input_ids[:, -1].cpu().numpy().copy()  # i64[B']: last committed token, not in the target cache
+        pend0_h = last_h.copy()  # i64[B']: a second pending draft token, where pend0_valid_h
+        pend0_valid_h = np.zeros(batch, bool)  # the draft also still has to see last_h (always pending)
 
+        unfed: dict[int, list[int]] = {}  # pending tokens a step without drafting (the last) left unfed
         step = 0
+        row_t, row_k, row_p, keys = temperature, top_k, one_minus_top_p, row_keys
         while not all(r.done for r in rows):
             state = [rows[i] for i in cache_rows]
             b_now = len(state)
@@ -197,17 +199,20 @@ def run_loop(
             active = torch.as_tensor(remaining > 0, device=device)[:, None]  # bool[B', 1]
             k_rows = np.minimum(num_draft_tokens, np.maximum(remaining - 1, 0))
             g = int(k_rows.max())
-            sel = jnp.asarray(np.asarray(cache_rows, np.int32))
-            row_t, row_k, row_p, keys = temperature[sel], top_k[sel], one_minus_top_p[sel], row_keys[sel]
+            last = torch.as_tensor(last_h, device=device)
 
             # 1. Draft: the pending tokens, then g autoregressive draws.
             d_start = d_cache.length
-            two_pending = bool(pending_valid[:, 0].any())
-            feed, feed_valid = (pending, pending_valid) if two_pending else (pending[:, 1:], pending_valid[:, 1:])
-            feed_valid = feed_valid & active
-            width0 = feed.shape[1]
+            if pend0_valid_h.any():
+                feed = torch.as_tensor(np.stack([pend0_h, last_h], axis=1), device=device)
+                feed_valid = torch.as_tensor(np.stack([pend0_valid_h, np.ones(b_now, bool)], axis=1),
+                                             device=device) & active
+            else:
+                feed, feed_valid = last[:, None], active
+            width0 = feed.shape[1] if g else 0  # with g = 0 the draft does not run: its pending tokens stay
             draft_x: list[Any] = []
             draft_logits: list[Any] = []
+            x_feeds: list[torch.Tensor] = []
             held: list[torch.Tensor] = []  # torch buffers JAX reads: kept until verify is done
             for i in range(g):
                 logits = d_cache.forward(feed, feed_valid, last_only=True)[:, 0]
@@ -219,55 +224,51 @@ def run_loop(
                 draft_x.append(x)
                 feed = to_torch(x).to(torch.long)[:, None]
                 feed_valid = active
-            if g == 0:
-                width0 = 0  # the draft did not run: its pending tokens stay pending
+                x_feeds.append(feed)
 
             # 2. Score: [last, x_0 .. x_{g-1}] in one target forward.
-            x_torch = torch.stack([to_torch(x).to(torch.long) for x in draft_x], dim=1) if g else \
-                torch.zeros((b_now, 0), dtype=torch.long, device=device)
             t_start_slot = t_cache.length
-            t_in = torch.cat([last[:, None], x_torch], dim=1)
+            t_in = torch.cat([last[:, None], *x_feeds], dim=1)
             target_logits = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False)
             held.append(target_logits)
             tj = to_jax(target_logits)
             xj = jnp.stack(draft_x, axis=1) if g else jnp.zeros((b_now, 0), jnp.int32)
-            kj = jnp.asarray(k_rows.astype(np.int32))
 
             # 3. Verify.
             if sampler is None:
-                result = steps.verify_step(xj, tuple(draft_logits), tj, keys, step, row_t, row_k, row_p, kj,
+                result = steps.verify_step(xj, tuple(draft_logits), tj, keys, step, row_t, row_k, row_p,
+                                           jnp.asarray(k_rows.astype(np.int32)),
                                            use_top_k=use_top_k, use_top_p=use_top_p)
                 n_j, tok_j = result["num_accepted"], result["tokens"]
             else:
                 n_j, tok_j = _run_sampler(sampler, xj, tuple(draft_logits), tj, keys, step, row_t, row_k, row_p,
                                           k_rows, use_top_k, use_top_p)
-            tokens_t = to_torch(jax.block_until_ready(tok_j))  # i32[B, g+1], on the models' device
-            n_host = np.asarray(jax.device_get(n_j)).astype(np.int64)
-            tok_host = tokens_t.cpu().numpy()
+            tok_host = np.asarray(jax.block_until_ready(tok_j))  # i32[B', g+1]: the one host sync per step
+            n_host = np.asarray(n_j).astype(np.int64)
             del held, draft_logits, tj  # JAX has finished reading the torch buffers
 
             # 4. Commit.
             stats.steps += 1
-            new_last = last.clone()
-            new_pending = torch.stack([last, last], dim=1)
-            new_pending_valid = torch.zeros((b_now, 2), dtype=torch.bool, device=device)
-            new_pending_valid[:, 1] = True
             kept = np.zeros(b_now, np.int64)  # accepted draft tokens each row keeps (EOS may cut them)
             for j, row in enumerate(state):
                 if row.done:
                     continue
+                if not g:
+                    unfed[row.index] = [int(pend0_h[j])] * bool(pend0_valid_h[j]) + [int(last_h[j])]
+                pend0_valid_h[j] = False
                 n, k = int(n_host[j]), int(k_rows[j])
                 stats.draft_tokens_proposed += k
                 stats.draft_tokens_accepted += n
                 reached = min(n + 1, k)
                 tested[:reached] += 1
                 passed[:n] += 1
-                emitted = [int(t) for t in tok_host[j, : n + 1]]
-                for e_i, tkn in enumerate(emitted):
-                    if tkn in eos_ids:
-                        emitted = emitted[: e_i + 1]
-                        row.done = True
-                        break
+                emitted = tok_host[j, : n + 1].tolist()
+                if eos_ids:
+                    for e_i, tkn in enumerate(emitted):
+                        if tkn in eos_ids:
+                            emitted = emitted[: e_i + 1]
+                            row.done = True
+                            break
                 row.generated.extend(emitted)
                 if len(row.generated) >= max_new_tokens:
                     row.done = True
@@ -276,21 +277,16 @@ def run_loop(
                 if on_tokens is not None:
                     on_tokens(row.index, emitted)
                 kept[j] = m = len(emitted) - 1
-                y = emitted[-1]
-                new_last[j] = y
-                new_pending[j, 1] = y
-                if g and m == g:
-                    new_pending[j, 0] = int(tok_host[j, g - 1])
-                    new_pending_valid[j, 0] = True
+                last_h[j] = emitted[-1]
+                if g and m == g:  # x_{g-1} was accepted but never fed to the draft
+                    pend0_h[j] = tok_host[j, g - 1]
+                    pend0_valid_h[j] = True
             n_t = torch.as_tensor(kept, device=device)
             # the target fed [last, x_0 .. x_{g-1}]: last and the kept draft tokens stay
             t_cache.invalidate(t_start_slot, 1 + n_t)
             if g:
                 # the draft fed its pending chunk (all of it stays) and x_0 .. x_{g-2}
                 d_cache.invalidate(d_start + width0, torch.clamp(n_t, max=g - 1))
-                last, pending, pending_valid = new_last, new_pending, new_pending_valid
-            else:
-                last = new_last
             step += 1
 
             # Drop finished rows from the caches once at least half of them are done
@@ -301,7 +297,11 @@ def run_loop(
                 t_cache.select_rows(idx)
                 d_cache.select_rows(idx)
                 cache_rows = [cache_rows[j] for j in live]
-                last, pending, pending_valid = last[idx], pending[idx], pending_valid[idx]
+                last_h, pend0_h, pend0_valid_h = last_h[live], pend0_h[live], pend0_valid_h[live]
+                # per-row parameters and keys follow their rows (gathered once per change)
+                select = jnp.asarray(np.asarray(cache_rows, np.int32))
+                row_t, row_k, row_p = temperature[select], top_k[select], one_minus_top_p[select]
+                keys = row_keys[select]
 
     stats.target_forwards = t_cache.forwards
     stats.draft_forwards = d_cache.forwards
@@ -309,7 +309,11 @@ def run_loop(
     _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start)
     out = _build_output(input_ids, rows, pad_token_id, stats)
     if return_state:
-        out.state = LoopState(t_cache, d_cache, cache_rows, last, pending, pending_valid)
+        draft_pending = [
+            [*unfed.get(i, [int(pend0_h[j])] * bool(pend0_valid_h[j])), int(last_h[j])]
+            for j, i in enumerate(cache_rows)
+        ]
+        out.state = LoopState(t_cache, d_cache, cache_rows, torch.as_tensor(last_h, device=device), draft_pending)
     return out
 
 
