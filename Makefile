@@ -22,15 +22,21 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# JAX compiles the same kernels in many test processes (CLI, docs, demo): share
+# them through a persistent compilation cache. Two workers for two cores.
+TEST_ENV := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 HF_HUB_OFFLINE=1
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
+
 test: $(STAMP)
 	$(PY) -m ruff check src tests integration_tests benchmarks scripts
-	$(PY) -m pytest -q -p no:cacheprovider tests integration_tests
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests
 
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q tests
 
 test-integration: $(STAMP)
-	$(PY) -m pytest -q integration_tests
+	$(TEST_ENV) $(PY) -m pytest -q integration_tests
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specjax demo

@@ -126,10 +126,11 @@ def _first_line(err: BaseException) -> str:
 def load_pair(args: argparse.Namespace, device: Any, progress: bool) -> tuple[Any, Any, Any, Any]:
     """(target, draft, target_tokenizer, draft_tokenizer) from the flags or the embedded pair."""
     if args.target is None and args.draft is None:
+        from specjax.demo import pair_overrides
         from specjax.pair import DefaultPairError, load_default_pair
 
         try:
-            pair = load_default_pair(device=str(device), progress=progress)
+            pair = load_default_pair(device=str(device), progress=progress, **pair_overrides())
         except DefaultPairError as err:
             raise CLIError(str(err)) from err
         return pair.target, pair.draft, pair.tokenizer, pair.tokenizer

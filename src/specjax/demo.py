@@ -84,6 +84,19 @@ def _target_only(target: Any, ids: Any, mask: Any, *, max_new_tokens: int, tempe
     return out, elapsed
 
 
+def pair_overrides() -> dict[str, str]:
+    """Paths of the default pair taken from the environment, for tests and custom installs.
+
+    ``SPECJAX_DEFAULT_TARGET_DIR`` (the directory holding the target's GGUF file),
+    ``SPECJAX_DEFAULT_TARGET_GGUF`` (its file name) and ``SPECJAX_DEFAULT_DRAFT_DIR``.
+    """
+    import os
+
+    env = {"target_dir": "SPECJAX_DEFAULT_TARGET_DIR", "gguf_file": "SPECJAX_DEFAULT_TARGET_GGUF",
+           "draft_dir": "SPECJAX_DEFAULT_DRAFT_DIR"}
+    return {arg: os.environ[name] for arg, name in env.items() if os.environ.get(name)}
+
+
 def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, seed: int = 0,
              quick: bool = False, out: Any = None) -> int:
     """Run the demo; returns the process exit status (2 with one line on stderr if the pair is missing)."""
@@ -91,7 +104,7 @@ def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, s
     from specjax.pair import DefaultPairError, load_default_pair
 
     try:
-        pair = load_default_pair(progress=True)
+        pair = load_default_pair(progress=True, **pair_overrides())
     except DefaultPairError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
