@@ -1,0 +1,439 @@
+"""End-to-end generation: target-only ``generate``, transformers' assisted generation, and specjax.
+
+Usage::
+
+    python benchmarks/bench_generate.py              # full run
+    python benchmarks/bench_generate.py --quick      # fewer prompts, tokens and repetitions
+    python benchmarks/bench_generate.py --jsonl bench-results/generate.jsonl
+    python benchmarks/bench_generate.py --target DIR --draft DIR     # any local pair
+    python benchmarks/bench_generate.py --synthetic  # skip the embedded pair
+
+Methods, all on the same models, prompts and machine in one run:
+
+* ``target``: ``target.generate`` alone, at B=1 (prompt by prompt) and B=8 (one
+  left-padded batch);
+* ``assisted``: transformers' assisted generation, ``generate(assistant_model=draft)``,
+  B=1 only (transformers supports no more), greedy, with transformers' default
+  draft-length schedule; ``assisted-G`` fixes its draft length to G;
+* ``specjax``: :func:`specjax.speculative_generate` at B=1 and B=8.
+
+Every method is warmed up once with exactly the calls it is then timed on (JAX
+compiles the loop's steps for the shapes they meet; greedy runs meet the same
+shapes again). The methods are then timed in turn, ``reps`` times, interleaved,
+so that a change in the load of a shared machine hits them alike; tokens/s is the
+median over the repetitions and the speed-up is the median, over repetitions,
+of the ratio to the same-batch-size ``target`` row timed in the same repetition.
+Tokens are counted up to and including EOS. ``same`` says whether the greedy
+sequences equal target-only ``generate``'s.
+
+Models. The embedded default pair (:func:`specjax.pair.load_default_pair`) when
+it loads; otherwise (or with ``--synthetic``) a synthetic pair, see
+:func:`synthetic_pair`: a random 8-layer Llama target (d=512, V=8192) and a
+1-layer, d=64 Llama draft *built*, not trained, to imitate it. A random
+transformer's next token depends on all of its layers, so nothing small agrees
+with it; the target's embedding is therefore drawn with standard deviation 4
+(instead of 0.02), so that the current token dominates its residual stream, and
+the draft maps each token to the target's 0-layer early-exit choice (embedding,
+final norm, head). The draft then agrees with the target's greedy choice about
+90% of the time (acceptance rate, accepted / proposed at G=4, about 0.77) at
+about 1/30 of its FLOPs; at temperature 0.7 it accepts about half its tokens.
+It stands in for a trained small draft; the text is meaningless.
+
+Rows appended to ``--jsonl`` have the fields ``model_pair``, ``method``,
+``num_draft_tokens``, ``temperature``, ``batch_size``, ``tokens_per_s``,
+``mean_accepted_length``, ``acceptance_rate``, ``speedup`` (and a few more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PROMPTS = (
+    "What is the capital of France, and what is it famous for?",
+    "Write a short poem about the sea.",
+    "Explain in simple terms what a computer program is.",
+    "Give three tips for staying healthy.",
+    "Describe how a bicycle works.",
+    "What are the planets of the solar system?",
+    "Summarize the plot of a fairy tale you like.",
+    "Why is the sky blue?",
+)
+SYNTHETIC_NAME = "synthetic Llama 8L-d512-V8192 + built 1L-d64 draft"
+
+
+# --------------------------------------------------------------------------- #
+# Models and prompts
+# --------------------------------------------------------------------------- #
+
+
+def synthetic_pair(*, seed: int = 0, layers: int = 8, hidden: int = 512, vocab_size: int = 8192,
+                   embedding_std: float = 4.0, head_std: float = 0.2, draft_hidden: int = 64,
+                   draft_logit_scale: float = 1.5) -> tuple[Any, Any]:
+    """A random Llama target and a tiny draft built to imitate it (see the module docstring).
+
+    Target: Llama, ``layers`` x ``hidden``, V = ``vocab_size``, random weights,
+    except the embedding (std ``embedding_std``: the current token dominates the
+    residual stream) and the head (std ``head_std``: peaked distributions, like a
+    trained model's). Draft: a 1-layer Llama of width ``draft_hidden`` whose layer
+    adds nothing (zero output projections); token x's embedding is the head row
+    of ``f(x)``, the token the target's embedding -> final norm -> head path
+    (its 0-layer early exit) ranks first after x. Head rows are random unit
+    vectors times ``draft_logit_scale``, so the draft's argmax is f(x).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    common = dict(vocab_size=vocab_size, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0,
+                  bos_token_id=None, eos_token_id=None)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=1376 * hidden // 512, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=8, **common)
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(cfg).eval()
+    dcfg = LlamaConfig(hidden_size=draft_hidden, intermediate_size=2 * draft_hidden, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=4, **common)
+    draft = LlamaForCausalLM(dcfg).eval()
+    with torch.no_grad():
+        target.model.embed_tokens.weight.normal_(0.0, embedding_std)
+        target.lm_head.weight.normal_(0.0, head_std)
+        exit_h = target.model.norm(target.model.embed_tokens.weight)
+        f = torch.cat([(exit_h[i:i + 1024] @ target.lm_head.weight.T).argmax(-1)
+                       for i in range(0, vocab_size, 1024)])
+        codes = torch.randn(vocab_size, draft_hidden, generator=torch.Generator().manual_seed(seed + 1))
+        codes /= codes.norm(dim=1, keepdim=True)
+        draft.lm_head.weight.copy_(codes * draft_logit_scale)
+        draft.model.embed_tokens.weight.copy_(codes[f])
+        draft.model.layers[0].self_attn.o_proj.weight.zero_()
+        draft.model.layers[0].mlp.down_proj.weight.zero_()
+    for m in (target, draft):
+        m.generation_config.pad_token_id = 0
+        m.generation_config.eos_token_id = None
+        m.generation_config.bos_token_id = None
+    return target, draft
+
+
+@dataclass
+class Pair:
+    target: Any
+    draft: Any
+    name: str
+    tokenizer: Any = None
+    eos: list[int] = field(default_factory=list)
+    pad: int = 0
+
+
+def load_pair(target_dir: str | None, draft_dir: str | None, synthetic: bool) -> Pair:
+    if target_dir:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+        draft = AutoModelForCausalLM.from_pretrained(draft_dir or target_dir).eval()
+        return _with_ids(Pair(target, draft, f"{target_dir} + {draft_dir}", AutoTokenizer.from_pretrained(target_dir)))
+    if not synthetic:
+        try:
+            from specjax.pair import load_default_pair
+
+            p = load_default_pair()
+            return _with_ids(Pair(p.target, p.draft, "SmolLM2-135M-Instruct + specjax draft", p.tokenizer))
+        except Exception as err:  # the pair is optional here: fall back, and say why
+            print(f"default pair unavailable ({type(err).__name__}: {err}); using the synthetic pair",
+                  file=sys.stderr)
+    target, draft = synthetic_pair()
+    return Pair(target, draft, SYNTHETIC_NAME)
+
+
+def _with_ids(pair: Pair) -> Pair:
+    eos = pair.target.generation_config.eos_token_id
+    pair.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer is not None else None
+    pair.pad = pad if pad is not None else (pair.eos[0] if pair.eos else 0)
+    return pair
+
+
+def make_prompts(pair: Pair, count: int, seed: int = 0) -> list[Any]:
+    """``count`` prompts as i64[1, P] tensors: chat prompts, or random ids for the synthetic pair."""
+    import torch
+
+    if pair.tokenizer is None:
+        gen = torch.Generator().manual_seed(seed)
+        vocab = pair.target.config.vocab_size
+        return [torch.randint(1, vocab, (1, 16 + 6 * i), generator=gen) for i in range(count)]
+    out = []
+    tok = pair.tokenizer
+    for text in (PROMPTS * (count // len(PROMPTS) + 1))[:count]:
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+        else:
+            ids = tok(text, return_tensors="pt")["input_ids"]
+        out.append(ids)
+    return out
+
+
+def left_pad(prompts: list[Any], pad: int) -> tuple[Any, Any]:
+    import torch
+
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1]:] = p[0]
+        mask[b, width - p.shape[1]:] = 1
+    return ids, mask
+
+
+def count_new(new_tokens: Any, eos: list[int]) -> list[int]:
+    """Tokens per row up to and including the first EOS (all of them without one)."""
+    counts = []
+    for row in new_tokens.tolist():
+        n = len(row)
+        for i, t in enumerate(row):
+            if t in eos:
+                n = i + 1
+                break
+        counts.append(n)
+    return counts
+
+
+# --------------------------------------------------------------------------- #
+# Methods
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Result:
+    tokens: int
+    seconds: float
+    sequences: list[list[int]]  # per row: generated tokens up to EOS
+    accepted: int = 0
+    proposed: int = 0
+    row_steps: float = 0.0
+
+
+@dataclass
+class Method:
+    name: str
+    batch_size: int
+    temperature: float
+    num_draft_tokens: int
+    run: Callable[[], Result]
+    baseline: str  # the method whose time this one's speed-up divides
+
+
+def _hf_runner(pair: Pair, batches: list[tuple[Any, Any]], max_new: int, temperature: float,
+               assistant: Any = None, seed: int = 0) -> Callable[[], Result]:
+    import torch
+
+    kwargs: dict[str, Any] = {"do_sample": False} if temperature == 0 else \
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    if assistant is not None:
+        kwargs["assistant_model"] = assistant
+
+    def run() -> Result:
+        tokens, seconds, seqs = 0, 0.0, []
+        for i, (ids, mask) in enumerate(batches):
+            torch.manual_seed(seed + i)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = pair.target.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=pair.pad,
+                                           eos_token_id=pair.eos or None, **kwargs)
+            seconds += time.perf_counter() - t0
+            new = out[:, ids.shape[1]:]
+            counts = count_new(new, pair.eos)
+            tokens += sum(counts)
+            seqs += [row[:n] for row, n in zip(new.tolist(), counts, strict=True)]
+        return Result(tokens, seconds, seqs)
+
+    return run
+
+
+def _specjax_runner(pair: Pair, batches: list[tuple[Any, Any]], max_new: int, temperature: float,
+                    num_draft_tokens: int, seed: int = 0) -> Callable[[], Result]:
+    from specjax import speculative_generate
+
+    def run() -> Result:
+        res = Result(0, 0.0, [])
+        for i, (ids, mask) in enumerate(batches):
+            t0 = time.perf_counter()
+            out = speculative_generate(pair.target, pair.draft, ids, mask, max_new_tokens=max_new,
+                                       num_draft_tokens=num_draft_tokens, temperature=temperature, seed=seed + i,
+                                       eos_token_id=pair.eos or None, pad_token_id=pair.pad)
+            res.seconds += time.perf_counter() - t0
+            new = out.sequences[:, ids.shape[1]:]
+            counts = out.num_new_tokens.tolist()
+            res.tokens += sum(counts)
+            res.sequences += [row[:n] for row, n in zip(new.tolist(), counts, strict=True)]
+            s = out.stats
+            res.accepted += s.draft_tokens_accepted
+            res.proposed += s.draft_tokens_proposed
+            res.row_steps += s.new_tokens / s.mean_accepted_length if s.mean_accepted_length else 0.0
+        return res
+
+    return run
+
+
+def _assistant(draft: Any, num_draft_tokens: int | None) -> Any:
+    """The draft as transformers' assistant: its defaults, or a fixed draft length."""
+    if num_draft_tokens is None:
+        return draft
+    fixed = copy.copy(draft)  # shares the weights; only the generation config differs
+    fixed.generation_config = copy.deepcopy(draft.generation_config)
+    fixed.generation_config.num_assistant_tokens = num_draft_tokens
+    fixed.generation_config.num_assistant_tokens_schedule = "constant"
+    fixed.generation_config.assistant_confidence_threshold = 0.0
+    return fixed
+
+
+# --------------------------------------------------------------------------- #
+# The benchmark
+# --------------------------------------------------------------------------- #
+
+
+def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: int = 4,
+                   max_new_tokens: int | None = None, reps: int | None = None,
+                   target_dir: str | None = None, draft_dir: str | None = None,
+                   synthetic: bool = False, log: Callable[[str], None] | None = None) -> list[dict]:
+    """Run every method; one row per method (see the module docstring)."""
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    pair = pair or load_pair(target_dir, draft_dir, synthetic)
+    g = num_draft_tokens
+    max_new = max_new_tokens or (32 if quick else 64)
+    reps = reps or (2 if quick else 3)
+    n_single = 2 if quick else 4
+    temperatures = (0.0,) if quick else (0.0, 0.7)
+    prompts = make_prompts(pair, 8)
+    singles = [(p, None) for p in prompts[:n_single]]
+    batch8 = [left_pad(prompts, pair.pad)]
+
+    methods: list[Method] = []
+    for temp in temperatures:
+        methods += [
+            Method("target", 1, temp, 0, _hf_runner(pair, singles, max_new, temp), "target"),
+            Method("specjax", 1, temp, g, _specjax_runner(pair, singles, max_new, temp, g), "target"),
+            Method("target", 8, temp, 0, _hf_runner(pair, batch8, max_new, temp), "target"),
+            Method("specjax", 8, temp, g, _specjax_runner(pair, batch8, max_new, temp, g), "target"),
+        ]
+        if temp == 0.0:
+            methods.insert(1, Method("assisted", 1, temp, 0,
+                                     _hf_runner(pair, singles, max_new, temp, _assistant(pair.draft, None)),
+                                     "target"))
+            if not quick:
+                methods.insert(2, Method("assisted-G", 1, temp, g,
+                                         _hf_runner(pair, singles, max_new, temp, _assistant(pair.draft, g)),
+                                         "target"))
+                # transformers' default schedule drafts up to 20 tokens; a longer fixed G for comparison
+                methods.insert(4, Method("specjax", 1, temp, 2 * g,
+                                         _specjax_runner(pair, singles, max_new, temp, 2 * g), "target"))
+
+    def key(m: Method) -> tuple:
+        return (m.name, m.batch_size, m.temperature, m.num_draft_tokens if m.name == "specjax" else 0)
+
+    say(f"pair: {pair.name}; G={g}, max_new_tokens={max_new}, {n_single} prompts at B=1, 8 at B=8, "
+        f"{reps} repetitions")
+    t0 = time.perf_counter()
+    for m in methods:  # warm-up: the same calls as timed below
+        m.run()
+    say(f"warm-up done in {time.perf_counter() - t0:.0f} s")
+    results: dict[tuple, list[Result]] = {key(m): [] for m in methods}
+    for rep in range(reps):
+        order = methods if rep % 2 == 0 else methods[::-1]
+        for m in order:
+            results[key(m)].append(m.run())
+        say(f"repetition {rep + 1}/{reps} done")
+
+    rows = []
+    for m in methods:
+        runs = results[key(m)]
+        base = results[(m.baseline, m.batch_size, m.temperature, 0)]
+        tps = statistics.median(r.tokens / r.seconds for r in runs)
+        speedup = statistics.median((r.tokens / r.seconds) / (b.tokens / b.seconds) for r, b in zip(runs, base,
+                                                                                                     strict=True))
+        first = runs[0]
+        accepted = sum(r.accepted for r in runs)
+        proposed = sum(r.proposed for r in runs)
+        row_steps = sum(r.row_steps for r in runs)
+        same = None
+        if m.temperature == 0.0 and m.name != "target":
+            same = first.sequences == base[0].sequences
+        rows.append({
+            "section": "generate",
+            "model_pair": pair.name,
+            "method": m.name,
+            "num_draft_tokens": m.num_draft_tokens,
+            "temperature": m.temperature,
+            "batch_size": m.batch_size,
+            "tokens_per_s": tps,
+            "mean_accepted_length": (sum(r.tokens for r in runs) / row_steps) if row_steps else None,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "speedup": speedup,
+            "same_as_target": same,
+            "new_tokens": first.tokens,
+            "max_new_tokens": max_new,
+            "reps": reps,
+        })
+    for m, r in zip(methods, rows, strict=True):  # specjax against transformers' assisted generation
+        peer = results.get(("assisted", 1, m.temperature, 0))
+        if m.name == "specjax" and m.batch_size == 1 and peer:
+            r["speedup_vs_assisted"] = statistics.median(
+                (a.tokens / a.seconds) / (b.tokens / b.seconds) for a, b in zip(results[key(m)], peer, strict=True))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [
+        "| method | B | T | G | tokens/s | speed-up vs target | acceptance | mean accepted length | same output |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        mal = "" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
+        same = "" if r["same_as_target"] is None else ("yes" if r["same_as_target"] else "NO")
+        g = r["num_draft_tokens"] or ""
+        lines.append(f"| {r['method']} | {r['batch_size']} | {r['temperature']} | {g} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}x | {acc} | {mal} | {same} |")
+    extra = [f"specjax B=1 T={r['temperature']} G={r['num_draft_tokens']}: {r['speedup_vs_assisted']:.2f}x "
+             "transformers' assisted generation (median of the per-repetition ratios)"
+             for r in rows if "speedup_vs_assisted" in r]
+    return "\n".join([*lines, "", *extra])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer prompts, tokens and repetitions")
+    parser.add_argument("--jsonl", metavar="PATH", help="append one JSON row per method to PATH")
+    parser.add_argument("--target", help="target model directory (default: the embedded pair, else synthetic)")
+    parser.add_argument("--draft", help="draft model directory (with --target)")
+    parser.add_argument("--synthetic", action="store_true", help="use the synthetic pair")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, metavar="G")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--reps", type=int)
+    args = parser.parse_args(argv)
+    if args.draft and not args.target:
+        parser.error("--draft needs --target")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    print(f"torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}, "
+          f"load average: {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    rows = bench_generate(args.quick, num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+                          reps=args.reps, target_dir=args.target, draft_dir=args.draft, synthetic=args.synthetic)
+    print(f"model pair: {rows[0]['model_pair']}")
+    print(format_table(rows))
+    if args.jsonl:
+        os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
+        with open(args.jsonl, "a") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
