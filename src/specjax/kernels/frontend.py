@@ -140,7 +140,9 @@ def _cutoff(scaled: jax.Array, top_k: jax.Array | None, one_minus_top_p: jax.Arr
     vocab = scaled.shape[-1]
     rows = scaled.shape[:-1]
     kc = min(_CUTOFF_CANDIDATES, vocab)
-    cand = lax.top_k(scaled, kc)[0][..., ::-1]  # f32[..., kc], ascending: the kc largest
+    # f32[..., kc], ascending: the kc largest. lax.top_k on a rank-2 operand: XLA:CPU
+    # has a fast TopK only for (rows, V) and lowers other ranks to a full sort.
+    cand = lax.top_k(scaled.reshape(-1, vocab), kc)[0].reshape((*rows, kc))[..., ::-1]
     k = None if top_k is None else jnp.clip(top_k, 0, vocab)
     neg_inf = jnp.full(rows, _NEG_INF, scaled.dtype)
 
