@@ -159,16 +159,17 @@ def plot_kernel_vs_batch(rows: list[dict[str, Any]], path: Path) -> Path | None:
                      if r["method"] == method and r["G"] == g and r["V"] == v)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-    logits = [r for r in rows if r.get("section") == "logits"]
-    for key, label, style in (("transformers", "transformers _speculative_sampling (logits)", "^-"),
-                              ("specjax", "specjax verify_from_logits", "v-")):
-        pts = sorted({(int(_field(r, "B", "batch_size")), float(_field(r, "median_us")))
-                      for r in logits if key in str(r.get("method", "")) and _field(r, "median_us")
-                      and "loop" not in str(r.get("method", "")) and "top" not in str(r.get("method", ""))})
+    logits = [r for r in rows if r.get("section") == "logits" and r.get("processing", "T=1") == "T=1"]
+    for method, label, style in (("transformers _speculative_sampling",
+                                  "transformers _speculative_sampling (B>1: loop of B calls)", "^-"),
+                                 ("specjax _verify_jit", "specjax verify_from_logits (jitted core)", "v-")):
+        pts = sorted((int(r["B"]), float(r["median_us"])) for r in logits
+                     if r.get("method") == method and r.get("median_us"))
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label + " V=" + str(_vocab_of(logits)))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
+                    label=f"{label}, logits V={logits[0].get('V', '?')}")
     ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="time per call (µs)",
-           title=f"Acceptance step, G={g}, V={v} (probabilities); logits rows at their own V")
+           title=f"Acceptance step, G={g}; probabilities V={v}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -177,16 +178,3 @@ def plot_kernel_vs_batch(rows: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
-def _field(row: dict[str, Any], *names: str) -> Any:
-    for n in names:
-        if row.get(n) is not None:
-            return row[n]
-    return None
-
-
-def _vocab_of(rows: list[dict[str, Any]]) -> Any:
-    for r in rows:
-        v = _field(r, "V", "vocab")
-        if v:
-            return v
-    return "?"
