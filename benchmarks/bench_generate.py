@@ -19,12 +19,15 @@ Methods, all on the same models, prompts and machine in one run:
 
 Every method is warmed up once with exactly the calls it is then timed on (JAX
 compiles the loop's steps for the shapes they meet; greedy runs meet the same
-shapes again). The methods are then timed in turn, ``reps`` times, interleaved,
-so that a change in the load of a shared machine hits them alike; tokens/s is the
-median over the repetitions and the speed-up is the median, over repetitions,
-of the ratio to the same-batch-size ``target`` row timed in the same repetition.
-Tokens are counted up to and including EOS. ``same`` says whether the greedy
-sequences equal target-only ``generate``'s.
+shapes again). Timing goes call by call: for each prompt (B=1) or the batch
+(B=8), every method of the group runs back to back, in rotating order, and this
+is repeated ``reps`` times, so that the shared machine's changing load hits the
+methods compared alike. tokens/s is total tokens over total wall time; the
+speed-up is the median over calls of the ratio of a method's tokens/s to that of
+target-only ``generate`` on the same call, run seconds apart ("by CPU time":
+the same with this process's CPU time, which other processes' load inflates
+less). Tokens are counted up to and including EOS. ``same output`` says whether
+the greedy sequences equal target-only ``generate``'s.
 
 Models. The embedded default pair (:func:`specjax.pair.load_default_pair`) when
 it loads; otherwise (or with ``--synthetic``) a synthetic pair, see
@@ -210,8 +213,11 @@ def count_new(new_tokens: Any, eos: list[int]) -> list[int]:
 
 @dataclass
 class Result:
+    """One call: tokens generated (all rows, up to EOS) and the time it took."""
+
     tokens: int
-    seconds: float
+    seconds: float  # wall clock
+    cpu_seconds: float  # this process's CPU time (all threads)
     sequences: list[list[int]]  # per row: generated tokens up to EOS
     accepted: int = 0
     proposed: int = 0
@@ -224,12 +230,27 @@ class Method:
     batch_size: int
     temperature: float
     num_draft_tokens: int
-    run: Callable[[], Result]
-    baseline: str  # the method whose time this one's speed-up divides
+    units: list[tuple[Any, Any]]  # the calls: (input_ids, attention_mask)
+    call: Callable[[Any, Any, int], Any]  # (ids, mask, seed) -> (new tokens i64[B, N], counts, stats or None)
+    results: list[Result] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple:
+        return (self.name, self.batch_size, self.temperature, self.num_draft_tokens)
+
+    def run(self, unit: int) -> Result:
+        ids, mask = self.units[unit]
+        t0, c0 = time.perf_counter(), time.process_time()
+        new, counts, stats = self.call(ids, mask, unit)
+        res = Result(sum(counts), time.perf_counter() - t0, time.process_time() - c0,
+                     [row[:n] for row, n in zip(new.tolist(), counts, strict=True)])
+        if stats is not None:
+            res.accepted, res.proposed = stats.draft_tokens_accepted, stats.draft_tokens_proposed
+            res.row_steps = stats.new_tokens / stats.mean_accepted_length if stats.mean_accepted_length else 0.0
+        return res
 
 
-def _hf_runner(pair: Pair, batches: list[tuple[Any, Any]], max_new: int, temperature: float,
-               assistant: Any = None, seed: int = 0) -> Callable[[], Result]:
+def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None) -> Callable:
     import torch
 
     kwargs: dict[str, Any] = {"do_sample": False} if temperature == 0 else \
@@ -237,47 +258,27 @@ def _hf_runner(pair: Pair, batches: list[tuple[Any, Any]], max_new: int, tempera
     if assistant is not None:
         kwargs["assistant_model"] = assistant
 
-    def run() -> Result:
-        tokens, seconds, seqs = 0, 0.0, []
-        for i, (ids, mask) in enumerate(batches):
-            torch.manual_seed(seed + i)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = pair.target.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=pair.pad,
-                                           eos_token_id=pair.eos or None, **kwargs)
-            seconds += time.perf_counter() - t0
-            new = out[:, ids.shape[1]:]
-            counts = count_new(new, pair.eos)
-            tokens += sum(counts)
-            seqs += [row[:n] for row, n in zip(new.tolist(), counts, strict=True)]
-        return Result(tokens, seconds, seqs)
+    def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], None]:
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = pair.target.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=pair.pad,
+                                       eos_token_id=pair.eos or None, **kwargs)
+        new = out[:, ids.shape[1]:]
+        return new, count_new(new, pair.eos), None
 
-    return run
+    return call
 
 
-def _specjax_runner(pair: Pair, batches: list[tuple[Any, Any]], max_new: int, temperature: float,
-                    num_draft_tokens: int, seed: int = 0) -> Callable[[], Result]:
+def _specjax_call(pair: Pair, max_new: int, temperature: float, num_draft_tokens: int) -> Callable:
     from specjax import speculative_generate
 
-    def run() -> Result:
-        res = Result(0, 0.0, [])
-        for i, (ids, mask) in enumerate(batches):
-            t0 = time.perf_counter()
-            out = speculative_generate(pair.target, pair.draft, ids, mask, max_new_tokens=max_new,
-                                       num_draft_tokens=num_draft_tokens, temperature=temperature, seed=seed + i,
-                                       eos_token_id=pair.eos or None, pad_token_id=pair.pad)
-            res.seconds += time.perf_counter() - t0
-            new = out.sequences[:, ids.shape[1]:]
-            counts = out.num_new_tokens.tolist()
-            res.tokens += sum(counts)
-            res.sequences += [row[:n] for row, n in zip(new.tolist(), counts, strict=True)]
-            s = out.stats
-            res.accepted += s.draft_tokens_accepted
-            res.proposed += s.draft_tokens_proposed
-            res.row_steps += s.new_tokens / s.mean_accepted_length if s.mean_accepted_length else 0.0
-        return res
+    def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], Any]:
+        out = speculative_generate(pair.target, pair.draft, ids, mask, max_new_tokens=max_new,
+                                   num_draft_tokens=num_draft_tokens, temperature=temperature, seed=seed,
+                                   eos_token_id=pair.eos or None, pad_token_id=pair.pad)
+        return out.sequences[:, ids.shape[1]:], out.num_new_tokens.tolist(), out.stats
 
-    return run
+    return call
 
 
 def _assistant(draft: Any, num_draft_tokens: int | None) -> Any:
@@ -297,6 +298,14 @@ def _assistant(draft: Any, num_draft_tokens: int | None) -> Any:
 # --------------------------------------------------------------------------- #
 
 
+def _paired_ratio(runs: list[Result], base: list[Result], cpu: bool = False) -> float:
+    """Median over calls of (tokens/s of the run) / (tokens/s of the baseline's run of the same call)."""
+    def rate(r: Result) -> float:
+        return r.tokens / (r.cpu_seconds if cpu else r.seconds)
+
+    return statistics.median(rate(a) / rate(b) for a, b in zip(runs, base, strict=True))
+
+
 def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: int = 4,
                    max_new_tokens: int | None = None, reps: int | None = None,
                    target_dir: str | None = None, draft_dir: str | None = None,
@@ -306,91 +315,87 @@ def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: i
     pair = pair or load_pair(target_dir, draft_dir, synthetic)
     g = num_draft_tokens
     max_new = max_new_tokens or (32 if quick else 64)
-    reps = reps or (2 if quick else 3)
+    reps = reps or (2 if quick else 4)
     n_single = 2 if quick else 4
     temperatures = (0.0,) if quick else (0.0, 0.7)
     prompts = make_prompts(pair, 8)
     singles = [(p, None) for p in prompts[:n_single]]
     batch8 = [left_pad(prompts, pair.pad)]
 
-    methods: list[Method] = []
+    groups: list[list[Method]] = []  # methods timed against each other on the same calls
     for temp in temperatures:
-        methods += [
-            Method("target", 1, temp, 0, _hf_runner(pair, singles, max_new, temp), "target"),
-            Method("specjax", 1, temp, g, _specjax_runner(pair, singles, max_new, temp, g), "target"),
-            Method("target", 8, temp, 0, _hf_runner(pair, batch8, max_new, temp), "target"),
-            Method("specjax", 8, temp, g, _specjax_runner(pair, batch8, max_new, temp, g), "target"),
-        ]
+        one = [Method("target", 1, temp, 0, singles, _hf_call(pair, max_new, temp))]
         if temp == 0.0:
-            methods.insert(1, Method("assisted", 1, temp, 0,
-                                     _hf_runner(pair, singles, max_new, temp, _assistant(pair.draft, None)),
-                                     "target"))
+            one.append(Method("assisted", 1, temp, 0, singles,
+                              _hf_call(pair, max_new, temp, _assistant(pair.draft, None))))
             if not quick:
-                methods.insert(2, Method("assisted-G", 1, temp, g,
-                                         _hf_runner(pair, singles, max_new, temp, _assistant(pair.draft, g)),
-                                         "target"))
-                # transformers' default schedule drafts up to 20 tokens; a longer fixed G for comparison
-                methods.insert(4, Method("specjax", 1, temp, 2 * g,
-                                         _specjax_runner(pair, singles, max_new, temp, 2 * g), "target"))
-
-    def key(m: Method) -> tuple:
-        return (m.name, m.batch_size, m.temperature, m.num_draft_tokens if m.name == "specjax" else 0)
+                one.append(Method("assisted-G", 1, temp, g, singles,
+                                  _hf_call(pair, max_new, temp, _assistant(pair.draft, g))))
+        one.append(Method("specjax", 1, temp, g, singles, _specjax_call(pair, max_new, temp, g)))
+        if temp == 0.0 and not quick:  # transformers' default schedule drafts up to 20 tokens
+            one.append(Method("specjax", 1, temp, 2 * g, singles, _specjax_call(pair, max_new, temp, 2 * g)))
+        groups.append(one)
+        groups.append([Method("target", 8, temp, 0, batch8, _hf_call(pair, max_new, temp)),
+                       Method("specjax", 8, temp, g, batch8, _specjax_call(pair, max_new, temp, g))])
 
     say(f"pair: {pair.name}; G={g}, max_new_tokens={max_new}, {n_single} prompts at B=1, 8 at B=8, "
-        f"{reps} repetitions")
+        f"{reps} repetitions; load average {os.getloadavg()[0]:.1f}")
     t0 = time.perf_counter()
-    for m in methods:  # warm-up: the same calls as timed below
-        m.run()
+    for group in groups:  # warm-up: the same calls as timed below
+        for m in group:
+            for u in range(len(m.units)):
+                m.run(u)
     say(f"warm-up done in {time.perf_counter() - t0:.0f} s")
-    results: dict[tuple, list[Result]] = {key(m): [] for m in methods}
+    # Call by call, every method of a group back to back (rotating the order), so
+    # that the shared machine's changing load hits the methods of a pair alike.
     for rep in range(reps):
-        order = methods if rep % 2 == 0 else methods[::-1]
-        for m in order:
-            results[key(m)].append(m.run())
-        say(f"repetition {rep + 1}/{reps} done")
+        for group in groups:
+            for u in range(len(group[0].units)):
+                shift = (rep + u) % len(group)
+                for m in group[shift:] + group[:shift]:
+                    m.results.append(m.run(u))
+        say(f"repetition {rep + 1}/{reps} done; load average {os.getloadavg()[0]:.1f}")
 
     rows = []
-    for m in methods:
-        runs = results[key(m)]
-        base = results[(m.baseline, m.batch_size, m.temperature, 0)]
-        tps = statistics.median(r.tokens / r.seconds for r in runs)
-        speedup = statistics.median((r.tokens / r.seconds) / (b.tokens / b.seconds) for r, b in zip(runs, base,
-                                                                                                     strict=True))
-        first = runs[0]
-        accepted = sum(r.accepted for r in runs)
-        proposed = sum(r.proposed for r in runs)
-        row_steps = sum(r.row_steps for r in runs)
-        same = None
-        if m.temperature == 0.0 and m.name != "target":
-            same = first.sequences == base[0].sequences
-        rows.append({
-            "section": "generate",
-            "model_pair": pair.name,
-            "method": m.name,
-            "num_draft_tokens": m.num_draft_tokens,
-            "temperature": m.temperature,
-            "batch_size": m.batch_size,
-            "tokens_per_s": tps,
-            "mean_accepted_length": (sum(r.tokens for r in runs) / row_steps) if row_steps else None,
-            "acceptance_rate": accepted / proposed if proposed else None,
-            "speedup": speedup,
-            "same_as_target": same,
-            "new_tokens": first.tokens,
-            "max_new_tokens": max_new,
-            "reps": reps,
-        })
-    for m, r in zip(methods, rows, strict=True):  # specjax against transformers' assisted generation
-        peer = results.get(("assisted", 1, m.temperature, 0))
-        if m.name == "specjax" and m.batch_size == 1 and peer:
-            r["speedup_vs_assisted"] = statistics.median(
-                (a.tokens / a.seconds) / (b.tokens / b.seconds) for a, b in zip(results[key(m)], peer, strict=True))
+    for group in groups:
+        base = group[0]
+        assisted = next((m for m in group if m.name == "assisted"), None)
+        for m in group:
+            runs = m.results
+            tokens = sum(r.tokens for r in runs)
+            row_steps = sum(r.row_steps for r in runs)
+            proposed = sum(r.proposed for r in runs)
+            same = None
+            if m.temperature == 0.0 and m is not base:
+                same = all(a.sequences == b.sequences for a, b in zip(runs, base.results, strict=True))
+            row = {
+                "section": "generate",
+                "model_pair": pair.name,
+                "method": m.name,
+                "num_draft_tokens": m.num_draft_tokens,
+                "temperature": m.temperature,
+                "batch_size": m.batch_size,
+                "tokens_per_s": tokens / sum(r.seconds for r in runs),
+                "mean_accepted_length": tokens / row_steps if row_steps else None,
+                "acceptance_rate": sum(r.accepted for r in runs) / proposed if proposed else None,
+                "speedup": _paired_ratio(runs, base.results),
+                "speedup_cpu_time": _paired_ratio(runs, base.results, cpu=True),
+                "same_as_target": same,
+                "new_tokens": tokens // reps,
+                "max_new_tokens": max_new,
+                "reps": reps,
+            }
+            if m.name == "specjax" and assisted is not None:
+                row["speedup_vs_assisted"] = _paired_ratio(runs, assisted.results)
+            rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        "| method | B | T | G | tokens/s | speed-up vs target | acceptance | mean accepted length | same output |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| method | B | T | G | tokens/s | speed-up vs target | (by CPU time) | acceptance | mean accepted length "
+        "| same output |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
@@ -398,9 +403,9 @@ def format_table(rows: list[dict]) -> str:
         same = "" if r["same_as_target"] is None else ("yes" if r["same_as_target"] else "NO")
         g = r["num_draft_tokens"] or ""
         lines.append(f"| {r['method']} | {r['batch_size']} | {r['temperature']} | {g} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {acc} | {mal} | {same} |")
+                     f"{r['speedup']:.2f}x | {r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {same} |")
     extra = [f"specjax B=1 T={r['temperature']} G={r['num_draft_tokens']}: {r['speedup_vs_assisted']:.2f}x "
-             "transformers' assisted generation (median of the per-repetition ratios)"
+             "transformers' assisted generation (median of the per-call ratios)"
              for r in rows if "speedup_vs_assisted" in r]
     return "\n".join([*lines, "", *extra])
 
