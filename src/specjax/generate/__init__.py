@@ -201,10 +201,10 @@ def speculative_generate(
 
     sampler_fn = _resolve_sampler(sampler)
     temperature_a, top_k_a, top_p_a = _prepare_params(temperature, top_k, top_p, batch, True)
-    params = (
-        temperature_a,
-        top_k_a if top_k_a is not None else jax.numpy.zeros((batch,), jax.numpy.int32),
-        top_p_a if top_p_a is not None else jax.numpy.zeros((batch,), jax.numpy.float32),
+    params = (  # on the device once, for every step's jitted calls
+        jax.device_put(temperature_a),
+        jax.device_put(top_k_a if top_k_a is not None else np.zeros((batch,), np.int32)),
+        jax.device_put(top_p_a if top_p_a is not None else np.zeros((batch,), np.float32)),
         top_k_a is not None,
         top_p_a is not None,
     )

@@ -31,6 +31,7 @@ changing their values never recompiles. Whether top-k / top-p are used at all
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -450,23 +451,29 @@ def as_key(key: Any, batch: int) -> jax.Array:
     return typed
 
 
-def _row_param(name: str, value: Any, batch: int, kind: str) -> Any:
-    """A per-row parameter as a host or device array of shape (B,)."""
+def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
+    """A per-row parameter as a host NumPy array of shape (B,).
+
+    Parameters are B numbers: they live on the host, where validation reads
+    them and from where every jitted call takes them the same way (a JAX array
+    argument would be read back once here).
+    """
     if isinstance(value, jax.Array):
-        arr = value
+        arr = np.asarray(jax.device_get(value))
     elif type(value).__module__.split(".")[0] == "torch":
-        arr = _v.as_array(name, value)
+        arr = np.asarray(jax.device_get(_v.as_array(name, value)))
     else:
         arr = np.asarray(value)
     if arr.ndim == 0:
-        arr = jnp.broadcast_to(arr, (batch,)) if isinstance(arr, jax.Array) else np.broadcast_to(arr, (batch,))
+        arr = np.broadcast_to(arr, (batch,))
     if arr.shape != (batch,):
         raise ValueError(f"{name}: expected a scalar or shape (B,) = ({batch},), got shape {tuple(arr.shape)}")
-    dt = np.dtype(arr.dtype) if not isinstance(arr, jax.Array) else arr.dtype
+    dt = arr.dtype
     if kind == "int":
-        if dt == np.bool_ or not jnp.issubdtype(dt, jnp.integer):
+        if dt == np.bool_ or not np.issubdtype(dt, np.integer):
             raise ValueError(f"{name}: expected integers, got dtype {dt}")
-    elif dt == np.bool_ or not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)):
+    elif dt == np.bool_ or not (np.issubdtype(dt, np.floating) or np.issubdtype(dt, np.integer)
+                                or dt == jnp.bfloat16):
         raise ValueError(f"{name}: expected real numbers, got dtype {dt}")
     return arr
 
@@ -492,25 +499,36 @@ def _check_params(temperature, top_k, top_p, validate: bool) -> None:
 
 
 def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
+    """Per-row parameters as f32/i32/f32 arrays of shape (B,) (``None`` stays ``None``).
+
+    They are NumPy arrays on the host: the jitted call takes them as arguments,
+    and no eager JAX operation (each costs a dispatch, a good part of a B = 1
+    step on a CPU) runs at the boundary.
+    """
     if temperature is None:
         raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
     temperature = _row_param("temperature", temperature, batch, "float")
     top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
     top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")
     _check_params(temperature, top_k, top_p, validate)
-    temperature = jnp.asarray(temperature, jnp.float32)
+    temperature = _as_dtype(temperature, np.float32)
     if top_k is not None:
-        top_k = jnp.asarray(np.clip(top_k, 0, np.iinfo(np.int32).max) if isinstance(top_k, np.ndarray) else top_k,
-                            jnp.int32)
+        top_k = _as_dtype(np.clip(top_k, 0, np.iinfo(np.int32).max), np.int32)
     if top_p is not None:
-        # 1 - top_p in float64 on the host when possible, as transformers does.
-        one_minus = 1.0 - top_p.astype(np.float64) if isinstance(top_p, np.ndarray) else 1.0 - top_p
-        top_p = jnp.asarray(one_minus, jnp.float32)
+        top_p = _as_dtype(1.0 - top_p.astype(np.float64), np.float32)  # in float64, as transformers does
     return temperature, top_k, top_p
 
 
-def _dummy(batch: int, dtype) -> jax.Array:
-    return jnp.zeros((batch,), dtype)
+def _as_dtype(x: np.ndarray, dtype: Any) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype)
+
+
+@functools.cache
+def _dummy(batch: int, dtype: Any) -> np.ndarray:
+    """A placeholder (B,) argument for an unused top_k/top_p (read-only, shared)."""
+    out = np.zeros((batch,), dtype)
+    out.flags.writeable = False
+    return out
 
 
 def sample_from_logits(
@@ -559,8 +577,8 @@ def sample_from_logits(
         logits,
         key,
         temperature,
-        top_k_arr if top_k_arr is not None else _dummy(batch, jnp.int32),
-        top_p_arr if top_p_arr is not None else _dummy(batch, jnp.float32),
+        top_k_arr if top_k_arr is not None else _dummy(batch, np.int32),
+        top_p_arr if top_p_arr is not None else _dummy(batch, np.float32),
         use_top_k=top_k_arr is not None,
         use_top_p=top_p_arr is not None,
     )
@@ -568,12 +586,44 @@ def sample_from_logits(
 
 @jax.jit
 def _logit_summary(logits):
+    """i32[3]: NaN count, +inf count, rows with no finite logit (the error message's details)."""
     x = logits.astype(jnp.float32)
-    return jnp.sum(jnp.isnan(x)), jnp.sum(x == jnp.inf), jnp.sum(jnp.all(x == -jnp.inf, axis=-1))
+    return jnp.stack([jnp.sum(jnp.isnan(x)), jnp.sum(x == jnp.inf), jnp.sum(jnp.all(x == -jnp.inf, axis=-1))])
 
 
-def _check_logits(name: str, logits: jax.Array) -> None:
-    nan, pinf, empty_rows = (int(v) for v in jax.device_get(_logit_summary(logits)))
+def _row_max(x: jax.Array) -> jax.Array:
+    """f32[...]: each row's max; NaN if the row has a NaN, +inf / -inf flag the other bad cases.
+
+    One reduction (XLA's max propagates NaN), so the check costs a fraction of
+    the step; the counts for the message are computed only when it fails.
+    """
+    return jnp.max(x.astype(jnp.float32), axis=-1)
+
+
+_row_max_jit = jax.jit(_row_max)
+
+
+@jax.jit
+def _verify_summary(draft_tokens, k, target_logits, draft_logits):
+    """Smallest and largest tested draft token (i32[2]), and both logits' row maxima."""
+    g = draft_tokens.shape[1]
+    valid = jnp.arange(g)[None, :] < k[:, None]
+    ids = jnp.where(valid, draft_tokens, 0)
+    lo_hi = jnp.stack([jnp.min(ids), jnp.max(ids)]).astype(jnp.int32) if g else jnp.zeros(2, jnp.int32)
+    return lo_hi, _row_max(target_logits), _row_max(draft_logits)
+
+
+def _logits_ok(row_max: np.ndarray) -> bool:
+    return bool(np.all(np.isfinite(row_max))) if row_max.size else True
+
+
+def _check_logits(name: str, logits: jax.Array, row_max: np.ndarray | None = None) -> None:
+    """Raise for NaN, +inf or all -inf rows; ``row_max`` (from :func:`_row_max`) if already known."""
+    if row_max is None:
+        row_max = np.asarray(jax.device_get(_row_max_jit(logits)))
+    if _logits_ok(row_max):
+        return
+    nan, pinf, empty_rows = (int(v) for v in np.asarray(jax.device_get(_logit_summary(logits))))
     if nan or pinf:
         raise ValueError(f"{name}: expected no NaN or +inf logits, got {nan} NaN and {pinf} +inf values")
     if empty_rows:
@@ -649,24 +699,29 @@ def verify_from_logits(
     key = as_key(key, batch)
     temperature, top_k_arr, top_p_arr = _prepare_params(temperature, top_k, top_p, batch, validate)
     if num_draft_tokens is None:
-        k = jnp.full((batch,), g, jnp.int32)
+        k = _full_k(batch, g)
     else:
         k = _row_param("num_draft_tokens", num_draft_tokens, batch, "int")
         if validate:
             kh = _host(k)
             if np.any(kh < 0) or np.any(kh > g):
                 raise ValueError(f"num_draft_tokens: expected values in [0, G] = [0, {g}], got {kh.tolist()}")
-        k = jnp.asarray(k, jnp.int32)
-    draft_tokens = jnp.asarray(draft_tokens)
-    draft_logits = jnp.asarray(draft_logits)
-    target_logits = jnp.asarray(target_logits)
+        k = _as_dtype(k, np.int32)
     if batch == 0:
         return {"num_accepted": jnp.zeros((0,), jnp.int32), "tokens": jnp.zeros((0, g + 1), jnp.int32)}
-    if validate:
-        _check_draft_token_range(draft_tokens, k, vocab)
-        _check_logits("target_logits", target_logits)
-        if g:
-            _check_logits("draft_logits", draft_logits)
+    if validate:  # one fused check, one transfer to the host
+        # Host inputs cross to the device once, for the check and the step.
+        draft_tokens, draft_logits, target_logits = (
+            jax.device_put(a) if isinstance(a, np.ndarray) else a for a in (draft_tokens, draft_logits, target_logits))
+        lo_hi, t_max, d_max = jax.device_get(_verify_summary(draft_tokens, k, target_logits, draft_logits))
+        lo, hi = (int(v) for v in np.asarray(lo_hi))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"draft_tokens: expected token ids in [0, V) = [0, {vocab}) at positions < num_draft_tokens, "
+                f"got values in [{lo}, {hi}]"
+            )
+        _check_logits("target_logits", target_logits, np.asarray(t_max))
+        _check_logits("draft_logits", draft_logits, np.asarray(d_max))
     from specjax.kernels import sharded  # lazy: sharded imports this module
 
     layout = sharded.mesh_layout(target_logits, "target_logits")  # split over B and/or V?
@@ -677,23 +732,17 @@ def verify_from_logits(
         target_logits,
         key,
         temperature,
-        top_k_arr if top_k_arr is not None else _dummy(batch, jnp.int32),
-        top_p_arr if top_p_arr is not None else _dummy(batch, jnp.float32),
+        top_k_arr if top_k_arr is not None else _dummy(batch, np.int32),
+        top_p_arr if top_p_arr is not None else _dummy(batch, np.float32),
         k,
         use_top_k=top_k_arr is not None,
         use_top_p=top_p_arr is not None,
     )
 
 
-def _check_draft_token_range(draft_tokens: jax.Array, k: jax.Array, vocab: int) -> None:
-    g = draft_tokens.shape[1]
-    if g == 0:
-        return
-    valid = jnp.arange(g)[None, :] < k[:, None]
-    lo = int(jnp.min(jnp.where(valid, draft_tokens, 0)))
-    hi = int(jnp.max(jnp.where(valid, draft_tokens, 0)))
-    if lo < 0 or hi >= vocab:
-        raise ValueError(
-            f"draft_tokens: expected token ids in [0, V) = [0, {vocab}) at positions < num_draft_tokens, "
-            f"got values in [{lo}, {hi}]"
-        )
+@functools.cache
+def _full_k(batch: int, g: int) -> np.ndarray:
+    """k_b = G for every row (read-only, shared)."""
+    out = np.full((batch,), g, np.int32)
+    out.flags.writeable = False
+    return out
