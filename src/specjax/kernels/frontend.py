@@ -217,8 +217,9 @@ def row_stats(
     temperature = jnp.broadcast_to(temperature, rows)
     greedy = temperature <= 0
     inv_t = jnp.where(greedy, jnp.float32(1), 1 / jnp.where(greedy, jnp.float32(1), temperature))
-    scaled = x * inv_t[..., None]
-    if top_k is not None or one_minus_top_p is not None:
+    filtered = top_k is not None or one_minus_top_p is not None
+    if filtered:
+        scaled = x * inv_t[..., None]
         cutoff = _cutoff
         if axis_name:
             from specjax.kernels.sharded import sharded_cutoff
@@ -231,23 +232,29 @@ def row_stats(
         )
     else:
         cut = jnp.full(rows, _NEG_INF, jnp.float32)
-    m = vocab_max(scaled, axis_name)
+    # max(x * c) == max(x) * c exactly for c > 0 (rounding is monotonic), so the
+    # max reads the logits as given and the scaled row is never materialised:
+    # the exp pass below recomputes x * inv_t inside its own fused loop.
+    x_max = vocab_max(x, axis_name)
+    m = x_max * inv_t
 
     def normaliser() -> jax.Array:
-        kept = scaled >= cut[..., None]
-        return vocab_sum(jnp.where(kept, jnp.exp(scaled - m[..., None]), 0), axis_name)
+        e = jnp.exp(x * inv_t[..., None] - m[..., None])
+        if filtered:
+            e = jnp.where(x * inv_t[..., None] >= cut[..., None], e, 0)
+        return vocab_sum(e, axis_name)
 
     if axis_name:
         return RowStats(inv_t, greedy, cut, m, normaliser(), vocab_argmax(x, axis_name, offset))
     # One device: skip the exp pass when every row is greedy and the argmax pass
-    # when none is. Greedy rows have scaled == x (times 1.0), so their argmax is
-    # the first index where x equals the max already computed.
+    # when none is. Both branches read only ``x`` (an input buffer) and (B,)
+    # vectors, so the conditionals copy nothing of size V.
     z = lax.cond(jnp.all(greedy), lambda: jnp.ones(rows, jnp.float32), normaliser)
     vocab = x.shape[-1]
 
     def first_max() -> jax.Array:
         ids = jnp.arange(vocab, dtype=jnp.int32)
-        first = jnp.min(jnp.where(scaled == m[..., None], ids, vocab), axis=-1)
+        first = jnp.min(jnp.where(x == x_max[..., None], ids, vocab), axis=-1)
         return jnp.minimum(first, vocab - 1) + offset
 
     am = lax.cond(jnp.any(greedy), first_max, lambda: jnp.zeros(rows, jnp.int32))
@@ -311,6 +318,15 @@ def verify_core(
     b, g = draft_tokens.shape
     vocab_local = target_logits.shape[-1]
     row = (slice(None), None)
+    positions = jnp.arange(g, dtype=jnp.int32)
+    valid = positions[None, :] < num_draft_tokens[:, None]
+    x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
+    if not axis_name:
+        n, t_sel, d_sel = _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, top_k,
+                                         one_minus_top_p, num_draft_tokens)
+        y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
+        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+
     t_stats = row_stats(
         target_logits,
         temperature[row],
@@ -319,9 +335,6 @@ def verify_core(
         axis_name=axis_name,
         offset=offset,
     )
-    positions = jnp.arange(g, dtype=jnp.int32)
-    valid = positions[None, :] < num_draft_tokens[:, None]
-    x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
     if g > 0:
         d_stats = row_stats(
             draft_logits,
@@ -337,11 +350,6 @@ def verify_core(
         n = num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
     else:
         n = jnp.zeros((b,), jnp.int32)
-
-    if not axis_name:
-        y = _draw_from_logits(target_logits, draft_logits, t_stats, d_stats if g > 0 else None, n,
-                              num_draft_tokens, sample_uniforms)
-        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
     from specjax.kernels.sharded import sharded_inverse_cdf, sharded_residual_weights
 
@@ -360,9 +368,78 @@ def verify_core(
     return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
 
-def _draw_from_logits(target_logits, draft_logits, t_stats, d_stats, n, num_draft_tokens, sample_uniforms):
+def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, top_k, one_minus_top_p,
+                   num_draft_tokens):
+    """``n`` and the statistics of the rows the draw needs, position by position (one device).
+
+    The tests run in order and the first failure ends a row, so position ``i``
+    is summarised (max, normaliser, cutoff: a pass over V for each side) only
+    while some row of the batch is still accepting: a ``while_loop`` over
+    positions that stops when every row has failed or used its ``k_b`` tests.
+    With rejection early in the draft, most of the 2G+1 rows are never read.
+    Each row's arithmetic is that of :func:`row_stats` on a (B, V) slice.
+
+    Returns:
+      ``(n, t_sel, d_sel)``: i32[B]; the target's statistics at position
+      ``n`` (the row the correction or bonus token comes from) and the draft's
+      at ``n`` when ``n < k_b`` (else unused), as :class:`RowStats` of (B,)
+      fields; ``d_sel`` is None when G = 0.
+    """
+    b, g = x.shape
+
+    def stats(logits_row):
+        return row_stats(logits_row, temperature, top_k, one_minus_top_p)
+
+    def at(logits, i):
+        return lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
+
+    def placeholder():
+        return RowStats(jnp.ones((b,), jnp.float32), jnp.zeros((b,), bool), jnp.full((b,), _NEG_INF, jnp.float32),
+                        jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), jnp.int32))
+
+    def select(mask, new, old):
+        return RowStats(*(jnp.where(mask, a, c) for a, c in zip(new, old, strict=True)))
+
+    n = jnp.zeros((b,), jnp.int32)
+    t_sel = placeholder()
+    d_sel = None
+    if g > 0:
+        def cond(carry):
+            i, alive = carry[0], carry[1]
+            return (i < g) & jnp.any(alive)
+
+        def body(carry):
+            i, alive, n, t_sel, d_sel = carry
+            t_row, d_row = at(target_logits, i), at(draft_logits, i)
+            ts, ds = stats(t_row), stats(d_row)
+            xi = lax.dynamic_index_in_dim(x, i, axis=1, keepdims=True)  # (B, 1)
+            p = probs_from_stats(ts, jnp.take_along_axis(t_row, xi, axis=1)[:, 0], xi[:, 0])
+            q = probs_from_stats(ds, jnp.take_along_axis(d_row, xi, axis=1)[:, 0], xi[:, 0])
+            u = lax.dynamic_index_in_dim(accept_uniforms, i, axis=1, keepdims=True)
+            passes = num_accepted_from_ratios(p[:, None], q[:, None], u) == 1
+            rejected = alive & ~passes
+            t_sel, d_sel = select(rejected, ts, t_sel), select(rejected, ds, d_sel)
+            n = jnp.where(alive & passes, i + 1, n)
+            return i + 1, alive & passes & (i + 1 < num_draft_tokens), n, t_sel, d_sel
+
+        alive = num_draft_tokens > 0
+        _, _, n, t_sel, d_sel = lax.while_loop(cond, body, (jnp.int32(0), alive, n, t_sel, placeholder()))
+
+    # Rows that passed all their k_b tests emit the bonus token from p at k_b.
+    bonus = n >= num_draft_tokens
+
+    def bonus_stats():
+        t_row = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
+        return select(bonus, stats(t_row), t_sel)
+
+    t_sel = lax.cond(jnp.any(bonus), bonus_stats, lambda: t_sel)
+    return n, t_sel, d_sel
+
+
+def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms):
     """y per row from the residual of the processed rows ``p_n``, ``q_n`` (single device).
 
+    ``t_sel`` / ``d_sel`` are the statistics of row ``n`` (:func:`_accept_lazily`).
     Only row ``n`` of the target logits (and of the draft logits, when a draft
     token was rejected) is turned into probabilities, inside
     :func:`specjax.kernels.rejection.draw_rows`.
@@ -370,18 +447,17 @@ def _draw_from_logits(target_logits, draft_logits, t_stats, d_stats, n, num_draf
     g = draft_logits.shape[1]
     vocab = target_logits.shape[-1]
     ids = jnp.arange(vocab, dtype=jnp.int32)
-    t_sel = _take_rows(t_stats, n)
-    if d_stats is not None:
+    if d_sel is not None:
         d_pos = jnp.minimum(n, g - 1)
-        d_sel = _take_rows(d_stats, d_pos)
         has_q = n < num_draft_tokens
     else:
         d_pos, d_sel, has_q = n, t_sel, jnp.zeros_like(n, dtype=bool)
+    no_draft = g == 0
 
     def row_fn(row):
         t_logits, d_logits, n_b, d_b, has_q_b, t_st, d_st = row
         p_row = probs_from_stats(t_st, lax.dynamic_index_in_dim(t_logits, n_b, 0, keepdims=False), ids)
-        if d_stats is None:
+        if no_draft:
             return p_row, jnp.zeros_like(p_row)
         q_row = probs_from_stats(d_st, lax.dynamic_index_in_dim(d_logits, d_b, 0, keepdims=False), ids)
         return p_row, jnp.where(has_q_b, q_row, 0)
