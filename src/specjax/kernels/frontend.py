@@ -22,7 +22,9 @@ Processing, per row, with the semantics of transformers' warpers
 A processed row is summarised by :class:`RowStats` (scale, cutoff, max,
 normaliser, argmax), so probabilities are computed only where needed: at the B·G
 draft tokens, and on the one row per batch row the correction token is drawn
-from. The (B, G+1, V) probabilities are never materialised.
+from. The (B, G+1, V) probabilities are never materialised, and on one device
+the acceptance step summarises position ``i`` only while some row of the batch
+is still accepting (rows after every row's first rejection are never read).
 
 Per-row parameters (temperature, top_k, top_p, num_draft_tokens) are arrays:
 changing their values never recompiles. Whether top-k / top-p are used at all

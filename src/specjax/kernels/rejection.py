@@ -227,27 +227,33 @@ def draw_rows(
 
 
 def _draw_one(p_row: jax.Array, q_row: jax.Array, s: jax.Array) -> jax.Array:
-    """One row of :func:`draw_rows`: f32[V] target and draft rows, scalar s -> i32."""
+    """One row of :func:`draw_rows`: f32[V] target and draft rows, scalar s -> i32.
+
+    The residual ``max(p - q, 0)`` is never stored: one fused pass reads both
+    rows into 128-wide block sums, and only the block holding the draw is
+    recomputed (``p`` itself, in the rare case where the residual is all zero).
+    """
     vocab = p_row.shape[0]
     k = min(_CDF_BLOCK, vocab)
     nb = -(-vocab // k)
-    residual = jnp.maximum(p_row - q_row, 0)
     if nb * k != vocab:
-        residual = jnp.pad(residual, (0, nb * k - vocab))
         p_row = jnp.pad(p_row, (0, nb * k - vocab))
-    res_sums = jnp.sum(residual.reshape(nb, k), axis=1)
+        q_row = jnp.pad(q_row, (0, nb * k - vocab))
+    p_blocks, q_blocks = p_row.reshape(nb, k), q_row.reshape(nb, k)
+    res_sums = jnp.sum(jnp.maximum(p_blocks - q_blocks, 0), axis=1)
     empty = jnp.sum(res_sums) <= 0
-    weights = lax.cond(empty, lambda: p_row, lambda: residual).reshape(nb, k)
-    block_sums = lax.cond(empty, lambda: jnp.sum(weights, axis=1), lambda: res_sums)
+    block_sums = lax.cond(empty, lambda: jnp.sum(p_blocks, axis=1), lambda: res_sums)
     block_cdf = jnp.cumsum(block_sums)
-    threshold = s.astype(weights.dtype) * block_cdf[-1]
+    threshold = s.astype(p_row.dtype) * block_cdf[-1]
     blk = jnp.sum(block_cdf <= threshold, dtype=jnp.int32)
     found = blk < nb
     ids = jnp.arange(nb, dtype=jnp.int32)
     last_block = jnp.maximum(jnp.max(jnp.where(block_sums > 0, ids, -1)), 0)
     b = jnp.where(found, blk, last_block)
     prev = jnp.where(b > 0, block_cdf[jnp.maximum(b - 1, 0)], 0)
-    row = lax.dynamic_index_in_dim(weights, b, 0, keepdims=False)
+    p_b = lax.dynamic_index_in_dim(p_blocks, b, 0, keepdims=False)
+    q_b = lax.dynamic_index_in_dim(q_blocks, b, 0, keepdims=False)
+    row = jnp.where(empty, p_b, jnp.maximum(p_b - q_b, 0))
     j = jnp.sum(prev + jnp.cumsum(row) <= threshold, dtype=jnp.int32)
     lane = jnp.arange(k, dtype=jnp.int32)
     last_in = jnp.max(jnp.where(row > 0, lane, -1))
