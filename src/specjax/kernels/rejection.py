@@ -221,9 +221,52 @@ def draw_rows(
         return inverse_cdf(residual_weights(p_n, q_n), s)
 
     def per_row(rows, s):
-        return lax.map(lambda a: _draw_one(*row_fn(a[0]), a[1]), (rows, s))
+        # Map over row indices with ``rows`` closed over (loop invariants), not over
+        # ``rows`` themselves: a scan over (B, G+1, V) inputs would copy each row's
+        # whole (G+1, V) slice per iteration, where the draw reads two V-rows.
+        def one(i):
+            row = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), rows)
+            return _draw_one(*row_fn(row), s[i])
+
+        return lax.map(one, jnp.arange(s.shape[0], dtype=jnp.int32))
 
     return lax.platform_dependent(rows, sample_uniforms, cpu=per_row, default=vectorised)
+
+
+def _find_block(block_sums: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The first block whose cumulative sum exceeds ``s * total``, in two levels.
+
+    Args:
+      block_sums: f32[nb], non-negative; s: scalar in [0, 1).
+
+    Returns:
+      ``(blk, prev, total)``: i32 index (``nb`` when rounding leaves no such
+      block), the cumulative sum before it, and the total. The cumulative sum
+      runs over groups of 32 blocks, then inside the chosen group: two short
+      scans instead of one over all ``nb`` blocks (a scan costs far more per
+      element than a sum on XLA:CPU).
+    """
+    nb = block_sums.shape[0]
+    w = 32
+    ng = -(-nb // w)
+    padded = jnp.pad(block_sums, (0, ng * w - nb)).reshape(ng, w)
+    group_cdf = jnp.cumsum(jnp.sum(padded, axis=1))
+    total = group_cdf[-1]
+    threshold = s * total
+    count = jnp.sum(group_cdf <= threshold, dtype=jnp.int32)
+    found = count < ng
+    grp = jnp.minimum(count, ng - 1)
+    before = jnp.where(grp > 0, group_cdf[jnp.maximum(grp - 1, 0)], 0)
+    blocks = lax.dynamic_index_in_dim(padded, grp, 0, keepdims=False)
+    inner = before + jnp.cumsum(blocks)
+    j = jnp.sum(inner <= threshold, dtype=jnp.int32)
+    # Rounding: the group's own running sum may stay <= the threshold although its
+    # total exceeded it; then take the group's last block with positive weight.
+    lane = jnp.arange(w, dtype=jnp.int32)
+    j = jnp.where(j < w, j, jnp.max(jnp.where(blocks > 0, lane, 0)))
+    prev = jnp.where(j > 0, inner[jnp.maximum(j - 1, 0)], before)
+    blk = jnp.where(found, grp * w + j, nb)
+    return blk.astype(jnp.int32), prev, total
 
 
 def _draw_one(p_row: jax.Array, q_row: jax.Array, s: jax.Array) -> jax.Array:
@@ -243,14 +286,13 @@ def _draw_one(p_row: jax.Array, q_row: jax.Array, s: jax.Array) -> jax.Array:
     res_sums = jnp.sum(jnp.maximum(p_blocks - q_blocks, 0), axis=1)
     empty = jnp.sum(res_sums) <= 0
     block_sums = lax.cond(empty, lambda: jnp.sum(p_blocks, axis=1), lambda: res_sums)
-    block_cdf = jnp.cumsum(block_sums)
-    threshold = s.astype(p_row.dtype) * block_cdf[-1]
-    blk = jnp.sum(block_cdf <= threshold, dtype=jnp.int32)
+    blk, prev, total = _find_block(block_sums, s.astype(p_row.dtype))
+    threshold = s.astype(p_row.dtype) * total
     found = blk < nb
     ids = jnp.arange(nb, dtype=jnp.int32)
     last_block = jnp.maximum(jnp.max(jnp.where(block_sums > 0, ids, -1)), 0)
     b = jnp.where(found, blk, last_block)
-    prev = jnp.where(b > 0, block_cdf[jnp.maximum(b - 1, 0)], 0)
+    prev = jnp.where(found, prev, 0)
     p_b = lax.dynamic_index_in_dim(p_blocks, b, 0, keepdims=False)
     q_b = lax.dynamic_index_in_dim(q_blocks, b, 0, keepdims=False)
     row = jnp.where(empty, p_b, jnp.maximum(p_b - q_b, 0))
