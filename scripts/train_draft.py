@@ -612,26 +612,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the draft is saved")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default); 1 is robust on a shared machine")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     g = p.add_argument_group("data")
-    g.add_argument("--train-prompts", type=int, default=800)
-    g.add_argument("--samples-per-prompt", type=int, default=1, help="sampled (T=0.7) continuations per prompt, besides the greedy one")
+    g.add_argument("--train-prompts", type=int, default=3200)
+    g.add_argument("--samples-per-prompt", type=int, default=0, help="sampled (T=0.7) continuations per prompt, besides the greedy one")
     g.add_argument("--heldout-prompts", type=int, default=40)
-    g.add_argument("--max-new-tokens", type=int, default=96)
-    g.add_argument("--gen-batch", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=int, default=160)
+    g.add_argument("--gen-batch", type=int, default=128)
+    g.add_argument("--gen-set-size", type=int, default=1600, help="training prompts generated (and cached) per set")
     g.add_argument("--topk", type=int, default=16, help="teacher logits stored per position")
     g.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     g.add_argument("--no-cache", action="store_true", help="regenerate the data even if cached")
     m = p.add_argument_group("draft")
     m.add_argument("--hidden", type=int, default=192)
     m.add_argument("--intermediate", type=int, default=768)
-    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--layers", type=int, default=3)
     m.add_argument("--heads", type=int, default=3)
-    m.add_argument("--kv-heads", type=int, default=3)
+    m.add_argument("--kv-heads", type=int, default=1)
     t = p.add_argument_group("training")
-    t.add_argument("--reg-epochs", type=int, default=6, help="stage 1: hidden-state regression epochs")
+    t.add_argument("--reg-epochs", type=int, default=4, help="stage 1: hidden-state regression epochs")
     t.add_argument("--reg-lr", type=float, default=3e-3)
-    t.add_argument("--epochs", type=int, default=2, help="stage 2: distillation epochs")
+    t.add_argument("--epochs", type=int, default=4, help="stage 2: distillation epochs")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch")
@@ -655,27 +656,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_data(target: Any, tok: Any, args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Generate (or load from the cache) the training and held-out records.
+
+    The training prompts are generated in sets of ``--gen-set-size`` prompts,
+    each cached on its own (the first set's file also holds the held-out
+    records), so a run with more prompts reuses the sets an earlier run made.
+    """
     import torch
 
     train_prompts, held_prompts = build_prompts(args.train_prompts, args.heldout_prompts, args.seed)
-    key = json.dumps({"v": 2, "train": train_prompts, "held": held_prompts, "max_new": args.max_new_tokens,
-                      "samples": args.samples_per_prompt, "topk": args.topk, "seed": args.seed, "batch": args.gen_batch})
-    path = args.cache_dir / f"draft-data-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
-    if path.is_file() and not args.no_cache:
-        log(f"using cached data {path}")
-        data = torch.load(path, weights_only=False)
-        return data["train"], data["held"]
-    log(f"generating data with the target: {len(train_prompts)} training prompts x (1 greedy + "
-        f"{args.samples_per_prompt} at T=0.7), {len(held_prompts)} held-out prompts, <= {args.max_new_tokens} new tokens")
+    train: list[dict[str, Any]] = []
+    held: list[dict[str, Any]] = []
     kw = dict(max_new=args.max_new_tokens, batch=args.gen_batch, topk=args.topk)
-    train = generate_set(target, tok, train_prompts, temperature=0.0, seed=args.seed, label="greedy", **kw)
-    for s in range(args.samples_per_prompt):
-        train += generate_set(target, tok, train_prompts, temperature=0.7, seed=args.seed + 1000 * (s + 1),
-                              label=f"T=0.7 #{s + 1}", **kw)
-    held = generate_set(target, tok, held_prompts, temperature=0.0, seed=args.seed, label="held-out greedy", **kw)
-    args.cache_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"train": train, "held": held}, path)
-    log(f"cached data in {path}")
+    for start in range(0, len(train_prompts), args.gen_set_size):
+        part = train_prompts[start:start + args.gen_set_size]
+        first = start == 0
+        key = json.dumps({"v": 2, "train": part, "held": held_prompts, "max_new": args.max_new_tokens,
+                          "samples": args.samples_per_prompt, "topk": args.topk, "seed": args.seed,
+                          "batch": args.gen_batch})
+        path = args.cache_dir / f"draft-data-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
+        if path.is_file() and not args.no_cache:
+            log(f"using cached data {path}")
+            data = torch.load(path, weights_only=False)
+        else:
+            log(f"generating data with the target: training prompts {start}..{start + len(part) - 1} x (1 greedy + "
+                f"{args.samples_per_prompt} at T=0.7){f', {len(held_prompts)} held-out prompts' if first else ''}, "
+                f"<= {args.max_new_tokens} new tokens")
+            data = {"train": generate_set(target, tok, part, temperature=0.0, seed=args.seed, label="greedy", **kw)}
+            for s in range(args.samples_per_prompt):
+                data["train"] += generate_set(target, tok, part, temperature=0.7, seed=args.seed + 1000 * (s + 1),
+                                              label=f"T=0.7 #{s + 1}", **kw)
+            data["held"] = (generate_set(target, tok, held_prompts, temperature=0.0, seed=args.seed,
+                                         label="held-out greedy", **kw) if first else [])
+            args.cache_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(data, path)
+            log(f"cached data in {path}")
+        train += data["train"]
+        if first:
+            held = data["held"]
     return train, held
 
 
