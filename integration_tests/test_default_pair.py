@@ -36,10 +36,11 @@ PROMPTS = (
 )
 NEW_TOKENS = 32
 # Teacher-forced top-1 agreement of the draft with the target's greedy tokens over
-# both prompts (64 tokens). Measured 0.000 for a randomly initialised draft and 0.016 for the
-# shipped one here (0.11 on the training script's held-out generations): the shipped draft is weak,
-# see docs/draft.md. This floor only proves the weights are trained ones.
-AGREEMENT_FLOOR = 0.01
+# both prompts (64 tokens). Measured 0.000 for a randomly initialised draft, 0.016 for the
+# previous shipped draft and 0.359 for the current one here (0.44 on the training script's
+# held-out generations, see docs/draft.md). The floor catches a draft that is untrained, stale
+# or loaded wrongly, with room for float differences between machines.
+AGREEMENT_FLOOR = 0.25
 
 
 @pytest.fixture(scope="module")

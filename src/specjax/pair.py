@@ -38,7 +38,7 @@ TARGET_GGUF_SIZE = 98362432
 TARGET_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DRAFT_DIR_NAME = "smollm2-draft"
 #: Draft tokens per step recommended for this pair (from the measurements in docs/draft.md).
-DEFAULT_NUM_DRAFT_TOKENS = 1  # best for the shipped draft (alpha ~ 0.1): see docs/draft.md
+DEFAULT_NUM_DRAFT_TOKENS = 2  # best for the shipped draft in the sweep of docs/benchmarks.md
 
 INSTALL_HINT = f"run `pip install --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}` or `make install`"
 REBUILD_HINT = "`make train-draft` rebuilds them"

@@ -232,15 +232,16 @@ def run_loop(
             target_logits = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False)
             held.append(target_logits)
             tj = to_jax(target_logits)
-            xj = jnp.stack(draft_x, axis=1) if g else jnp.zeros((b_now, 0), jnp.int32)
 
             # 3. Verify.
             if sampler is None:
-                result = steps.verify_step(xj, tuple(draft_logits), tj, keys, step, row_t, row_k, row_p,
-                                           jnp.asarray(k_rows.astype(np.int32)),
+                # the draft tokens go in as a tuple and k as host numbers: no eager JAX op here
+                result = steps.verify_step(tuple(draft_x), tuple(draft_logits), tj, keys, step, row_t, row_k,
+                                           row_p, k_rows.astype(np.int32),
                                            use_top_k=use_top_k, use_top_p=use_top_p)
                 n_j, tok_j = result["num_accepted"], result["tokens"]
             else:
+                xj = jnp.stack(draft_x, axis=1) if g else jnp.zeros((b_now, 0), jnp.int32)
                 n_j, tok_j = _run_sampler(sampler, xj, tuple(draft_logits), tj, keys, step, row_t, row_k, row_p,
                                           k_rows, use_top_k, use_top_p)
             tok_host = np.asarray(jax.block_until_ready(tok_j))  # i32[B', g+1]: the one host sync per step

@@ -17,6 +17,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from specjax.kernels.frontend import _uniforms, probs_from_stats, row_stats, verify_core
 from specjax.kernels.rejection import inverse_cdf
@@ -58,10 +59,16 @@ def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_to
     x = fit_vocab(logits, vocab)
     stats = row_stats(x, temperature, top_k if use_top_k else None,
                       one_minus_top_p if use_top_p else None)
-    ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-    probs = probs_from_stats(stats, x, ids)
-    keys = step_keys(row_keys, step, purpose)
-    return inverse_cdf(probs, _uniforms(keys, x.shape[0], 1)[:, 0])
+
+    def draw() -> jax.Array:
+        ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+        probs = probs_from_stats(stats, x, ids)
+        keys = step_keys(row_keys, step, purpose)
+        return inverse_cdf(probs, _uniforms(keys, x.shape[0], 1)[:, 0])
+
+    # An all-greedy batch draws argmax (what the inverse CDF of its one-hot rows
+    # returns) without the probability and CDF passes over V.
+    return lax.cond(jnp.all(stats.greedy), lambda: stats.argmax, draw)
 
 
 # Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
@@ -71,9 +78,13 @@ def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, tempe
     """The acceptance step of the loop (the fused JAX sampler).
 
     Args:
-      draft_tokens: i32[B, G]; draft_logits: tuple of G f[B, V_draft];
+      draft_tokens: i32[B, G], or a tuple of G i32[B] (stacked here, inside the
+        jitted call); draft_logits: tuple of G f[B, V_draft];
       target_logits: f[B, G+1, V].
     """
+    if isinstance(draft_tokens, tuple | list):
+        draft_tokens = jnp.stack(draft_tokens, axis=1) if draft_tokens else \
+            jnp.zeros((target_logits.shape[0], 0), jnp.int32)
     vocab = target_logits.shape[-1]
     d = fit_vocab(jnp.stack(draft_logits, axis=1), vocab) if draft_logits else \
         jnp.zeros((*draft_tokens.shape, vocab), jnp.float32)

@@ -23,8 +23,9 @@ A processed row is summarised by :class:`RowStats` (scale, cutoff, max,
 normaliser, argmax), so probabilities are computed only where needed: at the B·G
 draft tokens, and on the one row per batch row the correction token is drawn
 from. The (B, G+1, V) probabilities are never materialised, and on one device
-the acceptance step summarises position ``i`` only while some row of the batch
-is still accepting (rows after every row's first rejection are never read).
+without top-k/top-p the acceptance step summarises position ``i`` only while
+some row of the batch is still accepting (rows after every row's first
+rejection are never read).
 
 Per-row parameters (temperature, top_k, top_p, num_draft_tokens) are arrays:
 changing their values never recompiles. Whether top-k / top-p are used at all
@@ -323,9 +324,12 @@ def verify_core(
     positions = jnp.arange(g, dtype=jnp.int32)
     valid = positions[None, :] < num_draft_tokens[:, None]
     x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
-    if not axis_name:
-        n, t_sel, d_sel = _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, top_k,
-                                         one_minus_top_p, num_draft_tokens)
+    if not axis_name and top_k is None and one_minus_top_p is None:
+        # One device, no top-k/top-p: summarise positions only as far as needed. With
+        # top-k/top-p every row needs its cutoff (a top-k or a full pass anyway),
+        # and one call over all rows is cheaper than one per position.
+        n, t_sel, d_sel = _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, None,
+                                         None, num_draft_tokens)
         y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
         return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
@@ -353,6 +357,12 @@ def verify_core(
     else:
         n = jnp.zeros((b,), jnp.int32)
 
+    if not axis_name:
+        t_sel = _take_rows(t_stats, n)
+        d_sel = _take_rows(d_stats, jnp.minimum(n, g - 1)) if g > 0 else None
+        y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
+        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+
     from specjax.kernels.sharded import sharded_inverse_cdf, sharded_residual_weights
 
     ids = (jnp.arange(vocab_local, dtype=jnp.int32) + offset)[None, :]
@@ -373,6 +383,8 @@ def verify_core(
 def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, top_k, one_minus_top_p,
                    num_draft_tokens):
     """``n`` and the statistics of the rows the draw needs, position by position (one device).
+
+    Used without top-k/top-p (see :func:`verify_core`); correct with them too.
 
     The tests run in order and the first failure ends a row, so position ``i``
     is summarised (max, normaliser, cutoff: a pass over V for each side) only
