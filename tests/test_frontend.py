@@ -501,6 +501,33 @@ def test_ragged_ignores_draft_tokens_past_k():
     assert np.all(n[kb == 0] == 0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_position_by_position_path_equals_the_all_rows_path(seed):
+    """Without top-k/top-p the step stops at the first rejection (a while_loop over
+    positions); top_k=0, top_p=1 keep every token but take the path that
+    summarises all rows at once. Same key, same processing: the same answer,
+    for mixed greedy/sampled rows, ragged k_b (including 0) and draft tokens the
+    target rejects or accepts at every position."""
+    rng = np.random.default_rng(100 + seed)
+    batch, g, vocab = 6, 5, 300
+    target = (2.0 * rng.standard_normal((batch, g + 1, vocab))).astype(np.float32)
+    # Rows 0-2: a draft close to the target (long accepted prefixes); rows 3-5: unrelated.
+    close = target[:3, :g] + 0.3 * rng.standard_normal((3, g, vocab)).astype(np.float32)
+    draft = np.concatenate([close, rng.standard_normal((3, g, vocab)).astype(np.float32)])
+    x = np.argmax(draft + rng.gumbel(size=draft.shape), axis=-1).astype(np.int32)
+    temperature = np.array([1.0, 0.0, 0.7, 1.3, 0.0, 0.9], np.float32)
+    kb = np.array([g, g, 3, 0, 2, g], np.int32)
+    key = jax.random.split(jax.random.key(seed), batch)
+    lazy = verify_from_logits(x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb)
+    full = verify_from_logits(x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb,
+                              top_k=0, top_p=1.0)
+    np.testing.assert_array_equal(np.asarray(lazy["num_accepted"]), np.asarray(full["num_accepted"]))
+    np.testing.assert_array_equal(np.asarray(lazy["tokens"]), np.asarray(full["tokens"]))
+    # The case is not degenerate: some row accepts its whole draft and some none.
+    n = np.asarray(lazy["num_accepted"])
+    assert np.any((n == kb) & (kb > 0)) and np.any((n == 0) & (kb > 0)), (n, kb)
+
+
 def test_uniform_draws_are_the_documented_ones():
     """verify_from_logits == rejection_sample(probabilities, u, s) with u, s drawn from the key.
 
