@@ -13,13 +13,14 @@ accepted length, acceptance rate, speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from results_io import append_jsonl
 
 PROMPTS = (
     "What is the capital of France, and what is it famous for?",
@@ -142,10 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              drafts=args.drafts, max_new_tokens=args.max_new_tokens)
     print_table(rows)
     if args.jsonl:
-        os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
-        with open(args.jsonl, "a") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
+        append_jsonl(args.jsonl, rows)
     return 0
 
 

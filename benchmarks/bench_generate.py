@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -59,6 +58,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from results_io import append_jsonl
 
 PROMPTS = (
     "What is the capital of France, and what is it famous for?",
@@ -433,10 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))
     if args.jsonl:
-        os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
-        with open(args.jsonl, "a") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
+        append_jsonl(args.jsonl, rows)
     return 0
 
 

@@ -30,19 +30,19 @@ their own ``bench_*`` function and share :func:`time_call` and :func:`main`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from results_io import append_jsonl, flat_record
 
 from specjax.kernels.rejection import (
     _rejection_sample_jit,
@@ -330,12 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# total {time.perf_counter() - start:.0f} s")
 
     if args.jsonl:
-        os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
-        with open(args.jsonl, "a") as fh:
-            for r in rows:
-                rec = asdict(r)
-                rec.update(rec.pop("extra"))
-                fh.write(json.dumps(rec) + "\n")
+        append_jsonl(args.jsonl, (flat_record(r) for r in rows))
     return 0
 
 

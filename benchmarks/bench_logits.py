@@ -41,7 +41,6 @@ Absolute times on a shared CPU are noise; read the ratios. Rows are appended to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -55,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from results_io import append_jsonl
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -316,11 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _, verdict = target_verdict(rows)
     print(verdict)
     if args.jsonl:
-        os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        with open(args.jsonl, "a", encoding="utf-8") as fh:
-            for r in rows:
-                fh.write(json.dumps({**r, "quick": args.quick, "time": stamp, "env": env}) + "\n")
+        append_jsonl(args.jsonl, ({**r, "quick": args.quick, "time": stamp, "env": env} for r in rows))
     return 0
 
 

@@ -43,12 +43,11 @@ if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -56,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from results_io import append_jsonl, flat_record
 
 from specjax.kernels.frontend import _verify_jit, verify_core
 from specjax.kernels.rejection import _rejection_sample_jit
@@ -314,13 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"# {r.kernel} B={r.B} G={r.G} V={r.V} {r.method}: {r.note}")
     print(f"# total {time.perf_counter() - start:.0f} s")
     if args.jsonl:
-        os.makedirs(os.path.dirname(os.path.abspath(args.jsonl)), exist_ok=True)
-        with open(args.jsonl, "a") as fh:
-            for r in rows:
-                rec = asdict(r)
-                rec.update(rec.pop("extra"))
-                rec["section"] = "sharded"
-                fh.write(json.dumps(rec) + "\n")
+        append_jsonl(args.jsonl, ({**flat_record(r), "section": "sharded"} for r in rows))
     return 0
 
 

@@ -78,13 +78,11 @@ def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, tempe
     """The acceptance step of the loop (the fused JAX sampler).
 
     Args:
-      draft_tokens: i32[B, G], or a tuple of G i32[B] (stacked here, inside the
-        jitted call); draft_logits: tuple of G f[B, V_draft];
-      target_logits: f[B, G+1, V].
+      draft_tokens: tuple of G i32[B] (stacked here, inside the jitted call);
+      draft_logits: tuple of G f[B, V_draft]; target_logits: f[B, G+1, V].
     """
-    if isinstance(draft_tokens, tuple | list):
-        draft_tokens = jnp.stack(draft_tokens, axis=1) if draft_tokens else \
-            jnp.zeros((target_logits.shape[0], 0), jnp.int32)
+    draft_tokens = jnp.stack(draft_tokens, axis=1) if draft_tokens else \
+        jnp.zeros((target_logits.shape[0], 0), jnp.int32)
     vocab = target_logits.shape[-1]
     d = fit_vocab(jnp.stack(draft_logits, axis=1), vocab) if draft_logits else \
         jnp.zeros((*draft_tokens.shape, vocab), jnp.float32)

@@ -328,8 +328,8 @@ def verify_core(
         # One device, no top-k/top-p: summarise positions only as far as needed. With
         # top-k/top-p every row needs its cutoff (a top-k or a full pass anyway),
         # and one call over all rows is cheaper than one per position.
-        n, t_sel, d_sel = _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, None,
-                                         None, num_draft_tokens)
+        n, t_sel, d_sel = _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
+                                         num_draft_tokens)
         y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
         return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
@@ -380,14 +380,13 @@ def verify_core(
     return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
 
-def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, top_k, one_minus_top_p,
-                   num_draft_tokens):
+def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens):
     """``n`` and the statistics of the rows the draw needs, position by position (one device).
 
-    Used without top-k/top-p (see :func:`verify_core`); correct with them too.
+    Without top-k/top-p only (see :func:`verify_core`).
 
     The tests run in order and the first failure ends a row, so position ``i``
-    is summarised (max, normaliser, cutoff: a pass over V for each side) only
+    is summarised (max and normaliser: a pass over V for each side) only
     while some row of the batch is still accepting: a ``while_loop`` over
     positions that stops when every row has failed or used its ``k_b`` tests.
     With rejection early in the draft, most of the 2G+1 rows are never read.
@@ -402,7 +401,7 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
     b, g = x.shape
 
     def stats(logits_row):
-        return row_stats(logits_row, temperature, top_k, one_minus_top_p)
+        return row_stats(logits_row, temperature)
 
     def at(logits, i):
         return lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
@@ -601,16 +600,12 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
     top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
     top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")
     _check_params(temperature, top_k, top_p, validate)
-    temperature = _as_dtype(temperature, np.float32)
+    temperature = np.ascontiguousarray(temperature, np.float32)
     if top_k is not None:
-        top_k = _as_dtype(np.clip(top_k, 0, np.iinfo(np.int32).max), np.int32)
+        top_k = np.ascontiguousarray(np.clip(top_k, 0, np.iinfo(np.int32).max), np.int32)
     if top_p is not None:
-        top_p = _as_dtype(1.0 - top_p.astype(np.float64), np.float32)  # in float64, as transformers does
+        top_p = np.ascontiguousarray(1.0 - top_p.astype(np.float64), np.float32)  # in float64, as transformers does
     return temperature, top_k, top_p
-
-
-def _as_dtype(x: np.ndarray, dtype: Any) -> np.ndarray:
-    return np.ascontiguousarray(x, dtype)
 
 
 @functools.cache
@@ -703,15 +698,11 @@ def _verify_summary(draft_tokens, k, target_logits, draft_logits):
     return lo_hi, _row_max(target_logits), _row_max(draft_logits)
 
 
-def _logits_ok(row_max: np.ndarray) -> bool:
-    return bool(np.all(np.isfinite(row_max))) if row_max.size else True
-
-
 def _check_logits(name: str, logits: jax.Array, row_max: np.ndarray | None = None) -> None:
     """Raise for NaN, +inf or all -inf rows; ``row_max`` (from :func:`_row_max`) if already known."""
     if row_max is None:
         row_max = np.asarray(jax.device_get(_row_max_jit(logits)))
-    if _logits_ok(row_max):
+    if np.all(np.isfinite(row_max)):
         return
     nan, pinf, empty_rows = (int(v) for v in np.asarray(jax.device_get(_logit_summary(logits))))
     if nan or pinf:
@@ -796,7 +787,7 @@ def verify_from_logits(
             kh = _host(k)
             if np.any(kh < 0) or np.any(kh > g):
                 raise ValueError(f"num_draft_tokens: expected values in [0, G] = [0, {g}], got {kh.tolist()}")
-        k = _as_dtype(k, np.int32)
+        k = np.ascontiguousarray(k, np.int32)
     if batch == 0:
         return {"num_accepted": jnp.zeros((0,), jnp.int32), "tokens": jnp.zeros((0, g + 1), jnp.int32)}
     if validate:  # one fused check, one transfer to the host

@@ -240,8 +240,8 @@ def _find_block(block_sums: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Arr
       block_sums: f32[nb], non-negative; s: scalar in [0, 1).
 
     Returns:
-      ``(blk, prev, total)``: i32 index (``nb`` when rounding leaves no such
-      block), the cumulative sum before it, and the total. The cumulative sum
+      ``(blk, prev, threshold)``: i32 index (``nb`` when rounding leaves no
+      such block), the cumulative sum before it, and ``s * total``. The cumulative sum
       runs over groups of 32 blocks, then inside the chosen group: two short
       scans instead of one over all ``nb`` blocks (a scan costs far more per
       element than a sum on XLA:CPU).
@@ -266,7 +266,7 @@ def _find_block(block_sums: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Arr
     j = jnp.where(j < w, j, jnp.max(jnp.where(blocks > 0, lane, 0)))
     prev = jnp.where(j > 0, inner[jnp.maximum(j - 1, 0)], before)
     blk = jnp.where(found, grp * w + j, nb)
-    return blk.astype(jnp.int32), prev, total
+    return blk.astype(jnp.int32), prev, threshold
 
 
 def _draw_one(p_row: jax.Array, q_row: jax.Array, s: jax.Array) -> jax.Array:
@@ -286,8 +286,7 @@ def _draw_one(p_row: jax.Array, q_row: jax.Array, s: jax.Array) -> jax.Array:
     res_sums = jnp.sum(jnp.maximum(p_blocks - q_blocks, 0), axis=1)
     empty = jnp.sum(res_sums) <= 0
     block_sums = lax.cond(empty, lambda: jnp.sum(p_blocks, axis=1), lambda: res_sums)
-    blk, prev, total = _find_block(block_sums, s.astype(p_row.dtype))
-    threshold = s.astype(p_row.dtype) * total
+    blk, prev, threshold = _find_block(block_sums, s.astype(p_row.dtype))
     found = blk < nb
     ids = jnp.arange(nb, dtype=jnp.int32)
     last_block = jnp.maximum(jnp.max(jnp.where(block_sums > 0, ids, -1)), 0)
