@@ -293,6 +293,28 @@ def hidden_basis(records: list[dict[str, Any]], width: int) -> Any:
     return vecs[:, -width:].flip(1).float().contiguous()
 
 
+def projection_ceiling(target: Any, train: list[dict[str, Any]], held: list[dict[str, Any]],
+                       widths: tuple[int, ...]) -> dict[str, float]:
+    """Greedy agreement a tied head of each width would reach with a perfect body.
+
+    For width d the draft's logits are (E P)(Pᵀ z) with P the top-d principal
+    directions of the training z; this is the agreement of that argmax with the
+    target's own (argmax E z) on the held-out positions, i.e. what stage 1 aims
+    at if the body produced Pᵀz exactly.
+    """
+    import torch
+
+    emb = target.get_input_embeddings().weight.detach().float()
+    z = torch.cat([r["z"] for r in held]).float()
+    want = (z @ emb.T).argmax(1)
+    out = {}
+    for width in widths:
+        proj = hidden_basis(train, width)
+        got = ((z @ proj) @ (emb @ proj).T).argmax(1)
+        out[str(width)] = float((got == want).float().mean())
+    return out
+
+
 def build_draft(target: Any, proj: Any, args: argparse.Namespace) -> Any:
     """A narrow Llama whose tied embedding is the target's embedding projected on ``proj``.
 
@@ -646,6 +668,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="besides 1 thread, time batch-1 decoding with this many threads (0: all cores)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (a few minutes); saves nothing unless --out is given")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--ceiling-only", action="store_true",
+                   help="only measure the projection ceiling (see projection_ceiling) for a few widths, print it "
+                        "and add it to the report in --out; uses the cached data")
     args = p.parse_args(argv)
     if args.quick:
         args.train_prompts, args.heldout_prompts, args.max_new_tokens = 48, 8, 48
@@ -720,6 +745,18 @@ def main(argv: list[str] | None = None) -> int:
     log(f"data: {len(train_recs)} training sequences ({n_train_tok} generated tokens), "
         f"{len(held_recs)} held-out ({n_held_tok} tokens) in {t_data:.0f}s")
 
+    ceiling = projection_ceiling(target, train_recs, held_recs, (args.hidden, 256, 320))
+    log("projection ceiling (agreement with a perfect body), by head width: "
+        + ", ".join(f"{w}: {a:.3f}" for w, a in ceiling.items()))
+    if args.ceiling_only:
+        report_path = args.out / "training_report.json"
+        if report_path.is_file():
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+            report["projection_ceiling"] = ceiling
+            report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+            log(f"added it to {report_path}")
+        return 0
+
     proj = hidden_basis(train_recs, args.hidden)
     draft = build_draft(target, proj, args)
     log(f"draft: hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
@@ -780,6 +817,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "regression_relative_error": [round(x, 4) for x in reg_losses],
         "agreement_after_regression": ev0["agreement"],
+        "projection_ceiling": ceiling,
         "history": history,
         "final": final,
         "timing_context_tokens": len(prompt),
