@@ -668,6 +668,54 @@ def test_inverse_cdf_smallest_token_with_cdf_above_s(s: float, y: int) -> None:
     assert run_row([], [], [p0], [], s) == (0, [y])
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 128, 129, 50257])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_row_and_block_sums_equal_float64_sums(vocab: int, dtype: str) -> None:
+    """row_sums pads to 128-blocks and sums them (a GEMV on CPU): any vocabulary, batch dims."""
+    rng = np.random.default_rng(vocab)
+    x = rng.random((3, 2, vocab)).astype(dtype)
+    tol = 1e-6 if dtype == "float32" else 1e-12
+    with jax.enable_x64(dtype == "float64"):
+        rows = np.asarray(jax.jit(rejection_module.row_sums)(jnp.asarray(x)))
+        blocks = np.asarray(jax.jit(rejection_module.block_sums)(jnp.asarray(x.reshape(3, 2 * vocab, 1))))
+    assert rows.shape == (3, 2) and rows.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(rows, x.astype(np.float64).sum(-1), rtol=tol)
+    np.testing.assert_allclose(blocks, x.reshape(3, 2 * vocab), rtol=tol)
+
+
+@pytest.mark.parametrize("vocab", [300, 50257])
+def test_per_row_draw_equals_the_vectorised_draw(vocab: int) -> None:
+    """CPU's row-at-a-time draw (draw_rows) and the vectorised inverse CDF (other backends) agree.
+
+    Rows include an empty residual (p = q, drawn from p). The two add block sums in a
+    different order, so a row may differ only where s·Σr lies within float rounding
+    of the cumulative value at the smaller of the two tokens (checked in float64).
+    """
+    rng = np.random.default_rng(vocab)
+    b = 512
+    p = rng.random((b, vocab)) ** 6
+    p /= p.sum(1, keepdims=True)
+    q = p * rng.uniform(0.5, 1.5, (b, vocab))
+    q /= q.sum(1, keepdims=True)
+    q[:8] = p[:8]  # empty residual: draw from p
+    s = rng.random(b)
+    s[-4:] = F32_BELOW_ONE
+    p32, q32, s32 = (jnp.asarray(a, jnp.float32) for a in (p, q, s))
+    per_row = jax.jit(lambda p, q, s: rejection_module.draw_rows((p, q), lambda r: r, s))(p32, q32, s32)
+    vectorised = jax.jit(lambda p, q, s: rejection_module.inverse_cdf(rejection_module.residual_weights(p, q), s))(
+        p32, q32, s32)
+    per_row, vectorised = np.asarray(per_row), np.asarray(vectorised)
+    weights = np.maximum(np.asarray(p32, np.float64) - np.asarray(q32, np.float64), 0)
+    weights[:8] = np.asarray(p32[:8], np.float64)
+    assert (weights[np.arange(b), per_row] > 0).all() and (weights[np.arange(b), vectorised] > 0).all()
+    differ = np.flatnonzero(per_row != vectorised)
+    assert len(differ) <= 2, differ
+    cdf = np.cumsum(weights, axis=1) / weights.sum(1, keepdims=True)
+    for row in differ:
+        lo = min(per_row[row], vectorised[row])
+        assert abs(cdf[row, lo] - s32[row]) < 1e-5, (row, per_row[row], vectorised[row])
+
+
 def test_residual_draw_uses_max_of_difference() -> None:
     """r ∝ max(p - q, 0): tokens where q > p get nothing, the rest their excess."""
     q = [[0.5, 0.1, 0.1, 0.3]]

@@ -49,6 +49,7 @@ from specjax.kernels.rejection import (
     draw_rows,
     inverse_cdf,
     num_accepted_from_ratios,
+    row_sums,
 )
 
 __all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "verify_from_logits"]
@@ -91,7 +92,7 @@ def vocab_max(x: jax.Array, axis_name: str | None) -> jax.Array:
 
 
 def vocab_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
-    s = jnp.sum(x, axis=-1)
+    s = row_sums(x)
     return lax.psum(s, axis_name) if axis_name else s
 
 
@@ -165,7 +166,7 @@ def _cutoff(scaled: jax.Array, top_k: jax.Array | None, one_minus_top_p: jax.Arr
         e = jnp.exp(jnp.where(cand >= cut[..., None], cand, _NEG_INF) - top[..., None])
         cand_mass = jnp.sum(e, axis=-1)
         if kc < vocab:
-            full = jnp.sum(jnp.exp(scaled - top[..., None]), axis=-1)
+            full = row_sums(jnp.exp(scaled - top[..., None]))
             rest = jnp.where(k_active, 0, jnp.maximum(full - cand_mass, 0))
         else:
             rest = jnp.zeros(rows, scaled.dtype)

@@ -42,6 +42,7 @@ blocked sum is also more accurate than one long float32 running sum.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,6 +57,35 @@ __all__ = ["rejection_sample"]
 # Block width of the blocked inverse-CDF draw. A multiple of the SIMD width; the
 # vocabulary is zero-padded up to a multiple of it.
 _CDF_BLOCK = 128
+
+
+def block_sums(blocks: jax.Array) -> jax.Array:
+    """f[..., nb, k] -> f[..., nb]: the sum of each length-``k`` block.
+
+    On CPU a matrix-vector product with ones: XLA:CPU runs a reduction over a
+    short minor axis (fused with its elementwise producer) at about half the
+    speed of the GEMV over the materialised operand (at B = 8, V = 32000 the
+    acceptance kernel's draw went from 350 to 280 us; the front end's from
+    10.4 to 7.6 ms). ``HIGHEST`` keeps full precision. Elsewhere ``jnp.sum``.
+    Every reduction over the vocabulary in the kernels goes through here or
+    :func:`row_sums`, so the paths (per row, vectorised, one-device mesh) add
+    in the same order and agree exactly.
+    """
+
+    def by_dot(b: jax.Array) -> jax.Array:
+        return jnp.dot(b, jnp.ones((b.shape[-1],), b.dtype), precision=lax.Precision.HIGHEST)
+
+    return lax.platform_dependent(blocks, cpu=by_dot, default=lambda b: jnp.sum(b, axis=-1))
+
+
+def row_sums(x: jax.Array) -> jax.Array:
+    """f[..., V] -> f[...]: the sum over the last axis, as :func:`block_sums` of 128-blocks."""
+    vocab = x.shape[-1]
+    k = min(_CDF_BLOCK, vocab)
+    nb = -(-vocab // k)
+    if nb * k != vocab:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, nb * k - vocab)])
+    return jnp.sum(block_sums(x.reshape(*x.shape[:-1], nb, k)), axis=-1)
 
 
 def compute_dtype(dtype: Any) -> jnp.dtype:
@@ -149,8 +179,8 @@ def inverse_cdf(weights: jax.Array, sample_uniforms: jax.Array) -> jax.Array:
     if nb * k != vocab:
         weights = jnp.pad(weights, ((0, 0), (0, nb * k - vocab)))
     blocks = weights.reshape(b, nb, k)
-    block_sums = jnp.sum(blocks, axis=2)  # [B, nb]
-    block_cdf = jnp.cumsum(block_sums, axis=1)  # [B, nb]
+    sums = block_sums(blocks)  # [B, nb]
+    block_cdf = jnp.cumsum(sums, axis=1)  # [B, nb]
     total = block_cdf[:, -1]
     threshold = sample_uniforms.astype(weights.dtype) * total  # [B]
 
@@ -170,7 +200,7 @@ def inverse_cdf(weights: jax.Array, sample_uniforms: jax.Array) -> jax.Array:
     # Rounding fallbacks: the last positive entry of the chosen block, or of the row.
     last_in_block = jnp.max(jnp.where(rows > 0, lane[None, :], -1), axis=1)
     block_ids = jnp.arange(nb, dtype=jnp.int32)
-    last_block = jnp.max(jnp.where(block_sums > 0, block_ids[None, :], -1), axis=1)
+    last_block = jnp.max(jnp.where(sums > 0, block_ids[None, :], -1), axis=1)
     last_block_c = jnp.maximum(last_block, 0)
     last_rows = jnp.take_along_axis(blocks, last_block_c[:, None, None], axis=1)[:, 0]
     last_in_last_block = jnp.max(jnp.where(last_rows > 0, lane[None, :], -1), axis=1)
@@ -192,7 +222,7 @@ def assemble_tokens(draft_tokens: jax.Array, num_accepted: jax.Array, emitted: j
 def residual_weights(target_row: jax.Array, draft_row: jax.Array) -> jax.Array:
     """f32[B, V]: ``max(p_n - q_n, 0)``, or ``p_n`` for rows where that sums to zero."""
     residual = jnp.maximum(target_row - draft_row, 0)
-    empty = jnp.sum(residual, axis=1, keepdims=True) <= 0
+    empty = row_sums(residual)[:, None] <= 0
     return jnp.where(empty, target_row, residual)
 
 
@@ -225,19 +255,22 @@ def draw_rows(
         # ``rows`` themselves: a scan over (B, G+1, V) inputs would copy each row's
         # whole (G+1, V) slice per iteration, where the draw reads two V-rows.
         def one(i):
-            row = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), rows)
-            return _draw_one(*row_fn(row), s[i])
+            def read() -> tuple[jax.Array, jax.Array]:
+                row = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), rows)
+                return row_fn(row)
+
+            return _draw_one(read, s[i])
 
         return lax.map(one, jnp.arange(s.shape[0], dtype=jnp.int32))
 
     return lax.platform_dependent(rows, sample_uniforms, cpu=per_row, default=vectorised)
 
 
-def _find_block(block_sums: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _find_block(sums: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The first block whose cumulative sum exceeds ``s * total``, in two levels.
 
     Args:
-      block_sums: f32[nb], non-negative; s: scalar in [0, 1).
+      sums: f32[nb], non-negative; s: scalar in [0, 1).
 
     Returns:
       ``(blk, prev, threshold)``: i32 index (``nb`` when rounding leaves no
@@ -246,10 +279,10 @@ def _find_block(block_sums: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Arr
       scans instead of one over all ``nb`` blocks (a scan costs far more per
       element than a sum on XLA:CPU).
     """
-    nb = block_sums.shape[0]
+    nb = sums.shape[0]
     w = 32
     ng = -(-nb // w)
-    padded = jnp.pad(block_sums, (0, ng * w - nb)).reshape(ng, w)
+    padded = jnp.pad(sums, (0, ng * w - nb)).reshape(ng, w)
     group_cdf = jnp.cumsum(jnp.sum(padded, axis=1))
     total = group_cdf[-1]
     threshold = s * total
@@ -269,27 +302,36 @@ def _find_block(block_sums: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Arr
     return blk.astype(jnp.int32), prev, threshold
 
 
-def _draw_one(p_row: jax.Array, q_row: jax.Array, s: jax.Array) -> jax.Array:
-    """One row of :func:`draw_rows`: f32[V] target and draft rows, scalar s -> i32.
+def _draw_one(read: Callable[[], tuple[jax.Array, jax.Array]], s: jax.Array) -> jax.Array:
+    """One row of :func:`draw_rows`: ``read()`` gives the f32[V] target and draft rows; s scalar -> i32.
 
-    The residual ``max(p - q, 0)`` is never stored: one fused pass reads both
-    rows into 128-wide block sums, and only the block holding the draw is
-    recomputed (``p`` itself, in the rare case where the residual is all zero).
+    One pass reads both rows into the residual ``max(p - q, 0)`` (a one-row,
+    cache-sized temporary) and :func:`block_sums` turns it into 128-wide block
+    sums; only the block holding the draw is recomputed from ``p`` and ``q``
+    (``p`` itself, in the rare case where the residual is all zero). The rows
+    are read through ``read`` so that the rare branch reads ``p`` from the
+    inputs itself: a row passed into ``lax.cond`` would be copied on every call.
     """
-    vocab = p_row.shape[0]
+
+    def blocks() -> tuple[jax.Array, jax.Array]:
+        p_row, q_row = read()
+        pad = nb * k - vocab
+        if pad:
+            p_row, q_row = jnp.pad(p_row, (0, pad)), jnp.pad(q_row, (0, pad))
+        return p_row.reshape(nb, k), q_row.reshape(nb, k)
+
+    p_shape = jax.eval_shape(read)[0]
+    vocab, dtype = p_shape.shape[0], p_shape.dtype
     k = min(_CDF_BLOCK, vocab)
     nb = -(-vocab // k)
-    if nb * k != vocab:
-        p_row = jnp.pad(p_row, (0, nb * k - vocab))
-        q_row = jnp.pad(q_row, (0, nb * k - vocab))
-    p_blocks, q_blocks = p_row.reshape(nb, k), q_row.reshape(nb, k)
-    res_sums = jnp.sum(jnp.maximum(p_blocks - q_blocks, 0), axis=1)
+    p_blocks, q_blocks = blocks()
+    res_sums = block_sums(jnp.maximum(p_blocks - q_blocks, 0))
     empty = jnp.sum(res_sums) <= 0
-    block_sums = lax.cond(empty, lambda: jnp.sum(p_blocks, axis=1), lambda: res_sums)
-    blk, prev, threshold = _find_block(block_sums, s.astype(p_row.dtype))
+    sums = lax.cond(empty, lambda: block_sums(blocks()[0]), lambda: res_sums)
+    blk, prev, threshold = _find_block(sums, s.astype(dtype))
     found = blk < nb
     ids = jnp.arange(nb, dtype=jnp.int32)
-    last_block = jnp.maximum(jnp.max(jnp.where(block_sums > 0, ids, -1)), 0)
+    last_block = jnp.maximum(jnp.max(jnp.where(sums > 0, ids, -1)), 0)
     b = jnp.where(found, blk, last_block)
     prev = jnp.where(found, prev, 0)
     p_b = lax.dynamic_index_in_dim(p_blocks, b, 0, keepdims=False)

@@ -77,10 +77,12 @@ from specjax.kernels.rejection import (
     _int_view,
     assemble_tokens,
     below_one,
+    block_sums,
     compute_dtype,
     inverse_cdf,
     num_accepted_from_ratios,
     residual_weights,
+    row_sums,
 )
 
 __all__ = [
@@ -255,7 +257,7 @@ def sharded_residual_weights(target_row: jax.Array, draft_row: jax.Array, axis_n
         return residual_weights(target_row, draft_row)
     residual = jnp.maximum(target_row - draft_row, 0)
     # Non-negative terms: the global sum is 0 iff every term is, whatever the order.
-    empty = lax.psum(jnp.sum(residual, axis=1), axis_name) <= 0
+    empty = lax.psum(row_sums(residual), axis_name) <= 0
     return jnp.where(empty[:, None], target_row, residual)
 
 
@@ -293,7 +295,7 @@ def sharded_inverse_cdf(
     nb = -(-size // k)
     padded = _pad_to(weights, 1, nb * k)
     blocks = padded.reshape(b, nb, k)
-    block_cdf = jnp.cumsum(jnp.sum(blocks, axis=2), axis=1)  # [B, nb], local
+    block_cdf = jnp.cumsum(block_sums(blocks), axis=1)  # [B, nb], local
     totals = lax.all_gather(block_cdf[:, -1], axis_name, axis=1, tiled=False)  # [B, S]
     num_shards = totals.shape[1]
     shard_cdf = jnp.cumsum(totals, axis=1)  # identical on every shard
@@ -407,7 +409,7 @@ def sharded_cutoff(
         m = lax.pmax(jnp.max(scaled, axis=-1), axis_name)
         kept = scaled >= cut[..., None]
         e = jnp.where(kept, jnp.exp(scaled - m[..., None]), 0)
-        prob = e / lax.psum(jnp.sum(e, axis=-1), axis_name)[..., None]
+        prob = e / lax.psum(row_sums(e), axis_name)[..., None]
 
         def mass_above_theta(t):
             mass = lax.psum(jnp.sum(jnp.where(scaled <= t[..., None], prob, 0), axis=-1), axis_name)
