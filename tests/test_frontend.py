@@ -311,6 +311,28 @@ def test_row_stats_on_verify_shapes_equal_transformers():
             )
 
 
+@pytest.mark.parametrize("greedy_rows", [0, 2, 4])
+def test_row_stats_of_a_reader_equal_row_stats_of_the_array(greedy_rows):
+    """row_stats(lambda: x[:, i]) (the lazy path's form) gives the stats of the slice itself."""
+    batch, g, vocab = 4, 3, 300
+    rng = np.random.default_rng(5)
+    _, target = make_case(rng, batch, g, vocab)
+    temps = jnp.asarray(np.where(np.arange(batch) < greedy_rows, 0.0, 0.8), jnp.float32)
+    logits = jnp.asarray(target)
+
+    @jax.jit
+    def both(logits, i):
+        row = jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
+        lazy = frontend.row_stats(lambda: jax.lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False), temps)
+        return lazy, frontend.row_stats(row, temps)
+
+    for i in range(g + 1):
+        lazy, eager = both(logits, i)
+        for name, a, b in zip(frontend.RowStats._fields, lazy, eager, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} at position {i}")
+        assert not np.array_equal(np.asarray(lazy.max), np.asarray(both(logits, (i + 1) % (g + 1))[0].max))
+
+
 def test_reference_processing_agrees_with_transformers():
     """The float64 reference used below is itself checked against the warpers."""
     rng = np.random.default_rng(5)

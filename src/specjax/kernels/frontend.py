@@ -35,6 +35,7 @@ changing their values never recompiles. Whether top-k / top-p are used at all
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -198,7 +199,7 @@ def _cutoff(scaled: jax.Array, top_k: jax.Array | None, one_minus_top_p: jax.Arr
 
 
 def row_stats(
-    logits: jax.Array,
+    logits: jax.Array | Callable[[], jax.Array],
     temperature: jax.Array,
     top_k: jax.Array | None = None,
     one_minus_top_p: jax.Array | None = None,
@@ -209,14 +210,20 @@ def row_stats(
     """Summarise the processed distribution of every row of ``logits``.
 
     Args:
-      logits: f[..., V] (any float dtype; processed in float32).
+      logits: f[..., V] (any float dtype; processed in float32), or a function
+        of no arguments that returns them (e.g. a slice of a larger input):
+        the conditional passes below then call it inside their branches and
+        read the input in place, where an array would be copied into them.
       temperature: f32[...] (broadcast to the row shape); 0 means greedy.
       top_k: optional i32[...]; 0 keeps all.
       one_minus_top_p: optional f32[...], ``1 - top_p``; 0 keeps all.
       axis_name: the mesh axis the vocabulary is split over, inside shard_map.
       offset: the global index of this shard's first vocabulary entry.
     """
-    x = logits.astype(jnp.float32)
+    def read() -> jax.Array:
+        return (logits() if callable(logits) else logits).astype(jnp.float32)
+
+    x = read()
     rows = x.shape[:-1]
     temperature = jnp.broadcast_to(temperature, rows)
     greedy = temperature <= 0
@@ -243,6 +250,7 @@ def row_stats(
     m = x_max * inv_t
 
     def normaliser() -> jax.Array:
+        x = read()
         e = jnp.exp(x * inv_t[..., None] - m[..., None])
         if filtered:
             e = jnp.where(x * inv_t[..., None] >= cut[..., None], e, 0)
@@ -258,7 +266,7 @@ def row_stats(
 
     def first_max() -> jax.Array:
         ids = jnp.arange(vocab, dtype=jnp.int32)
-        first = jnp.min(jnp.where(x == x_max[..., None], ids, vocab), axis=-1)
+        first = jnp.min(jnp.where(read() == x_max[..., None], ids, vocab), axis=-1)
         return jnp.minimum(first, vocab - 1) + offset
 
     am = lax.cond(jnp.any(greedy), first_max, lambda: jnp.zeros(rows, jnp.int32))
@@ -401,8 +409,8 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
     """
     b, g = x.shape
 
-    def stats(logits_row):
-        return row_stats(logits_row, temperature)
+    def stats(logits, i):
+        return row_stats(lambda: at(logits, i), temperature)
 
     def at(logits, i):
         return lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
@@ -425,7 +433,7 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
         def body(carry):
             i, alive, n, t_sel, d_sel = carry
             t_row, d_row = at(target_logits, i), at(draft_logits, i)
-            ts, ds = stats(t_row), stats(d_row)
+            ts, ds = stats(target_logits, i), stats(draft_logits, i)
             xi = lax.dynamic_index_in_dim(x, i, axis=1, keepdims=True)  # (B, 1)
             p = probs_from_stats(ts, jnp.take_along_axis(t_row, xi, axis=1)[:, 0], xi[:, 0])
             q = probs_from_stats(ds, jnp.take_along_axis(d_row, xi, axis=1)[:, 0], xi[:, 0])
@@ -443,8 +451,10 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
     bonus = n >= num_draft_tokens
 
     def bonus_stats():
-        t_row = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
-        return select(bonus, stats(t_row), t_sel)
+        def t_row():
+            return jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
+
+        return select(bonus, row_stats(t_row, temperature), t_sel)
 
     t_sel = lax.cond(jnp.any(bonus), bonus_stats, lambda: t_sel)
     return n, t_sel, d_sel
@@ -460,7 +470,6 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
     """
     g = draft_logits.shape[1]
     vocab = target_logits.shape[-1]
-    ids = jnp.arange(vocab, dtype=jnp.int32)
     if d_sel is not None:
         d_pos = jnp.minimum(n, g - 1)
         has_q = n < num_draft_tokens
@@ -470,6 +479,9 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
 
     def row_fn(row):
         t_logits, d_logits, n_b, d_b, has_q_b, t_st, d_st = row
+        # The ids are made here, inside the draw's loop, where they fuse into their
+        # consumers: an arange from outside would be a V-sized buffer made per call.
+        ids = lax.iota(jnp.int32, vocab)
         p_row = probs_from_stats(t_st, lax.dynamic_index_in_dim(t_logits, n_b, 0, keepdims=False), ids)
         if no_draft:
             return p_row, jnp.zeros_like(p_row)
