@@ -30,7 +30,12 @@ load changes on a shared machine hit all of them alike):
   the draft and target logits, then ``_speculative_sampling``;
 * ``torch 1 thread`` rows repeat the peer with one torch thread: on a busy
   2-core machine two OpenMP threads can be slower than one, and the ratio should
-  not rest on that.
+  not rest on that;
+* ``(blocks of 20 calls)`` rows (B = 1, plain): the jitted step and the peer
+  again, each timed over consecutive calls (the first of each block not
+  counted), in alternating blocks. Strict alternation puts a torch call, with
+  its own buffers and threads, before each of ours; these rows show each
+  function warm. The target verdict uses the alternating rows.
 
 ``speed-up`` is the peer's time divided by ours, for the same B and the same
 processing. The target is a speed-up of at least 3 at B = 1 (plain logits).
@@ -100,6 +105,26 @@ def time_interleaved(fns: dict[str, tuple[Callable[[], Any], int]], *, budget_s:
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - t0)
         rounds += 1
+    return {name: (statistics.median(ts), len(ts)) for name, ts in times.items()}
+
+
+def time_in_blocks(fns: dict[str, tuple[Callable[[], Any], int]], *, block: int = 20, rounds: int = 5
+                   ) -> dict[str, tuple[float, int]]:
+    """Like :func:`time_interleaved`, but each function runs ``block`` calls in a row per round.
+
+    The first call of each block (right after the other function ran) is not
+    counted: this measures each function warm, as it runs back to back,
+    while the rounds still spread the machine's load changes over all of them.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, (fn, threads) in fns.items():
+            torch.set_num_threads(threads)
+            for i in range(block + 1):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                if i:
+                    times[name].append(time.perf_counter() - t0)
     return {name: (statistics.median(ts), len(ts)) for name, ts in times.items()}
 
 
@@ -224,6 +249,13 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
                     "torch inputs; the value checks sync with the host")
             add(res, hf_plain, None, b, plain, loop_note)
             add(res, hf_plain + " (torch 1 thread)", None, b, plain, loop_note)
+            if b == 1:
+                # The same two, each warm: blocks of consecutive calls (see time_in_blocks).
+                warm = " (blocks of 20 calls)"
+                res = time_in_blocks({"specjax _verify_jit" + warm: fns["specjax _verify_jit"],
+                                      hf_plain + warm: fns[hf_plain]}, rounds=3 if quick else 7)
+                add(res, "specjax _verify_jit" + warm, hf_plain + warm, b, plain)
+                add(res, hf_plain + warm, None, b, plain, "each warm: the other's calls are not in between")
 
             if b == 1 or (b <= TOPK_MAX_B and not quick):
                 args, static = _ours_args(inp, TOPK_T, TOPK, TOPP)
