@@ -63,13 +63,12 @@ def block_sums(blocks: jax.Array) -> jax.Array:
     """f[..., nb, k] -> f[..., nb]: the sum of each length-``k`` block.
 
     On CPU a matrix-vector product with ones: XLA:CPU runs a reduction over a
-    short minor axis (fused with its elementwise producer) at about half the
-    speed of the GEMV over the materialised operand (at B = 8, V = 32000 the
-    acceptance kernel's draw went from 350 to 280 us; the front end's from
-    10.4 to 7.6 ms). ``HIGHEST`` keeps full precision. Elsewhere ``jnp.sum``.
-    Every reduction over the vocabulary in the kernels goes through here or
-    :func:`row_sums`, so the paths (per row, vectorised, one-device mesh) add
-    in the same order and agree exactly.
+    short minor axis, fused with its elementwise producer, much slower than the
+    GEMV over the materialised operand (see docs/benchmarks.md, kernel
+    section). ``HIGHEST`` keeps full precision. Elsewhere ``jnp.sum``. Every
+    sum over the vocabulary in the kernels goes through here or
+    :func:`row_sums`, so every path computes its block and row sums the same
+    way (a one-device mesh gives exactly the plain kernel's tokens).
     """
 
     def by_dot(b: jax.Array) -> jax.Array:
