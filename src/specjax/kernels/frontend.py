@@ -259,8 +259,9 @@ def row_stats(
     if axis_name:
         return RowStats(inv_t, greedy, cut, m, normaliser(), vocab_argmax(x, axis_name, offset))
     # One device: skip the exp pass when every row is greedy and the argmax pass
-    # when none is. Both branches read only ``x`` (an input buffer) and (B,)
-    # vectors, so the conditionals copy nothing of size V.
+    # when none is. Both branches read the logits through ``read`` (an input
+    # buffer, or a reader of a slice of one) and (B,) vectors, so the conditionals
+    # copy nothing of size V.
     z = lax.cond(jnp.all(greedy), lambda: jnp.ones(rows, jnp.float32), normaliser)
     vocab = x.shape[-1]
 
