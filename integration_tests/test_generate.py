@@ -263,6 +263,48 @@ def test_caches_match_a_fresh_forward(arch, draft_kind, max_new_tokens, with_eos
             torch.testing.assert_close(d_cached[j], fresh_d, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_slot_cache_skips_the_mask_only_while_every_slot_is_valid(arch, tiny_lm):
+    """All slots valid: no mask/positions passed (the causal fast path); a hole: both passed; exact either way."""
+    from specjax.generate.slots import SlotCache
+
+    model = tiny_lm(arch, vocab_size=VOCAB)
+    cache = SlotCache(model, 2, torch.device("cpu"))  # reads the forward's signature: before the wrapper
+    seen: list[bool] = []
+    original = model.forward
+
+    def recording(*args, **kwargs):
+        seen.append("attention_mask" in kwargs)
+        return original(*args, **kwargs)
+
+    model.forward = recording
+    rng = np.random.default_rng(3)
+    rows = [list(map(int, rng.integers(1, VOCAB, 6))) for _ in range(2)]
+    cache.forward(torch.tensor([r[:4] for r in rows]), torch.ones((2, 4), dtype=torch.bool), last_only=True)
+    assert cache.full and seen == [False]
+    # Row 0 keeps 1 of 2 new slots, row 1 both: a hole in row 0, not cropped.
+    cache.forward(torch.tensor([[rows[0][4], 0], rows[1][4:6]]), torch.ones((2, 2), dtype=torch.bool),
+                  last_only=True)
+    cache.invalidate(4, torch.tensor([1, 2]))
+    assert not cache.full
+    nxt = torch.tensor([[7], [8]])
+    logits = cache.forward(nxt, torch.ones((2, 1), dtype=torch.bool), last_only=True)[:, 0]
+    assert seen[-1] is True
+    # Only row 1 stays: its slots are all valid again, so the mask is dropped again.
+    cache.select_rows(torch.tensor([1]))
+    assert cache.full
+    last = cache.forward(torch.tensor([[9]]), torch.ones((1, 1), dtype=torch.bool), last_only=True)[0, 0]
+    assert seen[-1] is False
+    model.forward = original
+    with torch.inference_mode():
+        fresh0 = model(torch.tensor([[*rows[0][:5], 7]])).logits[0, -1]
+        fresh1 = model(torch.tensor([[*rows[1], 8]])).logits[0, -1]
+        fresh1b = model(torch.tensor([[*rows[1], 8, 9]])).logits[0, -1]
+    torch.testing.assert_close(logits[0], fresh0, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[1], fresh1, atol=1e-4, rtol=0)
+    torch.testing.assert_close(last, fresh1b, atol=1e-4, rtol=0)
+
+
 # --------------------------------------------------------------------------- #
 # Bad input
 # --------------------------------------------------------------------------- #

@@ -28,6 +28,10 @@ class SlotCache:
       cache: the model's KV cache (``DynamicCache``).
       mask: i64[B, S], 1 where slot s of row b holds a real token.
       num_valid: i64[B], valid slots per row (= the next position id).
+      full: True while every slot of every row is valid. Forwards then pass
+        neither the mask nor the positions (they are all-ones and the defaults),
+        so the model takes its causal fast path, as ``generate`` does for an
+        unpadded batch.
       input_vocab: when set, token ids >= it (which the model cannot embed: a
         draft whose vocabulary is the target's minus padding) are fed as id 0.
     """
@@ -42,6 +46,7 @@ class SlotCache:
             self.cache = DynamicCache()
         self.mask = torch.zeros((batch, 0), dtype=torch.long, device=device)
         self.num_valid = torch.zeros((batch,), dtype=torch.long, device=device)
+        self.full = True
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
@@ -70,13 +75,15 @@ class SlotCache:
         positions = self.num_valid[:, None] + torch.cumsum(v, dim=1) - v
         self.mask = torch.cat([self.mask, v], dim=1)
         self.num_valid = self.num_valid + v.sum(dim=1)
+        self.full = self.full and bool(valid.all())
         kwargs: dict[str, Any] = {
             "input_ids": tokens,
-            "attention_mask": self.mask,
-            "position_ids": positions,
             self._cache_kw: self.cache,
             "use_cache": True,
         }
+        if not self.full:
+            kwargs["attention_mask"] = self.mask
+            kwargs["position_ids"] = positions
         if last_only and self._keep_kw:
             kwargs[self._keep_kw] = 1
         with torch.inference_mode():
@@ -100,6 +107,7 @@ class SlotCache:
         self.num_valid = self.num_valid - drop.sum(dim=1)
         self.mask[:, start:] = torch.where(drop, torch.zeros_like(self.mask[:, start:]), self.mask[:, start:])
         self.crop_trailing()
+        self.full = bool(self.mask.all())
 
     def crop_trailing(self) -> None:
         """Remove slots at the end of the cache that are invalid in every row."""
@@ -117,6 +125,7 @@ class SlotCache:
         self.mask = self.mask[rows]
         self.num_valid = self.num_valid[rows]
         self.crop_leading()
+        self.full = bool(self.mask.all())
 
     def crop_leading(self) -> None:
         """Drop leading slots that are invalid in every row (e.g. after rows left)."""
