@@ -51,6 +51,10 @@ def _run_checks(names: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
+    # No persistent compilation cache in the subprocess: it runs beside the test
+    # workers, which write to that cache, and once (a single time in many runs)
+    # it died with SIGSEGV mid-run while they were compiling.
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     proc = subprocess.run(
         [sys.executable, str(CHECKS_SCRIPT), "--json", str(out), "--only", *names],
         env=env, capture_output=True, text=True, timeout=1800,
