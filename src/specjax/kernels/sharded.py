@@ -73,7 +73,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.rejection import (
-    _CDF_BLOCK,
     _int_view,
     assemble_tokens,
     below_one,
@@ -83,6 +82,7 @@ from specjax.kernels.rejection import (
     num_accepted_from_ratios,
     residual_weights,
     row_sums,
+    to_blocks,
 )
 
 __all__ = [
@@ -290,11 +290,9 @@ def sharded_inverse_cdf(
     """
     if not axis_name:
         return inverse_cdf(weights, sample_uniforms)
-    b, size = weights.shape
-    k = min(_CDF_BLOCK, size)
-    nb = -(-size // k)
-    padded = _pad_to(weights, 1, nb * k)
-    blocks = padded.reshape(b, nb, k)
+    size = weights.shape[1]
+    blocks = to_blocks(weights)  # [B, nb, k], local
+    nb, k = blocks.shape[1:]
     block_cdf = jnp.cumsum(block_sums(blocks), axis=1)  # [B, nb], local
     totals = lax.all_gather(block_cdf[:, -1], axis_name, axis=1, tiled=False)  # [B, S]
     num_shards = totals.shape[1]
