@@ -18,8 +18,11 @@ warm-up, with ``block_until_ready``) of
 * ``floor``: the bytes the kernel must read, two rows of V float32 per batch row
   (``p_n`` and ``q_n``: B·2·V·4 bytes), divided by the copy bandwidth measured in
   the same run (``np.copyto`` of 128 MiB into a preallocated buffer, much
-  larger than the caches, counting bytes read + bytes written; re-measured for
-  every row because the bandwidth of a shared machine drifts).
+  larger than the caches, counting bytes read + bytes written). The kernel and
+  the bandwidth are timed in alternating rounds for every row (the load of a
+  shared machine drifts within seconds), and ``kernel/floor`` is the median of
+  the rounds' ratios (:func:`time_against_floor`); the JSON rows keep every
+  round's ratio.
 
 Absolute times on a shared CPU are noise; the ratios, measured in the same run,
 are what to read. Rows are appended to ``--jsonl`` as JSON objects, one per
@@ -123,6 +126,41 @@ def measure_copy_bandwidth(*, nbytes: int = 128 * 2**20, reps: int = 5) -> float
     return 2 * nbytes / statistics.median(times)
 
 
+FLOOR_ROUNDS = 5
+
+
+def time_against_floor(fn: Callable[[], Any], floor_bytes: int, *, budget_s: float, max_reps: int,
+                       rounds: int) -> tuple[float, int, float, list[float]]:
+    """Time ``fn`` and the copy bandwidth in alternating rounds; the floor ratio per round.
+
+    On a shared machine the load drifts within seconds, and a kernel timed
+    under one load against a bandwidth measured under another gives a ratio
+    that says more about the drift than about the kernel. Each round times
+    ``fn`` (``budget_s / rounds``) and then measures the copy bandwidth
+    (:func:`measure_copy_bandwidth`, 3 copies), so each round's ratio compares
+    the two under nearly the same load.
+
+    Returns:
+      ``(median over the rounds of each round's median seconds per call,
+      calls timed, median copy bandwidth in bytes/s, [kernel time / floor
+      time, one per round])``; the row's
+      ``kernel/floor`` is the median of the per-round ratios.
+    """
+    times: list[float] = []
+    calls = 0
+    bandwidths: list[float] = []
+    ratios: list[float] = []
+    for r in range(rounds):
+        t, n = time_call(fn, budget_s=budget_s / rounds, min_reps=max(2, 5 // rounds),
+                         max_reps=max(1, max_reps // rounds), warmup=2 if r == 0 else 1)
+        times.append(t)
+        calls += n
+        bw = measure_copy_bandwidth(reps=3)
+        bandwidths.append(bw)
+        ratios.append(t / (floor_bytes / bw))
+    return statistics.median(times), calls, statistics.median(bandwidths), ratios
+
+
 def measure_read_bandwidth(*, nbytes: int = 128 * 2**20, reps: int = 5) -> float:
     """Read-only bandwidth in bytes per second of a jitted ``jnp.sum`` (for reference)."""
     x = jnp.ones(nbytes // 4, jnp.float32)
@@ -190,11 +228,11 @@ def bench_probs_kernel(
                 args = make_inputs(batch, num_draft, vocab)
                 budget = _budget(batch, num_draft, vocab, quick)
                 max_reps = 50 if quick else 200
-                t_kernel, n_kernel = time_call(
-                    lambda a=args: _rejection_sample_jit(*a), budget_s=budget, max_reps=max_reps
-                )
                 floor_bytes = batch * 2 * vocab * 4
-                copy_bytes_per_s = measure_copy_bandwidth()
+                t_kernel, n_kernel, copy_bytes_per_s, floor_ratios = time_against_floor(
+                    lambda a=args: _rejection_sample_jit(*a), floor_bytes,
+                    budget_s=budget, max_reps=max_reps, rounds=2 if quick else FLOOR_ROUNDS,
+                )
                 t_floor = floor_bytes / copy_bytes_per_s
 
                 shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
@@ -214,7 +252,8 @@ def bench_probs_kernel(
                 rows.append(Row(
                     method="kernel", median_us=t_kernel * 1e6, reps=n_kernel,
                     ratio=(t_kernel / t_sf) if t_sf else None, ratio_to="straightforward" if t_sf else None,
-                    extra={"ratio_to_floor": t_kernel / t_floor, "temp_bytes": kernel_temp}, **common,
+                    extra={"ratio_to_floor": statistics.median(floor_ratios),
+                           "ratio_to_floor_rounds": floor_ratios, "temp_bytes": kernel_temp}, **common,
                 ))
                 rows.append(Row(
                     method="straightforward", median_us=None if t_sf is None else t_sf * 1e6,
@@ -313,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     copy_bw, read_bw = measure_copy_bandwidth(), measure_read_bandwidth()
     print(f"# memory bandwidth at start: np.copyto of 128 MiB into a preallocated buffer, read + write "
           f"counted: {copy_bw / 1e9:.2f} GB/s; read-only (jitted jnp.sum): {read_bw / 1e9:.2f} GB/s")
-    print("# floor = B*2*V*4 bytes (rows p_n and q_n) / copy bandwidth, re-measured for every row")
+    print(f"# floor = B*2*V*4 bytes (rows p_n and q_n) / copy bandwidth; kernel and bandwidth are timed in "
+          f"{2 if args.quick else FLOOR_ROUNDS} alternating rounds per row and kernel/floor is the median of the rounds' ratios")
     print()
     print("## Acceptance kernel (probabilities in)")
     print(HEADER)
