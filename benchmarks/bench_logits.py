@@ -15,8 +15,10 @@ load changes on a shared machine hit all of them alike):
   (``specjax.kernels.frontend._verify_jit``) called directly with prepared
   arguments: what ``verify_from_logits`` runs after its Python boundary;
 * ``specjax verify_from_logits(validate=False)``: the public function on the
-  very torch tensors the peer gets (they cross to JAX zero-copy through
-  DLPack), with shape checks but no value checks (no device→host sync);
+  very torch tensors the peer gets (they cross to JAX zero-copy: on this
+  CPU-only JAX as NumPy views that XLA reads in place, see
+  ``specjax.adapters.jit_input``), with shape checks but no value checks (no
+  device→host sync);
 * ``specjax verify_from_logits(validate=True)``: the same with the value checks
   (one fused check, one device→host sync; B = 1);
 * ``transformers _speculative_sampling``: ``transformers.generation.utils.
@@ -222,8 +224,8 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
             args, static = _ours_args(inp, 1.0, None, None)
             public = dict(key=args[3], temperature=1.0)
             # Torch tensors as a model returns them (torch's allocator aligns them to 64
-            # bytes, so they cross to JAX through DLPack without a copy; NumPy's
-            # arrays need not be aligned, hence the clone).
+            # bytes, so they cross to JAX without a copy; NumPy's arrays need not be
+            # aligned, hence the clone).
             tin = {name: torch.from_numpy(a).clone() for name, a in inp.items()}
             fns = {
                 "specjax _verify_jit": (lambda args=args, static=static: _verify_jit(*args, **static),
@@ -243,7 +245,7 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
             res = time_interleaved(fns, budget_s=budget, min_rounds=rounds)
             add(res, "specjax _verify_jit", hf_plain, b, plain)
             add(res, "specjax verify_from_logits(validate=False)", hf_plain, b, plain,
-                "torch inputs (DLPack, zero-copy)")
+                "torch inputs (zero-copy)")
             if b == 1:
                 add(res, "specjax verify_from_logits(validate=True)", hf_plain, b, plain,
                     "torch inputs; the value checks sync with the host")

@@ -462,7 +462,12 @@ def test_borrowed_still_waits_when_the_block_raises(monkeypatch):
 
 
 def test_kernel_accepts_torch_inputs_through_the_adapter():
-    """The kernels' validation calls to_jax lazily: int64 ids and strided probs work."""
+    """CPU tensors reach the kernel as NumPy views where they can, else through to_jax's copies.
+
+    Aligned contiguous float32 tensors need no copy; the strided and the
+    misaligned ones (NumPy-allocated) are copied by to_jax, counted; int64 ids
+    are narrowed on the host after a range check.
+    """
     import specjax
 
     rng = np.random.default_rng(0)
@@ -473,15 +478,37 @@ def test_kernel_accepts_torch_inputs_through_the_adapter():
     u = rng.random((b, g)).astype(np.float32)
     s = rng.random(b).astype(np.float32)
     want = specjax.rejection_sample(x.astype(np.int32), q, p[:, 1:], u, s)
+    aligned = [torch.from_numpy(a).clone() for a in (q, u, s)]  # torch's allocator aligns to 64 bytes
+    assert all(t.data_ptr() % 64 == 0 for t in aligned)
     with count_copies() as c:
-        got = specjax.rejection_sample(
-            torch.from_numpy(x), torch.from_numpy(q), torch.from_numpy(p)[:, 1:], torch.from_numpy(u),
-            torch.from_numpy(s),
-        )  # fmt: skip
+        got = specjax.rejection_sample(torch.from_numpy(x), aligned[0], torch.from_numpy(p)[:, 1:], *aligned[1:])
     np.testing.assert_array_equal(np.asarray(got["tokens"]), np.asarray(want["tokens"]))
-    assert c.by_reason["int64_to_int32"] == 1 and c.by_reason["non_contiguous"] == 1
-    with pytest.raises(ValueError, match="draft_tokens: tensor: expected int64 token ids in the int32 range"):
+    assert c.copies == 1 and c.by_reason["non_contiguous"] == 1  # p[:, 1:] only
+    with count_copies() as c:
+        got = specjax.rejection_sample(torch.from_numpy(x), torch.from_numpy(q), torch.from_numpy(p[:, 1:].copy()),
+                                       torch.from_numpy(u), torch.from_numpy(s))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(got["tokens"]), np.asarray(want["tokens"]))
+    misaligned = sum(a.ctypes.data % 64 != 0 for a in (q, u, s))
+    assert c.copies == c.by_reason["misaligned"] + c.by_reason["non_contiguous"] >= misaligned
+    with pytest.raises(ValueError, match=r"draft_tokens: token ids must fit in int32, got values in \[8589934592"):
         specjax.rejection_sample(torch.full((b, g), 2**33), q, p[:, 1:], u, s)
+
+
+def test_jit_input_passes_aligned_cpu_floats_as_views_and_the_rest_through_to_jax():
+    """A view only where XLA:CPU reads the buffer in place; everything else is to_jax's."""
+    from specjax.adapters import jit_input
+
+    t = torch.randn(4, 256)
+    view = jit_input(t)
+    assert isinstance(view, np.ndarray) and view.ctypes.data == t.data_ptr()
+    # What the shortcut rests on: XLA:CPU aliases an aligned host buffer instead of copying it.
+    assert jax.device_put(view).unsafe_buffer_pointer() == t.data_ptr()
+    t[0, 0] = 123.0  # a view, not a snapshot
+    assert view[0, 0] == 123.0
+    for other in (t.to(torch.bfloat16), t[:, ::2], t.view(-1)[1:1 + 64], torch.arange(8), t.to(torch.float64)):
+        out = jit_input(other)
+        assert isinstance(out, jax.Array), other.dtype
+        np.testing.assert_array_equal(np.asarray(out, np.float64), other.double().numpy())
 
 
 # ---------------------------------------------------------------------------- configure_jax_memory

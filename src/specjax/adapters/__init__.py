@@ -6,6 +6,10 @@ Data flows HF logits (torch) → :func:`to_jax` → kernels → int32 tokens →
 Public API (imported lazily; ``import specjax.adapters`` loads neither torch nor JAX):
 
 * :func:`to_jax` ``(tensor, *, copy=None, check_range=True) -> jax.Array``
+* :func:`jit_input` ``(tensor) -> jax.Array | numpy.ndarray``: what the kernels'
+  public functions and the generation loop pass to jitted calls (on a CPU-only
+  JAX, a NumPy view of an aligned float16/float32 CPU tensor, which XLA:CPU
+  uses in place; else :func:`to_jax`).
 * :func:`to_torch` ``(array, *, copy=None) -> torch.Tensor``
 * :func:`borrowed` ``(*tensors, copy=None)`` — context manager enforcing the
   aliasing rule; yields a :class:`Borrow` (``.arrays``, ``.reads(results)``).
@@ -28,8 +32,10 @@ after a range check) and float64 without ``jax_enable_x64`` (narrowed to
 float32). Every copy is counted (:func:`copy_stats`, :func:`count_copies`) and
 the first copy of each kind in a process is logged as a warning on the logger
 ``"specjax.adapters"``. ``copy=False`` never copies and raises ``ValueError``
-saying why instead; ``copy=True`` always copies. A torch tensor never goes
-through NumPy or the host.
+saying why instead; ``copy=True`` always copies. A torch tensor is never copied
+through NumPy or the host; on a CPU-only JAX, :func:`jit_input` passes CPU
+tensors to jitted calls as NumPy *views* (the same memory, no copy), because
+XLA:CPU reads such arguments in place at a fraction of a DLPack import's cost.
 
 Aliasing rule
 -------------
@@ -77,6 +83,7 @@ from typing import Any
 
 _EXPORTS = {
     "to_jax": "specjax.adapters.dlpack",
+    "jit_input": "specjax.adapters.dlpack",
     "to_torch": "specjax.adapters.dlpack",
     "TORCH_TO_JAX": "specjax.adapters.dlpack",
     "JAX_TO_TORCH": "specjax.adapters.dlpack",

@@ -35,11 +35,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from specjax.adapters.copies import record_copy
 
-__all__ = ["JAX_TO_TORCH", "TORCH_TO_JAX", "to_jax", "to_torch"]
+__all__ = ["JAX_TO_TORCH", "TORCH_TO_JAX", "jit_input", "to_jax", "to_torch"]
 
 # JAX (XLA's CPU client) imports a DLPack buffer without copying only if its
 # data pointer is a multiple of this; otherwise it copies silently. The same
@@ -217,6 +218,31 @@ def _import(t: torch.Tensor, *, strict: bool) -> jax.Array:
                 torch.cuda.current_stream().synchronize()
             return jax.dlpack.from_dlpack(t, copy=False if strict else None)
     return jax.dlpack.from_dlpack(t, copy=False if strict else None)
+
+
+def jit_input(tensor: torch.Tensor) -> jax.Array | np.ndarray:
+    """``tensor`` as an argument for a jitted JAX function, on its own device, without a copy.
+
+    On a CPU-only JAX, a contiguous, 64-byte-aligned float16/float32 CPU
+    tensor is returned as a NumPy view of its memory: XLA:CPU uses such an
+    argument in place, and it is much cheaper than :func:`to_jax` (the DLPack
+    import costs ~50 us, and a freshly imported array slows the jitted call
+    that reads it by another 50-300 us on these machines; see
+    docs/benchmarks.md, logits section). Anything else goes through
+    :func:`to_jax` and its copy policy. The aliasing rule applies either way:
+    torch must not write the buffer until the computations reading it finish.
+
+    Returns:
+      A NumPy view (CPU) or a ``jax.Array``, of the tensor's shape and dtype
+      (``to_jax``'s narrowing rules otherwise).
+    """
+    from specjax.kernels.validation import host_view  # lazy: avoids an import cycle
+
+    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+        view = host_view(tensor)
+        if view is not None:
+            return view
+    return to_jax(tensor)
 
 
 def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, check_range: bool = True) -> jax.Array:

@@ -11,7 +11,8 @@ Chen et al. 2023, arXiv:2302.01318):
 2. **Score.** The target model scores ``[last committed token, x_0 .. x_{G-1}]``
    in one forward pass: G+1 distributions ``p_0 .. p_G``.
 3. **Verify.** Draft and target logits cross to JAX zero-copy
-   (:func:`specjax.adapters.to_jax`); the sampler decides ``n`` and draws the
+   (:func:`specjax.adapters.jit_input`: DLPack on GPU, a NumPy view that XLA:CPU
+   reads in place on a CPU-only JAX); the sampler decides ``n`` and draws the
    correction/bonus token; the int32 tokens come back to torch.
 4. **Commit.** Each row appends its ``n`` accepted tokens and the emitted token,
    stops at EOS or ``max_new_tokens``; both caches mark the rejected slots
@@ -157,7 +158,7 @@ def run_loop(
     import jax
     import jax.numpy as jnp
 
-    from specjax.adapters import count_copies, to_jax, to_torch
+    from specjax.adapters import count_copies, jit_input, to_torch
     from specjax.generate import steps
 
     t_start = time.perf_counter()
@@ -217,7 +218,7 @@ def run_loop(
             for i in range(g):
                 logits = d_cache.forward(feed, feed_valid, last_only=True)[:, 0]
                 held.append(logits)
-                lj = to_jax(logits)
+                lj = jit_input(logits)
                 draft_logits.append(lj)
                 x = steps.draft_draw(lj, keys, step, i + 1, row_t, row_k, row_p, vocab=target_vocab,
                                      use_top_k=use_top_k, use_top_p=use_top_p)
@@ -231,7 +232,7 @@ def run_loop(
             t_in = torch.cat([last[:, None], *x_feeds], dim=1)
             target_logits = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False)
             held.append(target_logits)
-            tj = to_jax(target_logits)
+            tj = jit_input(target_logits)
 
             # 3. Verify.
             if sampler is None:

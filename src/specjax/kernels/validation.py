@@ -8,6 +8,7 @@ device→host transfer and are skipped with ``validate=False``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -27,15 +28,19 @@ def _is_torch(x: Any) -> bool:
 def as_array(name: str, x: Any) -> Any:
     """Convert a list, NumPy array, JAX array or torch tensor without changing its dtype.
 
-    Returns a NumPy array or a JAX array. torch tensors cross zero-copy through
-    :func:`specjax.adapters.to_jax` (which also turns int64 ids into int32 with a
-    range check).
+    Returns a NumPy array or a JAX array. torch tensors cross zero-copy: CUDA
+    tensors through :func:`specjax.adapters.to_jax` (DLPack; it also turns
+    int64 ids into int32 with a range check), CPU tensors as NumPy views where
+    :func:`host_view` allows, else through ``to_jax`` too.
     """
     if x is None:
         raise ValueError(f"{name}: expected an array, got None")
     if isinstance(x, jax.Array | np.ndarray):
         return x
     if _is_torch(x):
+        view = host_view(x)
+        if view is not None:
+            return view
         from specjax.adapters import to_jax  # lazy: kernels do not depend on torch
 
         try:
@@ -52,6 +57,47 @@ def as_array(name: str, x: Any) -> Any:
     raise ValueError(
         f"{name}: expected a list, NumPy array, JAX array or torch tensor, got {type(x).__name__}"
     )
+
+
+@functools.cache
+def jax_on_cpu() -> bool:
+    """Whether JAX's default backend is the CPU (then NumPy arguments of a jitted call are aliased)."""
+    return jax.default_backend() == "cpu"
+
+
+_VIEW_ALIGNMENT = 64  # XLA:CPU aliases host buffers aligned to this; others it copies
+
+
+def host_view(x: Any) -> np.ndarray | None:
+    """A CPU torch tensor as a NumPy view of its memory, when the jitted kernels can alias it; else None.
+
+    On a CPU-only JAX, a NumPy argument of a jitted function whose buffer is
+    64-byte aligned is used in place (no copy), and it is far cheaper than a
+    DLPack import first: ``jax.dlpack.from_dlpack`` costs ~50 us, and a freshly
+    imported array then slows the call itself by another 50-300 us here (see
+    docs/benchmarks.md, logits section). So CPU tensors take this route when
+    nothing would be lost: integer tensors (token ids or per-row parameters, a
+    few numbers, which the callers check and narrow on the host), and
+    contiguous, aligned float16/float32 tensors. Everything else, including
+    any tensor when JAX has a GPU (the kernel must run where the tensor is),
+    goes through :func:`specjax.adapters.to_jax`, which copies explicitly and
+    counts the copy when one is needed.
+    """
+    import torch  # only called with torch tensors
+
+    if x.device.type != "cpu" or not jax_on_cpu() or x.layout != torch.strided:
+        return None
+    if x.is_floating_point():
+        if x.dtype not in (torch.float16, torch.float32) or not x.is_contiguous():
+            return None
+        if x.numel() and x.data_ptr() % _VIEW_ALIGNMENT:
+            return None
+    elif x.is_complex() or x.dtype == torch.bool:
+        return None
+    try:
+        return x.detach().numpy()
+    except (RuntimeError, TypeError):  # e.g. a negative-bit view, or a dtype NumPy lacks
+        return None
 
 
 def dtype_name(x: Any) -> str:

@@ -430,7 +430,7 @@ def jax_speculative_sampling(
     """
     import torch
 
-    from specjax.adapters import to_jax, to_torch
+    from specjax.adapters import to_torch
     from specjax.kernels.rejection import rejection_sample
 
     if assistant_ensemble_weight is not None:
@@ -458,8 +458,9 @@ def jax_speculative_sampling(
         x = torch.zeros((1, 0), dtype=torch.int32, device=device)
     u = torch.rand((1, g), device=device)  # float32 in [0, 1)
     s = torch.rand((1,), device=device)
-    # The torch buffers stay referenced until the result has been read (aliasing rule).
-    out = rejection_sample(to_jax(x), to_jax(q), to_jax(p), to_jax(u), to_jax(s), validate=validate)
+    # rejection_sample takes the tensors zero-copy (DLPack on GPU, NumPy views on a
+    # CPU-only JAX); they stay referenced until the result has been read (aliasing rule).
+    out = rejection_sample(x, q, p, u, s, validate=validate)
     tokens = to_torch(out["tokens"]).to(device=candidate_input_ids.device, dtype=torch.long)
     n = int(out["num_accepted"][0])
     del x, q, p, u, s
