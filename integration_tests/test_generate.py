@@ -191,6 +191,37 @@ def test_eos_matches_target_generate(draft_kind, pairs, left_padded):
     assert int(out.num_new_tokens[0]) <= 6 and int(out.num_new_tokens[2]) <= 10
 
 
+@pytest.mark.parametrize("draft_kind", ["perturbed", "other"])
+def test_the_loop_tells_the_caches_whether_every_new_slot_is_valid(draft_kind, pairs, left_padded, monkeypatch):
+    """The host-side flag the loop passes (no device sync) equals the validity mask, call by call.
+
+    EOS ends two rows early (their slots turn invalid while the others go on),
+    and rejections leave a second pending draft token, so both values occur.
+    """
+    from specjax.generate.slots import SlotCache
+
+    models = pairs("qwen2")
+    target, draft = models["target"], models[draft_kind]
+    ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=5)
+    plain = hf_greedy(target, ids, mask, 14)[:, ids.shape[1]:]
+    eos = [int(plain[0, 5]), int(plain[2, 9])]
+    seen: list[tuple[bool | None, bool]] = []
+    original = SlotCache.forward
+
+    def checked(self, tokens, valid, *, last_only, all_valid=None):
+        seen.append((all_valid, bool(valid.all())))
+        return original(self, tokens, valid, last_only=last_only, all_valid=all_valid)
+
+    monkeypatch.setattr(SlotCache, "forward", checked)
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G,
+                                       eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 14, eos_token_id=eos))
+    given = [(flag, truth) for flag, truth in seen if flag is not None]
+    assert len(given) == len(seen) - 2  # only the two prefills read the mask
+    assert all(flag == truth for flag, truth in given), given
+    assert {truth for _, truth in given} == {True, False}
+
+
 @pytest.mark.parametrize("max_new_tokens", range(1, 10))
 @pytest.mark.parametrize("draft_kind", ["same", "perturbed"])
 def test_max_new_tokens_is_never_exceeded(draft_kind, max_new_tokens, pairs, left_padded):

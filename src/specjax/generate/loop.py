@@ -198,6 +198,7 @@ def run_loop(
             b_now = len(state)
             remaining = np.array([0 if r.done else max_new_tokens - len(r.generated) for r in state])
             active = torch.as_tensor(remaining > 0, device=device)[:, None]  # bool[B', 1]
+            all_active = bool(np.all(remaining > 0))  # host copies of the validity: no device sync
             k_rows = np.minimum(num_draft_tokens, np.maximum(remaining - 1, 0))
             g = int(k_rows.max())
             last = torch.as_tensor(last_h, device=device)
@@ -208,15 +209,16 @@ def run_loop(
                 feed = torch.as_tensor(np.stack([pend0_h, last_h], axis=1), device=device)
                 feed_valid = torch.as_tensor(np.stack([pend0_valid_h, np.ones(b_now, bool)], axis=1),
                                              device=device) & active
+                feed_all_valid = all_active and bool(pend0_valid_h.all())
             else:
-                feed, feed_valid = last[:, None], active
+                feed, feed_valid, feed_all_valid = last[:, None], active, all_active
             width0 = feed.shape[1] if g else 0  # with g = 0 the draft does not run: its pending tokens stay
             draft_x: list[Any] = []
             draft_logits: list[Any] = []
             x_feeds: list[torch.Tensor] = []
             held: list[torch.Tensor] = []  # torch buffers JAX reads: kept until verify is done
             for i in range(g):
-                logits = d_cache.forward(feed, feed_valid, last_only=True)[:, 0]
+                logits = d_cache.forward(feed, feed_valid, last_only=True, all_valid=feed_all_valid)[:, 0]
                 held.append(logits)
                 lj = jit_input(logits)
                 draft_logits.append(lj)
@@ -224,13 +226,13 @@ def run_loop(
                                      use_top_k=use_top_k, use_top_p=use_top_p)
                 draft_x.append(x)
                 feed = to_torch(x).to(torch.long)[:, None]
-                feed_valid = active
+                feed_valid, feed_all_valid = active, all_active
                 x_feeds.append(feed)
 
             # 2. Score: [last, x_0 .. x_{g-1}] in one target forward.
             t_start_slot = t_cache.length
             t_in = torch.cat([last[:, None], *x_feeds], dim=1)
-            target_logits = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False)
+            target_logits = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False, all_valid=all_active)
             held.append(target_logits)
             tj = jit_input(target_logits)
 

@@ -57,13 +57,17 @@ class SlotCache:
     def length(self) -> int:
         return self.mask.shape[1]
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, *, last_only: bool) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, *, last_only: bool,
+                all_valid: bool | None = None) -> torch.Tensor:
         """Append W slots and run the model on them.
 
         Args:
           tokens: i64[B, W], the tokens of the new slots (filler where invalid).
           valid: bool[B, W], which new slots hold real tokens.
           last_only: return logits for the last slot only.
+          all_valid: whether every entry of ``valid`` is True, when the caller
+            knows it on the host; None reads it from ``valid`` (on a GPU, one
+            device→host sync).
 
         Returns:
           f32[B, W, V] logits (or f32[B, 1, V] with ``last_only``), as the model
@@ -75,7 +79,7 @@ class SlotCache:
         positions = self.num_valid[:, None] + torch.cumsum(v, dim=1) - v
         self.mask = torch.cat([self.mask, v], dim=1)
         self.num_valid = self.num_valid + v.sum(dim=1)
-        self.full = self.full and bool(valid.all())
+        self.full = self.full and (bool(valid.all()) if all_valid is None else all_valid)
         kwargs: dict[str, Any] = {
             "input_ids": tokens,
             self._cache_kw: self.cache,
