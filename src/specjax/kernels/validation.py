@@ -101,7 +101,14 @@ def host_view(x: Any) -> np.ndarray | None:
 
 
 def dtype_name(x: Any) -> str:
-    return np.dtype(x.dtype).name if not hasattr(x.dtype, "name") else x.dtype.name
+    """The name of ``x.dtype`` ("float32", "bfloat16", ...)."""
+    return _dtype_name(x.dtype)
+
+
+@functools.lru_cache(maxsize=128)
+def _dtype_name(dt: Any) -> str:
+    # NumPy computes .name in Python (~8 us); the boundary asks it several times a call.
+    return dt.name if hasattr(dt, "name") else np.dtype(dt).name
 
 
 def check_float(name: str, x: Any) -> None:
@@ -112,10 +119,15 @@ def check_float(name: str, x: Any) -> None:
         )
 
 
+@functools.lru_cache(maxsize=128)
+def _is_integer(dt: Any) -> bool:
+    return _dtype_name(dt) != "bool" and bool(jnp.issubdtype(dt, jnp.integer))
+
+
 def as_token_ids(name: str, x: Any) -> Any:
     """Integer token ids as int32; int64 values are range-checked before narrowing."""
     dt = x.dtype
-    if dtype_name(x) == "bool" or not jnp.issubdtype(dt, jnp.integer):
+    if not _is_integer(dt):
         raise ValueError(f"{name}: expected integer token ids (int32 or int64), got {dtype_name(x)}")
     if isinstance(x, np.ndarray) and x.dtype != np.int32:
         if x.size and (x.max() > _INT32_MAX or x.min() < _INT32_MIN):
@@ -260,10 +272,18 @@ def convert_kernel_inputs(
                 f"sample_uniforms: expected values in [0, 1), got values in [{summary['s_min']}, {summary['s_max']}]"
             )
 
-    return (
-        jnp.asarray(draft_tokens),
-        jnp.asarray(draft_probs),
-        jnp.asarray(target_probs),
-        jnp.asarray(accept_uniforms),
-        jnp.asarray(sample_uniforms),
-    )
+    return tuple(  # type: ignore[return-value]
+        _for_jit(x) for x in (draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms))
+
+
+def _for_jit(x: Any) -> Any:
+    """A converted input as the jitted kernel takes it.
+
+    JAX arrays as they are; NumPy arrays too on a CPU-only JAX, where a jitted
+    call uses an aligned host buffer in place (``jnp.asarray`` would cost a
+    Python-level conversion per input, ~25 us each, and a fresh array that the
+    call then reads more slowly); elsewhere moved to the device once.
+    """
+    if isinstance(x, jax.Array) or jax_on_cpu():
+        return x
+    return jnp.asarray(x)
