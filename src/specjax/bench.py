@@ -30,9 +30,10 @@ SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
     "draft-sweep": ("bench_draft_sweep.py", ["--quick"], []),
     "generate": ("bench_generate.py", ["--quick"], []),
     "sharded": ("bench_sharded.py", ["--quick"], []),
+    "overheads": ("bench_overheads.py", ["--rounds", "5"], []),
 }
-QUICK_SECTIONS = ("kernel", "logits", "draft-sweep")
-FULL_SECTIONS = ("kernel", "logits", "draft-sweep", "generate", "sharded")
+QUICK_SECTIONS = ("kernel", "logits", "draft-sweep", "overheads")
+FULL_SECTIONS = ("kernel", "logits", "draft-sweep", "generate", "sharded", "overheads")
 
 
 def benchmarks_dir() -> Path:

@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a short run (under 2 minutes)")
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
     bench.add_argument("--sections", nargs="*", default=None,
-                       help="subset of: kernel logits generate draft-sweep")
+                       help="subset of: kernel logits draft-sweep generate sharded overheads")
     bench.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser
 

@@ -225,10 +225,9 @@ def jit_input(tensor: torch.Tensor) -> jax.Array | np.ndarray:
 
     On a CPU-only JAX, a contiguous, 64-byte-aligned float16/float32 CPU
     tensor is returned as a NumPy view of its memory: XLA:CPU uses such an
-    argument in place, and it is much cheaper than :func:`to_jax` (the DLPack
-    import costs ~50 us, and a freshly imported array slows the jitted call
-    that reads it by another 50-300 us on these machines; see
-    docs/benchmarks.md, logits section). Anything else goes through
+    argument in place, and it is much cheaper than :func:`to_jax` (a DLPack
+    import, then a call that reads a freshly imported array:
+    ``benchmarks/bench_overheads.py``, docs/benchmarks.md). Anything else goes through
     :func:`to_jax` and its copy policy. The aliasing rule applies either way:
     torch must not write the buffer until the computations reading it finish.
 

@@ -73,15 +73,13 @@ def host_view(x: Any) -> np.ndarray | None:
 
     On a CPU-only JAX, a NumPy argument of a jitted function whose buffer is
     64-byte aligned is used in place (no copy), and it is far cheaper than a
-    DLPack import first: ``jax.dlpack.from_dlpack`` costs ~50 us, and a freshly
-    imported array then slows the call itself by another 50-300 us here (see
-    docs/benchmarks.md, logits section). So CPU tensors take this route when
-    nothing would be lost: integer tensors (token ids or per-row parameters, a
-    few numbers, which the callers check and narrow on the host), and
-    contiguous, aligned float16/float32 tensors. Everything else, including
-    any tensor when JAX has a GPU (the kernel must run where the tensor is),
-    goes through :func:`specjax.adapters.to_jax`, which copies explicitly and
-    counts the copy when one is needed.
+    DLPack import first (``benchmarks/bench_overheads.py``, docs/benchmarks.md).
+    So CPU tensors take this route when nothing would be lost: integer tensors
+    (token ids or per-row parameters, a few numbers, which the callers check
+    and narrow on the host), and contiguous, aligned float16/float32 tensors.
+    Everything else, including any tensor when JAX has a GPU (the kernel must
+    run where the tensor is), goes through :func:`specjax.adapters.to_jax`,
+    which copies explicitly and counts the copy when one is needed.
     """
     import torch  # only called with torch tensors
 
@@ -107,7 +105,7 @@ def dtype_name(x: Any) -> str:
 
 @functools.lru_cache(maxsize=128)
 def _dtype_name(dt: Any) -> str:
-    # NumPy computes .name in Python (~8 us); the boundary asks it several times a call.
+    # NumPy computes .name in Python; the boundary asks for it several times a call.
     return dt.name if hasattr(dt, "name") else np.dtype(dt).name
 
 
@@ -281,8 +279,8 @@ def _for_jit(x: Any) -> Any:
 
     JAX arrays as they are; NumPy arrays too on a CPU-only JAX, where a jitted
     call uses an aligned host buffer in place (``jnp.asarray`` would cost a
-    Python-level conversion per input, ~25 us each, and a fresh array that the
-    call then reads more slowly); elsewhere moved to the device once.
+    Python-level conversion per input, and a fresh array that the call then
+    reads more slowly); elsewhere moved to the device once.
     """
     if isinstance(x, jax.Array) or jax_on_cpu():
         return x
