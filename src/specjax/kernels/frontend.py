@@ -693,33 +693,35 @@ def _logit_summary(logits):
     return jnp.stack([jnp.sum(jnp.isnan(x)), jnp.sum(x == jnp.inf), jnp.sum(jnp.all(x == -jnp.inf, axis=-1))])
 
 
-def _row_max(x: jax.Array) -> jax.Array:
-    """f32[...]: each row's max; NaN if the row has a NaN, +inf / -inf flag the other bad cases.
+def _all_rows_finite(x: jax.Array) -> jax.Array:
+    """bool[]: no NaN, no +inf and a finite logit in every row.
 
-    One reduction (XLA's max propagates NaN), so the check costs a fraction of
-    the step; the counts for the message are computed only when it fails.
+    One reduction per row (XLA's max propagates NaN, and a row's max is +inf or
+    -inf exactly in the other bad cases), folded to one scalar: a replicated
+    result that every process of a multi-process mesh can read. The counts for
+    the message are computed only when it fails.
     """
-    return jnp.max(x.astype(jnp.float32), axis=-1)
+    return jnp.all(jnp.isfinite(jnp.max(x.astype(jnp.float32), axis=-1)))
 
 
-_row_max_jit = jax.jit(_row_max)
+_all_rows_finite_jit = jax.jit(_all_rows_finite)
 
 
 @jax.jit
 def _verify_summary(draft_tokens, k, target_logits, draft_logits):
-    """Smallest and largest tested draft token (i32[2]), and both logits' row maxima."""
+    """Smallest and largest tested draft token (i32[2]), and whether each logits array is all finite (bool[])."""
     g = draft_tokens.shape[1]
     valid = jnp.arange(g)[None, :] < k[:, None]
     ids = jnp.where(valid, draft_tokens, 0)
     lo_hi = jnp.stack([jnp.min(ids), jnp.max(ids)]).astype(jnp.int32) if g else jnp.zeros(2, jnp.int32)
-    return lo_hi, _row_max(target_logits), _row_max(draft_logits)
+    return lo_hi, _all_rows_finite(target_logits), _all_rows_finite(draft_logits)
 
 
-def _check_logits(name: str, logits: jax.Array, row_max: np.ndarray | None = None) -> None:
-    """Raise for NaN, +inf or all -inf rows; ``row_max`` (from :func:`_row_max`) if already known."""
-    if row_max is None:
-        row_max = np.asarray(jax.device_get(_row_max_jit(logits)))
-    if np.all(np.isfinite(row_max)):
+def _check_logits(name: str, logits: jax.Array, finite: bool | None = None) -> None:
+    """Raise for NaN, +inf or all -inf rows; ``finite`` (from :func:`_all_rows_finite`) if already known."""
+    if finite is None:
+        finite = bool(jax.device_get(_all_rows_finite_jit(logits)))
+    if finite:
         return
     nan, pinf, empty_rows = (int(v) for v in np.asarray(jax.device_get(_logit_summary(logits))))
     if nan or pinf:
@@ -813,15 +815,15 @@ def verify_from_logits(
         draft_tokens, draft_logits, target_logits = (
             jax.device_put(a) if isinstance(a, np.ndarray) else a for a in (draft_tokens, draft_logits, target_logits))
     if validate:  # one fused check, one transfer to the host
-        lo_hi, t_max, d_max = jax.device_get(_verify_summary(draft_tokens, k, target_logits, draft_logits))
+        lo_hi, t_finite, d_finite = jax.device_get(_verify_summary(draft_tokens, k, target_logits, draft_logits))
         lo, hi = (int(v) for v in np.asarray(lo_hi))
         if lo < 0 or hi >= vocab:
             raise ValueError(
                 f"draft_tokens: expected token ids in [0, V) = [0, {vocab}) at positions < num_draft_tokens, "
                 f"got values in [{lo}, {hi}]"
             )
-        _check_logits("target_logits", target_logits, np.asarray(t_max))
-        _check_logits("draft_logits", draft_logits, np.asarray(d_max))
+        _check_logits("target_logits", target_logits, bool(t_finite))
+        _check_logits("draft_logits", draft_logits, bool(d_finite))
     from specjax.kernels import sharded  # lazy: sharded imports this module
 
     layout = sharded.mesh_layout(target_logits, "target_logits")  # split over B and/or V?
