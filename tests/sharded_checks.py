@@ -488,6 +488,11 @@ def _hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
     offenders = vocab_sized(found, vocab_local)
     assert not offenders, "collectives carrying a vocabulary dimension:\n" + "\n".join(
         c["line"][:300] for c in offenders)
+    # A collective inside a loop reuses one rendezvous key per iteration on XLA:CPU,
+    # and a device running ahead can join the wrong iteration's rendezvous (a crash
+    # under load); see sharded._smallest_float.
+    in_loops = [c for c in found if c["count"] != 1]
+    assert not in_loops, "collectives inside loops:\n" + "\n".join(c["line"][:300] for c in in_loops)
     assert_equal(ref, compiled(*args), f"{kernel} on {mesh_name}")
     total = sum(c["operand_bytes"] * c["count"] for c in found)
     biggest = max(c["max_dim"] for c in found)

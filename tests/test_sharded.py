@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import jax
@@ -52,20 +51,9 @@ def _run_checks(names: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    # No persistent compilation cache in the subprocess: it runs beside the test
-    # workers, which write to that cache, and once (a single time in many runs)
-    # it died with SIGSEGV mid-run while they were compiling.
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    cmd = [sys.executable, str(CHECKS_SCRIPT), "--json", str(out), "--only", *names]
+    # -X faulthandler: a crash prints the Python stack of each thread to stderr.
+    cmd = [sys.executable, "-X", "faulthandler", str(CHECKS_SCRIPT), "--json", str(out), "--only", *names]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode < 0 and not out.exists():
-        # Killed by a signal, not by a failed check: twice in many local runs (once
-        # with, once without the persistent cache) the subprocess died with SIGSEGV
-        # inside XLA while the test workers were busy beside it; each time the same
-        # checks passed when run again. Run once more, and say so.
-        warnings.warn(f"sharded_checks.py died with signal {-proc.returncode}; running it once more. "
-                      f"Its last output:\n{proc.stdout[-1500:]}\n{proc.stderr[-1500:]}", stacklevel=1)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if not out.exists():
         pytest.fail(f"sharded_checks.py produced no results (exit {proc.returncode}):\n"
                     f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

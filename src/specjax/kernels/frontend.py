@@ -667,10 +667,7 @@ def sample_from_logits(
         raise ValueError("logits: expected a vocabulary size V >= 1, got V = 0")
     key = as_key(key, batch)
     temperature, top_k_arr, top_p_arr = _prepare_params(temperature, top_k, top_p, batch, validate)
-    if not (isinstance(logits, np.ndarray) and _v.jax_on_cpu()):
-        # One transfer for the check and the draw; on the CPU, NumPy arguments
-        # are aliased by both jitted calls (no copy).
-        logits = jnp.asarray(logits)
+    logits = _v.for_jit(logits)  # read by the check and the draw
     if validate and batch:
         _check_logits("logits", logits)
     if batch == 0:
@@ -809,12 +806,9 @@ def verify_from_logits(
         k = np.ascontiguousarray(k, np.int32)
     if batch == 0:
         return {"num_accepted": jnp.zeros((0,), jnp.int32), "tokens": jnp.zeros((0, g + 1), jnp.int32)}
-    if validate and not _v.jax_on_cpu():
-        # Host inputs cross to the device once, for the check and the step (on
-        # the CPU both jitted calls alias NumPy arguments: nothing to move).
-        draft_tokens, draft_logits, target_logits = (
-            jax.device_put(a) if isinstance(a, np.ndarray) else a for a in (draft_tokens, draft_logits, target_logits))
     if validate:  # one fused check, one transfer to the host
+        # read by the check and the step
+        draft_tokens, draft_logits, target_logits = map(_v.for_jit, (draft_tokens, draft_logits, target_logits))
         lo_hi, t_finite, d_finite = jax.device_get(_verify_summary(draft_tokens, k, target_logits, draft_logits))
         lo, hi = (int(v) for v in np.asarray(lo_hi))
         if lo < 0 or hi >= vocab:

@@ -347,6 +347,12 @@ def _smallest_float(pred: Any, shape: tuple[int, ...]) -> tuple[jax.Array, jax.A
 
     Bisection over the ordered bit patterns: 32 steps, each one ``pred`` call.
     Returns ``(t, pred(+inf))``; ``t`` is +inf when ``pred`` is False throughout.
+
+    The steps are unrolled: ``pred`` holds a ``psum``, and XLA:CPU's in-process
+    collectives give a collective in a loop the same rendezvous key in every
+    iteration, so a device that runs ahead into the next iteration joins the
+    previous one's rendezvous ("Check failed: id < num_threads", or SIGSEGV).
+    It happened on busy CPUs with a simulated multi-device mesh (docs/distributed.md).
     """
     lo = jnp.full(shape, _KEY_NEG_INF, jnp.uint32)
     hi = jnp.full(shape, _KEY_POS_INF, jnp.uint32)
@@ -358,7 +364,7 @@ def _smallest_float(pred: Any, shape: tuple[int, ...]) -> tuple[jax.Array, jax.A
         ok = pred(_key_float(mid))
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-    lo, hi = lax.fori_loop(0, 32, step, (lo, hi))
+    lo, hi = lax.fori_loop(0, 32, step, (lo, hi), unroll=True)
     return _key_float(hi), top
 
 

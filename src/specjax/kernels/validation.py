@@ -271,16 +271,17 @@ def convert_kernel_inputs(
             )
 
     return tuple(  # type: ignore[return-value]
-        _for_jit(x) for x in (draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms))
+        for_jit(x) for x in (draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms))
 
 
-def _for_jit(x: Any) -> Any:
-    """A converted input as the jitted kernel takes it.
+def for_jit(x: Any) -> Any:
+    """A converted input (NumPy or JAX) as the jitted kernels take it, read by one or more calls.
 
-    JAX arrays as they are; NumPy arrays too on a CPU-only JAX, where a jitted
-    call uses an aligned host buffer in place (``jnp.asarray`` would cost a
-    Python-level conversion per input, and a fresh array that the call then
-    reads more slowly); elsewhere moved to the device once.
+    JAX arrays as they are; NumPy arrays too on a CPU-only JAX, where every
+    jitted call uses an aligned host buffer in place (``jnp.asarray`` would cost
+    a Python-level conversion per input, and a fresh array that the call then
+    reads more slowly); elsewhere moved to the device once, so that a value
+    check and the step do not each transfer it.
     """
     if isinstance(x, jax.Array) or jax_on_cpu():
         return x
