@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax_threads
 from results_io import append_jsonl
 
 PROMPTS = (
@@ -133,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--draft", help="draft model directory")
     parser.add_argument("--drafts", type=int, nargs="*", help="values of G to sweep")
     parser.add_argument("--max-new-tokens", type=int)
+    jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
+    print(f"# {jax_threads.apply(args)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 

@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax_threads
 from results_io import append_jsonl
 
 PROMPTS = (
@@ -435,14 +436,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-draft-tokens", type=int, default=4, metavar="G")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--reps", type=int)
+    jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
+    pool = jax_threads.apply(args)
     if args.draft and not args.target:
         parser.error("--draft needs --target")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
     print(f"torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}, "
-          f"load average: {os.getloadavg()[0]:.1f}", file=sys.stderr)
+          f"load average: {os.getloadavg()[0]:.1f}; {pool}", file=sys.stderr)
     rows = bench_generate(args.quick, num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
                           reps=args.reps, target_dir=args.target, draft_dir=args.draft, synthetic=args.synthetic)
     print(f"model pair: {rows[0]['model_pair']}")

@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jax_threads
 import numpy as np
 from results_io import append_jsonl, flat_record
 
@@ -341,14 +342,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jsonl", metavar="PATH", help="append result rows as JSON lines to PATH")
     parser.add_argument("--max-straightforward-gb", type=float, default=4.0,
                         help="skip the straightforward version above this many GB of temporaries")
+    jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
+    pool = jax_threads.apply(args)
 
     batches, drafts, vocabs = (
         (QUICK_BATCHES, QUICK_DRAFTS, QUICK_VOCABS) if args.quick else (FULL_BATCHES, FULL_DRAFTS, FULL_VOCABS)
     )
     start = time.perf_counter()
     print(f"# jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
-          f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; float32 inputs")
+          f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; float32 inputs; {pool}")
     copy_bw, read_bw = measure_copy_bandwidth(), measure_read_bandwidth()
     print(f"# memory bandwidth at start: np.copyto of 128 MiB into a preallocated buffer, read + write "
           f"counted: {copy_bw / 1e9:.2f} GB/s; read-only (jitted jnp.sum): {read_bw / 1e9:.2f} GB/s")

@@ -58,6 +58,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jax_threads
 import numpy as np
 import torch
 import transformers
@@ -339,19 +340,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--jsonl", metavar="PATH", help="append one JSON object per row to PATH")
+    jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
+    pool = jax_threads.apply(args)
 
     env = environment()
     print(f"# specjax logits front end vs transformers, G={G}, V={V}, float32; "
           f"jax {env['jax']}, torch {env['torch']} ({TORCH_THREADS} threads), "
-          f"transformers {env['transformers']}, {env['jax_device']}, {env['cpus']} CPUs")
+          f"transformers {env['transformers']}, {env['jax_device']}, {env['cpus']} CPUs; {pool}")
     rows = bench_logits(args.quick)
     print(format_table(rows))
     _, verdict = target_verdict(rows)
     print(verdict)
     if args.jsonl:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        append_jsonl(args.jsonl, ({**r, "quick": args.quick, "time": stamp, "env": env} for r in rows))
+        append_jsonl(args.jsonl, ({**r, "quick": args.quick, "time": stamp, "env": env, "jax_pool": pool} for r in rows))
     return 0
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jax_threads
 import numpy as np
 import torch
 from bench_kernel import make_inputs
@@ -151,9 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--jsonl", metavar="PATH", help="append one JSON row per measurement to PATH")
+    jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
+    pool = jax_threads.apply(args)
     print(f"# jax {jax.__version__}, torch {torch.__version__}, {jax.devices()[0]}; medians of "
-          f"{args.rounds} rounds of 20-call blocks")
+          f"{args.rounds} rounds of 20-call blocks; {pool}")
     records: list[dict[str, Any]] = []
     for section, fn in (("crossing f32[1, 5, 49152] into a jitted call", crossing),
                         ("one reduction over a 49152-wide row", row_reduction),
@@ -161,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n## {section}\n\n| what | median |\n|---|---:|")
         for name, sec in fn(args.rounds).items():
             print(f"| {name} | {sec * 1e6:.1f} µs |")
-            records.append({"bench": "overheads", "table": section, "what": name, "median_us": sec * 1e6})
+            records.append({"bench": "overheads", "table": section, "what": name, "median_us": sec * 1e6,
+                            "jax_pool": pool})
     if args.jsonl:
         append_jsonl(args.jsonl, records)
     return 0

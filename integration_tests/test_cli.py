@@ -157,3 +157,26 @@ def test_debug_shows_traceback():
     proc = run_cli("--debug", "generate", "--target", "/nonexistent/model", "--draft", "/x", "--prompt", "x")
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern"),
+    [
+        (["--jax-cpu-threads", "0", "demo"], r"--jax-cpu-threads: .*expected an integer >= 1, got 0"),
+        (["--jax-cpu-threads", "100000", "demo", "--quick"],
+         r"--jax-cpu-threads: n: expected an integer in \[1, \d+\] \(the CPUs this process may use\)"),
+        (["--jax-cpu-threads", "1", "bench", "--sections", "sharded"],
+         r"--jax-cpu-threads: applies to sections kernel, logits, draft-sweep, generate, overheads, not to sharded"),
+    ],
+)
+def test_bad_jax_cpu_threads_one_line_exit_2(args, pattern):
+    test_bad_flags_one_line_exit_2(args, pattern)
+
+
+def test_generate_with_a_one_thread_jax_pool(models):
+    """--jax-cpu-threads 1 gives the same tokens as XLA's default pool (and the run succeeds)."""
+    common = ["generate", "--target", str(models["target"]), "--draft", str(models["draft"]), "--prompt",
+              "w1 w2 w3", "--max-new-tokens", "6", "--temperature", "0.9", "--seed", "5", "--json"]
+    default, one = run_cli(*common), run_cli("--jax-cpu-threads", "1", *common)
+    assert default.returncode == 0 and one.returncode == 0, (default.stderr, one.stderr)
+    assert json.loads(one.stdout)["token_ids"] == json.loads(default.stdout)["token_ids"]

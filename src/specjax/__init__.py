@@ -23,6 +23,7 @@ _EXPORTS = {
     "speculative_generate": "specjax.generate",
     "SpeculativeOutput": "specjax.generate",
     "load_sampler": "specjax.plugin.registry",
+    "set_jax_cpu_threads": "specjax.runtime",
     "available_samplers": "specjax.plugin.registry",
 }
 

@@ -32,6 +32,8 @@ SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
     "sharded": ("bench_sharded.py", ["--quick"], []),
     "overheads": ("bench_overheads.py", ["--rounds", "5"], []),
 }
+# Sections whose script takes --jax-cpu-threads (bench_sharded starts its own processes).
+THREAD_OPTION_SECTIONS = ("kernel", "logits", "draft-sweep", "generate", "overheads")
 QUICK_SECTIONS = ("kernel", "logits", "draft-sweep", "overheads")
 FULL_SECTIONS = ("kernel", "logits", "draft-sweep", "generate", "sharded", "overheads")
 
@@ -48,7 +50,8 @@ def benchmarks_dir() -> Path:
     return candidate
 
 
-def run_bench(*, out_dir: Path, quick: bool, sections: list[str] | None = None) -> int:
+def run_bench(*, out_dir: Path, quick: bool, sections: list[str] | None = None,
+              jax_cpu_threads: int | None = None) -> int:
     from tqdm import tqdm
 
     from specjax.cli import CLIError
@@ -57,6 +60,11 @@ def run_bench(*, out_dir: Path, quick: bool, sections: list[str] | None = None) 
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         raise CLIError(f"--sections: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    if jax_cpu_threads is not None and any(s not in THREAD_OPTION_SECTIONS for s in chosen):
+        others = [s for s in chosen if s not in THREAD_OPTION_SECTIONS]
+        raise CLIError(f"--jax-cpu-threads: applies to sections {', '.join(THREAD_OPTION_SECTIONS)}, not to "
+                       f"{', '.join(others)}; leave those out with --sections")
+    threads_args = [] if jax_cpu_threads is None else ["--jax-cpu-threads", str(jax_cpu_threads)]
     bench = benchmarks_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
@@ -72,7 +80,7 @@ def run_bench(*, out_dir: Path, quick: bool, sections: list[str] | None = None) 
         t0 = time.perf_counter()
         with open(log, "w") as fh:
             proc = subprocess.run([sys.executable, str(bench / script), *(quick_args if quick else full_args),
-                                   "--jsonl", str(jsonl)], stdout=fh, stderr=subprocess.STDOUT, env=env)
+                                   *threads_args, "--jsonl", str(jsonl)], stdout=fh, stderr=subprocess.STDOUT, env=env)
         took = time.perf_counter() - t0
         if proc.returncode != 0:
             failed.append(name)

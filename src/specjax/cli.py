@@ -281,7 +281,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from specjax.bench import run_bench
 
-    return run_bench(out_dir=Path(args.out), quick=args.quick, sections=args.sections)
+    return run_bench(out_dir=Path(args.out), quick=args.quick, sections=args.sections,
+                     jax_cpu_threads=args.jax_cpu_threads)
 
 
 # --------------------------------------------------------------------------- #
@@ -292,6 +293,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specjax", description="Exact speculative decoding for Hugging Face models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--jax-cpu-threads", type=_positive_int, default=None, metavar="N",
+                        help="start JAX with an XLA:CPU intra-op pool of N threads (specjax.set_jax_cpu_threads; "
+                             "default: XLA's, one per CPU)")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
 
     demo = sub.add_parser("demo", help="run the embedded default pair on built-in prompts")
@@ -337,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         handler = {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.command]
+        if args.jax_cpu_threads is not None and args.command != "bench":  # bench passes it to its scripts
+            _start_jax(args.jax_cpu_threads)
         return handler(args)
     except CLIError as err:
         if debug:
@@ -346,6 +352,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _start_jax(threads: int) -> None:
+    from specjax.runtime import set_jax_cpu_threads
+
+    try:
+        set_jax_cpu_threads(threads)
+    except (ValueError, RuntimeError) as err:
+        raise CLIError(f"--jax-cpu-threads: {err}") from None
 
 
 def _elapsed(t0: float) -> float:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.kernels.compile_options import VECTOR_OPTIONS
 from specjax.kernels.frontend import _uniforms, probs_from_stats, row_stats, verify_core
 from specjax.kernels.rejection import inverse_cdf
 
@@ -41,7 +42,7 @@ def step_keys(row_keys: jax.Array, step: jax.Array | int, purpose: int) -> jax.A
 
 
 # Recompiles when B, the draft vocabulary, `vocab` or the use of top-k/top-p change.
-@partial(jax.jit, static_argnames=("vocab", "use_top_k", "use_top_p"))
+@partial(jax.jit, static_argnames=("vocab", "use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
 def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_top_p, *, vocab,
                use_top_k, use_top_p):
     """Draw one draft token per row.
@@ -72,7 +73,7 @@ def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_to
 
 
 # Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"))
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
 def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, temperature, top_k,
                 one_minus_top_p, num_draft_tokens, *, use_top_k, use_top_p):
     """The acceptance step of the loop (the fused JAX sampler).
@@ -95,7 +96,7 @@ def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, tempe
 
 
 # Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"))
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
 def probs_step(draft_logits, target_logits, row_keys, step, temperature, top_k, one_minus_top_p,
                *, use_top_k, use_top_p):
     """Processed probabilities and uniforms for a sampler with the probabilities contract.

@@ -45,6 +45,7 @@ import numpy as np
 from jax import lax
 
 from specjax.kernels import validation as _v
+from specjax.kernels.compile_options import VECTOR_OPTIONS
 from specjax.kernels.rejection import (
     assemble_tokens,
     draw_rows,
@@ -494,7 +495,7 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
 # per row), or when top_k / top_p switch between None and given. Never for values.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"))
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
 def _verify_jit(draft_tokens, draft_logits, target_logits, key, temperature, top_k, one_minus_top_p,
                 num_draft_tokens, *, use_top_k, use_top_p):
     b, g = draft_tokens.shape
@@ -513,7 +514,7 @@ def _verify_jit(draft_tokens, draft_logits, target_logits, key, temperature, top
 
 
 # Recompiles when shapes/dtypes, the key kind or the use of top_k/top_p change.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"))
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
 def _sample_jit(logits, key, temperature, top_k, one_minus_top_p, *, use_top_k, use_top_p):
     b, vocab = logits.shape
     stats = row_stats(
@@ -683,7 +684,7 @@ def sample_from_logits(
     )
 
 
-@jax.jit
+@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
 def _logit_summary(logits):
     """i32[3]: NaN count, +inf count, rows with no finite logit (the error message's details)."""
     x = logits.astype(jnp.float32)
@@ -701,10 +702,10 @@ def _all_rows_finite(x: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(jnp.max(x.astype(jnp.float32), axis=-1)))
 
 
-_all_rows_finite_jit = jax.jit(_all_rows_finite)
+_all_rows_finite_jit = jax.jit(_all_rows_finite, compiler_options=VECTOR_OPTIONS)
 
 
-@jax.jit
+@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
 def _verify_summary(draft_tokens, k, target_logits, draft_logits):
     """Smallest and largest tested draft token (i32[2]), and whether each logits array is all finite (bool[])."""
     g = draft_tokens.shape[1]
