@@ -5,7 +5,7 @@ Usage::
     python benchmarks/bench_overheads.py            # about 30 s
     python benchmarks/bench_overheads.py --jsonl bench-results/overheads.jsonl
 
-Three tables of medians per call, each method timed warm in blocks of 20
+Four tables of medians per call, each method timed warm in blocks of 20
 consecutive calls, the blocks rotating over the methods for ``--rounds``
 rounds (see :func:`in_blocks`):
 
@@ -23,6 +23,14 @@ rounds (see :func:`in_blocks`):
    rows ``p_n`` and ``q_n``, write their residual, its 128-wide block sums as a
    GEMV with ones), and the same pass without the block sums, which separates
    the reads and the residual from the sums.
+4. **512-bit vectors** (``specjax.kernels.compile_options.VECTOR_OPTIONS``):
+   the same jitted functions compiled with XLA's default vector width and with
+   ``xla_cpu_prefer_vector_width=512``: a normaliser pass (exp of 5 scaled
+   49152-wide rows, block sums as a GEMV, row sums), the front end's step at
+   B = 1 and B = 8 (``_verify_jit``, G = 4, V = 49152, T = 1; the inputs of
+   ``bench_logits.py``), and the probability kernel at B = 8. Each pair must
+   give the same tokens (checked); the normalisers agree to 1e-6 (checked;
+   not always to the bit).
 """
 
 from __future__ import annotations
@@ -107,6 +115,46 @@ def row_reduction(rounds: int) -> dict[str, float]:
     return out
 
 
+def vector_width(rounds: int) -> dict[str, float]:
+    from bench_logits import _ours_args
+    from bench_logits import make_inputs as logits_inputs
+
+    from specjax.kernels import frontend as F
+    from specjax.kernels.compile_options import VECTOR_OPTIONS
+
+    def both(fn: Callable[..., Any], **jit_kw: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        return jax.jit(fn, **jit_kw), jax.jit(fn, compiler_options=VECTOR_OPTIONS, **jit_kw)
+
+    rows = jnp.asarray(np.random.default_rng(0).standard_normal((1, 5, V_LOGITS)).astype(np.float32))
+    scale, top = jnp.float32(0.9), jnp.max(rows, axis=-1)
+
+    def normaliser(x, c, m):
+        return R.row_sums(jnp.exp(x * c - m[..., None]))
+
+    cases: dict[str, tuple[tuple[Callable[..., Any], Callable[..., Any]], Callable[[Callable[..., Any]], Any]]] = {
+        "normaliser pass, 5 rows of 49152": (both(normaliser), lambda f: f(rows, scale, top)),
+    }
+    static = ("use_top_k", "use_top_p")
+    for b in (1, 8):
+        args, kw = _ours_args(logits_inputs(b, seed=b), 1.0, None, None)
+        cases[f"_verify_jit B={b} G=4 V=49152"] = (both(F._verify_jit.__wrapped__, static_argnames=static),
+                                                    lambda f, a=args, k=kw: f(*a, **k))
+    kargs = make_inputs(8, 8, 32000)
+    cases["probability kernel B=8 G=8 V=32000"] = (both(R._rejection_sample_jit.__wrapped__),
+                                                   lambda f, a=kargs: f(*a))
+    fns: dict[str, Callable[[], Any]] = {}
+    for name, ((default, wide), call) in cases.items():
+        def agree(x: Any, y: Any, close: bool = name.startswith("normaliser")) -> bool:
+            x, y = np.asarray(x), np.asarray(y)
+            return bool(np.allclose(x, y, rtol=1e-6) if close else np.array_equal(x, y))
+
+        if not all(jax.tree.leaves(jax.tree.map(agree, call(default), call(wide)))):
+            raise AssertionError(f"{name}: 512-bit vectors changed the result")
+        fns[f"{name}, XLA default"] = lambda c=call, f=default: c(f)
+        fns[f"{name}, 512-bit"] = lambda c=call, f=wide: c(f)
+    return in_blocks(fns, rounds)
+
+
 def kernel_parts(rounds: int) -> dict[str, float]:
     b, g, v = 8, 8, 32000
     tokens, draft, target, u, s = make_inputs(b, g, v)
@@ -160,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     for section, fn in (("crossing f32[1, 5, 49152] into a jitted call", crossing),
                         ("one reduction over a 49152-wide row", row_reduction),
-                        ("kernel at B=8 G=8 V=32000, part by part", kernel_parts)):
+                        ("kernel at B=8 G=8 V=32000, part by part", kernel_parts),
+                        ("XLA's default vector width against 512-bit vectors", vector_width)):
         print(f"\n## {section}\n\n| what | median |\n|---|---:|")
         for name, sec in fn(args.rounds).items():
             print(f"| {name} | {sec * 1e6:.1f} µs |")

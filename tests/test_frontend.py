@@ -944,3 +944,52 @@ def test_sample_invariants(seed, temperature, top_k, top_p, scale):
     if temperature == 0:
         np.testing.assert_array_equal(tokens, am)
         assert np.all(support == 1)
+
+
+# --------------------------------------------------------------------------- #
+# Compile options: every function that turns logits into probabilities agrees
+# --------------------------------------------------------------------------- #
+
+
+def _logits_jits():
+    """(name, lowered) for every jitted entry point that processes logits."""
+    from jax.sharding import Mesh
+
+    from specjax.generate import steps
+    from specjax.kernels import sharded
+
+    b, g, v = 2, 3, 40
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, v, (b, g)), jnp.int32)
+    d, t = jnp.zeros((b, g, v)), jnp.zeros((b, g + 1, v))
+    key, keys = jax.random.key(0), jax.random.split(jax.random.key(0), b)
+    f32, i32 = jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32)
+    static = {"use_top_k": True, "use_top_p": True}
+    layout = sharded.MeshLayout(Mesh(np.array(jax.devices()[:1]), ("x",)), batch_axis="x")
+    return [
+        ("frontend._verify_jit", frontend._verify_jit.lower(tokens, d, t, key, f32, i32, f32, i32 + g, **static)),
+        ("frontend._sample_jit", frontend._sample_jit.lower(t[:, 0], key, f32, i32, f32, **static)),
+        ("steps.draft_draw", steps.draft_draw.lower(t[:, 0], keys, 0, 1, f32, i32, f32, vocab=v, **static)),
+        ("steps.verify_step", steps.verify_step.lower(tuple(tokens.T), tuple(d.transpose(1, 0, 2)), t, keys, 0,
+                                                      f32, i32, f32, i32 + g, **static)),
+        ("steps.probs_step", steps.probs_step.lower(tuple(d.transpose(1, 0, 2)), t, keys, 0, f32, i32, f32,
+                                                    **static)),
+        ("sharded._verify_mesh_jit", sharded._verify_mesh_jit.lower(tokens, d, t, key, f32, i32, f32, i32 + g,
+                                                                    layout=layout, **static)),
+    ]
+
+
+def test_every_logits_jit_compiles_with_the_same_vector_options():
+    """The draft's draw and the acceptance step must compute q bit for bit alike.
+
+    512-bit vectors can change a normaliser's last bit (bench_overheads.py checks
+    only 1e-6 agreement), so a function compiled without the shared options could
+    process the same logits differently from the others.
+    """
+    from specjax.kernels.compile_options import VECTOR_OPTIONS
+
+    want = tuple(VECTOR_OPTIONS.items())
+    for name, lowered in _logits_jits():
+        # jax 0.10's record of a jit's compiler_options (private; the lowering keeps them).
+        got = lowered._lowering._compiler_options_kvs
+        assert set(want) <= set(got), f"{name}: compiled with {got}, expected {want}"

@@ -72,6 +72,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from specjax.kernels.compile_options import VECTOR_OPTIONS
 from specjax.kernels.rejection import (
     _int_view,
     assemble_tokens,
@@ -620,7 +621,8 @@ def _verify_body(draft_tokens, draft_logits, target_logits, u, temperature, top_
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
 # per row), when top_k / top_p switch between None and given, or the layout changes.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p", "layout", "per_shard"))
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p", "layout", "per_shard"),
+         compiler_options=VECTOR_OPTIONS)
 def _verify_mesh_jit(draft_tokens, draft_logits, target_logits, key, temperature, top_k, one_minus_top_p,
                      num_draft_tokens, *, use_top_k, use_top_p, layout: MeshLayout, per_shard: bool = False):
     from specjax.kernels.frontend import _uniforms
