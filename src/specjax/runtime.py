@@ -34,9 +34,13 @@ def _thread_ids() -> set[int]:
 
 
 def _backends_started() -> bool:
+    """Whether JAX has created its backends (jax has no public API for this)."""
     from jax._src import xla_bridge
 
-    return xla_bridge.backends_are_initialized()
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    if started is not None:
+        return bool(started())
+    return bool(getattr(xla_bridge, "_backends", None))
 
 
 def xla_cpu_pool_threads() -> int | None:
