@@ -684,7 +684,7 @@ def sample_from_logits(
     )
 
 
-@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+@jax.jit
 def _logit_summary(logits):
     """i32[3]: NaN count, +inf count, rows with no finite logit (the error message's details)."""
     x = logits.astype(jnp.float32)
@@ -702,10 +702,10 @@ def _all_rows_finite(x: jax.Array) -> jax.Array:
     return jnp.all(jnp.isfinite(jnp.max(x.astype(jnp.float32), axis=-1)))
 
 
-_all_rows_finite_jit = jax.jit(_all_rows_finite, compiler_options=VECTOR_OPTIONS)
+_all_rows_finite_jit = jax.jit(_all_rows_finite)
 
 
-@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+@jax.jit
 def _verify_summary(draft_tokens, k, target_logits, draft_logits):
     """Smallest and largest tested draft token (i32[2]), and whether each logits array is all finite (bool[])."""
     g = draft_tokens.shape[1]
