@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax.kernels import cpu_kernels
 from specjax.kernels import validation as _v
 from specjax.kernels.compile_options import VECTOR_OPTIONS
 from specjax.kernels.rejection import (
@@ -57,14 +58,20 @@ from specjax.kernels.rejection import (
 __all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "verify_from_logits"]
 
 _NEG_INF = -jnp.inf
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class RowStats(NamedTuple):
     """Summary of one processed distribution per row (all f32/i32 of the row shape).
 
-    ``prob(v) = [v == argmax]`` for greedy rows, else
-    ``exp(logit(v)·inv_temperature - max) / normaliser`` where
-    ``logit(v)·inv_temperature >= cutoff``, and 0 elsewhere.
+    ``prob(v) = [v == argmax]`` for greedy rows, else ``exp(s(v)) / normaliser``
+    where ``s(v) >= cutoff``, and 0 elsewhere, with the *relative scaled logit*
+    ``s(v) = (logit(v) - max)·inv_temperature`` (<= 0; 0 at the max).
+
+    The max is subtracted before scaling: computed as ``logit·c - max·c``, the
+    two products round differently (XLA may even fuse one into an FMA), and with
+    a large ``c`` (a small temperature) their difference is off by far more than
+    1, so ``exp`` of it is not normalised, or overflows.
 
     The scaling is a multiplication by a stored reciprocal, never a division:
     XLA may turn ``x / t`` into ``x * (1/t)`` in one fused loop and not in
@@ -75,9 +82,9 @@ class RowStats(NamedTuple):
 
     inv_temperature: jax.Array  # f32[...]: 1 / temperature (1 for greedy rows)
     greedy: jax.Array  # bool[...]
-    cutoff: jax.Array  # f32[...]: smallest kept scaled logit (-inf: keep all)
-    max: jax.Array  # f32[...]: max scaled logit
-    normaliser: jax.Array  # f32[...]: sum of exp(scaled - max) over kept tokens
+    cutoff: jax.Array  # f32[...]: smallest kept relative scaled logit s(v) (-inf: keep all)
+    max: jax.Array  # f32[...]: max logit (unscaled)
+    normaliser: jax.Array  # f32[...]: sum of exp(s(v)) over kept tokens
     argmax: jax.Array  # i32[...]: first index of the largest logit
 
 
@@ -228,51 +235,74 @@ def row_stats(
     rows = x.shape[:-1]
     temperature = jnp.broadcast_to(temperature, rows)
     greedy = temperature <= 0
-    inv_t = jnp.where(greedy, jnp.float32(1), 1 / jnp.where(greedy, jnp.float32(1), temperature))
+    # 1 / T, at most the largest float (a subnormal T would give inf, and 0·inf is NaN).
+    inv_t = jnp.where(greedy, jnp.float32(1),
+                      jnp.minimum(1 / jnp.where(greedy, jnp.float32(1), temperature), _F32_MAX))
     filtered = top_k is not None or one_minus_top_p is not None
+
+    def relative(x: jax.Array, x_max: jax.Array) -> jax.Array:
+        return (x - x_max[..., None]) * inv_t[..., None]
+
+    x_max = vocab_max(x, axis_name) if filtered or axis_name else None
     if filtered:
-        scaled = x * inv_t[..., None]
         cutoff = _cutoff
         if axis_name:
             from specjax.kernels.sharded import sharded_cutoff
 
             cutoff = partial(sharded_cutoff, axis_name=axis_name)
         cut = cutoff(
-            scaled,
+            relative(x, x_max),
             None if top_k is None else jnp.broadcast_to(top_k, rows),
             None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
         )
     else:
         cut = jnp.full(rows, _NEG_INF, jnp.float32)
-    # max(x * c) == max(x) * c exactly for c > 0 (rounding is monotonic), so the
-    # max reads the logits as given and the scaled row is never materialised:
-    # the exp pass below recomputes x * inv_t inside its own fused loop.
-    x_max = vocab_max(x, axis_name)
-    m = x_max * inv_t
-
-    def normaliser() -> jax.Array:
-        x = read()
-        e = jnp.exp(x * inv_t[..., None] - m[..., None])
-        if filtered:
-            e = jnp.where(x * inv_t[..., None] >= cut[..., None], e, 0)
-        return vocab_sum(e, axis_name)
-
     if axis_name:
-        return RowStats(inv_t, greedy, cut, m, normaliser(), vocab_argmax(x, axis_name, offset))
-    # One device: skip the exp pass when every row is greedy and the argmax pass
-    # when none is. Both branches read the logits through ``read`` (an input
-    # buffer, or a reader of a slice of one) and (B,) vectors, so the conditionals
-    # copy nothing of size V.
-    z = lax.cond(jnp.all(greedy), lambda: jnp.ones(rows, jnp.float32), normaliser)
+        s = relative(x, x_max)
+        e = jnp.exp(s)
+        if filtered:
+            e = jnp.where(s >= cut[..., None], e, 0)
+        return RowStats(inv_t, greedy, cut, x_max, vocab_sum(e, axis_name), vocab_argmax(x, axis_name, offset))
+
     vocab = x.shape[-1]
 
-    def first_max() -> jax.Array:
-        ids = jnp.arange(vocab, dtype=jnp.int32)
-        first = jnp.min(jnp.where(read() == x_max[..., None], ids, vocab), axis=-1)
-        return jnp.minimum(first, vocab - 1) + offset
+    def jax_summary() -> tuple[jax.Array, jax.Array, jax.Array]:
+        row_max = vocab_max(x, None) if x_max is None else x_max
 
-    am = lax.cond(jnp.any(greedy), first_max, lambda: jnp.zeros(rows, jnp.int32))
-    return RowStats(inv_t, greedy, cut, m, z, am)
+        def normaliser() -> jax.Array:
+            s = relative(read(), row_max)
+            e = jnp.exp(s)
+            if filtered:
+                e = jnp.where(s >= cut[..., None], e, 0)
+            return vocab_sum(e, None)
+
+        # Skip the exp pass when every row is greedy and the argmax pass when none
+        # is. Both branches read the logits through ``read`` (an input buffer, or a
+        # reader of a slice of one) and (B,) vectors, so the conditionals copy
+        # nothing of size V.
+        z = lax.cond(jnp.all(greedy), lambda: jnp.ones(rows, jnp.float32), normaliser)
+
+        def first_max() -> jax.Array:
+            ids = jnp.arange(vocab, dtype=jnp.int32)
+            first = jnp.min(jnp.where(read() == row_max[..., None], ids, vocab), axis=-1)
+            return jnp.minimum(first, vocab - 1) + offset
+
+        am = lax.cond(jnp.any(greedy), first_max, lambda: jnp.zeros(rows, jnp.int32))
+        return row_max, z, am
+
+    def cpu_summary() -> tuple[jax.Array, jax.Array, jax.Array]:
+        # One C++ pass per row (specjax.kernels.cpu_kernels); greedy rows are
+        # marked by a scale of 0 and get no exp pass.
+        flat = read().reshape(-1, vocab)
+        scale = jnp.where(greedy, jnp.float32(0), inv_t).reshape(-1)
+        x_max, z, am = cpu_kernels.row_stats(flat, scale, jnp.broadcast_to(cut, rows).reshape(-1))
+        return x_max.reshape(rows), z.reshape(rows), am.reshape(rows) + offset
+
+    if cpu_kernels.available():
+        row_max, z, am = lax.platform_dependent(cpu=cpu_summary, default=jax_summary)
+    else:
+        row_max, z, am = jax_summary()
+    return RowStats(inv_t, greedy, cut, row_max, z, am)
 
 
 def probs_from_stats(stats: RowStats, logit_values: jax.Array, token_ids: jax.Array) -> jax.Array:
@@ -287,8 +317,8 @@ def probs_from_stats(stats: RowStats, logit_values: jax.Array, token_ids: jax.Ar
     def e(a):
         return a.reshape(a.shape + (1,) * extra)
 
-    scaled = logit_values.astype(jnp.float32) * e(stats.inv_temperature)
-    soft = jnp.where(scaled >= e(stats.cutoff), jnp.exp(scaled - e(stats.max)) / e(stats.normaliser), 0)
+    rel = (logit_values.astype(jnp.float32) - e(stats.max)) * e(stats.inv_temperature)
+    soft = jnp.where(rel >= e(stats.cutoff), jnp.exp(rel) / e(stats.normaliser), 0)
     onehot = (token_ids == e(stats.argmax)).astype(jnp.float32)
     return jnp.where(e(stats.greedy), onehot, soft)
 
@@ -335,24 +365,17 @@ def verify_core(
     positions = jnp.arange(g, dtype=jnp.int32)
     valid = positions[None, :] < num_draft_tokens[:, None]
     x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
-    if not axis_name and top_k is None and one_minus_top_p is None:
-        # One device, no top-k/top-p: summarise positions only as far as needed. With
-        # top-k/top-p every row needs its cutoff (a top-k or a full pass anyway),
-        # and one call over all rows is cheaper than one per position.
-        n, t_sel, d_sel = _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
-                                         num_draft_tokens)
-        y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
-        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
-
-    t_stats = row_stats(
-        target_logits,
-        temperature[row],
-        None if top_k is None else top_k[row],
-        None if one_minus_top_p is None else one_minus_top_p[row],
-        axis_name=axis_name,
-        offset=offset,
-    )
-    if g > 0:
+    def summarise_all_rows() -> tuple[RowStats, RowStats | None, jax.Array]:
+        t_stats = row_stats(
+            target_logits,
+            temperature[row],
+            None if top_k is None else top_k[row],
+            None if one_minus_top_p is None else one_minus_top_p[row],
+            axis_name=axis_name,
+            offset=offset,
+        )
+        if g == 0:
+            return t_stats, None, jnp.zeros((b,), jnp.int32)
         d_stats = row_stats(
             draft_logits,
             temperature[row],
@@ -364,16 +387,34 @@ def verify_core(
         t_first = RowStats(*(f[:, :g] for f in t_stats))
         p_x = probs_from_stats(t_first, vocab_gather(target_logits[:, :g], x, axis_name, offset), x)
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
-        n = num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
-    else:
-        n = jnp.zeros((b,), jnp.int32)
+        return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
 
-    if not axis_name:
+    def all_rows_one_device() -> dict[str, jax.Array]:
+        t_stats, d_stats, n = summarise_all_rows()
         t_sel = _take_rows(t_stats, n)
-        d_sel = _take_rows(d_stats, jnp.minimum(n, g - 1)) if g > 0 else None
+        d_sel = None if d_stats is None else _take_rows(d_stats, jnp.minimum(n, g - 1))
         y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
         return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
+    def lazily_one_device() -> dict[str, jax.Array]:
+        n, t_sel, d_sel = _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
+                                         num_draft_tokens)
+        y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
+        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+
+    if not axis_name:
+        if top_k is not None or one_minus_top_p is not None:
+            # Every row needs its cutoff (a top-k or a full pass anyway), and one
+            # call over all rows is cheaper than one per position.
+            return all_rows_one_device()
+        # No top-k/top-p: summarise positions only as far as needed, except where
+        # the C++ CPU kernels summarise all 2G+1 rows in one call, in less time
+        # than the position loop's per-position XLA:CPU operations take.
+        if cpu_kernels.available():
+            return lax.platform_dependent(cpu=all_rows_one_device, default=lazily_one_device)
+        return lazily_one_device()
+
+    t_stats, d_stats, n = summarise_all_rows()
     from specjax.kernels.sharded import sharded_inverse_cdf, sharded_residual_weights
 
     ids = (jnp.arange(vocab_local, dtype=jnp.int32) + offset)[None, :]
@@ -468,7 +509,8 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
     ``t_sel`` / ``d_sel`` are the statistics of row ``n`` (:func:`_accept_lazily`).
     Only row ``n`` of the target logits (and of the draft logits, when a draft
     token was rejected) is turned into probabilities, inside
-    :func:`specjax.kernels.rejection.draw_rows`.
+    :func:`specjax.kernels.rejection.draw_rows`, or on CPU in one pass of the
+    C++ :func:`specjax.kernels.cpu_kernels.draw` (greedy rows take ``argmax``).
     """
     g = draft_logits.shape[1]
     vocab = target_logits.shape[-1]
@@ -490,7 +532,31 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
         q_row = probs_from_stats(d_st, lax.dynamic_index_in_dim(d_logits, d_b, 0, keepdims=False), ids)
         return p_row, jnp.where(has_q_b, q_row, 0)
 
-    return draw_rows((target_logits, draft_logits, n, d_pos, has_q, t_sel, d_sel), row_fn, sample_uniforms)
+    def jax_draw() -> jax.Array:
+        return draw_rows((target_logits, draft_logits, n, d_pos, has_q, t_sel, d_sel), row_fn, sample_uniforms)
+
+    def cpu_draw() -> jax.Array:
+        # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels).
+        b, positions = target_logits.shape[:2]
+        batch_rows = jnp.arange(b, dtype=jnp.int32)
+        t_rows = batch_rows * positions + n
+        d_rows = jnp.where(has_q, batch_rows * max(g, 1) + d_pos, -1)
+
+        def params(st: RowStats) -> list[jax.Array]:
+            return [jnp.where(st.greedy, jnp.float32(0), st.inv_temperature), st.max, st.normaliser, st.cutoff]
+
+        y = cpu_kernels.draw(
+            target_logits.astype(jnp.float32).reshape(-1, vocab),
+            draft_logits.astype(jnp.float32).reshape(-1, vocab),
+            jnp.stack([t_rows, d_rows], axis=1).astype(jnp.int32),
+            jnp.stack(params(t_sel) + params(d_sel), axis=1),
+            sample_uniforms.astype(jnp.float32),
+        )
+        return jnp.where(t_sel.greedy, t_sel.argmax, y)
+
+    if cpu_kernels.available():
+        return lax.platform_dependent(cpu=cpu_draw, default=jax_draw)
+    return jax_draw()
 
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one

@@ -1,0 +1,348 @@
+// CPU kernels for the logits front end, called from jitted JAX code through the
+// XLA FFI (specjax/kernels/cpu_kernels.py builds and registers them).
+//
+// On XLA:CPU every vocabulary-wide operation of the JAX front end is a separate
+// thunk handed to the intra-op pool: a B = 1 step ran about 30 of them (max, the
+// row copy the reduction library needs, exp pass, sum, the draw's passes), each
+// costing tens of µs on a small machine (docs/benchmarks.md). These two kernels do
+// the same work in one pass per row each:
+//
+//   specjax_row_stats  per row: max, first index of the max, and the normaliser
+//                      sum_j [s_j >= cut] exp(s_j), s_j = (x_j - max) c;
+//   specjax_draw       per batch row: one token from the residual max(p - q, 0) of
+//                      a target row and a draft row (p alone when q is absent or
+//                      the residual is all zero), by inverse CDF over 128-wide
+//                      blocks, with the same rounding fallbacks as
+//                      specjax.kernels.rejection.inverse_cdf.
+//
+// The max and its index are exact (the same as jnp.max / the first argmax), and
+// so is s_j (a subtraction, then a multiplication, each rounded as in XLA), so
+// the kept tokens are the JAX path's. The normaliser and the draw's probabilities
+// use the exp below, so they can differ from XLA's in the last bits; every single-device CPU path uses these same
+// kernels, so the draft's draw and the acceptance test still see the same q.
+//
+// Built with -fno-math-errno -fno-trapping-math (which change no IEEE result) so
+// that the loops vectorise; never with -ffast-math (-inf logits must stay -inf).
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 128;  // the draw's block length (rejection._CDF_BLOCK)
+
+// exp(x) for x <= 0 (the callers subtract the row's max; x = -inf gives 0):
+// Cody-Waite range reduction by ln 2 and a degree-7 polynomial (Cephes expf),
+// about 1 ulp; results below the smallest normal float flush to 0.
+inline float exp_nonpositive(float x) {
+  const float lo = -87.33654f;  // log(FLT_MIN)
+  const float xc = x > lo ? x : lo;
+  const float t = xc * 1.44269504088896341f;
+  const int32_t k = -static_cast<int32_t>(0.5f - t);  // round(t) for t <= 0
+  const float kf = static_cast<float>(k);
+  float r = xc - kf * 0.693359375f;
+  r = r - kf * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float out = __builtin_bit_cast(float, __builtin_bit_cast(int32_t, p) + k * (1 << 23));
+  return x >= lo ? out : 0.0f;
+}
+
+struct RowSummary {
+  float max;
+  int32_t argmax;
+};
+
+RowSummary summarise_max(const float* __restrict x, int64_t v) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < v; ++j) m = x[j] > m ? x[j] : m;
+  // First index of the max: find the first 256-wide chunk holding it with a
+  // vectorised test, then scan that chunk. (A NaN row has no such chunk: V - 1.)
+  constexpr int64_t kChunk = 256;
+  for (int64_t lo = 0; lo < v; lo += kChunk) {
+    const int64_t hi = std::min(lo + kChunk, v);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t j = lo; j < hi; ++j) hit |= x[j] == m;
+    if (hit) {
+      for (int64_t j = lo; j < hi; ++j) {
+        if (x[j] == m) return {m, static_cast<int32_t>(j)};
+      }
+    }
+  }
+  return {m, static_cast<int32_t>(v - 1)};
+}
+
+// Sum of the n <= kBlock entries of w, in 16 lane-wise partial sums. (The hot
+// loops write their terms to a small buffer, then sum it: loops of this shape
+// vectorise reliably, where a reduction fused into a long loop body may not.)
+inline float block_sum(const float* w, int64_t n) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += w[j + l];
+  }
+  float s = 0.0f;
+  for (; j < n; ++j) s += w[j];
+  for (int l = 0; l < kLanes; ++l) s += lanes[l];
+  return s;
+}
+
+// sum_j [s_j >= cut] exp(s_j) with s_j = (x_j - x_max) c, in 16 lane-wise partial sums.
+float normaliser(const float* __restrict x, int64_t v, float c, float x_max, float cut) {
+  constexpr int kLanes = 16;
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= v; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float s = (x[j + l] - x_max) * c;
+      lanes[l] += s >= cut ? exp_nonpositive(s) : 0.0f;
+    }
+  }
+  float total = 0.0f;
+  for (; j < v; ++j) {
+    const float s = (x[j] - x_max) * c;
+    total += s >= cut ? exp_nonpositive(s) : 0.0f;
+  }
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+// A processed row: scale c (0 for greedy rows), raw max, normaliser z, cutoff.
+struct RowParams {
+  float c, x_max, z, cut;
+};
+
+// Sum over one block of max(p_j - q_j, 0), resp. of p_j. The parameters are
+// copied to locals and the pointers marked __restrict so that the loops vectorise.
+float residual_block_sum(const float* __restrict xt, RowParams pt, const float* __restrict xd, RowParams pd,
+                         int64_t n) {
+  float terms[kBlock];
+  const float ct = pt.c, mt = pt.x_max, zt = pt.z, kt = pt.cut;
+  const float cd = pd.c, md = pd.x_max, zd = pd.z, kd = pd.cut;
+  for (int64_t j = 0; j < n; ++j) {
+    const float st = (xt[j] - mt) * ct, sd = (xd[j] - md) * cd;
+    const float p = st >= kt ? exp_nonpositive(st) / zt : 0.0f;
+    const float q = sd >= kd ? exp_nonpositive(sd) / zd : 0.0f;
+    const float w = p - q;
+    terms[j] = w > 0.0f ? w : 0.0f;
+  }
+  return block_sum(terms, n);
+}
+
+float prob_block_sum(const float* __restrict xt, RowParams pt, int64_t n) {
+  float terms[kBlock];
+  const float ct = pt.c, mt = pt.x_max, zt = pt.z, kt = pt.cut;
+  for (int64_t j = 0; j < n; ++j) {
+    const float st = (xt[j] - mt) * ct;
+    terms[j] = st >= kt ? exp_nonpositive(st) / zt : 0.0f;
+  }
+  return block_sum(terms, n);
+}
+
+// The residual weight of entry j (the scalar path of the two sums above).
+inline float residual_weight(float xt, const RowParams& pt, const float* xd, const RowParams& pd, bool use_q) {
+  const float st = (xt - pt.x_max) * pt.c;
+  const float p = st >= pt.cut ? exp_nonpositive(st) / pt.z : 0.0f;
+  float q = 0.0f;
+  if (use_q) {
+    const float sd = (*xd - pd.x_max) * pd.c;
+    q = sd >= pd.cut ? exp_nonpositive(sd) / pd.z : 0.0f;
+  }
+  const float w = p - q;
+  return w > 0.0f ? w : 0.0f;
+}
+
+// Runs body(i) for every i in [0, n), on the calling thread and, when the work
+// is large enough to pay for the hand-offs, on helpers from the XLA:CPU
+// intra-op pool. Rows are handed out one at a time from a shared counter, so
+// the calling thread never waits for a helper that has not started (on a busy
+// machine it may simply do every row itself); it waits only for rows already
+// running elsewhere. Each row runs on one thread: results do not depend on the
+// split.
+struct RowQueue {
+  explicit RowQueue(int64_t n) : n(n) {}
+  const int64_t n;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable all_done;
+
+  template <typename Body>
+  void work(const Body* body) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      (*body)(i);
+      if (done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(mu);
+        all_done.notify_all();
+      }
+    }
+  }
+};
+
+template <typename Body>
+void parallel_rows(ffi::ThreadPool& pool, int64_t n, int64_t work_per_row, const Body& body) {
+  const int64_t min_work = int64_t{1} << 20;  // per thread: about 21 rows of 49152, ~0.5 ms
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  if (helpers <= 0 || n * work_per_row < 2 * min_work) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  // A helper may start after every row is done: it then finds the counter
+  // exhausted and never calls ``body`` (whose captures live on this stack), so
+  // only the queue itself must outlive this call.
+  auto queue = std::make_shared<RowQueue>(n);
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([queue, b = &body] { queue->work(b); });
+  }
+  queue->work(&body);
+  std::unique_lock<std::mutex> lock(queue->mu);
+  queue->all_done.wait(lock, [&] { return queue->done.load() == n; });
+}
+
+// Inverse CDF of the residual of one (p, q) row pair; see the file comment.
+int32_t draw_row(const float* xt, const RowParams& pt, const float* xd, const RowParams& pd, bool has_q,
+                 float s, int64_t v, float* sums) {
+  const int64_t nb = (v + kBlock - 1) / kBlock;
+  bool use_q = has_q;
+  for (;;) {
+    auto weight = [&](int64_t j) { return residual_weight(xt[j], pt, use_q ? xd + j : nullptr, pd, use_q); };
+    float total = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t lo = b * kBlock, n = std::min(kBlock, v - lo);
+      sums[b] = use_q ? residual_block_sum(xt + lo, pt, xd + lo, pd, n) : prob_block_sum(xt + lo, pt, n);
+      total += sums[b];
+    }
+    if (!(total > 0.0f) && use_q) {  // the residual is all zero: draw from p
+      use_q = false;
+      continue;
+    }
+    const float threshold = s * total;
+    float cum = 0.0f;
+    int64_t last_positive_block = -1;
+    for (int64_t b = 0; b < nb; ++b) {
+      if (sums[b] > 0.0f) last_positive_block = b;
+      if (!(cum + sums[b] > threshold)) {
+        cum += sums[b];
+        continue;
+      }
+      // The draw is in block b: the first entry whose running sum exceeds the
+      // threshold, else (rounding) the block's last positive entry.
+      const int64_t lo = b * kBlock, hi = std::min(lo + kBlock, v);
+      int64_t last_in_block = -1;
+      for (int64_t j = lo; j < hi; ++j) {
+        const float w = weight(j);
+        if (w > 0.0f) last_in_block = j;
+        cum += w;
+        if (cum > threshold && w > 0.0f) return static_cast<int32_t>(j);
+      }
+      if (last_in_block >= 0) return static_cast<int32_t>(last_in_block);
+      break;
+    }
+    // Rounding left no block: the last positive entry of the last positive block.
+    if (last_positive_block >= 0) {
+      const int64_t lo = last_positive_block * kBlock, hi = std::min(lo + kBlock, v);
+      for (int64_t j = hi - 1; j >= lo; --j) {
+        if (weight(j) > 0.0f) return static_cast<int32_t>(j);
+      }
+    }
+    return static_cast<int32_t>(v - 1);  // unreachable for a row with a kept entry
+  }
+}
+
+ffi::Error RowStatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> inv_t,
+                        ffi::Buffer<ffi::F32> cut, ffi::ResultBuffer<ffi::F32> row_max,
+                        ffi::ResultBuffer<ffi::F32> norm, ffi::ResultBuffer<ffi::S32> argmax) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("specjax_row_stats: logits must be [N, V]");
+  const int64_t n = dims[0], v = dims[1];
+  if (inv_t.element_count() != n || cut.element_count() != n) {
+    return ffi::Error::InvalidArgument("specjax_row_stats: inv_t and cut must have N entries");
+  }
+  const float* x = logits.typed_data();
+  const float* c = inv_t.typed_data();
+  const float* k = cut.typed_data();
+  float* out_max = row_max->typed_data();
+  float* out_norm = norm->typed_data();
+  int32_t* out_arg = argmax->typed_data();
+  parallel_rows(pool, n, v, [&](int64_t r) {
+    const float* row = x + r * v;
+    const RowSummary s = summarise_max(row, v);
+    out_max[r] = s.max;
+    out_arg[r] = s.argmax;
+    // c = 0 marks a greedy row: its distribution is one-hot, no normaliser needed.
+    out_norm[r] = c[r] == 0.0f ? 1.0f : normaliser(row, v, c[r], s.max, k[r]);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error DrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
+                    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::F32> s,
+                    ffi::ResultBuffer<ffi::S32> out) {
+  const auto td = target.dimensions();
+  const auto dd = draft.dimensions();
+  const auto rd = rows.dimensions();
+  const auto pd = params.dimensions();
+  if (td.size() != 2 || dd.size() != 2 || rd.size() != 2 || pd.size() != 2 || rd[1] != 2 || pd[1] != 8 ||
+      dd[1] != td[1] || pd[0] != rd[0] || s.element_count() != rd[0]) {
+    return ffi::Error::InvalidArgument(
+        "specjax_draw: expected target [Nt, V], draft [Nd, V], rows [B, 2], params [B, 8], s [B]");
+  }
+  const int64_t b = rd[0], nt = td[0], nd = dd[0], v = td[1];
+  const int32_t* r = rows.typed_data();
+  const float* p = params.typed_data();
+  int32_t* y = out->typed_data();
+  parallel_rows(pool, b, 2 * v, [&](int64_t i) {
+    const int32_t t_row = r[2 * i], d_row = r[2 * i + 1];
+    const float* pr = p + 8 * i;
+    const RowParams tp{pr[0], pr[1], pr[2], pr[3]};
+    if (tp.c == 0.0f || t_row < 0 || t_row >= nt) {  // greedy rows are decided outside
+      y[i] = 0;
+      return;
+    }
+    const bool has_q = d_row >= 0 && d_row < nd;
+    const RowParams dp{pr[4], pr[5], pr[6], pr[7]};
+    std::unique_ptr<float[]> sums(new float[(v + kBlock - 1) / kBlock]);
+    y[i] = draw_row(target.typed_data() + t_row * v, tp, has_q ? draft.typed_data() + d_row * v : nullptr,
+                    dp, has_q, s.typed_data()[i], v, sums.get());
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowStats, RowStatsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDraw, DrawImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());

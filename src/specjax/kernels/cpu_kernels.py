@@ -1,0 +1,220 @@
+"""C++ kernels for the logits front end on XLA:CPU (built on first use, called through the XLA FFI).
+
+On a CPU, every vocabulary-wide operation of the JAX front end is a separate
+XLA:CPU thunk, and on small machines each costs tens of µs in hand-offs alone
+(docs/benchmarks.md, "Acceptance from logits"). Two kernels in
+``cpu_kernels.cc`` do that work in one pass per row:
+
+* :func:`row_stats`: per row, the max, the first index of the max and the
+  normaliser ``sum_j [s_j >= cut] exp(s_j)`` with ``s_j = (x_j - max)·c``;
+* :func:`draw`: per batch row, one token from the residual of a target row and
+  a draft row (the draw of :func:`specjax.kernels.rejection.inverse_cdf` of
+  :func:`specjax.kernels.rejection.residual_weights`, with the same fallbacks).
+
+:mod:`specjax.kernels.frontend` uses them for every single-device computation
+it lowers for CPU (``lax.platform_dependent``: other platforms and the
+vocabulary-sharded mesh path keep the JAX code). Since the draft's draw and the
+acceptance step both take their normalisers from :func:`row_stats`, they still
+compute the same ``q``, bit for bit. Maxima and argmaxes equal the JAX path's
+exactly; normalisers and the draw's probabilities use the kernel's own ``exp``
+and can differ from XLA's in the last bits.
+
+The library is compiled from the shipped source with the system C++ compiler
+(``$CXX``, else ``g++``/``c++``) against jaxlib's FFI headers, once per source,
+compiler, jaxlib version and CPU, into ``$SPECJAX_CACHE_DIR`` (default
+``~/.cache/specjax``); a build takes a few seconds. Without a compiler, or when
+the build fails, specjax warns once and uses the JAX code on CPU too (slower,
+same semantics). ``SPECJAX_CPU_KERNELS=0`` turns the kernels off; read when
+first needed, i.e. at the first trace of a front-end function.
+:func:`set_enabled` switches between the two in a running process (benchmarks
+and tests compare them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["available", "build_error", "draw", "library_path", "row_stats", "set_enabled"]
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+_FLAGS = (
+    "-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-mprefer-vector-width=512",
+    "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fno-exceptions",
+)
+_TARGETS = {"specjax_row_stats": "SpecjaxRowStats", "specjax_draw": "SpecjaxDraw"}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags (the build uses -march=native)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECJAX_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specjax"
+
+
+def _build(compiler: str) -> Path:
+    """Compile the library (or reuse a cached build); raises RuntimeError on failure."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(
+        "\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, jax.__version__, _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    out_dir = _cache_dir() / "cpu-kernels" / key
+    lib = out_dir / "libspecjax_cpu.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never see a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln][:3] or proc.stderr.splitlines()[-3:]
+        raise RuntimeError(f"{' '.join(cmd)} failed: " + " | ".join(errors))
+    os.replace(tmp, lib)
+    return lib
+
+
+def _load() -> None:
+    if os.environ.get("SPECJAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        _state["error"] = "turned off by SPECJAX_CPU_KERNELS"
+        return  # asked for: no warning
+    compiler = _compiler()
+    if compiler is None:
+        _state["error"] = "no C++ compiler found ($CXX, g++ or c++)"
+    else:
+        try:
+            path = _build(compiler)
+            lib = ctypes.cdll.LoadLibrary(str(path))
+            for target, symbol in _TARGETS.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        except (OSError, RuntimeError, AttributeError) as e:
+            _state["error"] = str(e)
+        else:
+            _state["path"] = path
+            return
+    warnings.warn(
+        f"specjax: the C++ CPU kernels are not available ({_state['error']}); the logits front end "
+        "runs its JAX code on CPU (same results up to float rounding, slower). See "
+        "specjax.kernels.cpu_kernels.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def available() -> bool:
+    """Whether traced code uses the kernels: built, registered and not switched off.
+
+    Builds them on the first call.
+    """
+    if _state.get("disabled"):
+        return False
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = True
+            if sys.platform.startswith("linux") or sys.platform == "darwin":
+                _load()
+            else:
+                _state["error"] = f"not supported on {sys.platform}"
+    return "path" in _state
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Use the kernels (building them if needed) or the JAX code from now on.
+
+    Clears JAX's caches, so that jitted functions are traced again with the new
+    choice; functions already compiled by other ``jax.jit`` objects keep theirs.
+    Returns :func:`available` afterwards.
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"enabled: expected True or False, got {enabled!r}")
+    _state["disabled"] = not enabled
+    jax.clear_caches()
+    return available()
+
+
+def build_error() -> str | None:
+    """Why the kernels are unavailable (None when they are, or before the first use)."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def library_path() -> Path | None:
+    """The built shared library, once :func:`available` returned True."""
+    return _state.get("path")  # type: ignore[return-value]
+
+
+def row_stats(logits: jax.Array, scale: jax.Array, cutoff: jax.Array
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-row max, normaliser and first argmax (inside jit; CPU only).
+
+    Args:
+      logits: f32[N, V].
+      scale: f32[N], ``c = 1 / temperature``; 0 marks a greedy row (its
+        normaliser is returned as 1 and never read).
+      cutoff: f32[N], the smallest kept ``s_j`` (-inf keeps all).
+
+    Returns:
+      ``(max, normaliser, argmax)``: f32[N] (the max of the raw logits),
+      f32[N], i32[N].
+    """
+    n = logits.shape[0]
+    f32 = jax.ShapeDtypeStruct((n,), jnp.float32)
+    call = jax.ffi.ffi_call("specjax_row_stats", (f32, f32, jax.ShapeDtypeStruct((n,), jnp.int32)))
+    return call(logits, scale, cutoff)
+
+
+def draw(target: jax.Array, draft: jax.Array, rows: jax.Array, params: jax.Array,
+         sample_uniforms: jax.Array) -> jax.Array:
+    """One residual draw per batch row (inside jit; CPU only).
+
+    Args:
+      target: f32[Nt, V], target logits (flattened rows).
+      draft: f32[Nd, V], draft logits (flattened rows; Nd may be 0).
+      rows: i32[B, 2], the target row and the draft row of each draw; a draft
+        row outside [0, Nd) means no draft distribution (draw from p).
+      params: f32[B, 8], ``(c, max, normaliser, cutoff)`` of the target row,
+        then of the draft row; ``c = 0`` marks a greedy row (returns 0, to be
+        replaced by the argmax outside).
+      sample_uniforms: f32[B] in [0, 1).
+
+    Returns:
+      i32[B]: the drawn tokens.
+    """
+    call = jax.ffi.ffi_call("specjax_draw", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32))
+    return call(target, draft, rows, params, sample_uniforms)

@@ -1,0 +1,295 @@
+"""The C++ CPU kernels (specjax.kernels.cpu_kernels) against the JAX code they replace on CPU.
+
+* maxima, argmaxes and kept sets are bit-equal; normalisers agree to float rounding;
+* the draw gives the JAX draw's token except where the two differ only by
+  rounding at a CDF boundary (checked against a float64 reference);
+* rows split over the intra-op pool give the same results as one at a time;
+* the public functions give the same tokens either way, including tiny
+  temperatures, greedy and mixed rows, top-k/top-p and ragged drafts;
+* a failed build or ``SPECJAX_CPU_KERNELS=0`` falls back to the JAX code
+  (fresh processes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.kernels import cpu_kernels
+from specjax.kernels import frontend as F
+from specjax.kernels.rejection import draw_rows, residual_weights
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.build_error()}")
+
+
+@pytest.fixture
+def jax_code():
+    """Run the test body's traces with the JAX code, then switch the kernels back on."""
+    cpu_kernels.set_enabled(False)
+    yield
+    cpu_kernels.set_enabled(True)
+
+
+def logits(shape, seed, scale=3.0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (scale * rng.standard_normal(shape)).astype(dtype)
+
+
+def stats_both_ways(x, temperature, top_k=None, top_p=None):
+    """RowStats of ``x`` with the kernels, then with the JAX code (both as NumPy)."""
+    t = jnp.asarray(temperature, jnp.float32)
+    k = None if top_k is None else jnp.asarray(top_k, jnp.int32)
+    p = None if top_p is None else 1 - jnp.asarray(top_p, jnp.float32)
+
+    def run():
+        return [np.asarray(f) for f in jax.jit(F.row_stats)(jnp.asarray(x), t, k, p)]
+
+    assert cpu_kernels.available()
+    ours = run()
+    cpu_kernels.set_enabled(False)
+    try:
+        ref = run()
+    finally:
+        cpu_kernels.set_enabled(True)
+    return F.RowStats(*ours), F.RowStats(*ref)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 127, 128, 129, 1000, 4099])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_row_stats_equal_the_jax_code(vocab, filtered):
+    x = logits((6, vocab), seed=vocab)
+    if vocab > 1:
+        x[1, vocab // 2] = -np.inf  # masked tokens (a row of only -inf is invalid input)
+    x[2, :] = x[2, 0]  # all tied: the first index is the argmax
+    temperature = np.array([1.0, 0.7, 1.3, 0.0, 2.0, 0.5], np.float32)
+    top_k = np.array([0, 3, 1, 2, 50, 7]) if filtered else None
+    top_p = np.array([1.0, 0.9, 0.5, 1.0, 0.8, 0.95]) if filtered else None
+    ours, ref = stats_both_ways(x, temperature, top_k, top_p)
+    np.testing.assert_array_equal(ours.max, ref.max)
+    np.testing.assert_array_equal(ours.cutoff, ref.cutoff)
+    greedy = temperature == 0
+    np.testing.assert_array_equal(ours.argmax[greedy], ref.argmax[greedy])
+    assert ours.argmax[2] == 0
+    np.testing.assert_allclose(ours.normaliser[~greedy], ref.normaliser[~greedy], rtol=2e-6)
+
+
+def test_row_stats_argmax_and_max_for_every_row():
+    """Greedy rows everywhere: the argmax of every row, at every position of the max."""
+    x = logits((64, 3000), seed=1)
+    where = np.random.default_rng(2).integers(0, 3000, 64)
+    x[np.arange(64), where] = 100.0
+    x[5, where[5] + 1:] = 100.0  # ties after the first: still the first
+    ours, ref = stats_both_ways(x, np.zeros(64, np.float32))
+    np.testing.assert_array_equal(ours.argmax, where)
+    np.testing.assert_array_equal(ours.argmax, ref.argmax)
+    np.testing.assert_array_equal(ours.max, ref.max)
+
+
+def test_rows_split_over_threads_equal_rows_one_at_a_time():
+    """80 rows of 49152 entries are split over the intra-op pool; each row's result
+    must not depend on that (one row per call never splits)."""
+    x = jnp.asarray(logits((80, 49152), seed=3))
+    scale = jnp.asarray(np.linspace(0.5, 2.0, 80, dtype=np.float32))
+    cut = jnp.full((80,), -jnp.inf, jnp.float32)
+    whole = [np.asarray(a) for a in jax.jit(cpu_kernels.row_stats)(x, scale, cut)]
+    one = jax.jit(cpu_kernels.row_stats)
+    for r in range(0, 80, 7):
+        single = [np.asarray(a) for a in one(x[r:r + 1], scale[r:r + 1], cut[r:r + 1])]
+        for w, s in zip(whole, single, strict=True):
+            assert w[r] == s[0]
+
+
+def _draw_inputs(batch, vocab, seed):
+    rng = np.random.default_rng(seed)
+    t = logits((batch, 2, vocab), seed)
+    d = (t[:, :1] + rng.standard_normal((batch, 1, vocab))).astype(np.float32)
+    temperature = rng.choice(np.array([0.6, 1.0, 1.7], np.float32), batch)
+    n = rng.integers(0, 2, batch).astype(np.int32)  # 0: a rejected draft token (residual); 1: bonus (p)
+    s = rng.random(batch).astype(np.float32)
+    return t, d, temperature, n, s
+
+
+def _draw(t, d, temperature, n, s):
+    """One draw per row with F._draw_from_logits (kernels or JAX code, whichever is on)."""
+
+    @jax.jit
+    def run(t, d, temperature, n, s):
+        ts = F.row_stats(t, temperature[:, None])
+        ds = F.row_stats(d, temperature[:, None])
+        t_sel = F._take_rows(ts, n)
+        d_sel = F._take_rows(ds, jnp.zeros_like(n))
+        return F._draw_from_logits(t, d, t_sel, d_sel, n, jnp.ones_like(n), s)
+
+    return np.asarray(run(t, d, temperature, n, s))
+
+
+def _float64_draw(t, d, temperature, n, s):
+    """The draw in float64 (NumPy), and whether ``s`` lies within 1e-5 of a CDF step."""
+    def probs(x, c):
+        z = (x - x.max()) / c
+        e = np.exp(z)
+        return e / e.sum()
+
+    out, near = [], []
+    for b in range(len(s)):
+        p = probs(t[b, n[b]].astype(np.float64), temperature[b])
+        w = p if n[b] == 1 else np.maximum(p - probs(d[b, 0].astype(np.float64), temperature[b]), 0)
+        cdf = np.cumsum(w) / w.sum()
+        y = int(np.searchsorted(cdf, s[b], side="right"))
+        out.append(y)
+        near.append(bool(np.min(np.abs(cdf - s[b])) < 1e-5))
+    return np.array(out), np.array(near)
+
+
+def test_draw_equals_the_jax_draw_and_a_float64_reference():
+    t, d, temperature, n, s = _draw_inputs(256, 700, seed=4)
+    ours = _draw(t, d, temperature, n, s)
+    with_jax = None
+    cpu_kernels.set_enabled(False)
+    try:
+        with_jax = _draw(t, d, temperature, n, s)
+    finally:
+        cpu_kernels.set_enabled(True)
+    ref, near = _float64_draw(t, d, temperature, n, s)
+    assert np.all(ours[~near] == ref[~near])
+    assert np.all(with_jax[~near] == ref[~near])
+    assert near.sum() <= 3, near.sum()
+    # Both kinds of row were drawn (residual and bonus).
+    assert 0 < n.sum() < len(n)
+
+
+def test_draw_falls_back_to_p_when_the_residual_is_zero():
+    """q == p: max(p - q, 0) is all zero, so the token is drawn from p (rejection.residual_weights)."""
+    t, _, temperature, _, s = _draw_inputs(64, 300, seed=5)
+    d = t[:, :1].copy()
+    n = np.zeros(64, np.int32)
+    ours = _draw(t, d, temperature, n, s)
+    p_rows = np.stack([t[:, 0], t[:, 0]], axis=1)  # the reference's bonus row is p_0: a draw from p
+    ref, near = _float64_draw(p_rows, d, temperature, np.ones(64, np.int32), s)
+    assert np.all(ours[~near] == ref[~near])
+    # The JAX definition agrees: the residual weights of equal rows are p.
+    p = jnp.asarray(np.full((1, 4), 0.25, np.float32))
+    np.testing.assert_array_equal(np.asarray(residual_weights(p, p)), np.asarray(p))
+
+
+def test_draw_rows_interface_is_unchanged():
+    """The probability kernel's draw (draw_rows) is not routed through the kernels."""
+    p = jnp.asarray(np.array([[0.0, 0.25, 0.75]], np.float32))
+    q = jnp.zeros_like(p)
+    y = draw_rows((p, q), lambda row: row, jnp.asarray([0.5], jnp.float32))
+    assert int(y[0]) == 2
+
+
+TINY = [1e-4, 1e-6, 1e-7, 1e-20, 1e-45]
+
+
+@pytest.mark.parametrize("path", ["kernels", "jax"])
+@pytest.mark.parametrize("temperature", TINY)
+def test_tiny_temperatures_give_normalised_distributions(path, temperature, request):
+    """(x - max)·(1/T), never x·(1/T) - max·(1/T): with a small T the two products
+    round far apart and exp of their difference was not normalised (row sums of
+    0.4 to 2000 at T = 1e-7, NaN and token -1 at T = 1e-20)."""
+    if path == "jax":
+        request.getfixturevalue("jax_code")
+    x = logits((4, 32000), seed=6, scale=3.0) + 15.0
+    for kwargs in ({}, {"top_k": 50, "top_p": 0.9}):
+        tokens, probs = specjax.sample_from_logits(x, key=jax.random.key(0), temperature=temperature, **kwargs)
+        probs = np.asarray(probs)
+        np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+        assert np.all(np.isfinite(probs)) and np.all(probs >= 0)
+        if temperature <= 1e-6:  # the gaps between these logits make the distribution one-hot
+            np.testing.assert_array_equal(np.asarray(tokens), x.argmax(-1))
+    g = 3
+    draft = x[:, None, :].repeat(g, 1)
+    target = np.concatenate([draft, x[:, None, :]], axis=1)
+    out = specjax.verify_from_logits(np.tile(x.argmax(-1)[:, None], (1, g)).astype(np.int32), draft, target,
+                                     key=jax.random.key(1), temperature=temperature)
+    np.testing.assert_array_equal(np.asarray(out["num_accepted"]), g)
+    np.testing.assert_array_equal(np.asarray(out["tokens"])[:, g], x.argmax(-1))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_public_functions_give_the_same_tokens_either_way(seed):
+    rng = np.random.default_rng(seed)
+    b, g, v = 48, 4, 2000
+    target = logits((b, g + 1, v), seed)
+    draft = (target[:, :g] + 0.7 * rng.standard_normal((b, g, v))).astype(np.float32)
+    x = np.argmax(draft + rng.gumbel(size=draft.shape), -1).astype(np.int32)
+    temperature = rng.choice(np.array([0.0, 0.7, 1.0], np.float32), b)
+    kb = rng.integers(0, g + 1, b).astype(np.int32)
+    key = jax.random.split(jax.random.key(seed), b)
+    results = []
+    for enabled in (True, False):
+        cpu_kernels.set_enabled(enabled)
+        try:
+            plain = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature,
+                                               num_draft_tokens=kb)
+            filtered = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature,
+                                                  num_draft_tokens=kb, top_k=40, top_p=0.9)
+            sampled = specjax.sample_from_logits(target[:, 0], key=key, temperature=temperature, top_k=40)
+            results.append([np.asarray(a) for a in (plain["num_accepted"], plain["tokens"],
+                                                     filtered["num_accepted"], filtered["tokens"], sampled[0])])
+        finally:
+            cpu_kernels.set_enabled(True)
+    for ours, ref in zip(*results, strict=True):
+        # Rounding can move a draw at a CDF boundary: at most one row in 48 per output.
+        assert np.sum(np.any((ours != ref).reshape(b, -1), axis=1)) <= 1
+    assert np.any(results[0][0] > 0) and np.any(results[0][0] < kb)  # accepts and rejects both happen
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300, check=False)
+
+
+PROBE = """
+    import warnings, numpy as np, jax, specjax
+    from specjax.kernels import cpu_kernels
+    x = np.random.default_rng(0).standard_normal((2, 50)).astype(np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens, probs = specjax.sample_from_logits(x, key=jax.random.key(0), temperature=0.0)
+    print(cpu_kernels.available(), list(np.asarray(tokens)) == list(x.argmax(-1)),
+          sum("C++ CPU kernels" in str(w.message) for w in caught), cpu_kernels.build_error())
+"""
+
+
+def test_a_failed_build_falls_back_to_the_jax_code_with_a_warning(tmp_path):
+    proc = _run(PROBE, CXX=str(tmp_path / "no-such-compiler"), PATH=str(tmp_path),
+                SPECJAX_CACHE_DIR=str(tmp_path / "cache"))
+    assert proc.returncode == 0, proc.stderr
+    available, correct, warned, reason = proc.stdout.split(" ", 3)
+    assert (available, correct, warned) == ("False", "True", "1")
+    assert "no C++ compiler" in reason
+
+
+def test_the_environment_variable_turns_the_kernels_off_silently():
+    proc = _run(PROBE, SPECJAX_CPU_KERNELS="0")
+    assert proc.returncode == 0, proc.stderr
+    available, correct, warned, reason = proc.stdout.split(" ", 3)
+    assert (available, correct, warned) == ("False", "True", "0")
+    assert "SPECJAX_CPU_KERNELS" in reason
+
+
+def test_a_fresh_build_is_cached(tmp_path):
+    proc = _run(PROBE, SPECJAX_CACHE_DIR=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("True True 0")
+    libs = list(tmp_path.glob("cpu-kernels/*/libspecjax_cpu.so"))
+    assert len(libs) == 1
+    mtime = libs[0].stat().st_mtime_ns
+    assert _run(PROBE, SPECJAX_CACHE_DIR=str(tmp_path)).stdout.startswith("True True 0")
+    assert libs[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_set_enabled_checks_its_argument():
+    with pytest.raises(ValueError, match="enabled: expected True or False, got 1"):
+        cpu_kernels.set_enabled(1)
