@@ -587,3 +587,25 @@ def test_sampler_callable_matches_the_fused_path(pairs, left_padded):
                                           sampler=specjax.rejection_sample, **kwargs)
     assert torch.equal(fused.sequences, called.sequences)
     assert fused.stats.draft_tokens_accepted == called.stats.draft_tokens_accepted
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_sampled_row_does_not_depend_on_the_other_rows(seed, pairs):
+    """api.md: row b's draws depend only on ``seed`` and b. Row 0 alone and row 0
+    beside other rows give the same tokens, with sampling, although the rows
+    accept different numbers of tokens and so reach their last steps (where a
+    row's draft length is cut to its remaining budget) at different times."""
+    models = pairs("llama")
+    kwargs = dict(max_new_tokens=13, num_draft_tokens=G, temperature=0.8, seed=seed, eos_token_id=[])
+    prompt = torch.tensor([[5, 9, 12, 7, 3]])
+    alone = specjax.speculative_generate(models["target"], models["perturbed"], prompt, **kwargs)
+    steps_differ = False
+    for other in ([1, 2, 3, 4, 5], [40, 41, 42, 43, 44], [90, 3, 77, 5, 61]):
+        recorder = StepRecorder()
+        batch = specjax.speculative_generate(models["target"], models["perturbed"],
+                                             torch.tensor([prompt[0].tolist(), other]),
+                                             on_tokens=recorder, **kwargs)
+        assert torch.equal(batch.sequences[0], alone.sequences[0]), other
+        steps_differ |= any(len(s.get(0, [])) != len(s.get(1, [])) for s in recorder.steps)
+    # The case is not degenerate: somewhere the rows advanced by different amounts.
+    assert steps_differ

@@ -335,7 +335,8 @@ def _run_sampler(sampler, xj, draft_logits, tj, keys, step, row_t, row_k, row_p,
     for k in sorted(set(int(v) for v in k_rows)):
         idx = np.nonzero(k_rows == k)[0]
         ji = jnp.asarray(idx)
-        res = sampler(xj[ji, :k], q[ji, :k], p[ji, : k + 1], u[ji, :k], u[ji, g], validate=False)
+        # row b's sampling uniform is u[b, k_b] (steps.sampling_uniform), not u[b, g]
+        res = sampler(xj[ji, :k], q[ji, :k], p[ji, : k + 1], u[ji, :k], u[ji, k], validate=False)
         n_out[idx] = np.asarray(_host(res["num_accepted"]))
         tok_out[idx, : k + 1] = np.asarray(_host(res["tokens"]))
     return jnp.asarray(n_out), jnp.asarray(tok_out)

@@ -72,6 +72,16 @@ def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_to
     return lax.cond(jnp.all(stats.greedy), lambda: stats.argmax, draw)
 
 
+def sampling_uniform(u: jax.Array, num_draft_tokens: jax.Array) -> jax.Array:
+    """f32[B]: row b's sampling uniform ``u[b, k_b]`` (its acceptance uniforms are ``u[b, :k_b]``).
+
+    Indexed by the row's own draft length, not the step's G (the batch's
+    largest ``k_b``): the uniforms of ``key_b`` are a prefix-stable sequence, so
+    a row's draws do not depend on the other rows of its batch.
+    """
+    return jnp.take_along_axis(u, num_draft_tokens[:, None].astype(jnp.int32), axis=1)[:, 0]
+
+
 # Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
 @partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
 def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, temperature, top_k,
@@ -90,7 +100,7 @@ def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, tempe
     b, g = draft_tokens.shape
     u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)
     return verify_core(
-        draft_tokens, d, target_logits, u[:, :g], u[:, g], temperature,
+        draft_tokens, d, target_logits, u[:, :g], sampling_uniform(u, num_draft_tokens), temperature,
         top_k if use_top_k else None, one_minus_top_p if use_top_p else None, num_draft_tokens,
     )
 
@@ -102,9 +112,10 @@ def probs_step(draft_logits, target_logits, row_keys, step, temperature, top_k, 
     """Processed probabilities and uniforms for a sampler with the probabilities contract.
 
     Returns ``(draft_probs f32[B, G, V], target_probs f32[B, G+1, V],
-    uniforms f32[B, G+1])``; ``uniforms[:, :G]`` are the acceptance uniforms and
-    ``uniforms[:, G]`` the sampling uniform, exactly those :func:`verify_step`
-    uses, so every sampler sees the same randomness.
+    uniforms f32[B, G+1])``; for a row with draft length ``k_b``,
+    ``uniforms[b, :k_b]`` are its acceptance uniforms and ``uniforms[b, k_b]``
+    its sampling uniform (:func:`sampling_uniform`), exactly those
+    :func:`verify_step` uses, so every sampler sees the same randomness.
     """
     vocab = target_logits.shape[-1]
     b, g1 = target_logits.shape[:2]
