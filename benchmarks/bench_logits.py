@@ -13,7 +13,12 @@ load changes on a shared machine hit all of them alike):
 
 * ``specjax _verify_jit``: the jitted front end + kernel
   (``specjax.kernels.frontend._verify_jit``) called directly with prepared
-  arguments: what ``verify_from_logits`` runs after its Python boundary;
+  arguments: what ``verify_from_logits`` runs after its Python boundary. On
+  CPU it uses the C++ kernels (``specjax.kernels.cpu_kernels``) when they are
+  built;
+* ``specjax _verify_jit (JAX code)``: the same step compiled with the C++
+  kernels switched off (what GPUs, the mesh path and a machine without a
+  compiler run), for comparison;
 * ``specjax verify_from_logits(validate=False)``: the public function on the
   very torch tensors the peer gets (they cross to JAX zero-copy: on this
   CPU-only JAX as NumPy views that XLA reads in place, see
@@ -70,6 +75,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import _speculative_sampling
 
+from specjax.kernels import cpu_kernels
 from specjax.kernels.frontend import _verify_jit, verify_from_logits
 
 G = 4
@@ -194,6 +200,22 @@ def _hf_call(rows, warp: bool) -> Callable[[], Any]:
     return run
 
 
+def _jax_code_step(args: tuple, static: dict[str, bool]) -> Callable[[], Any] | None:
+    """``_verify_jit`` compiled with the C++ CPU kernels off (None when they are not in use).
+
+    Compiled ahead of time, so the executable keeps the JAX code after the
+    kernels are switched back on (which clears JAX's caches).
+    """
+    if not cpu_kernels.available():
+        return None
+    cpu_kernels.set_enabled(False)
+    try:
+        compiled = _verify_jit.lower(*args, **static).compile()
+    finally:
+        cpu_kernels.set_enabled(True)
+    return lambda: compiled(*args)
+
+
 # --------------------------------------------------------------------------- the benchmark
 
 
@@ -243,8 +265,13 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
                         tin["draft_tokens"], tin["draft_logits"], tin["target_logits"], validate=True, **public),
                     TORCH_THREADS)
             fns[hf_plain + " (torch 1 thread)"] = (_hf_call(hf_rows, warp=False), 1)
+            jax_code = _jax_code_step(args, static)
+            if jax_code is not None:
+                fns["specjax _verify_jit (JAX code)"] = (jax_code, TORCH_THREADS)
             res = time_interleaved(fns, budget_s=budget, min_rounds=rounds)
             add(res, "specjax _verify_jit", hf_plain, b, plain)
+            if jax_code is not None:
+                add(res, "specjax _verify_jit (JAX code)", hf_plain, b, plain, "C++ CPU kernels off")
             add(res, "specjax verify_from_logits(validate=False)", hf_plain, b, plain,
                 "torch inputs (zero-copy)")
             if b == 1:
@@ -267,8 +294,13 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
                                             TORCH_THREADS),
                     hf_topk: (_hf_call(hf_rows, warp=True), TORCH_THREADS),
                 }
+                jax_code = _jax_code_step(args, static)
+                if jax_code is not None:
+                    fns["specjax _verify_jit (JAX code)"] = (jax_code, TORCH_THREADS)
                 res = time_interleaved(fns, budget_s=budget, min_rounds=3)
                 add(res, "specjax _verify_jit", hf_topk, b, topk)
+                if jax_code is not None:
+                    add(res, "specjax _verify_jit (JAX code)", hf_topk, b, topk, "C++ CPU kernels off")
                 add(res, hf_topk, None, b, topk, loop_note)
     finally:
         torch.set_num_threads(previous_threads)
@@ -296,6 +328,7 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "jax_device": str(jax.devices()[0]),
         "torch_threads": TORCH_THREADS,
+        "cpu_kernels": cpu_kernels.available(),
     }
 
 
@@ -347,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = environment()
     print(f"# specjax logits front end vs transformers, G={G}, V={V}, float32; "
           f"jax {env['jax']}, torch {env['torch']} ({TORCH_THREADS} threads), "
-          f"transformers {env['transformers']}, {env['jax_device']}, {env['cpus']} CPUs; {pool}")
+          f"transformers {env['transformers']}, {env['jax_device']}, {env['cpus']} CPUs; {pool}; "
+          f"C++ CPU kernels: {'on' if env['cpu_kernels'] else 'off (' + str(cpu_kernels.build_error()) + ')'}")
     rows = bench_logits(args.quick)
     print(format_table(rows))
     _, verdict = target_verdict(rows)
