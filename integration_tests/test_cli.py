@@ -100,6 +100,11 @@ def test_generate_streams_single_prompt(models):
         (["generate", "--prompt", "x", "--device", "tpu"], r"--device: invalid choice"),
         (["generate", "--max-new-tokens", "3"], r"give exactly one of --prompt TEXT or --prompts-file"),
         (["frobnicate"], r"invalid choice: 'frobnicate'"),
+        (["generate", "--prompt", "x", "--seed", "99999999999999999999"],
+         r"--seed: .*expected an integer in \[-2\*\*63, 2\*\*63 - 1\], got '99999999999999999999'"),
+        (["demo", "--seed", "x"], r"--seed: .*expected an integer in .*, got 'x'"),
+        (["bench", "--sections"], r"--sections: expected at least one argument"),
+        (["bench", "--out", "/dev/null/x", "--sections", "kernel"], r"--out /dev/null/x: cannot create the output"),
     ],
 )
 def test_bad_flags_one_line_exit_2(args, pattern):

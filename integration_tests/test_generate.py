@@ -391,13 +391,29 @@ def test_models_on_different_devices_are_refused(pairs, tiny_lm):
         ({"max_new_tokens": 2.0}, r"max_new_tokens: expected an integer >= 1, got 2.0"),
         ({"max_new_tokens": 4, "num_draft_tokens": 0}, r"num_draft_tokens: expected an integer >= 1, got 0"),
         ({"max_new_tokens": 4, "num_draft_tokens": -1}, r"num_draft_tokens: expected an integer >= 1, got -1"),
+        ({"max_new_tokens": 4, "seed": 2**70}, r"seed: expected an integer in \[-2\*\*63, 2\*\*63 - 1\], got 1180591"),
+        ({"max_new_tokens": 4, "seed": 1.5}, r"seed: expected an integer .*, got 1.5"),
+        ({"max_new_tokens": 4, "pad_token_id": 1.5}, r"pad_token_id: expected token ids \(integers >= 0\), got 1.5"),
+        ({"max_new_tokens": 4, "pad_token_id": -1}, r"pad_token_id: expected token ids \(integers >= 0\), got -1"),
+        ({"max_new_tokens": 4, "eos_token_id": "2"}, r"eos_token_id: expected token ids \(integers >= 0\), got '2'"),
+        ({"max_new_tokens": 4, "eos_token_id": [2, True]}, r"eos_token_id: expected token ids .*, got True"),
     ],
-    ids=["max_new_0", "max_new_negative", "max_new_float", "draft_0", "draft_negative"],
+    ids=["max_new_0", "max_new_negative", "max_new_float", "draft_0", "draft_negative", "seed_huge", "seed_float",
+         "pad_float", "pad_negative", "eos_string", "eos_bool"],
 )
 def test_bad_lengths_are_refused(kwargs, message, pairs):
     models = pairs("llama")
     with pytest.raises(ValueError, match=message):
         specjax.speculative_generate(models["target"], models["other"], torch.tensor([[5, 6, 7]]), **kwargs)
+
+
+@pytest.mark.parametrize("bad", [VOCAB, 10**6, -1])
+def test_prompt_ids_outside_the_vocabulary_are_refused(bad, pairs):
+    """Refused up front with the range, not an IndexError from inside the embedding."""
+    models = pairs("llama")
+    with pytest.raises(ValueError, match=rf"input_ids: expected token ids in \[0, {VOCAB}\) .*got values in "):
+        specjax.speculative_generate(models["target"], models["other"], torch.tensor([[5, bad, 7]]),
+                                     max_new_tokens=2)
 
 
 def test_padded_batch_without_attention_mask_is_refused(pairs, left_padded):

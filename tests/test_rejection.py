@@ -852,6 +852,26 @@ def test_float64_uniform_just_below_one_with_p_equal_q_accepts() -> None:
     assert out["num_accepted"].tolist() == [1] * EDGE_B
 
 
+def test_float64_torch_uniforms_just_below_one_are_accepted_like_numpy() -> None:
+    """Found in review: a torch float64 uniform 0.99999999 was narrowed to float32 (1.0)
+    before the range check and refused, while the same NumPy value passed."""
+    import torch
+
+    inputs = valid_inputs()
+    u = np.array(inputs["accept_uniforms"], np.float64)
+    u[0, 0] = 1 - 1e-8
+    s = np.array(inputs["sample_uniforms"], np.float64)
+    s[1] = 1 - 1e-8
+    args = (inputs["draft_tokens"], inputs["draft_probs"], inputs["target_probs"])
+    from_numpy = rejection_sample(*args, u, s)
+    from_torch = rejection_sample(*args, torch.from_numpy(u), torch.from_numpy(s))
+    for key in ("num_accepted", "tokens"):
+        np.testing.assert_array_equal(np.asarray(from_torch[key]), np.asarray(from_numpy[key]))
+    u[0, 0] = 1.0  # and 1.0 itself is still refused, for both
+    with pytest.raises(ValueError, match="accept_uniforms: expected values in \\[0, 1\\)"):
+        rejection_sample(*args, torch.from_numpy(u), torch.from_numpy(s))
+
+
 # --------------------------------------------------------------------------- validation
 
 

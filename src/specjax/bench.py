@@ -66,7 +66,10 @@ def run_bench(*, out_dir: Path, quick: bool, sections: list[str] | None = None,
                        f"{', '.join(others)}; leave those out with --sections")
     threads_args = [] if jax_cpu_threads is None else ["--jax-cpu-threads", str(jax_cpu_threads)]
     bench = benchmarks_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CLIError(f"--out {out_dir}: cannot create the output directory ({err.strerror or err})") from err
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     rows: list[dict[str, Any]] = []
     failed = []

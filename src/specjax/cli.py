@@ -53,6 +53,15 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    from specjax.generate import check_seed
+
+    try:
+        return check_seed(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**63 - 1], got {text!r}") from None
+
+
 def _temperature(text: str) -> float:
     try:
         value = float(text)
@@ -302,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_positive_int, default=64)
     demo.add_argument("--num-draft-tokens", type=_positive_int, default=None,
                       help="draft tokens per step (default: the pair's tuned value)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_seed, default=0)
     demo.add_argument("--quick", action="store_true", help="one prompt, fewer tokens")
     demo.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
@@ -317,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_temperature, default=0.0)
     gen.add_argument("--top-k", type=_non_negative_int, default=None)
     gen.add_argument("--top-p", type=_top_p, default=None)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=_seed, default=0)
     gen.add_argument("--batch-size", type=_positive_int, default=8)
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     gen.add_argument("--sampler", default="jax", help="sampler name (see specjax.load_sampler)")
@@ -328,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="kernel and end-to-end benchmarks, JSONL and PNG plots")
     bench.add_argument("--quick", action="store_true", help="a short run (under 2 minutes)")
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
-    bench.add_argument("--sections", nargs="*", default=None,
+    bench.add_argument("--sections", nargs="+", default=None,
                        help="subset of: kernel logits draft-sweep generate sharded overheads")
     bench.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser

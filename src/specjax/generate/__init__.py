@@ -9,7 +9,7 @@ import torch
 
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 
-__all__ = ["LoopState", "SpeculativeOutput", "SpeculativeStats", "check_pair", "speculative_generate"]
+__all__ = ["LoopState", "SpeculativeOutput", "SpeculativeStats", "check_pair", "check_seed", "speculative_generate"]
 
 # Vocabulary sizes may differ by padding only: the larger may exceed the smaller by at
 # most this many ids (padding to a multiple of 128 adds at most 127), or by this fraction
@@ -46,8 +46,8 @@ def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_toke
             "padding, so the models do not share a tokenizer (use a draft trained with the target's tokenizer)"
         )
     for attr in ("bos_token_id", "eos_token_id"):
-        a = _as_id_set(getattr(target.config, attr, None))
-        b = _as_id_set(getattr(draft.config, attr, None))
+        a = _config_ids(getattr(target.config, attr, None))
+        b = _config_ids(getattr(draft.config, attr, None))
         if a and b and not (a & b):
             raise ValueError(
                 f"draft: target {attr} = {sorted(a)} but draft {attr} = {sorted(b)}: the models do not share a "
@@ -66,14 +66,49 @@ def check_pair(target: Any, draft: Any, target_tokenizer: Any = None, draft_toke
             )
 
 
-def _as_id_set(v: Any) -> set[int]:
+def _config_ids(v: Any) -> set[int]:
+    """Token ids a model config lists (as given; configs are not user input)."""
     if v is None:
         return set()
-    if isinstance(v, list | tuple | set):
-        return {int(x) for x in v}
+    return {int(x) for x in (v if isinstance(v, list | tuple | set) else [v])}
+
+
+def _input_vocab_size(model: Any) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None and getattr(emb, "weight", None) is not None:
+        return int(emb.weight.shape[0])
+    return _vocab_size(model)
+
+
+def _token_id(name: str, value: Any) -> int:
+    """One token id: an integer >= 0 (a bool, a float or a string is refused, not converted)."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise ValueError(f"{name}: expected token ids (integers >= 0), got {value!r}")
+    return int(value)
+
+
+def _as_id_set(name: str, v: Any) -> set[int]:
+    if v is None:
+        return set()
     if isinstance(v, torch.Tensor):
-        return {int(x) for x in v.flatten().tolist()}
-    return {int(v)}
+        v = v.flatten().tolist() if not v.is_floating_point() else [float(x) for x in v.flatten().tolist()]
+    if isinstance(v, list | tuple | set):
+        return {_token_id(name, x) for x in v}
+    return {_token_id(name, v)}
+
+
+# jax.random.key takes a signed 64-bit seed.
+_SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+def check_seed(seed: Any) -> int:
+    """The seed as an int, or a ValueError naming ``seed``."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not (
+            _SEED_RANGE[0] <= int(seed) <= _SEED_RANGE[1]):
+        raise ValueError(f"seed: expected an integer in [-2**63, 2**63 - 1], got {seed!r}")
+    return int(seed)
 
 
 def _check_sliding_window(model: Any, needed: int, name: str) -> None:
@@ -154,6 +189,7 @@ def speculative_generate(
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"input_ids: expected integer token ids, got {input_ids.dtype}")
     batch, prompt_len = input_ids.shape
+    seed = check_seed(seed)
     if batch < 1 or prompt_len < 1:
         raise ValueError(f"input_ids: expected at least one row and one token, got shape {tuple(input_ids.shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
@@ -168,11 +204,12 @@ def speculative_generate(
     gen_cfg = getattr(target, "generation_config", None)
     if eos_token_id is None and gen_cfg is not None:
         eos_token_id = gen_cfg.eos_token_id
-    eos_ids = _as_id_set(eos_token_id)
+    eos_ids = _as_id_set("eos_token_id", eos_token_id)
     if pad_token_id is None and gen_cfg is not None:
         pad_token_id = gen_cfg.pad_token_id
     if pad_token_id is None:
         pad_token_id = min(eos_ids) if eos_ids else 0
+    pad_token_id = _token_id("pad_token_id", pad_token_id)
 
     if attention_mask is None:
         if batch > 1 and pad_token_id is not None and bool((input_ids[:, 0] == pad_token_id).any()) and \
@@ -195,6 +232,12 @@ def speculative_generate(
     input_ids = input_ids.long()
 
     target_vocab = _vocab_size(target)
+    # Ids outside the embeddings would fail deep inside torch (IndexError): check here.
+    vocab_limit = min(_input_vocab_size(target), _input_vocab_size(draft))
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_limit:
+        raise ValueError(f"input_ids: expected token ids in [0, {vocab_limit}) (the models' vocabulary), "
+                         f"got values in [{lo}, {hi}]")
     needed = prompt_len + max_new_tokens * (num_draft_tokens + 2)
     _check_sliding_window(target, needed, "target")
     _check_sliding_window(draft, needed, "draft")
@@ -208,9 +251,7 @@ def speculative_generate(
         top_k_a is not None,
         top_p_a is not None,
     )
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-        raise ValueError(f"seed: expected an integer, got {seed!r}")
-    base = jax.random.key(int(seed))
+    base = jax.random.key(seed)
     row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jax.numpy.arange(batch))
 
     target.eval()

@@ -848,6 +848,10 @@ def verify_from_logits(
     _v.check_rank("target_logits", target_logits, 3, ("B", "G+1", "V"))
     batch, g = draft_tokens.shape
     vocab = target_logits.shape[2]
+    logits_bg = (target_logits.shape[0], target_logits.shape[1] - 1)
+    if tuple(draft_logits.shape[:2]) == logits_bg and (batch, g) != logits_bg:
+        # both logits agree: the tokens are the odd one out (B and G are read from them below)
+        raise ValueError(f"draft_tokens: expected shape (B, G) = {logits_bg} like the logits, got {(batch, g)}")
     if draft_logits.ndim == 3 and draft_logits.shape[2] != vocab:
         raise ValueError(
             f"draft_logits: expected the target's vocabulary size V = {vocab}, got {draft_logits.shape[2]} "

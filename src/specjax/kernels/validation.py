@@ -202,6 +202,14 @@ def convert_kernel_inputs(
     validate: bool,
 ) -> tuple[Any, Any, Any, Any, Any]:
     """Convert and check the five inputs of :func:`specjax.rejection_sample`."""
+    # float64 torch uniforms reach JAX as float32 (0.99999999 rounds to 1.0): with
+    # validate, keep a float64 host copy to range-check in their own precision, as
+    # NumPy float64 uniforms are below.
+    wide = {}
+    if validate:
+        for name, x in (("accept_uniforms", accept_uniforms), ("sample_uniforms", sample_uniforms)):
+            if _is_torch(x) and x.dtype.is_floating_point and x.element_size() == 8:
+                wide[name] = x.detach().cpu().numpy()
     draft_tokens = as_array("draft_tokens", draft_tokens)
     draft_probs = as_array("draft_probs", draft_probs)
     target_probs = as_array("target_probs", target_probs)
@@ -234,8 +242,9 @@ def convert_kernel_inputs(
         # NumPy uniforms are range-checked in their own precision, before JAX may
         # narrow float64 to float32 (where 0.99999999 rounds to 1.0).
         for name, x in (("accept_uniforms", accept_uniforms), ("sample_uniforms", sample_uniforms)):
-            if isinstance(x, np.ndarray):
-                check_uniform_values_host(name, x)
+            host = wide.get(name, x)
+            if isinstance(host, np.ndarray):
+                check_uniform_values_host(name, host)
                 host_checked.add(name)
     draft_tokens = as_token_ids("draft_tokens", draft_tokens)
 

@@ -273,7 +273,9 @@ def speculative_decoding(
       logits_processor, stopping_criteria, generation_config: prepared by
         ``generate``. Honoured: ``do_sample`` (False = greedy), ``temperature``,
         ``top_k``, ``top_p``, ``max_new_tokens`` / ``max_length``, the EOS and
-        pad ids, ``return_dict_in_generate``, ``num_return_sequences``.
+        pad ids, ``return_dict_in_generate``, ``num_return_sequences`` (with
+        ``draft_model=``; with ``assistant_model=`` transformers refuses
+        ``num_return_sequences > 1`` before this function runs).
       streamer: a transformers streamer (batch size 1).
       draft_model: the draft model (defaults to ``generate``'s ``assistant_model``).
       num_draft_tokens: G, draft tokens per step.
