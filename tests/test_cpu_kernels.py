@@ -293,3 +293,45 @@ def test_a_fresh_build_is_cached(tmp_path):
 def test_set_enabled_checks_its_argument():
     with pytest.raises(ValueError, match="enabled: expected True or False, got 1"):
         cpu_kernels.set_enabled(1)
+
+
+def test_several_cpu_devices_keep_the_jax_code():
+    """With a CPU device mesh possible, single-device results must equal mesh results
+    exactly, and the mesh paths run the JAX code: the kernels stay off."""
+    probe = PROBE.replace("import warnings", "import os, warnings")
+    proc = _run(probe, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    assert proc.returncode == 0, proc.stderr
+    available, correct, warned, reason = proc.stdout.split(" ", 3)
+    assert (available, correct, warned) == ("False", "True", "0")
+    assert "4 CPU devices" in reason
+
+
+def test_probability_kernel_same_acceptance_and_draws_but_at_ties():
+    """rejection_sample with the C++ draw and with the JAX draw: the acceptance is the
+    same code (n bit-equal); the drawn token differs at most where s sits within
+    rounding of a CDF step (float64 reference)."""
+    rng = np.random.default_rng(8)
+    b, g, v = 256, 3, 1500
+    q = rng.dirichlet(np.full(v, 0.3), size=(b, g)).astype(np.float32)
+    p = rng.dirichlet(np.full(v, 0.3), size=(b, g + 1)).astype(np.float32)
+    p[:, :g] = 0.7 * q + 0.3 * p[:, :g]
+    gumbel = -np.log(-np.log(rng.random((b, g, v))))
+    x = np.argmax(np.log(q.astype(np.float64) + 1e-30) + gumbel, axis=-1).astype(np.int32)  # x ~ q
+    u = rng.random((b, g)).astype(np.float32)
+    s = rng.random(b).astype(np.float32)
+    ours = specjax.rejection_sample(x, q, p, u, s)
+    cpu_kernels.set_enabled(False)
+    try:
+        ref = specjax.rejection_sample(x, q, p, u, s)
+    finally:
+        cpu_kernels.set_enabled(True)
+    n = np.asarray(ours["num_accepted"])
+    np.testing.assert_array_equal(n, np.asarray(ref["num_accepted"]))
+    y, y_ref = np.asarray(ours["tokens"])[np.arange(b), n], np.asarray(ref["tokens"])[np.arange(b), n]
+    for i in np.nonzero(y != y_ref)[0]:
+        w = p[i, n[i]].astype(np.float64) - (q[i, n[i]].astype(np.float64) if n[i] < g else 0)
+        cdf = np.cumsum(np.maximum(w, 0))
+        cdf /= cdf[-1]
+        assert np.min(np.abs(cdf[min(y[i], y_ref[i]):max(y[i], y_ref[i])] - s[i])) < 1e-5, i
+    assert np.sum(y != y_ref) <= 3
+    assert 0 < n.mean() < g  # accepts and rejects both happen

@@ -13,7 +13,9 @@
 //                      a target row and a draft row (p alone when q is absent or
 //                      the residual is all zero), by inverse CDF over 128-wide
 //                      blocks, with the same rounding fallbacks as
-//                      specjax.kernels.rejection.inverse_cdf.
+//                      specjax.kernels.rejection.inverse_cdf;
+//   specjax_draw_probs the same draw from rows of probabilities (the probability
+//                      kernel, specjax.rejection_sample).
 //
 // The max and its index are exact (the same as jnp.max / the first argmax), and
 // so is s_j (a subtraction, then a multiplication, each rounded as in XLA), so
@@ -91,7 +93,7 @@ RowSummary summarise_max(const float* __restrict x, int64_t v) {
 // Sum of the n <= kBlock entries of w, in 16 lane-wise partial sums. (The hot
 // loops write their terms to a small buffer, then sum it: loops of this shape
 // vectorise reliably, where a reduction fused into a long loop body may not.)
-inline float block_sum(const float* w, int64_t n) {
+inline float sum_block(const float* w, int64_t n) {
   constexpr int kLanes = 16;
   float lanes[kLanes] = {};
   int64_t j = 0;
@@ -143,7 +145,7 @@ float residual_block_sum(const float* __restrict xt, RowParams pt, const float* 
     const float w = p - q;
     terms[j] = w > 0.0f ? w : 0.0f;
   }
-  return block_sum(terms, n);
+  return sum_block(terms, n);
 }
 
 float prob_block_sum(const float* __restrict xt, RowParams pt, int64_t n) {
@@ -153,7 +155,7 @@ float prob_block_sum(const float* __restrict xt, RowParams pt, int64_t n) {
     const float st = (xt[j] - mt) * ct;
     terms[j] = st >= kt ? exp_nonpositive(st) / zt : 0.0f;
   }
-  return block_sum(terms, n);
+  return sum_block(terms, n);
 }
 
 // The residual weight of entry j (the scalar path of the two sums above).
@@ -216,17 +218,55 @@ void parallel_rows(ffi::ThreadPool& pool, int64_t n, int64_t work_per_row, const
   queue->all_done.wait(lock, [&] { return queue->done.load() == n; });
 }
 
-// Inverse CDF of the residual of one (p, q) row pair; see the file comment.
-int32_t draw_row(const float* xt, const RowParams& pt, const float* xd, const RowParams& pd, bool has_q,
-                 float s, int64_t v, float* sums) {
+// A target row and a draft row given as logits and their statistics.
+struct LogitPair {
+  const float* xt;
+  RowParams pt;
+  const float* xd;
+  RowParams pd;
+  float block_sum(int64_t lo, int64_t n, bool use_q) const {
+    return use_q ? residual_block_sum(xt + lo, pt, xd + lo, pd, n) : prob_block_sum(xt + lo, pt, n);
+  }
+  float weight(int64_t j, bool use_q) const { return residual_weight(xt[j], pt, use_q ? xd + j : nullptr, pd, use_q); }
+};
+
+// A target row and a draft row given as probabilities (the probability kernel).
+struct ProbPair {
+  const float* p;
+  const float* q;
+  float block_sum(int64_t lo, int64_t n, bool use_q) const {
+    float terms[kBlock];
+    const float* __restrict pp = p + lo;
+    if (use_q) {
+      const float* __restrict qq = q + lo;
+      for (int64_t j = 0; j < n; ++j) {
+        const float w = pp[j] - qq[j];
+        terms[j] = w > 0.0f ? w : 0.0f;
+      }
+      return sum_block(terms, n);
+    }
+    return sum_block(pp, n);
+  }
+  float weight(int64_t j, bool use_q) const {
+    const float w = p[j] - (use_q ? q[j] : 0.0f);
+    return w > 0.0f ? w : 0.0f;
+  }
+};
+
+// Inverse CDF of the residual max(p - q, 0) of one row pair (p alone when there
+// is no q or the residual is all zero), as specjax.kernels.rejection.inverse_cdf:
+// 128-wide block sums, the first block whose running sum exceeds s * total, the
+// first entry inside it whose running sum does; when rounding leaves none, the
+// block's (or the last positive block's) last positive entry.
+template <typename Pair>
+int32_t draw_pair(const Pair& pair, bool has_q, float s, int64_t v, float* sums) {
   const int64_t nb = (v + kBlock - 1) / kBlock;
   bool use_q = has_q;
   for (;;) {
-    auto weight = [&](int64_t j) { return residual_weight(xt[j], pt, use_q ? xd + j : nullptr, pd, use_q); };
     float total = 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t lo = b * kBlock, n = std::min(kBlock, v - lo);
-      sums[b] = use_q ? residual_block_sum(xt + lo, pt, xd + lo, pd, n) : prob_block_sum(xt + lo, pt, n);
+      const int64_t lo = b * kBlock;
+      sums[b] = pair.block_sum(lo, std::min(kBlock, v - lo), use_q);
       total += sums[b];
     }
     if (!(total > 0.0f) && use_q) {  // the residual is all zero: draw from p
@@ -242,12 +282,10 @@ int32_t draw_row(const float* xt, const RowParams& pt, const float* xd, const Ro
         cum += sums[b];
         continue;
       }
-      // The draw is in block b: the first entry whose running sum exceeds the
-      // threshold, else (rounding) the block's last positive entry.
       const int64_t lo = b * kBlock, hi = std::min(lo + kBlock, v);
       int64_t last_in_block = -1;
       for (int64_t j = lo; j < hi; ++j) {
-        const float w = weight(j);
+        const float w = pair.weight(j, use_q);
         if (w > 0.0f) last_in_block = j;
         cum += w;
         if (cum > threshold && w > 0.0f) return static_cast<int32_t>(j);
@@ -255,14 +293,13 @@ int32_t draw_row(const float* xt, const RowParams& pt, const float* xd, const Ro
       if (last_in_block >= 0) return static_cast<int32_t>(last_in_block);
       break;
     }
-    // Rounding left no block: the last positive entry of the last positive block.
     if (last_positive_block >= 0) {
       const int64_t lo = last_positive_block * kBlock, hi = std::min(lo + kBlock, v);
       for (int64_t j = hi - 1; j >= lo; --j) {
-        if (weight(j) > 0.0f) return static_cast<int32_t>(j);
+        if (pair.weight(j, use_q) > 0.0f) return static_cast<int32_t>(j);
       }
     }
-    return static_cast<int32_t>(v - 1);  // unreachable for a row with a kept entry
+    return static_cast<int32_t>(v - 1);  // unreachable for a row with positive weight
   }
 }
 
@@ -319,8 +356,35 @@ ffi::Error DrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buf
     const bool has_q = d_row >= 0 && d_row < nd;
     const RowParams dp{pr[4], pr[5], pr[6], pr[7]};
     std::unique_ptr<float[]> sums(new float[(v + kBlock - 1) / kBlock]);
-    y[i] = draw_row(target.typed_data() + t_row * v, tp, has_q ? draft.typed_data() + d_row * v : nullptr,
-                    dp, has_q, s.typed_data()[i], v, sums.get());
+    const LogitPair pair{target.typed_data() + t_row * v, tp, has_q ? draft.typed_data() + d_row * v : nullptr, dp};
+    y[i] = draw_pair(pair, has_q, s.typed_data()[i], v, sums.get());
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error DrawProbsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
+                         ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::S32> out) {
+  const auto td = target.dimensions();
+  const auto dd = draft.dimensions();
+  const auto rd = rows.dimensions();
+  if (td.size() != 2 || dd.size() != 2 || rd.size() != 2 || rd[1] != 2 || dd[1] != td[1] ||
+      s.element_count() != rd[0]) {
+    return ffi::Error::InvalidArgument(
+        "specjax_draw_probs: expected target [Nt, V], draft [Nd, V], rows [B, 2], s [B]");
+  }
+  const int64_t b = rd[0], nt = td[0], nd = dd[0], v = td[1];
+  const int32_t* r = rows.typed_data();
+  int32_t* y = out->typed_data();
+  parallel_rows(pool, b, 2 * v, [&](int64_t i) {
+    const int32_t t_row = r[2 * i], d_row = r[2 * i + 1];
+    if (t_row < 0 || t_row >= nt) {
+      y[i] = 0;
+      return;
+    }
+    const bool has_q = d_row >= 0 && d_row < nd;
+    std::unique_ptr<float[]> sums(new float[(v + kBlock - 1) / kBlock]);
+    const ProbPair pair{target.typed_data() + t_row * v, has_q ? draft.typed_data() + d_row * v : nullptr};
+    y[i] = draw_pair(pair, has_q, s.typed_data()[i], v, sums.get());
   });
   return ffi::Error::Success();
 }
@@ -344,5 +408,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDraw, DrawImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDrawProbs, DrawProbsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());

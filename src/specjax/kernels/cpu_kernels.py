@@ -9,7 +9,9 @@ XLA:CPU thunk, and on small machines each costs tens of µs in hand-offs alone
   normaliser ``sum_j [s_j >= cut] exp(s_j)`` with ``s_j = (x_j - max)·c``;
 * :func:`draw`: per batch row, one token from the residual of a target row and
   a draft row (the draw of :func:`specjax.kernels.rejection.inverse_cdf` of
-  :func:`specjax.kernels.rejection.residual_weights`, with the same fallbacks).
+  :func:`specjax.kernels.rejection.residual_weights`, with the same fallbacks);
+* :func:`draw_probs`: the same draw from rows of probabilities, for the
+  probability kernel (:func:`specjax.rejection_sample`).
 
 :mod:`specjax.kernels.frontend` uses them for every single-device computation
 it lowers for CPU (``lax.platform_dependent``: other platforms and the
@@ -18,6 +20,11 @@ acceptance step both take their normalisers from :func:`row_stats`, they still
 compute the same ``q``, bit for bit. Maxima and argmaxes equal the JAX path's
 exactly; normalisers and the draw's probabilities use the kernel's own ``exp``
 and can differ from XLA's in the last bits.
+
+They are used only in processes with a single CPU device: with several (a
+simulated device mesh, several processes) mesh results must equal the same
+inputs on one device bit for bit, and the mesh paths run the JAX code, so the
+single-device paths do too.
 
 The library is compiled from the shipped source with the system C++ compiler
 (``$CXX``, else ``g++``/``c++``) against jaxlib's FFI headers, once per source,
@@ -46,14 +53,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-__all__ = ["available", "build_error", "draw", "library_path", "row_stats", "set_enabled"]
+__all__ = ["available", "build_error", "draw", "draw_probs", "library_path", "row_stats", "set_enabled"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _FLAGS = (
     "-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-mprefer-vector-width=512",
     "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fno-exceptions",
 )
-_TARGETS = {"specjax_row_stats": "SpecjaxRowStats", "specjax_draw": "SpecjaxDraw"}
+_TARGETS = {"specjax_row_stats": "SpecjaxRowStats", "specjax_draw": "SpecjaxDraw",
+            "specjax_draw_probs": "SpecjaxDrawProbs"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -138,12 +146,32 @@ def _load() -> None:
     )
 
 
+def _single_cpu_device() -> bool:
+    """Whether the processes have one CPU device in all (no CPU device mesh is possible).
+
+    With several (``--xla_force_host_platform_device_count``, several
+    processes), the kernels stay off: mesh results must be identical to the
+    same inputs on one device (docs/distributed.md), and the mesh paths run the
+    JAX code, whose sums and exp round differently from the kernels'.
+    """
+    try:
+        return jax.device_count("cpu") == 1
+    except RuntimeError:  # no CPU backend
+        return False
+
+
 def available() -> bool:
-    """Whether traced code uses the kernels: built, registered and not switched off.
+    """Whether traced code uses the kernels: one CPU device, built, registered, not switched off.
 
     Builds them on the first call.
     """
     if _state.get("disabled"):
+        return False
+    if "several_devices" not in _state:
+        _state["several_devices"] = not _single_cpu_device()
+    if _state["several_devices"]:
+        _state.setdefault("error", f"{jax.device_count('cpu')} CPU devices: the mesh paths and the "
+                                   "single-device paths both run the JAX code, so that they agree exactly")
         return False
     with _lock:
         if "loaded" not in _state:
@@ -218,3 +246,22 @@ def draw(target: jax.Array, draft: jax.Array, rows: jax.Array, params: jax.Array
     """
     call = jax.ffi.ffi_call("specjax_draw", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32))
     return call(target, draft, rows, params, sample_uniforms)
+
+
+def draw_probs(target: jax.Array, draft: jax.Array, rows: jax.Array, sample_uniforms: jax.Array) -> jax.Array:
+    """One residual draw per batch row from rows of probabilities (inside jit; CPU only).
+
+    Args:
+      target: f32[Nt, V], target probabilities (flattened rows).
+      draft: f32[Nd, V], draft probabilities (flattened rows; Nd may be 0).
+      rows: i32[B, 2], the target row and the draft row of each draw; a draft
+        row outside [0, Nd) means no draft distribution (draw from p).
+      sample_uniforms: f32[B] in [0, 1).
+
+    Returns:
+      i32[B], as :func:`specjax.kernels.rejection.inverse_cdf` of
+      :func:`specjax.kernels.rejection.residual_weights` (the block sums are
+      added in another order, so a draw at a CDF step can differ by rounding).
+    """
+    call = jax.ffi.ffi_call("specjax_draw_probs", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32))
+    return call(target, draft, rows, sample_uniforms)

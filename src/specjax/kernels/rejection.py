@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax.kernels import cpu_kernels
 from specjax.kernels import validation as _v
 
 __all__ = ["rejection_sample"]
@@ -384,7 +385,23 @@ def _rejection_sample_jit(
         q_row = lax.dynamic_index_in_dim(q_b, jnp.minimum(n_b, g - 1), 0, keepdims=False).astype(ct)
         return p_row, jnp.where(n_b < g, q_row, 0)
 
-    y = draw_rows((target_probs, draft_probs, n), row_fn, sample_uniforms.astype(ct))
+    def jax_draw() -> jax.Array:
+        return draw_rows((target_probs, draft_probs, n), row_fn, sample_uniforms.astype(ct))
+
+    def cpu_draw() -> jax.Array:
+        # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels.draw_probs).
+        b, positions, vocab = target_probs.shape
+        batch_rows = jnp.arange(b, dtype=jnp.int32)
+        d_rows = jnp.where(n < g, batch_rows * max(g, 1) + jnp.minimum(n, max(g - 1, 0)), -1)
+        return cpu_kernels.draw_probs(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab),
+                                      jnp.stack([batch_rows * positions + n, d_rows], axis=1).astype(jnp.int32),
+                                      sample_uniforms.astype(ct))
+
+    # float32 inputs only: others would need a converted copy of the whole inputs.
+    if target_probs.dtype == draft_probs.dtype == ct == jnp.float32 and cpu_kernels.available():
+        y = lax.platform_dependent(cpu=cpu_draw, default=jax_draw)
+    else:
+        y = jax_draw()
     return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y)}
 
 
