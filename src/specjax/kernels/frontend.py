@@ -59,6 +59,7 @@ __all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "v
 
 _NEG_INF = -jnp.inf
 _F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 class RowStats(NamedTuple):
@@ -608,7 +609,7 @@ def as_key(key: Any, batch: int) -> jax.Array:
         )
     if not isinstance(key, jax.Array):
         raise ValueError(f"key: expected a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if _is_key_dtype(key.dtype):
         typed = key
     elif key.dtype == jnp.uint32 and key.ndim >= 1:
         typed = jax.random.wrap_key_data(key)
@@ -619,6 +620,17 @@ def as_key(key: Any, batch: int) -> jax.Array:
     if typed.shape not in ((), (batch,)):
         raise ValueError(f"key: expected one key (shape ()) or one per row (shape ({batch},)), got shape {typed.shape}")
     return typed
+
+
+@functools.lru_cache(maxsize=64)
+def _is_key_dtype(dt: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(dt, jax.dtypes.prng_key))
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_row(value: float, batch: int, dtype: type) -> np.ndarray:
+    """A Python scalar parameter as a (B,) array, made once per value and batch size."""
+    return _constant_row(value, batch, dtype)
 
 
 def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
@@ -677,6 +689,16 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
     """
     if temperature is None:
         raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
+    scalars = (type(temperature) in (float, int) and (top_k is None or type(top_k) is int)
+               and (top_p is None or type(top_p) in (float, int)))
+    if scalars:  # the common case: Python numbers, prepared once per value and batch size
+        if validate:  # as the array path reports them: one value per row
+            _check_params(np.full(batch, temperature, np.float64),
+                          None if top_k is None else np.full(batch, top_k, np.int64),
+                          None if top_p is None else np.full(batch, top_p, np.float64), validate)
+        return (_scalar_row(float(temperature), batch, np.float32),
+                None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
+                None if top_p is None else _scalar_row(1.0 - float(top_p), batch, np.float32))
     temperature = _row_param("temperature", temperature, batch, "float")
     top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
     top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")
@@ -692,7 +714,17 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
 @functools.cache
 def _dummy(batch: int, dtype: Any) -> np.ndarray:
     """A placeholder (B,) argument for an unused top_k/top_p (read-only, shared)."""
-    out = np.zeros((batch,), dtype)
+    return _constant_row(0, batch, dtype)
+
+
+def _constant_row(value: float, batch: int, dtype: Any) -> np.ndarray:
+    """A read-only (B,) array of one value, for the boundary's caches.
+
+    NumPy like every other per-row parameter: a JAX array here would give the
+    jitted call another argument signature, so a call with a scalar temperature
+    and one with an array would compile twice.
+    """
+    out = np.full((batch,), value, dtype)
     out.flags.writeable = False
     return out
 
@@ -910,6 +942,4 @@ def verify_from_logits(
 @functools.cache
 def _full_k(batch: int, g: int) -> np.ndarray:
     """k_b = G for every row (read-only, shared)."""
-    out = np.full((batch,), g, np.int32)
-    out.flags.writeable = False
-    return out
+    return _constant_row(g, batch, np.int32)
