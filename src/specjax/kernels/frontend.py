@@ -22,8 +22,10 @@ Processing, per row, with the semantics of transformers' warpers
 A processed row is summarised by :class:`RowStats` (scale, cutoff, max,
 normaliser, argmax), so probabilities are computed only where needed: at the B·G
 draft tokens, and on the one row per batch row the correction token is drawn
-from. The (B, G+1, V) probabilities are never materialised, and on one device
-without top-k/top-p the acceptance step summarises position ``i`` only while
+from. The (B, G+1, V) probabilities are never materialised. On CPU (one CPU
+device) the row statistics and the residual draw run as C++ kernels inside the
+jitted functions (:mod:`specjax.kernels.cpu_kernels`); elsewhere, on one device
+without top-k/top-p, the acceptance step summarises position ``i`` only while
 some row of the batch is still accepting (rows after every row's first
 rejection are never read).
 

@@ -83,7 +83,7 @@ def host_view(x: Any) -> np.ndarray | None:
     """
     import torch  # only called with torch tensors
 
-    if x.device.type != "cpu" or not jax_on_cpu() or x.layout != torch.strided:
+    if not x.is_cpu or not jax_on_cpu() or x.layout != torch.strided:
         return None
     if x.is_floating_point():
         if x.dtype not in (torch.float16, torch.float32) or not x.is_contiguous():
@@ -93,7 +93,7 @@ def host_view(x: Any) -> np.ndarray | None:
     elif x.is_complex() or x.dtype == torch.bool:
         return None
     try:
-        return x.detach().numpy()
+        return (x.detach() if x.requires_grad else x).numpy()
     except (RuntimeError, TypeError):  # e.g. a negative-bit view, or a dtype NumPy lacks
         return None
 
