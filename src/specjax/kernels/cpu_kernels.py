@@ -30,8 +30,8 @@ The library is compiled from the shipped source with the system C++ compiler
 (``$CXX``, else ``g++``/``c++``) against jaxlib's FFI headers, once per source,
 compiler, jaxlib version and CPU, into ``$SPECJAX_CACHE_DIR`` (default
 ``~/.cache/specjax``); a build takes a few seconds. Without a compiler, or when
-the build fails, specjax warns once and uses the JAX code on CPU too (slower,
-same semantics). ``SPECJAX_CPU_KERNELS=0`` turns the kernels off; read when
+the build fails, specjax uses the JAX code on CPU too (slower, same semantics)
+and warns once when the CPU is JAX's default backend. ``SPECJAX_CPU_KERNELS=0`` turns the kernels off; read when
 first needed, i.e. at the first trace of a front-end function.
 :func:`set_enabled` switches between the two in a running process (benchmarks
 and tests compare them).
@@ -137,6 +137,8 @@ def _load() -> None:
         else:
             _state["path"] = path
             return
+    if jax.default_backend() != "cpu":
+        return  # the accelerator runs the JAX code anyway: nothing to warn about
     warnings.warn(
         f"specjax: the C++ CPU kernels are not available ({_state['error']}); the logits front end "
         "runs its JAX code on CPU (same results up to float rounding, slower). See "
