@@ -728,6 +728,16 @@ def test_g_zero_draws_from_p0() -> None:
     assert run_row([], [], [[0.1, 0.2, 0.3, 0.4]], [], 0.35) == (0, [2])
 
 
+def test_g_zero_as_plain_python_lists() -> None:
+    """Found in review: ``[[]]`` draft tokens (G = 0 as lists) became a float64 array in
+    NumPy and were refused as "got float64"."""
+    out = rejection_sample([[]], np.zeros((1, 0, 4)), [[[0.1, 0.2, 0.3, 0.4]]], [[]], [0.35])
+    assert np.asarray(out["num_accepted"]).tolist() == [0]
+    assert np.asarray(out["tokens"]).tolist() == [[2]]
+    with pytest.raises(ValueError, match=r"draft_tokens: expected integer token ids .*got float64"):
+        rejection_sample([[0.5]], [[[0.5, 0.5]]], [[[0.5, 0.5], [0.5, 0.5]]], [[0.1]], [0.35])
+
+
 def test_all_accepted_emits_bonus_from_last_target() -> None:
     # Both tests pass (q = 0 at x with p > 0); y from p_2 = [0, 0, 1] regardless of p_0, p_1.
     assert run_row([0, 1], [[0, 1, 0], [1, 0, 0]], [[1, 0, 0], [0, 1, 0], [0, 0, 1]],

@@ -125,6 +125,8 @@ def _is_integer(dt: Any) -> bool:
 def as_token_ids(name: str, x: Any) -> Any:
     """Integer token ids as int32; int64 values are range-checked before narrowing."""
     dt = x.dtype
+    if isinstance(x, np.ndarray) and x.size == 0 and dt == np.float64:
+        return x.astype(np.int32)  # an empty Python list (G = 0): NumPy makes it float64
     if not _is_integer(dt):
         raise ValueError(f"{name}: expected integer token ids (int32 or int64), got {dtype_name(x)}")
     if isinstance(x, np.ndarray) and x.dtype != np.int32:
