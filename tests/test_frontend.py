@@ -870,6 +870,22 @@ def test_validate_false_skips_value_checks_only():
         verify_from_logits(positional[0], positional[1][:, :2], positional[2], **args, validate=False)
 
 
+def test_validate_false_narrows_torch_int64_ids_without_the_int32_range_check():
+    """With validate=False, torch int64 ids are narrowed by torch (no range check, like
+    the unchecked [0, V) range); with validate=True an id beyond int32 is refused."""
+    import torch
+
+    args = _good_verify_args()
+    x, draft, target = (args.pop(k) for k in ("draft_tokens", "draft_logits", "target_logits"))
+    ids = torch.from_numpy(np.asarray(x, np.int64))
+    want = verify_from_logits(np.asarray(x, np.int32), draft, target, **args)
+    got = verify_from_logits(ids, draft, target, **args, validate=False)
+    for key in ("num_accepted", "tokens"):
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
+    with pytest.raises(ValueError, match="draft_tokens: token ids must fit in int32"):
+        verify_from_logits(ids + 2**33, draft, target, **args)
+
+
 # --------------------------------------------------------------------------- #
 # Properties (hypothesis; the shared verify shape, values drawn per row)
 # --------------------------------------------------------------------------- #

@@ -874,7 +874,7 @@ def verify_from_logits(
     and/or V (a tensor-parallel LM head), the step runs on that mesh without
     gathering the vocabulary (:mod:`specjax.kernels.sharded`, ``docs/distributed.md``).
     """
-    draft_tokens = _v.as_array("draft_tokens", draft_tokens)
+    draft_tokens = _v.as_array("draft_tokens", _v.token_ids_unchecked(draft_tokens, validate))
     draft_logits = _v.as_array("draft_logits", draft_logits)
     target_logits = _v.as_array("target_logits", target_logits)
     _v.check_rank("draft_tokens", draft_tokens, 2, "BG")

@@ -98,6 +98,20 @@ def host_view(x: Any) -> np.ndarray | None:
         return None
 
 
+def token_ids_unchecked(x: Any, validate: bool) -> Any:
+    """With ``validate=False``, a CPU torch int64 tensor of ids narrowed to int32 by torch.
+
+    ``validate=False`` skips the value checks, among them that ids lie in [0, V);
+    the int32 range check that :func:`as_token_ids` makes before narrowing is a
+    weaker one, and costs more at the boundary than narrowing in torch does.
+    Anything else is returned as it is.
+    """
+    if (not validate and _is_torch(x) and x.is_cpu and x.element_size() == 8
+            and not (x.is_floating_point() or x.is_complex())):
+        return x.int()
+    return x
+
+
 def dtype_name(x: Any) -> str:
     """The name of ``x.dtype`` ("float32", "bfloat16", ...)."""
     return _dtype_name(x.dtype)
@@ -212,7 +226,7 @@ def convert_kernel_inputs(
         for name, x in (("accept_uniforms", accept_uniforms), ("sample_uniforms", sample_uniforms)):
             if _is_torch(x) and x.dtype.is_floating_point and x.element_size() == 8:
                 wide[name] = x.detach().cpu().numpy()
-    draft_tokens = as_array("draft_tokens", draft_tokens)
+    draft_tokens = as_array("draft_tokens", token_ids_unchecked(draft_tokens, validate))
     draft_probs = as_array("draft_probs", draft_probs)
     target_probs = as_array("target_probs", target_probs)
     accept_uniforms = as_array("accept_uniforms", accept_uniforms)
