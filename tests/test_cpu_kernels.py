@@ -180,8 +180,8 @@ def test_draw_falls_back_to_p_when_the_residual_is_zero():
     np.testing.assert_array_equal(np.asarray(residual_weights(p, p)), np.asarray(p))
 
 
-def test_draw_rows_interface_is_unchanged():
-    """The probability kernel's draw (draw_rows) is not routed through the kernels."""
+def test_jax_draw_rows_still_draws_by_inverse_cdf():
+    """draw_rows, the JAX draw that GPUs and meshes run, is called directly here (no kernels)."""
     p = jnp.asarray(np.array([[0.0, 0.25, 0.75]], np.float32))
     q = jnp.zeros_like(p)
     y = draw_rows((p, q), lambda row: row, jnp.asarray([0.5], jnp.float32))

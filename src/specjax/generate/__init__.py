@@ -93,7 +93,7 @@ def _as_id_set(name: str, v: Any) -> set[int]:
     if v is None:
         return set()
     if isinstance(v, torch.Tensor):
-        v = v.flatten().tolist() if not v.is_floating_point() else [float(x) for x in v.flatten().tolist()]
+        v = v.flatten().tolist()  # Python numbers: a float id is refused below
     if isinstance(v, list | tuple | set):
         return {_token_id(name, x) for x in v}
     return {_token_id(name, v)}

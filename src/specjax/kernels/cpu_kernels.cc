@@ -33,6 +33,8 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -329,64 +331,61 @@ ffi::Error RowStatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi:
   return ffi::Error::Success();
 }
 
-ffi::Error DrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
-                    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::F32> s,
-                    ffi::ResultBuffer<ffi::S32> out) {
+// The draws of a batch: row i draws from target row rows[i][0] and draft row
+// rows[i][1] (absent when outside [0, Nd)); make_pair(i, target_row, draft_row)
+// gives the row pair, or nothing to skip the row (its token is then 0).
+template <typename MakePair>
+ffi::Error draw_batch(ffi::ThreadPool& pool, const char* name, ffi::Buffer<ffi::F32>& target,
+                      ffi::Buffer<ffi::F32>& draft, ffi::Buffer<ffi::S32>& rows, ffi::Buffer<ffi::F32>& s,
+                      ffi::ResultBuffer<ffi::S32>& out, int64_t batch, const MakePair& make_pair) {
   const auto td = target.dimensions();
   const auto dd = draft.dimensions();
   const auto rd = rows.dimensions();
-  const auto pd = params.dimensions();
-  if (td.size() != 2 || dd.size() != 2 || rd.size() != 2 || pd.size() != 2 || rd[1] != 2 || pd[1] != 8 ||
-      dd[1] != td[1] || pd[0] != rd[0] || s.element_count() != rd[0]) {
-    return ffi::Error::InvalidArgument(
-        "specjax_draw: expected target [Nt, V], draft [Nd, V], rows [B, 2], params [B, 8], s [B]");
+  if (td.size() != 2 || dd.size() != 2 || rd.size() != 2 || rd[0] != batch || rd[1] != 2 || dd[1] != td[1] ||
+      s.element_count() != batch) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": expected target [Nt, V], draft [Nd, V], rows [B, 2], s [B]");
   }
-  const int64_t b = rd[0], nt = td[0], nd = dd[0], v = td[1];
+  const int64_t nt = td[0], nd = dd[0], v = td[1];
   const int32_t* r = rows.typed_data();
-  const float* p = params.typed_data();
   int32_t* y = out->typed_data();
-  parallel_rows(pool, b, 2 * v, [&](int64_t i) {
+  parallel_rows(pool, batch, 2 * v, [&](int64_t i) {
     const int32_t t_row = r[2 * i], d_row = r[2 * i + 1];
-    const float* pr = p + 8 * i;
-    const RowParams tp{pr[0], pr[1], pr[2], pr[3]};
-    if (tp.c == 0.0f || t_row < 0 || t_row >= nt) {  // greedy rows are decided outside
+    const bool has_q = d_row >= 0 && d_row < nd;
+    decltype(make_pair(i, nullptr, nullptr)) pair;  // a std::optional of the pair type
+    if (t_row >= 0 && t_row < nt) {
+      pair = make_pair(i, target.typed_data() + t_row * v, has_q ? draft.typed_data() + d_row * v : nullptr);
+    }
+    if (!pair) {
       y[i] = 0;
       return;
     }
-    const bool has_q = d_row >= 0 && d_row < nd;
-    const RowParams dp{pr[4], pr[5], pr[6], pr[7]};
     std::unique_ptr<float[]> sums(new float[(v + kBlock - 1) / kBlock]);
-    const LogitPair pair{target.typed_data() + t_row * v, tp, has_q ? draft.typed_data() + d_row * v : nullptr, dp};
-    y[i] = draw_pair(pair, has_q, s.typed_data()[i], v, sums.get());
+    y[i] = draw_pair(*pair, has_q, s.typed_data()[i], v, sums.get());
   });
   return ffi::Error::Success();
 }
 
+ffi::Error DrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
+                    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::F32> s,
+                    ffi::ResultBuffer<ffi::S32> out) {
+  const auto pd = params.dimensions();
+  if (pd.size() != 2 || pd[1] != 8) return ffi::Error::InvalidArgument("specjax_draw: expected params [B, 8]");
+  const float* p = params.typed_data();
+  return draw_batch(pool, "specjax_draw", target, draft, rows, s, out, pd[0],
+                    [&](int64_t i, const float* xt, const float* xd) -> std::optional<LogitPair> {
+                      const float* pr = p + 8 * i;
+                      if (pr[0] == 0.0f) return std::nullopt;  // greedy rows are decided outside
+                      return LogitPair{xt, {pr[0], pr[1], pr[2], pr[3]}, xd, {pr[4], pr[5], pr[6], pr[7]}};
+                    });
+}
+
 ffi::Error DrawProbsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
                          ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::S32> out) {
-  const auto td = target.dimensions();
-  const auto dd = draft.dimensions();
-  const auto rd = rows.dimensions();
-  if (td.size() != 2 || dd.size() != 2 || rd.size() != 2 || rd[1] != 2 || dd[1] != td[1] ||
-      s.element_count() != rd[0]) {
-    return ffi::Error::InvalidArgument(
-        "specjax_draw_probs: expected target [Nt, V], draft [Nd, V], rows [B, 2], s [B]");
-  }
-  const int64_t b = rd[0], nt = td[0], nd = dd[0], v = td[1];
-  const int32_t* r = rows.typed_data();
-  int32_t* y = out->typed_data();
-  parallel_rows(pool, b, 2 * v, [&](int64_t i) {
-    const int32_t t_row = r[2 * i], d_row = r[2 * i + 1];
-    if (t_row < 0 || t_row >= nt) {
-      y[i] = 0;
-      return;
-    }
-    const bool has_q = d_row >= 0 && d_row < nd;
-    std::unique_ptr<float[]> sums(new float[(v + kBlock - 1) / kBlock]);
-    const ProbPair pair{target.typed_data() + t_row * v, has_q ? draft.typed_data() + d_row * v : nullptr};
-    y[i] = draw_pair(pair, has_q, s.typed_data()[i], v, sums.get());
-  });
-  return ffi::Error::Success();
+  return draw_batch(pool, "specjax_draw_probs", target, draft, rows, s, out, s.element_count(),
+                    [](int64_t, const float* xt, const float* xd) -> std::optional<ProbPair> {
+                      return ProbPair{xt, xd};
+                    });
 }
 
 }  // namespace

@@ -53,7 +53,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-__all__ = ["available", "build_error", "draw", "draw_probs", "library_path", "row_stats", "set_enabled"]
+__all__ = ["available", "build_error", "draw", "draw_probs", "draw_rows_index", "library_path", "row_stats",
+           "set_enabled"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _FLAGS = (
@@ -120,9 +121,23 @@ def _build(compiler: str) -> Path:
 
 
 def _load() -> None:
+    """Decide once per process: build and register the kernels, or record why not."""
     if os.environ.get("SPECJAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         _state["error"] = "turned off by SPECJAX_CPU_KERNELS"
         return  # asked for: no warning
+    if not (sys.platform.startswith("linux") or sys.platform == "darwin"):
+        _state["error"] = f"not supported on {sys.platform}"
+        return
+    # With several CPU devices (--xla_force_host_platform_device_count, several
+    # processes) a CPU mesh is possible, and mesh results must equal the same
+    # inputs on one device bit for bit (docs/distributed.md): the mesh paths run
+    # the JAX code, whose sums and exp round differently from the kernels', so
+    # the single-device paths do too. No warning: nothing is missing.
+    cpu_devices = jax.device_count("cpu")
+    if cpu_devices != 1:
+        _state["error"] = (f"{cpu_devices} CPU devices: the mesh paths and the single-device paths both run "
+                           "the JAX code, so that they agree exactly")
+        return
     compiler = _compiler()
     if compiler is None:
         _state["error"] = "no C++ compiler found ($CXX, g++ or c++)"
@@ -148,40 +163,17 @@ def _load() -> None:
     )
 
 
-def _single_cpu_device() -> bool:
-    """Whether the processes have one CPU device in all (no CPU device mesh is possible).
-
-    With several (``--xla_force_host_platform_device_count``, several
-    processes), the kernels stay off: mesh results must be identical to the
-    same inputs on one device (docs/distributed.md), and the mesh paths run the
-    JAX code, whose sums and exp round differently from the kernels'.
-    """
-    try:
-        return jax.device_count("cpu") == 1
-    except RuntimeError:  # no CPU backend
-        return False
-
-
 def available() -> bool:
     """Whether traced code uses the kernels: one CPU device, built, registered, not switched off.
 
-    Builds them on the first call.
+    Decides (and builds them) on the first call.
     """
     if _state.get("disabled"):
-        return False
-    if "several_devices" not in _state:
-        _state["several_devices"] = not _single_cpu_device()
-    if _state["several_devices"]:
-        _state.setdefault("error", f"{jax.device_count('cpu')} CPU devices: the mesh paths and the "
-                                   "single-device paths both run the JAX code, so that they agree exactly")
         return False
     with _lock:
         if "loaded" not in _state:
             _state["loaded"] = True
-            if sys.platform.startswith("linux") or sys.platform == "darwin":
-                _load()
-            else:
-                _state["error"] = f"not supported on {sys.platform}"
+            _load()
     return "path" in _state
 
 
@@ -227,6 +219,21 @@ def row_stats(logits: jax.Array, scale: jax.Array, cutoff: jax.Array
     f32 = jax.ShapeDtypeStruct((n,), jnp.float32)
     call = jax.ffi.ffi_call("specjax_row_stats", (f32, f32, jax.ShapeDtypeStruct((n,), jnp.int32)))
     return call(logits, scale, cutoff)
+
+
+def draw_rows_index(n: jax.Array, positions: int, g: int, d_pos: jax.Array, has_q: jax.Array) -> jax.Array:
+    """i32[B, 2]: the flattened target row and draft row each draw reads (``rows`` of :func:`draw`).
+
+    Args:
+      n: i32[B], the target position of each batch row's draw, in [0, positions).
+      positions: the target's positions per batch row (G + 1).
+      g: the draft's positions per batch row (may be 0).
+      d_pos: i32[B], the draft position; has_q: bool[B], whether there is one
+        (else the draft row is -1: draw from p alone).
+    """
+    batch_rows = jnp.arange(n.shape[0], dtype=jnp.int32)
+    d_rows = jnp.where(has_q, batch_rows * max(g, 1) + d_pos, -1)
+    return jnp.stack([batch_rows * positions + n, d_rows], axis=1).astype(jnp.int32)
 
 
 def draw(target: jax.Array, draft: jax.Array, rows: jax.Array, params: jax.Array,

@@ -368,42 +368,34 @@ def verify_core(
     positions = jnp.arange(g, dtype=jnp.int32)
     valid = positions[None, :] < num_draft_tokens[:, None]
     x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
+
+    def stats(logits: jax.Array) -> RowStats:  # the same processing for both sides
+        return row_stats(logits, temperature[row], None if top_k is None else top_k[row],
+                         None if one_minus_top_p is None else one_minus_top_p[row],
+                         axis_name=axis_name, offset=offset)
+
     def summarise_all_rows() -> tuple[RowStats, RowStats | None, jax.Array]:
-        t_stats = row_stats(
-            target_logits,
-            temperature[row],
-            None if top_k is None else top_k[row],
-            None if one_minus_top_p is None else one_minus_top_p[row],
-            axis_name=axis_name,
-            offset=offset,
-        )
+        t_stats = stats(target_logits)
         if g == 0:
             return t_stats, None, jnp.zeros((b,), jnp.int32)
-        d_stats = row_stats(
-            draft_logits,
-            temperature[row],
-            None if top_k is None else top_k[row],
-            None if one_minus_top_p is None else one_minus_top_p[row],
-            axis_name=axis_name,
-            offset=offset,
-        )
+        d_stats = stats(draft_logits)
         t_first = RowStats(*(f[:, :g] for f in t_stats))
         p_x = probs_from_stats(t_first, vocab_gather(target_logits[:, :g], x, axis_name, offset), x)
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
         return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
 
-    def all_rows_one_device() -> dict[str, jax.Array]:
-        t_stats, d_stats, n = summarise_all_rows()
-        t_sel = _take_rows(t_stats, n)
-        d_sel = None if d_stats is None else _take_rows(d_stats, jnp.minimum(n, g - 1))
+    def draw_one_device(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> dict[str, jax.Array]:
         y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
         return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
+    def all_rows_one_device() -> dict[str, jax.Array]:
+        t_stats, d_stats, n = summarise_all_rows()
+        d_sel = None if d_stats is None else _take_rows(d_stats, jnp.minimum(n, g - 1))
+        return draw_one_device(n, _take_rows(t_stats, n), d_sel)
+
     def lazily_one_device() -> dict[str, jax.Array]:
-        n, t_sel, d_sel = _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
-                                         num_draft_tokens)
-        y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
-        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+        return draw_one_device(*_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
+                                               num_draft_tokens))
 
     if not axis_name:
         if top_k is not None or one_minus_top_p is not None:
@@ -540,18 +532,13 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
 
     def cpu_draw() -> jax.Array:
         # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels).
-        b, positions = target_logits.shape[:2]
-        batch_rows = jnp.arange(b, dtype=jnp.int32)
-        t_rows = batch_rows * positions + n
-        d_rows = jnp.where(has_q, batch_rows * max(g, 1) + d_pos, -1)
-
         def params(st: RowStats) -> list[jax.Array]:
             return [jnp.where(st.greedy, jnp.float32(0), st.inv_temperature), st.max, st.normaliser, st.cutoff]
 
         y = cpu_kernels.draw(
             target_logits.astype(jnp.float32).reshape(-1, vocab),
             draft_logits.astype(jnp.float32).reshape(-1, vocab),
-            jnp.stack([t_rows, d_rows], axis=1).astype(jnp.int32),
+            cpu_kernels.draw_rows_index(n, target_logits.shape[1], g, d_pos, has_q),
             jnp.stack(params(t_sel) + params(d_sel), axis=1),
             sample_uniforms.astype(jnp.float32),
         )

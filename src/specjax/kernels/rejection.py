@@ -390,11 +390,9 @@ def _rejection_sample_jit(
 
     def cpu_draw() -> jax.Array:
         # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels.draw_probs).
-        b, positions, vocab = target_probs.shape
-        batch_rows = jnp.arange(b, dtype=jnp.int32)
-        d_rows = jnp.where(n < g, batch_rows * max(g, 1) + jnp.minimum(n, max(g - 1, 0)), -1)
-        return cpu_kernels.draw_probs(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab),
-                                      jnp.stack([batch_rows * positions + n, d_rows], axis=1).astype(jnp.int32),
+        vocab = target_probs.shape[-1]
+        rows = cpu_kernels.draw_rows_index(n, g + 1, g, jnp.minimum(n, max(g - 1, 0)), n < g)
+        return cpu_kernels.draw_probs(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), rows,
                                       sample_uniforms.astype(ct))
 
     # float32 inputs only: others would need a converted copy of the whole inputs.
