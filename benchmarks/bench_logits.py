@@ -53,6 +53,7 @@ Absolute times on a shared CPU are noise; read the ratios. Rows are appended to
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
@@ -86,6 +87,8 @@ TARGET_SPEEDUP = 3.0
 FULL_BATCHES = (1, 8, 64)
 QUICK_BATCHES = (1, 8)
 TOPK, TOPP, TOPK_T = 20, 0.9, 0.7
+ALL_ACCEPTED = "(every draft token accepted)"
+KEYS = 64  # keys cycled through per timed function (see _key_cycle)
 TOPK_MAX_B = 8  # both sides sort every row (≈ 40 ms a row here): B = 64 would take minutes
 
 
@@ -153,6 +156,18 @@ def make_inputs(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {"draft_tokens": tokens, "draft_logits": draft, "target_logits": target}
 
 
+def with_processed_draft_tokens(inp: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """``inp`` with each x_i drawn from the draft row processed as the top-k rows ask
+    (temperature, top-k, top-p: transformers' warpers), as a draft model sampling with
+    those settings would give them."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = np.empty_like(inp["draft_tokens"])
+    for b in range(tokens.shape[0]):
+        probs = torch.softmax(_hf_warp(torch.from_numpy(inp["draft_logits"][b:b + 1]))[0], dim=-1)
+        tokens[b] = torch.multinomial(probs, 1, generator=gen)[:, 0].numpy()
+    return {**inp, "draft_tokens": tokens}
+
+
 def _ours_args(inp: dict[str, np.ndarray], temperature: float, top_k: int | None, top_p: float | None):
     b = inp["draft_tokens"].shape[0]
     args = (
@@ -166,6 +181,31 @@ def _ours_args(inp: dict[str, np.ndarray], temperature: float, top_k: int | None
         jnp.full((b,), G, jnp.int32),
     )
     return jax.block_until_ready(args), {"use_top_k": top_k is not None, "use_top_p": top_p is not None}
+
+
+def _key_cycle(b: int) -> Callable[[], jax.Array]:
+    """A new (B,) key per call, from a cycle of ``KEYS`` (made before timing).
+
+    Where a rejection comes early, ours reads fewer rows; with one fixed key a
+    B = 1 timing would rest on one outcome. (The peer draws from torch's global
+    generator, which also moves on at every call.)
+    """
+    keys = itertools.cycle(jax.block_until_ready(
+        [jax.random.split(jax.random.key(i), b) for i in range(KEYS)]))
+    return lambda: next(keys)
+
+
+def _with_keys(fn: Callable[..., Any], args: tuple, static: dict[str, bool]) -> Callable[[], Any]:
+    """``fn(*args, **static)`` with the key argument (``args[3]``) taken from :func:`_key_cycle`."""
+    key = _key_cycle(args[0].shape[0])
+    return lambda: fn(*args[:3], key(), *args[4:], **static)
+
+
+def mean_accepted(args: tuple, static: dict[str, bool]) -> float:
+    """The mean of ``num_accepted`` over the key cycle (how far ours reads into the draft)."""
+    key = _key_cycle(args[0].shape[0])
+    return float(np.mean([np.asarray(_verify_jit(*args[:3], key(), *args[4:], **static)["num_accepted"])
+                          for _ in range(KEYS)]))
 
 
 def _hf_inputs(inp: dict[str, np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -213,7 +253,7 @@ def _jax_code_step(args: tuple, static: dict[str, bool]) -> Callable[[], Any] | 
         compiled = _verify_jit.lower(*args, **static).compile()
     finally:
         cpu_kernels.set_enabled(True)
-    return lambda: compiled(*args)
+    return _with_keys(compiled, args, {})
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -228,14 +268,26 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     plain, topk = "T=1", f"T={TOPK_T}, top_k={TOPK}, top_p={TOPP}"
     hf_plain, hf_topk = "transformers _speculative_sampling", "transformers warpers + _speculative_sampling"
+    ours, public_name = "specjax _verify_jit", "specjax verify_from_logits(validate=False)"
 
-    def add(results, method, peer, b, processing, note=""):
+    def add(results, method, peer, b, processing, note="", accepted=None):
         seconds, reps = results[method]
         rows.append({
             "bench": "logits", "method": method, "peer": peer, "B": b, "G": G, "V": V,
             "processing": processing, "median_us": seconds * 1e6, "per_row_us": seconds * 1e6 / b,
-            "reps": reps, "note": note,
+            "reps": reps, "note": note, "mean_accepted": accepted,
         })
+
+    def public(tin: dict[str, torch.Tensor], validate: bool) -> Callable[[], Any]:
+        key = _key_cycle(tin["draft_tokens"].shape[0])
+        return lambda: verify_from_logits(tin["draft_tokens"], tin["draft_logits"], tin["target_logits"],
+                                          key=key(), temperature=1.0, validate=validate)
+
+    def torch_inputs(inp: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        # Torch tensors as a model returns them (torch's allocator aligns them to 64
+        # bytes, so they cross to JAX without a copy; NumPy's arrays need not be
+        # aligned, hence the clone).
+        return {name: torch.from_numpy(a).clone() for name, a in inp.items()}
 
     try:
         for b in batches:
@@ -245,66 +297,72 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
             rounds = min_rounds if b < 64 else 3
 
             args, static = _ours_args(inp, 1.0, None, None)
-            public = dict(key=args[3], temperature=1.0)
-            # Torch tensors as a model returns them (torch's allocator aligns them to 64
-            # bytes, so they cross to JAX without a copy; NumPy's arrays need not be
-            # aligned, hence the clone).
-            tin = {name: torch.from_numpy(a).clone() for name, a in inp.items()}
+            accepted = mean_accepted(args, static)
+            tin = torch_inputs(inp)
             fns = {
-                "specjax _verify_jit": (lambda args=args, static=static: _verify_jit(*args, **static),
-                                        TORCH_THREADS),
-                "specjax verify_from_logits(validate=False)": (
-                    lambda tin=tin, public=public: verify_from_logits(
-                        tin["draft_tokens"], tin["draft_logits"], tin["target_logits"], validate=False, **public),
-                    TORCH_THREADS),
+                ours: (_with_keys(_verify_jit, args, static), TORCH_THREADS),
+                public_name: (public(tin, validate=False), TORCH_THREADS),
                 hf_plain: (_hf_call(hf_rows, warp=False), TORCH_THREADS),
             }
             if b == 1:
-                fns["specjax verify_from_logits(validate=True)"] = (
-                    lambda tin=tin, public=public: verify_from_logits(
-                        tin["draft_tokens"], tin["draft_logits"], tin["target_logits"], validate=True, **public),
-                    TORCH_THREADS)
+                fns["specjax verify_from_logits(validate=True)"] = (public(tin, validate=True), TORCH_THREADS)
             fns[hf_plain + " (torch 1 thread)"] = (_hf_call(hf_rows, warp=False), 1)
             jax_code = _jax_code_step(args, static)
             if jax_code is not None:
-                fns["specjax _verify_jit (JAX code)"] = (jax_code, TORCH_THREADS)
+                fns[ours + " (JAX code)"] = (jax_code, TORCH_THREADS)
             res = time_interleaved(fns, budget_s=budget, min_rounds=rounds)
-            add(res, "specjax _verify_jit", hf_plain, b, plain)
+            add(res, ours, hf_plain, b, plain, accepted=accepted)
             if jax_code is not None:
-                add(res, "specjax _verify_jit (JAX code)", hf_plain, b, plain, "C++ CPU kernels off")
-            add(res, "specjax verify_from_logits(validate=False)", hf_plain, b, plain,
-                "torch inputs (zero-copy)")
+                add(res, ours + " (JAX code)", hf_plain, b, plain, "C++ CPU kernels off", accepted)
+            add(res, public_name, hf_plain, b, plain, "torch inputs (zero-copy)", accepted)
             if b == 1:
                 add(res, "specjax verify_from_logits(validate=True)", hf_plain, b, plain,
-                    "torch inputs; the value checks sync with the host")
+                    "torch inputs; the value checks sync with the host", accepted)
             add(res, hf_plain, None, b, plain, loop_note)
             add(res, hf_plain + " (torch 1 thread)", None, b, plain, loop_note)
             if b == 1:
                 # The same two, each warm: blocks of consecutive calls (see time_in_blocks).
                 warm = " (blocks of 20 calls)"
-                res = time_in_blocks({"specjax _verify_jit" + warm: fns["specjax _verify_jit"],
-                                      hf_plain + warm: fns[hf_plain]}, rounds=3 if quick else 7)
-                add(res, "specjax _verify_jit" + warm, hf_plain + warm, b, plain)
+                res = time_in_blocks({ours + warm: fns[ours], hf_plain + warm: fns[hf_plain]},
+                                     rounds=3 if quick else 7)
+                add(res, ours + warm, hf_plain + warm, b, plain, accepted=accepted)
                 add(res, hf_plain + warm, None, b, plain, "each warm: the other's calls are not in between")
 
+                # Every draft token accepted (draft logits = target logits): ours reads all
+                # 2G + 1 rows, the case where stopping at the first rejection saves nothing.
+                same = {**inp, "draft_logits": np.ascontiguousarray(inp["target_logits"][:, :G])}
+                args_all, _ = _ours_args(same, 1.0, None, None)
+                accepted_all = mean_accepted(args_all, static)
+                hf_all = hf_plain + " " + ALL_ACCEPTED
+                fns = {
+                    ours + " " + ALL_ACCEPTED: (_with_keys(_verify_jit, args_all, static), TORCH_THREADS),
+                    public_name + " " + ALL_ACCEPTED: (public(torch_inputs(same), validate=False), TORCH_THREADS),
+                    hf_all: (_hf_call(_hf_inputs(same), warp=False), TORCH_THREADS),
+                }
+                res = time_interleaved(fns, budget_s=budget, min_rounds=rounds)
+                add(res, ours + " " + ALL_ACCEPTED, hf_all, b, plain, accepted=accepted_all)
+                add(res, public_name + " " + ALL_ACCEPTED, hf_all, b, plain, "torch inputs (zero-copy)",
+                    accepted_all)
+                add(res, hf_all, None, b, plain)
+
             if b == 1 or (b <= TOPK_MAX_B and not quick):
+                inp = with_processed_draft_tokens(inp, seed=b)
                 args, static = _ours_args(inp, TOPK_T, TOPK, TOPP)
                 fns = {
-                    "specjax _verify_jit": (lambda args=args, static=static: _verify_jit(*args, **static),
-                                            TORCH_THREADS),
-                    hf_topk: (_hf_call(hf_rows, warp=True), TORCH_THREADS),
+                    ours: (_with_keys(_verify_jit, args, static), TORCH_THREADS),
+                    hf_topk: (_hf_call(_hf_inputs(inp), warp=True), TORCH_THREADS),
                 }
                 jax_code = _jax_code_step(args, static)
                 if jax_code is not None:
-                    fns["specjax _verify_jit (JAX code)"] = (jax_code, TORCH_THREADS)
+                    fns[ours + " (JAX code)"] = (jax_code, TORCH_THREADS)
                 res = time_interleaved(fns, budget_s=budget, min_rounds=3)
-                add(res, "specjax _verify_jit", hf_topk, b, topk)
+                accepted = mean_accepted(args, static)
+                add(res, ours, hf_topk, b, topk, accepted=accepted)
                 if jax_code is not None:
-                    add(res, "specjax _verify_jit (JAX code)", hf_topk, b, topk, "C++ CPU kernels off")
+                    add(res, ours + " (JAX code)", hf_topk, b, topk, "C++ CPU kernels off", accepted)
                 add(res, hf_topk, None, b, topk, loop_note)
     finally:
         torch.set_num_threads(previous_threads)
-
     # Ratios: the peer's time over ours, same B and processing.
     times = {(r["method"], r["B"], r["processing"]): r["median_us"] for r in rows}
     for r in rows:
@@ -333,15 +391,16 @@ def environment() -> dict[str, Any]:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    header = ("| method | processing | B | median | per row | speed-up vs transformers (2 threads) "
+    header = ("| method | processing | B | mean n | median | per row | speed-up vs transformers (2 threads) "
               "| vs transformers (1 thread) | note |\n"
-              "|---|---|---:|---:|---:|---:|---:|---|")
+              "|---|---|---:|---:|---:|---:|---:|---:|---|")
     lines = [header]
     for r in rows:
         speed = "" if r["speedup"] is None else f"{r['speedup']:.1f}×"
         speed1 = "" if r.get("speedup_1_thread") is None else f"{r['speedup_1_thread']:.1f}×"
+        n = "" if r.get("mean_accepted") is None else f"{r['mean_accepted']:.2f}"
         lines.append(
-            f"| {r['method']} | {r['processing']} | {r['B']} | {_fmt_us(r['median_us'])} | "
+            f"| {r['method']} | {r['processing']} | {r['B']} | {n} | {_fmt_us(r['median_us'])} | "
             f"{_fmt_us(r['per_row_us'])} | {speed} | {speed1} | {r['note']} |"
         )
     return "\n".join(lines)
@@ -364,6 +423,11 @@ def target_verdict(rows: Sequence[dict[str, Any]]) -> tuple[bool, str]:
         extra = (f"; against torch with 1 thread: _verify_jit {us / at_b1['specjax _verify_jit']['median_us']:.1f}×, "
                  f"verify_from_logits(validate=False) "
                  f"{us / at_b1['specjax verify_from_logits(validate=False)']['median_us']:.1f}×")
+    every = {r["method"]: r["speedup"] for r in rows if r["B"] == 1 and ALL_ACCEPTED in r["method"]}
+    if every:
+        extra += ("; with every draft token accepted: _verify_jit "
+                  f"{every['specjax _verify_jit ' + ALL_ACCEPTED]:.1f}×, verify_from_logits(validate=False) "
+                  f"{every['specjax verify_from_logits(validate=False) ' + ALL_ACCEPTED]:.1f}×")
     return met, (f"target (>= {TARGET_SPEEDUP:.0f}× faster than transformers' _speculative_sampling with "
                  f"{TORCH_THREADS} torch threads at B = 1): {'met' if met else 'NOT met'}: _verify_jit "
                  f"{kernel:.1f}×, verify_from_logits(validate=False) {public:.1f}×{extra}")

@@ -335,3 +335,107 @@ def test_probability_kernel_same_acceptance_and_draws_but_at_ties():
         assert np.min(np.abs(cdf[min(y[i], y_ref[i]):max(y[i], y_ref[i])] - s[i])) < 1e-5, i
     assert np.sum(y != y_ref) <= 3
     assert 0 < n.mean() < g  # accepts and rejects both happen
+
+
+def _reference_step(x, draft, target, u, s, temperature, k):
+    """The acceptance step in float64 NumPy, row by row: ``(n, y, margin)``.
+
+    ``margin`` is, per row, how far the deciding quantity lay from a rounding
+    boundary: ``|u - p/q|`` at the position that ended the row, and the distance
+    of ``s`` to the drawn token's CDF step.
+    """
+    b = x.shape[0]
+    n, y, margin = np.zeros(b, int), np.zeros(b, int), np.full(b, np.inf)
+
+    def dist(row, t):
+        if t == 0:
+            return np.eye(row.size)[np.argmax(row)]
+        e = np.exp((row.astype(np.float64) - row.max()) / t)
+        return e / e.sum()
+
+    for r in range(b):
+        t, i = float(temperature[r]), 0
+        while i < k[r]:
+            p, q = dist(target[r, i], t)[x[r, i]], dist(draft[r, i], t)[x[r, i]]
+            ratio = p / q if q > 0 else (np.inf if p > 0 else 0.0)
+            margin[r] = min(margin[r], abs(u[r, i] - ratio))
+            if not u[r, i] < ratio:
+                break
+            i += 1
+        p_row = dist(target[r, i], t)
+        w = np.maximum(p_row - dist(draft[r, i], t), 0) if i < k[r] else p_row
+        if w.sum() <= 0:
+            w = p_row
+        cdf = np.cumsum(w) / w.sum()
+        n[r], y[r] = i, int(np.argmax(cdf > s[r]))
+        if t > 0:
+            margin[r] = min(margin[r], np.min(np.abs(cdf - s[r])))
+    return n, y, margin
+
+
+@pytest.mark.parametrize(("g", "v"), [(0, 7), (1, 5), (3, 129), (4, 1000)])
+def test_fused_step_equals_a_float64_reference_and_the_jax_code(g, v):
+    """cpu_kernels.verify (the whole step, reading positions only until a test fails)
+    against a float64 reference and against the JAX code, with greedy and sampled rows,
+    ragged drafts (k_b = 0 … G) and draft tokens x ~ q: n and the emitted token agree
+    except where the deciding quantity lies within float32 rounding of a boundary."""
+    rng = np.random.default_rng(100 + 10 * g + v)
+    b = 96
+    target = logits((b, g + 1, v), g, scale=2.0)
+    draft = (target[:, :g] + rng.standard_normal((b, g, v))).astype(np.float32)
+    temperature = rng.choice(np.array([0.0, 0.5, 1.0, 2.0], np.float32), b)
+    scaled = draft / np.where(temperature > 0, temperature, 1)[:, None, None]
+    x = np.argmax(scaled + rng.gumbel(size=draft.shape) * (temperature > 0)[:, None, None], -1).astype(np.int32)
+    k = rng.integers(0, g + 1, b).astype(np.int32)
+    u = rng.random((b, g)).astype(np.float32)
+    s = rng.random(b).astype(np.float32)
+
+    @jax.jit
+    def step(x, draft, target, u, s, temperature, k):
+        return F.verify_core(x, draft, target, u, s, temperature, None, None, k)
+
+    def run():
+        out = step(x, draft, target, u, s, temperature, k)
+        n = np.asarray(out["num_accepted"])
+        return n, np.asarray(out["tokens"])[np.arange(b), n]
+
+    n, y = run()
+    cpu_kernels.set_enabled(False)
+    try:
+        n_jax, y_jax = run()
+    finally:
+        cpu_kernels.set_enabled(True)
+    n_ref, y_ref, margin = _reference_step(x, draft, target, u, s, temperature, k)
+    for other_n, other_y in ((n_ref, y_ref), (n_jax, y_jax)):
+        differ = (n != other_n) | (y != other_y)
+        assert np.all(margin[differ] < 1e-5), np.nonzero(differ)[0]
+        assert differ.sum() <= 2
+    assert np.all((n >= 0) & (n <= k))
+    if g:
+        assert np.any(n == k) and np.any(n < k)  # bonus draws and corrections both happen
+    assert np.any(temperature == 0) and np.any(temperature > 0)
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_out_of_range_ids_are_never_accepted_on_either_path(filtered):
+    """With validate=False nothing checks the ids: an id outside [0, V) has probability 0
+    on every path (the kernel reads nothing outside the row), so the row stops there."""
+    b, g, v = 16, 3, 50
+    target = logits((b, g + 1, v), 1)
+    draft = logits((b, g, v), 2)
+    x = np.tile(np.array([[v + 3, -2, v - 1]], np.int32), (b, 1))
+    temperature = np.where(np.arange(b) % 2, 1.0, 0.0).astype(np.float32)
+    key = jax.random.split(jax.random.key(3), b)
+    results = []
+    for enabled in (True, False):
+        cpu_kernels.set_enabled(enabled)
+        try:
+            out = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature, validate=False,
+                                             top_k=10 if filtered else None)
+            results.append((np.asarray(out["num_accepted"]), np.asarray(out["tokens"])))
+        finally:
+            cpu_kernels.set_enabled(True)
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    np.testing.assert_array_equal(results[0][0], 0)
+    assert np.all((results[0][1][:, 0] >= 0) & (results[0][1][:, 0] < v))

@@ -29,12 +29,14 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -388,6 +390,114 @@ ffi::Error DrawProbsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi
                     });
 }
 
+// The acceptance step of one batch row from logits, position by position
+// (specjax.kernels.frontend.verify_core): position i is summarised only if the
+// tests before it passed, so with an early rejection most of the 2G + 1 rows
+// are never read. The test and the draw are those of
+// specjax.kernels.rejection (num_accepted_from_ratios, then the residual draw
+// of draw_pair), on p and q computed as in row_stats / probs_from_stats.
+struct VerifyRow {
+  const float* target;  // [G + 1, V]
+  const float* draft;   // [G, V]
+  const int32_t* x;     // [G]
+  const float* u;       // [G]
+  const float* cut_t;   // [G + 1]
+  const float* cut_d;   // [G]
+  int64_t k, v;         // k in [0, G]
+  float c, s;           // c = 1 / temperature, 0 for a greedy row
+
+  struct Summary {
+    RowSummary m;
+    float z;
+  };
+
+  Summary summarise(const float* row, float cut) const {
+    const RowSummary m = summarise_max(row, v);
+    return {m, c == 0.0f ? 1.0f : normaliser(row, v, c, m.max, cut)};
+  }
+
+  // p(x) of a processed row (probs_from_stats); 0 for an id outside [0, V),
+  // which is then never accepted (frontend.vocab_gather).
+  float prob(const float* row, const Summary& st, float cut, int32_t id) const {
+    if (id < 0 || id >= v) return 0.0f;
+    if (c == 0.0f) return id == st.m.argmax ? 1.0f : 0.0f;
+    const float rel = (row[id] - st.m.max) * c;
+    return rel >= cut ? exp_nonpositive(rel) / st.z : 0.0f;
+  }
+
+  // Returns (n, y): the accepted count and the emitted token.
+  std::pair<int32_t, int32_t> run(float* sums) const {
+    for (int64_t i = 0; i < k; ++i) {
+      const float* xt = target + i * v;
+      const float* xd = draft + i * v;
+      const Summary st = summarise(xt, cut_t[i]);
+      const Summary sd = summarise(xd, cut_d[i]);
+      const float p = prob(xt, st, cut_t[i], x[i]);
+      const float q = prob(xd, sd, cut_d[i], x[i]);
+      if (passes(p, q, u[i])) continue;
+      if (c == 0.0f) return {static_cast<int32_t>(i), st.m.argmax};
+      const LogitPair pair{xt, {c, st.m.max, st.z, cut_t[i]}, xd, {c, sd.m.max, sd.z, cut_d[i]}};
+      return {static_cast<int32_t>(i), draw_pair(pair, true, s, v, sums)};
+    }
+    // Every test passed: the bonus token from p at position k.
+    const float* xt = target + k * v;
+    const Summary st = summarise(xt, cut_t[k]);
+    if (c == 0.0f) return {static_cast<int32_t>(k), st.m.argmax};
+    const LogitPair pair{xt, {c, st.m.max, st.z, cut_t[k]}, nullptr, {}};
+    return {static_cast<int32_t>(k), draw_pair(pair, false, s, v, sums)};
+  }
+
+  // Test i passes iff u < p / q (rejection.num_accepted_from_ratios): decided
+  // on the bits where XLA would flush subnormals (rejection.is_positive /
+  // positive_ratio), so a token the target gives probability 0 never passes.
+  static bool passes(float p, float q, float u) {
+    const int32_t pi = __builtin_bit_cast(int32_t, p), qi = __builtin_bit_cast(int32_t, q);
+    if (qi <= 0) return pi > 0;
+    const int32_t tiny = __builtin_bit_cast(int32_t, FLT_MIN);
+    const float ratio = pi < tiny && qi < tiny ? static_cast<float>(pi) / static_cast<float>(qi) : p / q;
+    return u < ratio || (u == 0.0f && pi > 0);
+  }
+};
+
+ffi::Error VerifyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
+                      ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> num_draft, ffi::Buffer<ffi::F32> accept_u,
+                      ffi::Buffer<ffi::F32> sample_u, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> cut_t,
+                      ffi::Buffer<ffi::F32> cut_d, ffi::ResultBuffer<ffi::S32> num_accepted,
+                      ffi::ResultBuffer<ffi::S32> emitted) {
+  const auto td = target.dimensions();
+  const auto dd = draft.dimensions();
+  if (td.size() != 3 || dd.size() != 3 || td[1] < 1) {
+    return ffi::Error::InvalidArgument("specjax_verify: expected target [B, G+1, V], draft [B, G, V]");
+  }
+  const int64_t b = td[0], g = td[1] - 1, v = td[2];
+  if (dd[0] != b || dd[1] != g || dd[2] != v || v < 1 || tokens.element_count() != b * g ||
+      num_draft.element_count() != b || accept_u.element_count() != b * g || sample_u.element_count() != b ||
+      scale.element_count() != b || cut_t.element_count() != b * (g + 1) || cut_d.element_count() != b * g) {
+    return ffi::Error::InvalidArgument(
+        "specjax_verify: expected tokens, u, cut_d [B, G], k, s, scale [B], cut_t [B, G+1]");
+  }
+  const int32_t* k = num_draft.typed_data();
+  int32_t* n_out = num_accepted->typed_data();
+  int32_t* y_out = emitted->typed_data();
+  parallel_rows(pool, b, (2 * g + 1) * v, [&](int64_t r) {
+    const VerifyRow row{target.typed_data() + r * (g + 1) * v,
+                        draft.typed_data() + r * g * v,
+                        tokens.typed_data() + r * g,
+                        accept_u.typed_data() + r * g,
+                        cut_t.typed_data() + r * (g + 1),
+                        cut_d.typed_data() + r * g,
+                        std::min<int64_t>(std::max<int64_t>(k[r], 0), g),
+                        v,
+                        scale.typed_data()[r],
+                        sample_u.typed_data()[r]};
+    std::unique_ptr<float[]> sums(new float[(v + kBlock - 1) / kBlock]);
+    const auto [n, y] = row.run(sums.get());
+    n_out[r] = n;
+    y_out[r] = y;
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowStats, RowStatsImpl,
@@ -417,4 +527,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDrawProbs, DrawProbsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxVerify, VerifyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["available", "build_error", "draw", "draw_probs", "draw_rows_index", "library_path", "row_stats",
-           "set_enabled"]
+           "set_enabled", "verify"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _FLAGS = (
@@ -62,7 +62,7 @@ _FLAGS = (
     "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fno-exceptions",
 )
 _TARGETS = {"specjax_row_stats": "SpecjaxRowStats", "specjax_draw": "SpecjaxDraw",
-            "specjax_draw_probs": "SpecjaxDrawProbs"}
+            "specjax_draw_probs": "SpecjaxDrawProbs", "specjax_verify": "SpecjaxVerify"}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -274,3 +274,35 @@ def draw_probs(target: jax.Array, draft: jax.Array, rows: jax.Array, sample_unif
     """
     call = jax.ffi.ffi_call("specjax_draw_probs", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32))
     return call(target, draft, rows, sample_uniforms)
+
+
+def verify(target: jax.Array, draft: jax.Array, draft_tokens: jax.Array, num_draft_tokens: jax.Array,
+           accept_uniforms: jax.Array, sample_uniforms: jax.Array, scale: jax.Array, target_cutoff: jax.Array,
+           draft_cutoff: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The whole acceptance step from logits, one batch row per task (inside jit; CPU only).
+
+    Position ``i`` of a row is summarised (:func:`row_stats`) only if its tests
+    before ``i`` passed: after an early rejection most of the 2G + 1 rows are
+    never read.
+
+    Args:
+      target: f32[B, G+1, V], target logits.
+      draft: f32[B, G, V], draft logits.
+      draft_tokens: i32[B, G], ``x_i``; an id outside [0, V) has probability 0 and is
+        never accepted (as in ``frontend.vocab_gather``).
+      num_draft_tokens: i32[B], ``k_b`` (clamped to [0, G]).
+      accept_uniforms: f32[B, G], ``u_i``.
+      sample_uniforms: f32[B], ``s``.
+      scale: f32[B], ``c = 1 / temperature``; 0 marks a greedy row.
+      target_cutoff: f32[B, G+1], the smallest kept ``s_j`` (-inf keeps all).
+      draft_cutoff: f32[B, G], the same for the draft rows.
+
+    Returns:
+      ``(num_accepted, emitted)``: i32[B] each; ``emitted`` is the correction
+      token (residual of rows ``n``) or the bonus token (``p`` at ``k_b``).
+    """
+    b = target.shape[0]
+    i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
+    call = jax.ffi.ffi_call("specjax_verify", (i32, i32))
+    return call(target, draft, draft_tokens, num_draft_tokens, accept_uniforms, sample_uniforms, scale,
+                target_cutoff, draft_cutoff)

@@ -120,14 +120,20 @@ def vocab_argmax(x: jax.Array, axis_name: str | None, offset: jax.Array | int) -
 
 
 def vocab_gather(x: jax.Array, index: jax.Array, axis_name: str | None, offset: jax.Array | int) -> jax.Array:
-    """``x[..., index]`` per row, for a (possibly sharded) last axis."""
+    """``x[..., index]`` per row, for a (possibly sharded) last axis; NaN where ``index`` is outside it.
+
+    A NaN logit has probability 0 in :func:`probs_from_stats`, so a draft token
+    outside the vocabulary (possible with ``validate=False``) is never accepted,
+    on every path.
+    """
     local = index - offset
     size = x.shape[-1]
     inside = (local >= 0) & (local < size)
     val = jnp.take_along_axis(x, jnp.clip(local, 0, size - 1)[..., None], axis=-1)[..., 0]
     if not axis_name:
-        return val
-    return lax.psum(jnp.where(inside, val, 0), axis_name)
+        return jnp.where(inside, val, jnp.nan)
+    found = lax.psum(inside.astype(jnp.int32), axis_name) > 0
+    return jnp.where(found, lax.psum(jnp.where(inside, val, 0), axis_name), jnp.nan)
 
 
 # --------------------------------------------------------------------------- #
@@ -209,6 +215,47 @@ def _cutoff(scaled: jax.Array, top_k: jax.Array | None, one_minus_top_p: jax.Arr
     return lax.cond(jnp.all(eligible), lambda: cut, full_sort)
 
 
+def _inverse_temperature(temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(1 / T, T <= 0)`` per row: f32 and bool of ``temperature``'s shape; 1 for greedy rows.
+
+    1 / T is at most the largest float (a subnormal T would give inf, and 0·inf is NaN).
+    """
+    greedy = temperature <= 0
+    inv_t = jnp.where(greedy, jnp.float32(1),
+                      jnp.minimum(1 / jnp.where(greedy, jnp.float32(1), temperature), _F32_MAX))
+    return inv_t, greedy
+
+
+def _row_cutoffs(
+    x: jax.Array,
+    inv_t: jax.Array,
+    top_k: jax.Array | None,
+    one_minus_top_p: jax.Array | None,
+    x_max: jax.Array | None = None,
+    axis_name: str | None = None,
+) -> jax.Array:
+    """f32[...]: each row's smallest kept ``s_j = (x_j - max)·inv_t`` (-inf without top-k/top-p).
+
+    ``x`` is f32[..., V]; ``inv_t`` and the optional parameters broadcast to its
+    rows; ``x_max`` is the rows' max when already known.
+    """
+    rows = x.shape[:-1]
+    if top_k is None and one_minus_top_p is None:
+        return jnp.full(rows, _NEG_INF, jnp.float32)
+    if x_max is None:
+        x_max = vocab_max(x, axis_name)
+    cutoff = _cutoff
+    if axis_name:
+        from specjax.kernels.sharded import sharded_cutoff
+
+        cutoff = partial(sharded_cutoff, axis_name=axis_name)
+    return cutoff(
+        (x - x_max[..., None]) * jnp.broadcast_to(inv_t, rows)[..., None],
+        None if top_k is None else jnp.broadcast_to(top_k, rows),
+        None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
+    )
+
+
 def row_stats(
     logits: jax.Array | Callable[[], jax.Array],
     temperature: jax.Array,
@@ -236,30 +283,14 @@ def row_stats(
 
     x = read()
     rows = x.shape[:-1]
-    temperature = jnp.broadcast_to(temperature, rows)
-    greedy = temperature <= 0
-    # 1 / T, at most the largest float (a subnormal T would give inf, and 0·inf is NaN).
-    inv_t = jnp.where(greedy, jnp.float32(1),
-                      jnp.minimum(1 / jnp.where(greedy, jnp.float32(1), temperature), _F32_MAX))
+    inv_t, greedy = _inverse_temperature(jnp.broadcast_to(temperature, rows))
     filtered = top_k is not None or one_minus_top_p is not None
 
     def relative(x: jax.Array, x_max: jax.Array) -> jax.Array:
         return (x - x_max[..., None]) * inv_t[..., None]
 
     x_max = vocab_max(x, axis_name) if filtered or axis_name else None
-    if filtered:
-        cutoff = _cutoff
-        if axis_name:
-            from specjax.kernels.sharded import sharded_cutoff
-
-            cutoff = partial(sharded_cutoff, axis_name=axis_name)
-        cut = cutoff(
-            relative(x, x_max),
-            None if top_k is None else jnp.broadcast_to(top_k, rows),
-            None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
-        )
-    else:
-        cut = jnp.full(rows, _NEG_INF, jnp.float32)
+    cut = _row_cutoffs(x, inv_t, top_k, one_minus_top_p, x_max, axis_name)
     if axis_name:
         s = relative(x, x_max)
         e = jnp.exp(s)
@@ -397,17 +428,32 @@ def verify_core(
         return draw_one_device(*_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
                                                num_draft_tokens))
 
+    def fused_cpu() -> dict[str, jax.Array]:
+        # The whole step in one C++ call (cpu_kernels.verify): per batch row,
+        # position by position, summarising a row only while the tests pass.
+        # Only the top-k/top-p cutoffs (a top-k over every row) run in XLA first.
+        inv_t, greedy = _inverse_temperature(temperature)
+
+        def cutoffs(logits: jax.Array) -> jax.Array:
+            return _row_cutoffs(logits.astype(jnp.float32), inv_t[row], None if top_k is None else top_k[row],
+                                None if one_minus_top_p is None else one_minus_top_p[row])
+
+        n, y = cpu_kernels.verify(
+            target_logits.astype(jnp.float32), draft_logits.astype(jnp.float32), x, num_draft_tokens,
+            accept_uniforms.astype(jnp.float32), sample_uniforms.astype(jnp.float32),
+            jnp.where(greedy, jnp.float32(0), inv_t), cutoffs(target_logits), cutoffs(draft_logits))
+        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+
     if not axis_name:
         if top_k is not None or one_minus_top_p is not None:
             # Every row needs its cutoff (a top-k or a full pass anyway), and one
             # call over all rows is cheaper than one per position.
-            return all_rows_one_device()
-        # No top-k/top-p: summarise positions only as far as needed, except where
-        # the C++ CPU kernels summarise all 2G+1 rows in one call, in less time
-        # than the position loop's per-position XLA:CPU operations take.
+            jax_path = all_rows_one_device
+        else:  # summarise positions only as far as needed
+            jax_path = lazily_one_device
         if cpu_kernels.available():
-            return lax.platform_dependent(cpu=all_rows_one_device, default=lazily_one_device)
-        return lazily_one_device()
+            return lax.platform_dependent(cpu=fused_cpu, default=jax_path)
+        return jax_path()
 
     t_stats, d_stats, n = summarise_all_rows()
     from specjax.kernels.sharded import sharded_inverse_cdf, sharded_residual_weights
