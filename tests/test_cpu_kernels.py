@@ -439,3 +439,39 @@ def test_out_of_range_ids_are_never_accepted_on_either_path(filtered):
     np.testing.assert_array_equal(results[0][1], results[1][1])
     np.testing.assert_array_equal(results[0][0], 0)
     assert np.all((results[0][1][:, 0] >= 0) & (results[0][1][:, 0] < v))
+
+
+@pytest.mark.parametrize("top_k", [None, 30])
+def test_the_draft_draw_and_the_acceptance_test_see_the_same_q_bit_for_bit(top_k):
+    """A token's probability from sample_from_logits (cpu_kernels.probs, vectorised) and
+    inside the acceptance step (cpu_kernels.verify, one token) are the same float32 bits:
+    with u = p(x) / q(x) computed from the sampler's probabilities the test fails
+    (``u < ratio`` is false), with the next float below it, it passes."""
+    rng = np.random.default_rng(5)
+    b, v, t = 64, 3000, 0.7
+    target = logits((b, 2, v), 11, scale=2.0)
+    draft = (target[:, :1] + 0.5 * rng.standard_normal((b, 1, v))).astype(np.float32)
+    key = jax.random.key(0)
+    x, q = specjax.sample_from_logits(draft[:, 0], key=key, temperature=t, top_k=top_k)
+    _, p = specjax.sample_from_logits(target[:, 0], key=key, temperature=t, top_k=top_k)
+    x = np.asarray(x)
+    rows = np.arange(b)
+    px, qx = np.asarray(p)[rows, x], np.asarray(q)[rows, x]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = (px / qx).astype(np.float32)
+    tiny = np.finfo(np.float32).tiny
+    use = (ratio < 1) & (px > tiny) & (qx > tiny)
+    assert use.sum() >= b // 4
+    temperature = np.full(b, t, np.float32)
+    k_row = None if top_k is None else np.full(b, top_k, np.int32)
+
+    @jax.jit
+    def num_accepted(u):
+        out = F.verify_core(x[:, None], draft, target, u[:, None], np.zeros(b, np.float32), temperature, k_row,
+                            None, np.ones(b, np.int32))
+        return out["num_accepted"]
+
+    u_at = np.where(use, ratio, 0.5).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(num_accepted(u_at))[use], 0)
+    u_below = np.nextafter(u_at, np.float32(0))
+    np.testing.assert_array_equal(np.asarray(num_accepted(u_below))[use], 1)

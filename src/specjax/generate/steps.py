@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.kernels.compile_options import VECTOR_OPTIONS
-from specjax.kernels.frontend import _uniforms, probs_from_stats, row_stats, verify_core
+from specjax.kernels.frontend import _uniforms, row_probs, row_stats, verify_core
 from specjax.kernels.rejection import inverse_cdf
 
 
@@ -62,8 +62,7 @@ def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_to
                       one_minus_top_p if use_top_p else None)
 
     def draw() -> jax.Array:
-        ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-        probs = probs_from_stats(stats, x, ids)
+        probs = row_probs(stats, x)
         keys = step_keys(row_keys, step, purpose)
         return inverse_cdf(probs, _uniforms(keys, x.shape[0], 1)[:, 0])
 
@@ -120,12 +119,11 @@ def probs_step(draft_logits, target_logits, row_keys, step, temperature, top_k, 
     vocab = target_logits.shape[-1]
     b, g1 = target_logits.shape[:2]
     g = g1 - 1
-    ids = jnp.arange(vocab, dtype=jnp.int32)
 
     def probs(x):
         stats = row_stats(x, temperature[:, None], top_k[:, None] if use_top_k else None,
                           one_minus_top_p[:, None] if use_top_p else None)
-        return probs_from_stats(stats, x, ids)
+        return row_probs(stats, x)
 
     d = fit_vocab(jnp.stack(draft_logits, axis=1), vocab) if draft_logits else \
         jnp.zeros((b, 0, vocab), jnp.float32)

@@ -4,27 +4,33 @@
 // On XLA:CPU every vocabulary-wide operation of the JAX front end is a separate
 // thunk handed to the intra-op pool: a B = 1 step ran about 30 of them (max, the
 // row copy the reduction library needs, exp pass, sum, the draw's passes), each
-// costing tens of µs on a small machine (docs/benchmarks.md). These two kernels do
-// the same work in one pass per row each:
+// costing tens of µs on a small machine (docs/benchmarks.md). These kernels do
+// the same work in one call:
 //
+//   specjax_verify     the acceptance step from logits, per batch row: position
+//                      by position, the row statistics of the target and draft
+//                      rows, p(x_i) and q(x_i) and the test, stopping at the
+//                      first failure; then the residual draw of max(p - q, 0)
+//                      (p alone for the bonus token, or when the residual is all
+//                      zero) by inverse CDF over 128-wide blocks, with the
+//                      rounding fallbacks of specjax.kernels.rejection.inverse_cdf;
 //   specjax_row_stats  per row: max, first index of the max, and the normaliser
 //                      sum_j [s_j >= cut] exp(s_j), s_j = (x_j - max) c;
-//   specjax_draw       per batch row: one token from the residual max(p - q, 0) of
-//                      a target row and a draft row (p alone when q is absent or
-//                      the residual is all zero), by inverse CDF over 128-wide
-//                      blocks, with the same rounding fallbacks as
-//                      specjax.kernels.rejection.inverse_cdf;
-//   specjax_draw_probs the same draw from rows of probabilities (the probability
-//                      kernel, specjax.rejection_sample).
+//   specjax_probs      per row: the processed probabilities of every id (the
+//                      draft's draw and specjax.sample_from_logits);
+//   specjax_draw_probs the residual draw from rows of probabilities (the
+//                      probability kernel, specjax.rejection_sample).
 //
 // The max and its index are exact (the same as jnp.max / the first argmax), and
 // so is s_j (a subtraction, then a multiplication, each rounded as in XLA), so
-// the kept tokens are the JAX path's. The normaliser and the draw's probabilities
-// use the exp below, so they can differ from XLA's in the last bits; every single-device CPU path uses these same
-// kernels, so the draft's draw and the acceptance test still see the same q.
+// the kept tokens are the JAX path's. Normalisers and probabilities use the exp
+// below, so they can differ from XLA's in the last bits; every single-device CPU
+// path uses these same kernels and the same expression for a probability, so the
+// draft's draw and the acceptance test see the same q, bit for bit.
 //
 // Built with -fno-math-errno -fno-trapping-math (which change no IEEE result) so
-// that the loops vectorise; never with -ffast-math (-inf logits must stay -inf).
+// that the loops vectorise, and -ffp-contract=off (the FMAs are explicit); never
+// with -ffast-math (-inf logits must stay -inf).
 
 #include <algorithm>
 #include <atomic>
@@ -55,15 +61,17 @@ inline float exp_nonpositive(float x) {
   const float t = xc * 1.44269504088896341f;
   const int32_t k = -static_cast<int32_t>(0.5f - t);  // round(t) for t <= 0
   const float kf = static_cast<float>(k);
-  float r = xc - kf * 0.693359375f;
-  r = r - kf * -2.12194440e-4f;
+  // Explicit FMAs (the build has -ffp-contract=off): the scalar and the
+  // vectorised copies of this function give the same bits.
+  float r = __builtin_fmaf(kf, -0.693359375f, xc);
+  r = __builtin_fmaf(kf, 2.12194440e-4f, r);
   float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+  p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+  p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+  p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+  p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+  p = __builtin_fmaf(p * r, r, r) + 1.0f;
   const float out = __builtin_bit_cast(float, __builtin_bit_cast(int32_t, p) + k * (1 << 23));
   return x >= lo ? out : 0.0f;
 }
@@ -368,18 +376,37 @@ ffi::Error draw_batch(ffi::ThreadPool& pool, const char* name, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
-ffi::Error DrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
-                    ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> params, ffi::Buffer<ffi::F32> s,
-                    ffi::ResultBuffer<ffi::S32> out) {
+// Processed probabilities of whole rows (frontend.probs_from_stats over every
+// id): params [N, 4] = (c, max, normaliser, cutoff) per row, c = 0 marking a
+// greedy row (one-hot at its argmax). The same expression as VerifyRow::prob,
+// so a token's probability here and in the acceptance step are the same bits.
+ffi::Error ProbsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> params,
+                     ffi::Buffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> probs) {
+  const auto dims = logits.dimensions();
   const auto pd = params.dimensions();
-  if (pd.size() != 2 || pd[1] != 8) return ffi::Error::InvalidArgument("specjax_draw: expected params [B, 8]");
-  const float* p = params.typed_data();
-  return draw_batch(pool, "specjax_draw", target, draft, rows, s, out, pd[0],
-                    [&](int64_t i, const float* xt, const float* xd) -> std::optional<LogitPair> {
-                      const float* pr = p + 8 * i;
-                      if (pr[0] == 0.0f) return std::nullopt;  // greedy rows are decided outside
-                      return LogitPair{xt, {pr[0], pr[1], pr[2], pr[3]}, xd, {pr[4], pr[5], pr[6], pr[7]}};
-                    });
+  if (dims.size() != 2 || pd.size() != 2 || pd[0] != dims[0] || pd[1] != 4 || argmax.element_count() != dims[0]) {
+    return ffi::Error::InvalidArgument("specjax_probs: expected logits [N, V], params [N, 4], argmax [N]");
+  }
+  const int64_t n = dims[0], v = dims[1];
+  const float* x = logits.typed_data();
+  const float* prm = params.typed_data();
+  const int32_t* am = argmax.typed_data();
+  float* out = probs->typed_data();
+  parallel_rows(pool, n, v, [&](int64_t r) {
+    const float* __restrict row = x + r * v;
+    float* __restrict o = out + r * v;
+    const float c = prm[4 * r], m = prm[4 * r + 1], z = prm[4 * r + 2], cut = prm[4 * r + 3];
+    if (c == 0.0f) {
+      std::fill(o, o + v, 0.0f);
+      if (am[r] >= 0 && am[r] < v) o[am[r]] = 1.0f;
+      return;
+    }
+    for (int64_t j = 0; j < v; ++j) {
+      const float rel = (row[j] - m) * c;
+      o[j] = rel >= cut ? exp_nonpositive(rel) / z : 0.0f;
+    }
+  });
+  return ffi::Error::Success();
 }
 
 ffi::Error DrawProbsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
@@ -510,15 +537,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowStats, RowStatsImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDraw, DrawImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxProbs, ProbsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDrawProbs, DrawProbsImpl,
                               ffi::Ffi::Bind()

@@ -2,24 +2,29 @@
 
 On a CPU, every vocabulary-wide operation of the JAX front end is a separate
 XLA:CPU thunk, and on small machines each costs tens of µs in hand-offs alone
-(docs/benchmarks.md, "Acceptance from logits"). Two kernels in
-``cpu_kernels.cc`` do that work in one pass per row:
+(docs/benchmarks.md, "Acceptance from logits"). The kernels in
+``cpu_kernels.cc`` do that work in one call:
 
+* :func:`verify`: the whole acceptance step from logits, per batch row,
+  position by position, reading a position's rows only while the tests before
+  it pass; then the correction or bonus draw (the draw of
+  :func:`specjax.kernels.rejection.inverse_cdf` of
+  :func:`specjax.kernels.rejection.residual_weights`, with the same fallbacks);
 * :func:`row_stats`: per row, the max, the first index of the max and the
   normaliser ``sum_j [s_j >= cut] exp(s_j)`` with ``s_j = (x_j - max)·c``;
-* :func:`draw`: per batch row, one token from the residual of a target row and
-  a draft row (the draw of :func:`specjax.kernels.rejection.inverse_cdf` of
-  :func:`specjax.kernels.rejection.residual_weights`, with the same fallbacks);
-* :func:`draw_probs`: the same draw from rows of probabilities, for the
+* :func:`probs`: the processed probabilities of whole rows (the draft's draw
+  in the generation loop, :func:`specjax.sample_from_logits`);
+* :func:`draw_probs`: the residual draw from rows of probabilities, for the
   probability kernel (:func:`specjax.rejection_sample`).
 
 :mod:`specjax.kernels.frontend` uses them for every single-device computation
 it lowers for CPU (``lax.platform_dependent``: other platforms and the
-vocabulary-sharded mesh path keep the JAX code). Since the draft's draw and the
-acceptance step both take their normalisers from :func:`row_stats`, they still
-compute the same ``q``, bit for bit. Maxima and argmaxes equal the JAX path's
-exactly; normalisers and the draw's probabilities use the kernel's own ``exp``
-and can differ from XLA's in the last bits.
+vocabulary-sharded mesh path keep the JAX code). Maxima and argmaxes equal the
+JAX path's exactly; normalisers and probabilities use the kernels' own ``exp``
+and can differ from XLA's in the last bits. A token's probability is computed
+by the same expression in :func:`probs` and :func:`verify` (explicit FMAs, no
+contraction), so the draft's draw and the acceptance test see the same ``q``,
+bit for bit.
 
 They are used only in processes with a single CPU device: with several (a
 simulated device mesh, several processes) mesh results must equal the same
@@ -53,15 +58,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-__all__ = ["available", "build_error", "draw", "draw_probs", "draw_rows_index", "library_path", "row_stats",
+__all__ = ["available", "build_error", "draw_probs", "draw_rows_index", "library_path", "probs", "row_stats",
            "set_enabled", "verify"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _FLAGS = (
     "-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-mprefer-vector-width=512",
-    "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fno-exceptions",
+    "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fno-exceptions", "-ffp-contract=off",
 )
-_TARGETS = {"specjax_row_stats": "SpecjaxRowStats", "specjax_draw": "SpecjaxDraw",
+_TARGETS = {"specjax_row_stats": "SpecjaxRowStats", "specjax_probs": "SpecjaxProbs",
             "specjax_draw_probs": "SpecjaxDrawProbs", "specjax_verify": "SpecjaxVerify"}
 
 _lock = threading.Lock()
@@ -222,7 +227,7 @@ def row_stats(logits: jax.Array, scale: jax.Array, cutoff: jax.Array
 
 
 def draw_rows_index(n: jax.Array, positions: int, g: int, d_pos: jax.Array, has_q: jax.Array) -> jax.Array:
-    """i32[B, 2]: the flattened target row and draft row each draw reads (``rows`` of :func:`draw`).
+    """i32[B, 2]: the flattened target row and draft row each draw reads (``rows`` of :func:`draw_probs`).
 
     Args:
       n: i32[B], the target position of each batch row's draw, in [0, positions).
@@ -236,25 +241,21 @@ def draw_rows_index(n: jax.Array, positions: int, g: int, d_pos: jax.Array, has_
     return jnp.stack([batch_rows * positions + n, d_rows], axis=1).astype(jnp.int32)
 
 
-def draw(target: jax.Array, draft: jax.Array, rows: jax.Array, params: jax.Array,
-         sample_uniforms: jax.Array) -> jax.Array:
-    """One residual draw per batch row (inside jit; CPU only).
+def probs(logits: jax.Array, params: jax.Array, argmax: jax.Array) -> jax.Array:
+    """The processed probabilities of whole rows (inside jit; CPU only).
 
     Args:
-      target: f32[Nt, V], target logits (flattened rows).
-      draft: f32[Nd, V], draft logits (flattened rows; Nd may be 0).
-      rows: i32[B, 2], the target row and the draft row of each draw; a draft
-        row outside [0, Nd) means no draft distribution (draw from p).
-      params: f32[B, 8], ``(c, max, normaliser, cutoff)`` of the target row,
-        then of the draft row; ``c = 0`` marks a greedy row (returns 0, to be
-        replaced by the argmax outside).
-      sample_uniforms: f32[B] in [0, 1).
+      logits: f32[N, V].
+      params: f32[N, 4], ``(c, max, normaliser, cutoff)`` per row (see
+        :func:`row_stats`); ``c = 0`` marks a greedy row.
+      argmax: i32[N], the first argmax (a greedy row's one-hot).
 
     Returns:
-      i32[B]: the drawn tokens.
+      f32[N, V]: ``exp(s_j) / normaliser`` where ``s_j >= cutoff``, else 0; a
+      greedy row is one-hot at ``argmax``.
     """
-    call = jax.ffi.ffi_call("specjax_draw", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32))
-    return call(target, draft, rows, params, sample_uniforms)
+    call = jax.ffi.ffi_call("specjax_probs", jax.ShapeDtypeStruct(logits.shape, jnp.float32))
+    return call(logits, params, argmax)
 
 
 def draw_probs(target: jax.Array, draft: jax.Array, rows: jax.Array, sample_uniforms: jax.Array) -> jax.Array:

@@ -357,6 +357,32 @@ def probs_from_stats(stats: RowStats, logit_values: jax.Array, token_ids: jax.Ar
     return jnp.where(e(stats.greedy), onehot, soft)
 
 
+def row_probs(stats: RowStats, logits: jax.Array) -> jax.Array:
+    """f32[..., V]: the processed distribution of every row of ``logits`` (f[..., V], one device).
+
+    :func:`probs_from_stats` over all ids; on CPU the C++
+    :func:`specjax.kernels.cpu_kernels.probs`, whose arithmetic for a token is
+    that of the acceptance step's (:func:`specjax.kernels.cpu_kernels.verify`),
+    so a draft token's probability is the same there, bit for bit.
+    """
+    vocab = logits.shape[-1]
+    rows = logits.shape[:-1]
+
+    def jax_probs() -> jax.Array:
+        return probs_from_stats(stats, logits, lax.iota(jnp.int32, vocab))
+
+    def cpu_probs() -> jax.Array:
+        params = jnp.stack([jnp.where(stats.greedy, jnp.float32(0), stats.inv_temperature), stats.max,
+                            stats.normaliser, stats.cutoff], axis=-1)
+        out = cpu_kernels.probs(logits.astype(jnp.float32).reshape(-1, vocab), params.reshape(-1, 4),
+                                stats.argmax.reshape(-1))
+        return out.reshape(*rows, vocab)
+
+    if cpu_kernels.available():
+        return lax.platform_dependent(cpu=cpu_probs, default=jax_probs)
+    return jax_probs()
+
+
 def _take_rows(stats: RowStats, index: jax.Array) -> RowStats:
     """Select one position per batch row: fields [B, P] -> [B]."""
     return RowStats(*(jnp.take_along_axis(f, index[:, None], axis=1)[:, 0] for f in stats))
@@ -545,13 +571,13 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
 
 
 def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms):
-    """y per row from the residual of the processed rows ``p_n``, ``q_n`` (single device).
+    """y per row from the residual of the processed rows ``p_n``, ``q_n`` (single device, JAX code).
 
     ``t_sel`` / ``d_sel`` are the statistics of row ``n`` (:func:`_accept_lazily`).
     Only row ``n`` of the target logits (and of the draft logits, when a draft
     token was rejected) is turned into probabilities, inside
-    :func:`specjax.kernels.rejection.draw_rows`, or on CPU in one pass of the
-    C++ :func:`specjax.kernels.cpu_kernels.draw` (greedy rows take ``argmax``).
+    :func:`specjax.kernels.rejection.draw_rows`. (On CPU the C++
+    :func:`specjax.kernels.cpu_kernels.verify` does the whole step instead.)
     """
     g = draft_logits.shape[1]
     vocab = target_logits.shape[-1]
@@ -573,26 +599,7 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
         q_row = probs_from_stats(d_st, lax.dynamic_index_in_dim(d_logits, d_b, 0, keepdims=False), ids)
         return p_row, jnp.where(has_q_b, q_row, 0)
 
-    def jax_draw() -> jax.Array:
-        return draw_rows((target_logits, draft_logits, n, d_pos, has_q, t_sel, d_sel), row_fn, sample_uniforms)
-
-    def cpu_draw() -> jax.Array:
-        # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels).
-        def params(st: RowStats) -> list[jax.Array]:
-            return [jnp.where(st.greedy, jnp.float32(0), st.inv_temperature), st.max, st.normaliser, st.cutoff]
-
-        y = cpu_kernels.draw(
-            target_logits.astype(jnp.float32).reshape(-1, vocab),
-            draft_logits.astype(jnp.float32).reshape(-1, vocab),
-            cpu_kernels.draw_rows_index(n, target_logits.shape[1], g, d_pos, has_q),
-            jnp.stack(params(t_sel) + params(d_sel), axis=1),
-            sample_uniforms.astype(jnp.float32),
-        )
-        return jnp.where(t_sel.greedy, t_sel.argmax, y)
-
-    if cpu_kernels.available():
-        return lax.platform_dependent(cpu=cpu_draw, default=jax_draw)
-    return jax_draw()
+    return draw_rows((target_logits, draft_logits, n, d_pos, has_q, t_sel, d_sel), row_fn, sample_uniforms)
 
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
@@ -618,15 +625,14 @@ def _verify_jit(draft_tokens, draft_logits, target_logits, key, temperature, top
 # Recompiles when shapes/dtypes, the key kind or the use of top_k/top_p change.
 @partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
 def _sample_jit(logits, key, temperature, top_k, one_minus_top_p, *, use_top_k, use_top_p):
-    b, vocab = logits.shape
+    b = logits.shape[0]
     stats = row_stats(
         logits,
         temperature,
         top_k if use_top_k else None,
         one_minus_top_p if use_top_p else None,
     )
-    ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-    probs = probs_from_stats(stats, logits, ids)
+    probs = row_probs(stats, logits)
     tokens = inverse_cdf(probs, _uniforms(key, b, 1)[:, 0])
     return tokens, probs
 
