@@ -11,5 +11,7 @@ from __future__ import annotations
 # options. Floating-point results may differ in the last bit from XLA's default
 # (e.g. a normaliser), so every jitted function that turns logits into
 # probabilities uses these same options: the draft's draw and the acceptance
-# step must compute q identically, bit for bit.
+# step must compute q identically, bit for bit. (On a single CPU device both
+# take q from the C++ kernels instead, specjax.kernels.cpu_kernels, with one
+# expression for a token's probability.)
 VECTOR_OPTIONS: dict[str, int] = {"xla_cpu_prefer_vector_width": 512}
