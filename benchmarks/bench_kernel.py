@@ -5,6 +5,8 @@ Usage::
     python benchmarks/bench_kernel.py              # full run (a few minutes on a 2-core CPU)
     python benchmarks/bench_kernel.py --quick      # a short run: a few sizes, few repetitions
     python benchmarks/bench_kernel.py --jsonl bench-results/kernel.jsonl
+    python benchmarks/bench_kernel.py --logits     # then the front end from logits against
+                                                   # transformers (benchmarks/bench_logits.py)
 
 For every (B, G, V) the table shows the median wall time of one call (after
 warm-up, with ``block_until_ready``) of
@@ -342,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jsonl", metavar="PATH", help="append result rows as JSON lines to PATH")
     parser.add_argument("--max-straightforward-gb", type=float, default=4.0,
                         help="skip the straightforward version above this many GB of temporaries")
+    parser.add_argument("--logits", action="store_true",
+                        help="then run the logits front end against transformers' _speculative_sampling "
+                             "(benchmarks/bench_logits.py, with the same --quick and --jsonl)")
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
     pool = jax_threads.apply(args)
@@ -374,6 +379,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.jsonl:
         append_jsonl(args.jsonl, (flat_record(r) for r in rows))
+    if args.logits:
+        import bench_logits  # lazy: torch and transformers are needed only here
+
+        print()
+        print("## Acceptance from logits (front end)")
+        return bench_logits.run(quick=args.quick, jsonl=args.jsonl, pool=pool)
     return 0
 
 

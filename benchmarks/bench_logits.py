@@ -439,20 +439,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jsonl", metavar="PATH", help="append one JSON object per row to PATH")
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
-    pool = jax_threads.apply(args)
+    return run(quick=args.quick, jsonl=args.jsonl, pool=jax_threads.apply(args))
 
+
+def run(*, quick: bool, jsonl: str | None, pool: str) -> int:
+    """Run, print the table and the verdict, append the rows to ``jsonl``; ``pool`` describes XLA's pool."""
     env = environment()
     print(f"# specjax logits front end vs transformers, G={G}, V={V}, float32; "
           f"jax {env['jax']}, torch {env['torch']} ({TORCH_THREADS} threads), "
           f"transformers {env['transformers']}, {env['jax_device']}, {env['cpus']} CPUs; {pool}; "
           f"C++ CPU kernels: {'on' if env['cpu_kernels'] else 'off (' + str(cpu_kernels.build_error()) + ')'}")
-    rows = bench_logits(args.quick)
+    rows = bench_logits(quick)
     print(format_table(rows))
     _, verdict = target_verdict(rows)
     print(verdict)
-    if args.jsonl:
+    if jsonl:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        append_jsonl(args.jsonl, ({**r, "quick": args.quick, "time": stamp, "env": env, "jax_pool": pool} for r in rows))
+        append_jsonl(jsonl, ({**r, "quick": quick, "time": stamp, "env": env, "jax_pool": pool} for r in rows))
     return 0
 
 
