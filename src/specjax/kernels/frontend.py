@@ -422,6 +422,9 @@ def verify_core(
     b, g = draft_tokens.shape
     vocab_local = target_logits.shape[-1]
     row = (slice(None), None)
+    # k_b outside [0, G] (possible with validate=False) means what its clamped value
+    # means, on every path: the C++ step clamps it too.
+    num_draft_tokens = jnp.clip(num_draft_tokens, 0, g)
     positions = jnp.arange(g, dtype=jnp.int32)
     valid = positions[None, :] < num_draft_tokens[:, None]
     x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
@@ -545,8 +548,8 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
             t_row, d_row = at(target_logits, i), at(draft_logits, i)
             ts, ds = stats(target_logits, i), stats(draft_logits, i)
             xi = lax.dynamic_index_in_dim(x, i, axis=1, keepdims=True)  # (B, 1)
-            p = probs_from_stats(ts, jnp.take_along_axis(t_row, xi, axis=1)[:, 0], xi[:, 0])
-            q = probs_from_stats(ds, jnp.take_along_axis(d_row, xi, axis=1)[:, 0], xi[:, 0])
+            p = probs_from_stats(ts, vocab_gather(t_row, xi[:, 0], None, 0), xi[:, 0])
+            q = probs_from_stats(ds, vocab_gather(d_row, xi[:, 0], None, 0), xi[:, 0])
             u = lax.dynamic_index_in_dim(accept_uniforms, i, axis=1, keepdims=True)
             passes = num_accepted_from_ratios(p[:, None], q[:, None], u) == 1
             rejected = alive & ~passes
