@@ -472,15 +472,16 @@ def test_the_draft_draw_and_the_acceptance_test_see_the_same_q_bit_for_bit(top_k
     k_row = None if top_k is None else np.full(b, top_k, np.int32)
 
     @jax.jit
-    def num_accepted(u):
-        out = F.verify_core(x[:, None], draft, target, u[:, None], np.zeros(b, np.float32), temperature, k_row,
-                            None, np.ones(b, np.int32))
+    def num_accepted(x, draft, target, u, temperature, k_row):  # arguments, not constants XLA would fold
+        out = F.verify_core(x[:, None], draft, target, u[:, None], jnp.zeros(b, jnp.float32), temperature, k_row,
+                            None, jnp.ones(b, jnp.int32))
         return out["num_accepted"]
 
     u_at = np.where(use, ratio, 0.5).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(num_accepted(u_at))[use], 0)
     u_below = np.nextafter(u_at, np.float32(0))
-    np.testing.assert_array_equal(np.asarray(num_accepted(u_below))[use], 1)
+    for u, expected in ((u_at, 0), (u_below, 1)):
+        n = np.asarray(num_accepted(x, draft, target, u, temperature, k_row))
+        np.testing.assert_array_equal(n[use], expected)
 
 
 def test_num_draft_tokens_outside_0_g_mean_their_clamped_value_on_every_path():
