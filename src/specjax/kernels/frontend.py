@@ -899,7 +899,10 @@ def verify_from_logits(
       num_draft_tokens: None (= G for every row), or i32[B] ``k_b`` in [0, G]: row b
         tests only its first ``k_b`` draft tokens; its correction or bonus token
         sits at position ``<= k_b``; ``k_b = 0`` emits one token from ``p_0``.
-      validate: check values (one host sync); shapes are always checked.
+      validate: check values (one host sync); shapes are always checked. Without
+        the checks, a draft id outside [0, V) is never accepted and ``k_b``
+        outside [0, G] acts as its clamped value; non-finite logits give
+        unspecified tokens.
 
     Returns:
       ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}`` as
