@@ -40,8 +40,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <optional>
-#include <string>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -143,6 +141,14 @@ struct RowParams {
   float c, x_max, z, cut;
 };
 
+// The probability of a logit x in a processed (non-greedy) row: every kernel
+// computes a probability with this one expression, so the draft's draw
+// (ProbsImpl) and the acceptance test (VerifyRow) see the same bits.
+inline float processed_prob(float x, float x_max, float c, float z, float cut) {
+  const float s = (x - x_max) * c;
+  return s >= cut ? exp_nonpositive(s) / z : 0.0f;
+}
+
 // Sum over one block of max(p_j - q_j, 0), resp. of p_j. The parameters are
 // copied to locals and the pointers marked __restrict so that the loops vectorise.
 float residual_block_sum(const float* __restrict xt, RowParams pt, const float* __restrict xd, RowParams pd,
@@ -151,10 +157,7 @@ float residual_block_sum(const float* __restrict xt, RowParams pt, const float* 
   const float ct = pt.c, mt = pt.x_max, zt = pt.z, kt = pt.cut;
   const float cd = pd.c, md = pd.x_max, zd = pd.z, kd = pd.cut;
   for (int64_t j = 0; j < n; ++j) {
-    const float st = (xt[j] - mt) * ct, sd = (xd[j] - md) * cd;
-    const float p = st >= kt ? exp_nonpositive(st) / zt : 0.0f;
-    const float q = sd >= kd ? exp_nonpositive(sd) / zd : 0.0f;
-    const float w = p - q;
+    const float w = processed_prob(xt[j], mt, ct, zt, kt) - processed_prob(xd[j], md, cd, zd, kd);
     terms[j] = w > 0.0f ? w : 0.0f;
   }
   return sum_block(terms, n);
@@ -163,22 +166,14 @@ float residual_block_sum(const float* __restrict xt, RowParams pt, const float* 
 float prob_block_sum(const float* __restrict xt, RowParams pt, int64_t n) {
   float terms[kBlock];
   const float ct = pt.c, mt = pt.x_max, zt = pt.z, kt = pt.cut;
-  for (int64_t j = 0; j < n; ++j) {
-    const float st = (xt[j] - mt) * ct;
-    terms[j] = st >= kt ? exp_nonpositive(st) / zt : 0.0f;
-  }
+  for (int64_t j = 0; j < n; ++j) terms[j] = processed_prob(xt[j], mt, ct, zt, kt);
   return sum_block(terms, n);
 }
 
 // The residual weight of entry j (the scalar path of the two sums above).
 inline float residual_weight(float xt, const RowParams& pt, const float* xd, const RowParams& pd, bool use_q) {
-  const float st = (xt - pt.x_max) * pt.c;
-  const float p = st >= pt.cut ? exp_nonpositive(st) / pt.z : 0.0f;
-  float q = 0.0f;
-  if (use_q) {
-    const float sd = (*xd - pd.x_max) * pd.c;
-    q = sd >= pd.cut ? exp_nonpositive(sd) / pd.z : 0.0f;
-  }
+  const float p = processed_prob(xt, pt.x_max, pt.c, pt.z, pt.cut);
+  const float q = use_q ? processed_prob(*xd, pd.x_max, pd.c, pd.z, pd.cut) : 0.0f;
   const float w = p - q;
   return w > 0.0f ? w : 0.0f;
 }
@@ -341,45 +336,9 @@ ffi::Error RowStatsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi:
   return ffi::Error::Success();
 }
 
-// The draws of a batch: row i draws from target row rows[i][0] and draft row
-// rows[i][1] (absent when outside [0, Nd)); make_pair(i, target_row, draft_row)
-// gives the row pair, or nothing to skip the row (its token is then 0).
-template <typename MakePair>
-ffi::Error draw_batch(ffi::ThreadPool& pool, const char* name, ffi::Buffer<ffi::F32>& target,
-                      ffi::Buffer<ffi::F32>& draft, ffi::Buffer<ffi::S32>& rows, ffi::Buffer<ffi::F32>& s,
-                      ffi::ResultBuffer<ffi::S32>& out, int64_t batch, const MakePair& make_pair) {
-  const auto td = target.dimensions();
-  const auto dd = draft.dimensions();
-  const auto rd = rows.dimensions();
-  if (td.size() != 2 || dd.size() != 2 || rd.size() != 2 || rd[0] != batch || rd[1] != 2 || dd[1] != td[1] ||
-      s.element_count() != batch) {
-    return ffi::Error::InvalidArgument(std::string(name) +
-                                       ": expected target [Nt, V], draft [Nd, V], rows [B, 2], s [B]");
-  }
-  const int64_t nt = td[0], nd = dd[0], v = td[1];
-  const int32_t* r = rows.typed_data();
-  int32_t* y = out->typed_data();
-  parallel_rows(pool, batch, 2 * v, [&](int64_t i) {
-    const int32_t t_row = r[2 * i], d_row = r[2 * i + 1];
-    const bool has_q = d_row >= 0 && d_row < nd;
-    decltype(make_pair(i, nullptr, nullptr)) pair;  // a std::optional of the pair type
-    if (t_row >= 0 && t_row < nt) {
-      pair = make_pair(i, target.typed_data() + t_row * v, has_q ? draft.typed_data() + d_row * v : nullptr);
-    }
-    if (!pair) {
-      y[i] = 0;
-      return;
-    }
-    std::unique_ptr<float[]> sums(new float[(v + kBlock - 1) / kBlock]);
-    y[i] = draw_pair(*pair, has_q, s.typed_data()[i], v, sums.get());
-  });
-  return ffi::Error::Success();
-}
-
 // Processed probabilities of whole rows (frontend.probs_from_stats over every
 // id): params [N, 4] = (c, max, normaliser, cutoff) per row, c = 0 marking a
-// greedy row (one-hot at its argmax). The same expression as VerifyRow::prob,
-// so a token's probability here and in the acceptance step are the same bits.
+// greedy row (one-hot at its argmax).
 ffi::Error ProbsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::F32> params,
                      ffi::Buffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> probs) {
   const auto dims = logits.dimensions();
@@ -401,20 +360,38 @@ ffi::Error ProbsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Bu
       if (am[r] >= 0 && am[r] < v) o[am[r]] = 1.0f;
       return;
     }
-    for (int64_t j = 0; j < v; ++j) {
-      const float rel = (row[j] - m) * c;
-      o[j] = rel >= cut ? exp_nonpositive(rel) / z : 0.0f;
-    }
+    for (int64_t j = 0; j < v; ++j) o[j] = processed_prob(row[j], m, c, z, cut);
   });
   return ffi::Error::Success();
 }
 
+// The draws of rejection_sample: batch row i draws from target row rows[i][0]
+// and draft row rows[i][1] (no draft row when outside [0, Nd)).
 ffi::Error DrawProbsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> target, ffi::Buffer<ffi::F32> draft,
                          ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::S32> out) {
-  return draw_batch(pool, "specjax_draw_probs", target, draft, rows, s, out, s.element_count(),
-                    [](int64_t, const float* xt, const float* xd) -> std::optional<ProbPair> {
-                      return ProbPair{xt, xd};
-                    });
+  const int64_t batch = s.element_count();
+  const auto td = target.dimensions();
+  const auto dd = draft.dimensions();
+  const auto rd = rows.dimensions();
+  if (td.size() != 2 || dd.size() != 2 || rd.size() != 2 || rd[0] != batch || rd[1] != 2 || dd[1] != td[1]) {
+    return ffi::Error::InvalidArgument(
+        "specjax_draw_probs: expected target [Nt, V], draft [Nd, V], rows [B, 2], s [B]");
+  }
+  const int64_t nt = td[0], nd = dd[0], v = td[1];
+  const int32_t* r = rows.typed_data();
+  int32_t* y = out->typed_data();
+  parallel_rows(pool, batch, 2 * v, [&](int64_t i) {
+    const int32_t t_row = r[2 * i], d_row = r[2 * i + 1];
+    if (t_row < 0 || t_row >= nt) {
+      y[i] = 0;
+      return;
+    }
+    const bool has_q = d_row >= 0 && d_row < nd;
+    const ProbPair pair{target.typed_data() + t_row * v, has_q ? draft.typed_data() + d_row * v : nullptr};
+    std::unique_ptr<float[]> sums(new float[(v + kBlock - 1) / kBlock]);
+    y[i] = draw_pair(pair, has_q, s.typed_data()[i], v, sums.get());
+  });
+  return ffi::Error::Success();
 }
 
 // The acceptance step of one batch row from logits, position by position
@@ -448,8 +425,7 @@ struct VerifyRow {
   float prob(const float* row, const Summary& st, float cut, int32_t id) const {
     if (id < 0 || id >= v) return 0.0f;
     if (c == 0.0f) return id == st.m.argmax ? 1.0f : 0.0f;
-    const float rel = (row[id] - st.m.max) * c;
-    return rel >= cut ? exp_nonpositive(rel) / st.z : 0.0f;
+    return processed_prob(row[id], st.m.max, c, st.z, cut);
   }
 
   // Returns (n, y): the accepted count and the emitted token.

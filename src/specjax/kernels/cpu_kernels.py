@@ -226,19 +226,18 @@ def row_stats(logits: jax.Array, scale: jax.Array, cutoff: jax.Array
     return call(logits, scale, cutoff)
 
 
-def draw_rows_index(n: jax.Array, positions: int, g: int, d_pos: jax.Array, has_q: jax.Array) -> jax.Array:
-    """i32[B, 2]: the flattened target row and draft row each draw reads (``rows`` of :func:`draw_probs`).
+def draw_rows_index(n: jax.Array, g: int) -> jax.Array:
+    """i32[B, 2]: the flattened target and draft rows each draw of :func:`draw_probs` reads.
 
     Args:
-      n: i32[B], the target position of each batch row's draw, in [0, positions).
-      positions: the target's positions per batch row (G + 1).
-      g: the draft's positions per batch row (may be 0).
-      d_pos: i32[B], the draft position; has_q: bool[B], whether there is one
+      n: i32[B], each batch row's accepted count: it draws from target position
+        ``n`` (of G + 1) and, when ``n < G``, against draft position ``n``
         (else the draft row is -1: draw from p alone).
+      g: the draft's positions per batch row (may be 0).
     """
     batch_rows = jnp.arange(n.shape[0], dtype=jnp.int32)
-    d_rows = jnp.where(has_q, batch_rows * max(g, 1) + d_pos, -1)
-    return jnp.stack([batch_rows * positions + n, d_rows], axis=1).astype(jnp.int32)
+    d_rows = jnp.where(n < g, batch_rows * max(g, 1) + jnp.minimum(n, max(g - 1, 0)), -1)
+    return jnp.stack([batch_rows * (g + 1) + n, d_rows], axis=1).astype(jnp.int32)
 
 
 def probs(logits: jax.Array, params: jax.Array, argmax: jax.Array) -> jax.Array:

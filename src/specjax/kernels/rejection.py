@@ -391,7 +391,7 @@ def _rejection_sample_jit(
     def cpu_draw() -> jax.Array:
         # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels.draw_probs).
         vocab = target_probs.shape[-1]
-        rows = cpu_kernels.draw_rows_index(n, g + 1, g, jnp.minimum(n, max(g - 1, 0)), n < g)
+        rows = cpu_kernels.draw_rows_index(n, g)
         return cpu_kernels.draw_probs(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), rows,
                                       sample_uniforms.astype(ct))
 
