@@ -61,6 +61,10 @@ __all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "v
 
 _NEG_INF = -jnp.inf
 _F32_MAX = float(np.finfo(np.float32).max)
+#: Positive temperatures whose reciprocal is a normal float32 (2**-126 to 2**126): the
+#: range where the processed distribution is computed faithfully. Beyond 2**126, 1/T
+#: would be subnormal, which the CPU flushes to 0 (and 0 would read as greedy).
+TEMPERATURE_RANGE = (2.0**-126, 2.0**126)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -218,11 +222,13 @@ def _cutoff(scaled: jax.Array, top_k: jax.Array | None, one_minus_top_p: jax.Arr
 def _inverse_temperature(temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(1 / T, T <= 0)`` per row: f32 and bool of ``temperature``'s shape; 1 for greedy rows.
 
-    1 / T is at most the largest float (a subnormal T would give inf, and 0·inf is NaN).
+    1 / T is at most the largest float (a subnormal T would give inf, and 0·inf is NaN)
+    and at least 2**-126 (a T past :data:`TEMPERATURE_RANGE`, possible with
+    ``validate=False``, must not flush 1 / T to 0 and so turn a sampling row greedy).
     """
     greedy = temperature <= 0
     inv_t = jnp.where(greedy, jnp.float32(1),
-                      jnp.minimum(1 / jnp.where(greedy, jnp.float32(1), temperature), _F32_MAX))
+                      jnp.clip(1 / jnp.where(greedy, jnp.float32(1), temperature), TEMPERATURE_RANGE[0], _F32_MAX))
     return inv_t, greedy
 
 
@@ -656,7 +662,13 @@ def as_key(key: Any, batch: int) -> jax.Array:
     if _is_key_dtype(key.dtype):
         typed = key
     elif key.dtype == jnp.uint32 and key.ndim >= 1:
-        typed = jax.random.wrap_key_data(key)
+        try:
+            typed = jax.random.wrap_key_data(key)
+        except (TypeError, ValueError) as err:  # raw key data of the wrong trailing shape
+            raise ValueError(
+                f"key: expected a JAX PRNG key (jax.random.key(seed)), or raw uint32 key data of the default "
+                f"implementation's shape, got a uint32 array of shape {tuple(key.shape)} ({_first_line(err)})"
+            ) from None
     else:
         raise ValueError(
             f"key: expected a JAX PRNG key (jax.random.key(seed)), got an array of dtype {key.dtype}"
@@ -708,12 +720,32 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _scalar_float(name: str, value: int | float) -> float:
+    """A Python number as a float; an integer too large for one is a ValueError naming ``name``."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name}: expected a number that fits in a float, got an integer of "
+                         f"{int(value).bit_length()} bits") from None
+
+
 def _check_params(temperature, top_k, top_p, validate: bool) -> None:
     if not validate:
         return
     t = _host(temperature).astype(np.float64)
     if not np.all(np.isfinite(t)) or np.any(t < 0):
         raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got {t.tolist()}")
+    lo, hi = TEMPERATURE_RANGE
+    if not np.all((t == 0) | ((t >= lo) & (t <= hi))):
+        raise ValueError(
+            f"temperature: expected 0 (greedy) or a value in [2**-126, 2**126] = [{lo:.7g}, {hi:.7g}], the range "
+            f"where the processed distribution is computed faithfully in float32, got {t.tolist()}"
+        )
     if top_k is not None:
         k = _host(top_k)
         if np.any(k < 0):
@@ -736,13 +768,17 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
     scalars = (type(temperature) in (float, int) and (top_k is None or type(top_k) is int)
                and (top_p is None or type(top_p) in (float, int)))
     if scalars:  # the common case: Python numbers, prepared once per value and batch size
+        temperature = _scalar_float("temperature", temperature)
+        top_p = None if top_p is None else _scalar_float("top_p", top_p)
         if validate:  # as the array path reports them: one value per row
+            if top_k is not None and top_k < 0:  # before int64 arithmetic: -2**70 is an int too
+                raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {[top_k] * batch}")
             _check_params(np.full(batch, temperature, np.float64),
-                          None if top_k is None else np.full(batch, top_k, np.int64),
+                          None if top_k is None else np.full(batch, min(top_k, _INT32_MAX), np.int64),
                           None if top_p is None else np.full(batch, top_p, np.float64), validate)
-        return (_scalar_row(float(temperature), batch, np.float32),
+        return (_scalar_row(temperature, batch, np.float32),
                 None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
-                None if top_p is None else _scalar_row(1.0 - float(top_p), batch, np.float32))
+                None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32))
     temperature = _row_param("temperature", temperature, batch, "float")
     top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
     top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")

@@ -104,11 +104,13 @@ def token_ids_unchecked(x: Any, validate: bool) -> Any:
     ``validate=False`` skips the value checks, among them that ids lie in [0, V);
     the int32 range check that :func:`as_token_ids` makes before narrowing is a
     weaker one, and costs more at the boundary than narrowing in torch does.
-    Anything else is returned as it is.
+    Ids are clamped to [-1, 2**31 - 1] first: narrowing alone would wrap an id
+    >= 2**31 into [0, V), where it could be accepted; clamped, it stays outside
+    [0, V) and has probability 0. Anything else is returned as it is.
     """
     if (not validate and _is_torch(x) and x.is_cpu and x.element_size() == 8
             and not (x.is_floating_point() or x.is_complex())):
-        return x.int()
+        return x.long().clamp(-1, _INT32_MAX).int()
     return x
 
 

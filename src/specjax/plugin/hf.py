@@ -485,6 +485,11 @@ class PatchStats:
 
 
 _patch_lock = threading.Lock()
+# The open patch blocks' replacements, oldest first, and what was installed before the
+# first of them: blocks may exit in any order (nested, interleaved, from several
+# threads), and the original returns only when the last one exits.
+_patches: list[Any] = []
+_unpatched: list[Any] = []
 
 
 @contextlib.contextmanager
@@ -496,7 +501,10 @@ def patch_speculative_sampling(*, validate: bool = True) -> Iterator[PatchStats]
     never calls ``_speculative_sampling`` and is unaffected). The original is
     restored on exit, also when the block raises. The patch is process-wide
     (it replaces a module global): other threads calling ``generate`` meanwhile
-    are patched too. Nested blocks restore in reverse order.
+    are patched too. Blocks may overlap in any order (nested, interleaved, or
+    in several threads): while several are open, the most recently entered
+    one still open is installed, and transformers' original returns when the
+    last one exits.
 
     Args:
       validate: passed to :func:`jax_speculative_sampling`.
@@ -525,14 +533,21 @@ def patch_speculative_sampling(*, validate: bool = True) -> Iterator[PatchStats]
 
     _speculative_sampling.__doc__ = jax_speculative_sampling.__doc__
     with _patch_lock:
-        original = gu._speculative_sampling
+        if not _patches:
+            _unpatched[:] = [gu._speculative_sampling]
+        _patches.append(_speculative_sampling)
         gu._speculative_sampling = _speculative_sampling
     try:
         yield stats
     finally:
         with _patch_lock:
-            if gu._speculative_sampling is _speculative_sampling:
-                gu._speculative_sampling = original
+            installed = gu._speculative_sampling
+            ours = any(f is installed for f in _patches)
+            _patches[:] = [f for f in _patches if f is not _speculative_sampling]
+            if ours:
+                gu._speculative_sampling = _patches[-1] if _patches else _unpatched[0]
             else:
                 logger.warning("patch_speculative_sampling: _speculative_sampling was replaced again inside the "
                                "block; leaving the newer replacement in place")
+            if not _patches:
+                _unpatched.clear()

@@ -14,7 +14,10 @@ emitted token ``y`` is the smallest ``v`` whose normalised cumulative weight
 exceeds ``s``, the weights being ``max(p_n − q_n, 0)`` if ``n < G`` or ``p_G``
 if ``n = G``; weights summing to zero are replaced by ``p_n``; if rounding
 leaves no cumulative value above ``s``, ``y`` is the largest ``v`` with positive
-weight. ``tokens`` holds ``x_0 .. x_{n-1}``, ``y``, then -1.
+weight. ``tokens`` holds ``x_0 .. x_{n-1}``, ``y``, then -1. With
+``validate=False`` (no value checks), a draft id outside [0, V) (-1, V, or an
+int64 id >= 2**31) has probability 0 under both ``p_i`` and ``q_i``, so its
+test fails and it is never accepted or emitted: all three samplers agree.
 
 Precision, and when the three samplers agree
 --------------------------------------------
@@ -77,14 +80,16 @@ def _check_shape(name: str, x: Any, expected: tuple[int, ...], letters: tuple[st
 def _check_structure(x: Any, q: Any, p: Any, u: Any, s: Any) -> tuple[int, int, int]:
     """Ranks, shapes and dtypes of the five inputs; returns (B, G, V)."""
     _check_rank("draft_tokens", x, 2, ("B", "G"))
-    _check_rank("draft_probs", q, 3, ("B", "G", "V"))
+    if q is not None:  # None: point masses at the draft tokens
+        _check_rank("draft_probs", q, 3, ("B", "G", "V"))
     _check_rank("target_probs", p, 3, ("B", "G+1", "V"))
     _check_rank("accept_uniforms", u, 2, ("B", "G"))
     _check_rank("sample_uniforms", s, 1, ("B",))
     b, g = (int(d) for d in x.shape)
     vocab = int(p.shape[2])
     _check_shape("target_probs", p, (b, g + 1, vocab), ("B", "G+1", "V"))
-    _check_shape("draft_probs", q, (b, g, vocab), ("B", "G", "V"))
+    if q is not None:
+        _check_shape("draft_probs", q, (b, g, vocab), ("B", "G", "V"))
     _check_shape("accept_uniforms", u, (b, g), ("B", "G"))
     _check_shape("sample_uniforms", s, (b,), ("B",))
     if vocab == 0:
@@ -93,18 +98,21 @@ def _check_structure(x: Any, q: Any, p: Any, u: Any, s: Any) -> tuple[int, int, 
     if not (dt.startswith("int") or dt.startswith("uint")):
         raise ValueError(f"draft_tokens: expected integer token ids (int32 or int64), got {dt}")
     for name, arr in (("draft_probs", q), ("target_probs", p), ("accept_uniforms", u), ("sample_uniforms", s)):
-        if _dtype_name(arr) not in _FLOAT_NAMES:
+        if arr is not None and _dtype_name(arr) not in _FLOAT_NAMES:
             raise ValueError(f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), "
                              f"got {_dtype_name(arr)}")
     return b, g, vocab
 
 
-def _check_values(vocab: int, x: np.ndarray, q: np.ndarray, p: np.ndarray, u: np.ndarray, s: np.ndarray) -> None:
+def _check_values(vocab: int, x: np.ndarray, q: np.ndarray | None, p: np.ndarray, u: np.ndarray,
+                  s: np.ndarray) -> None:
     """Value checks on host arrays (float arrays in float64)."""
     if x.size and (x.min() < 0 or x.max() >= vocab):
         raise ValueError(f"draft_tokens: expected token ids in [0, V) = [0, {vocab}), "
                          f"got values in [{x.min()}, {x.max()}]")
     for name, arr in (("draft_probs", q), ("target_probs", p)):
+        if arr is None:
+            continue
         bad = int(np.sum(~np.isfinite(arr)))
         if bad:
             raise ValueError(f"{name}: expected finite probabilities, got {bad} NaN or infinite values")
@@ -141,6 +149,11 @@ def _as_numpy(name: str, x: Any) -> np.ndarray:
     return arr
 
 
+def _point_masses(x: np.ndarray, vocab: int, dtype: Any) -> np.ndarray:
+    """f[B, G, V]: ``q_i(v) = [v == x_i]`` (the reference samplers' point masses; ids outside [0, V) give 0 rows)."""
+    return (x[:, :, None] == np.arange(vocab)[None, None, :]).astype(dtype)
+
+
 def numpy_rejection_sample(
     draft_tokens: Any,
     draft_probs: Any,
@@ -154,7 +167,8 @@ def numpy_rejection_sample(
 
     Args:
       draft_tokens: i32/i64[B, G], ``x_i`` in [0, V).
-      draft_probs: f[B, G, V], ``q_i``.
+      draft_probs: f[B, G, V], ``q_i``; or None for point masses at the draft
+        tokens (``q_i(v) = [v == x_i]``, as :func:`specjax.rejection_sample`).
       target_probs: f[B, G+1, V], ``p_i``.
       accept_uniforms: f[B, G], ``u_i`` in [0, 1).
       sample_uniforms: f[B], ``s`` in [0, 1).
@@ -171,13 +185,17 @@ def numpy_rejection_sample(
       ValueError: naming the argument, with what was expected and what was got.
     """
     x = _as_numpy("draft_tokens", draft_tokens)
-    q = _as_numpy("draft_probs", draft_probs)
+    q = None if draft_probs is None else _as_numpy("draft_probs", draft_probs)
     p = _as_numpy("target_probs", target_probs)
     u = _as_numpy("accept_uniforms", accept_uniforms)
     s = _as_numpy("sample_uniforms", sample_uniforms)
     batch, num_draft, vocab = _check_structure(x, q, p, u, s)
     x = x.astype(np.int64)
-    q, p, u, s = (a.astype(np.float64) for a in (q, p, u, s))
+    p, u, s = (a.astype(np.float64) for a in (p, u, s))
+    if q is None:
+        q = _point_masses(x, vocab, np.float64)
+    else:
+        q = q.astype(np.float64)
     if validate:
         _check_values(vocab, x, q, p, u, s)
 
@@ -186,7 +204,8 @@ def numpy_rejection_sample(
     for b in range(batch):
         n = 0
         for i in range(num_draft):
-            p_x, q_x = p[b, i, x[b, i]], q[b, i, x[b, i]]
+            xi = x[b, i]  # an id outside [0, V) has probability 0 on both sides (validate=False)
+            p_x, q_x = (p[b, i, xi], q[b, i, xi]) if 0 <= xi < vocab else (0.0, 0.0)
             passed = (u[b, i] < p_x / q_x) if q_x > 0 else (p_x > 0)
             if not passed:
                 break
@@ -239,7 +258,8 @@ def torch_rejection_sample(
 
     Args:
       draft_tokens: i32/i64[B, G], ``x_i`` in [0, V).
-      draft_probs: f[B, G, V], ``q_i``.
+      draft_probs: f[B, G, V], ``q_i``; or None for point masses at the draft
+        tokens (``q_i(v) = [v == x_i]``, as :func:`specjax.rejection_sample`).
       target_probs: f[B, G+1, V], ``p_i``.
       accept_uniforms: f[B, G], ``u_i`` in [0, 1).
       sample_uniforms: f[B], ``s`` in [0, 1).
@@ -261,13 +281,17 @@ def torch_rejection_sample(
     import torch
 
     x = _as_torch("draft_tokens", draft_tokens)
-    q = _as_torch("draft_probs", draft_probs)
+    q = None if draft_probs is None else _as_torch("draft_probs", draft_probs)
     p = _as_torch("target_probs", target_probs)
     u = _as_torch("accept_uniforms", accept_uniforms)
     s = _as_torch("sample_uniforms", sample_uniforms)
     batch, num_draft, vocab = _check_structure(x, q, p, u, s)
     device = p.device
-    x, q, u, s = (t.to(device) for t in (x, q, u, s))
+    x, u, s = (t.to(device) for t in (x, u, s))
+    if q is None:  # point masses at the draft tokens
+        q = torch.from_numpy(_point_masses(x.cpu().to(torch.int64).numpy(), vocab, np.float32)).to(device, p.dtype)
+    else:
+        q = q.to(device)
     ct = torch.promote_types(torch.promote_types(q.dtype, p.dtype), torch.float32)
     if validate:
         _check_values(vocab, x.cpu().to(torch.int64).numpy(), q.cpu().double().numpy(), p.cpu().double().numpy(),
@@ -275,9 +299,12 @@ def torch_rejection_sample(
 
     x = x.to(torch.int64)
     rows = torch.arange(batch, device=device)
-    # Gather p_i(x_i), q_i(x_i) first: B·G scalars.
-    p_x = torch.gather(p[:, :num_draft], 2, x[:, :, None])[:, :, 0].to(ct)
-    q_x = torch.gather(q, 2, x[:, :, None])[:, :, 0].to(ct)
+    # Gather p_i(x_i), q_i(x_i) first: B·G scalars. An id outside [0, V) (validate=False)
+    # has probability 0 on both sides, so it is never accepted.
+    inside = (x >= 0) & (x < vocab)
+    xc = torch.where(inside, x, torch.zeros_like(x))[:, :, None]
+    p_x = torch.where(inside, torch.gather(p[:, :num_draft], 2, xc)[:, :, 0], 0).to(ct)
+    q_x = torch.where(inside, torch.gather(q, 2, xc)[:, :, 0], 0).to(ct)
     u = u.to(ct)
     passes = torch.where(q_x > 0, u < p_x / torch.where(q_x > 0, q_x, torch.ones_like(q_x)), p_x > 0)
     n = torch.cumprod(passes.to(torch.int32), dim=1).sum(dim=1, dtype=torch.int64)

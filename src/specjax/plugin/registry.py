@@ -98,7 +98,7 @@ class PluginInfo:
       value: its ``module:function`` target.
       distribution: ``"name version"`` of the distribution declaring it, or ``""``.
       status: ``"loaded"`` (``register()`` returned), ``"failed"`` (importing or
-        calling it raised; see ``error``) or ``"excluded"`` (by ``SPECJAX_PLUGINS``).
+        calling it raised anything, ``SystemExit`` included; see ``error``) or ``"excluded"`` (by ``SPECJAX_PLUGINS``).
       error: ``"ExceptionType: message"`` for failed plugins, else ``""``.
     """
 
@@ -204,8 +204,11 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
             continue
         try:
             loaded[ep.name] = ep.load()
-        except Exception:
-            logger.exception("%s: failed to load %s = %s", group, ep.name, ep.value)
+        except BaseException as err:  # also SystemExit; an interrupt is re-raised
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            logger.error("%s: failed to load %s = %s: %s", group, ep.name, ep.value, _describe(err),
+                         exc_info=err)
     return loaded
 
 
@@ -214,9 +217,11 @@ def load_plugins() -> dict[str, PluginInfo]:
 
     Idempotent and thread-safe: the first call does the work, later calls (also
     from inside a plugin's ``register()``) return at once and register nothing
-    twice. A plugin that fails to import or whose ``register()`` raises is
-    logged on the ``"specjax.plugin"`` logger and recorded as ``"failed"``; the
-    others still load.
+    twice. A plugin that fails to import or whose ``register()`` raises (any
+    ``BaseException``: a plugin calling ``sys.exit()`` too) is logged on the
+    ``"specjax.plugin"`` logger and recorded as ``"failed"``; the others still
+    load. A ``KeyboardInterrupt`` is recorded the same way and re-raised after
+    the last plugin.
 
     Returns:
       ``{plugin name: PluginInfo}`` (the same as :func:`plugin_status`).
@@ -228,6 +233,7 @@ def load_plugins() -> dict[str, PluginInfo]:
         _plugins_loaded = True  # before calling plugins: a plugin may call load_sampler
         _env_at_load = os.environ.get(ENV_VAR)
         allowed = _parse(_env_at_load)
+        interrupted: KeyboardInterrupt | None = None
         for ep in _entry_points(PLUGINS_GROUP):
             label = _dist_label(ep)
             if allowed is not None and ep.name not in allowed:
@@ -245,13 +251,25 @@ def load_plugins() -> dict[str, PluginInfo]:
                 if not callable(register):
                     raise TypeError(f"{ep.value} is a {type(register).__name__}, not a callable register()")
                 register()
-            except Exception as err:
-                logger.exception("%s: plugin %s = %s failed", PLUGINS_GROUP, ep.name, ep.value)
-                _plugin_info[ep.name] = PluginInfo(ep.name, ep.value, label, "failed",
-                                                   f"{type(err).__name__}: {err}")
+            except BaseException as err:
+                # Any BaseException: a plugin calling sys.exit() on import must not leave the
+                # registry half-loaded. An interrupt is recorded too, and re-raised once every
+                # plugin has a status, so Ctrl-C still stops the process.
+                if isinstance(err, KeyboardInterrupt) and interrupted is None:
+                    interrupted = err
+                logger.error("%s: plugin %s = %s failed: %s", PLUGINS_GROUP, ep.name, ep.value, _describe(err),
+                             exc_info=err)
+                _plugin_info[ep.name] = PluginInfo(ep.name, ep.value, label, "failed", _describe(err))
             else:
                 _plugin_info[ep.name] = PluginInfo(ep.name, ep.value, label, "loaded")
+        if interrupted is not None:
+            raise interrupted
         return dict(_plugin_info)
+
+
+def _describe(err: BaseException) -> str:
+    """``"ExceptionType: message"`` (``SystemExit(3)`` gives ``"SystemExit: 3"``)."""
+    return f"{type(err).__name__}: {err}"
 
 
 def plugin_status() -> dict[str, PluginInfo]:
@@ -393,7 +411,9 @@ def _resolve(kind: str, name: str, target: _Target) -> Callable[..., Any]:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except Exception as err:
+    except BaseException as err:  # also SystemExit from the module's import; an interrupt goes on
+        if isinstance(err, KeyboardInterrupt):
+            raise
         raise ImportError(f"{kind} {name!r}: cannot import {target.spec} ({target.origin}): "
                           f"{type(err).__name__}: {err}") from err
     if not callable(obj):
