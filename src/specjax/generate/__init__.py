@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.generate import checks
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 
 __all__ = ["LoopState", "SpeculativeOutput", "SpeculativeStats", "check_pair", "check_seed", "speculative_generate"]
@@ -173,10 +174,19 @@ def speculative_generate(
       :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``.
 
     Raises:
+      TypeError: ``target`` or ``draft`` is not a torch module with parameters.
       ValueError: for models that do not share a tokenizer or a device, a padded
-        batch without ``attention_mask``, ``max_new_tokens < 1``,
+        batch without ``attention_mask``, a row that is all padding,
+        ``max_new_tokens < 1``, a longest prompt plus ``max_new_tokens`` beyond a
+        model's position limit (refused before any forward pass),
         ``num_draft_tokens < 1``, an unknown sampler or bad sampling parameters.
+      specjax.generate.checks.PluginOutputError: a ``ValueError``: a sampler
+        returned a result outside its contract (wrong shape or dtype,
+        ``num_accepted`` outside [0, k_b], a token outside [0, V)); the message
+        names the sampler.
     """
+    checks.check_model("target", target)
+    checks.check_model("draft", draft)
     if _device(target).type == "cuda":
         _share_gpu_with_torch()
     import jax
@@ -224,6 +234,7 @@ def speculative_generate(
             shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
             raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids, got {shape}")
         attention_mask = attention_mask.to(device)
+        checks.check_all_rows_have_tokens(attention_mask)
         if not bool(attention_mask[:, -1].bool().all()):
             raise ValueError(
                 "attention_mask: expected left padding (every row's last token real); got a row whose last "
@@ -238,6 +249,9 @@ def speculative_generate(
     if lo < 0 or hi >= vocab_limit:
         raise ValueError(f"input_ids: expected token ids in [0, {vocab_limit}) (the models' vocabulary), "
                          f"got values in [{lo}, {hi}]")
+    longest = int(attention_mask.bool().sum(dim=1).max())  # positions count real tokens only
+    checks.check_position_limit("target", target, longest, int(max_new_tokens))
+    checks.check_position_limit("draft", draft, longest, int(max_new_tokens))
     needed = prompt_len + max_new_tokens * (num_draft_tokens + 2)
     _check_sliding_window(target, needed, "target")
     _check_sliding_window(draft, needed, "draft")
@@ -291,13 +305,13 @@ def _share_gpu_with_torch() -> None:
 
 
 def _resolve_sampler(sampler: str | Any) -> Any:
-    """None for the fused JAX path, else a rejection_sample-contract callable."""
+    """None for the fused JAX path, else a rejection_sample-contract callable whose output is checked."""
     if callable(sampler):
-        return sampler
+        return checks.checked_sampler(sampler, checks.plugin_name("sampler", sampler))
     if not isinstance(sampler, str):
         raise ValueError(f"sampler: expected a sampler name or a callable, got {type(sampler).__name__}")
     if sampler == "jax":
         return None
     from specjax.plugin.registry import load_sampler
 
-    return load_sampler(sampler)
+    return checks.checked_sampler(load_sampler(sampler), checks.plugin_name("sampler", None, sampler))

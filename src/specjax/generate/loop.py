@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.generate.checks import check_step_output
+from specjax.generate.compile_time import measure_compiles
 from specjax.generate.slots import SlotCache
 
 
@@ -54,7 +56,11 @@ class SpeculativeStats:
         tests run at position i that passed.
       adapter_copies: copies the torch→JAX adapters had to make.
       new_tokens: tokens generated (all rows).
-      wall_time_s: wall-clock time of the call; tokens_per_s: new_tokens / wall_time_s.
+      wall_time_s: wall-clock time of the call.
+      compile_time_s: the part of it spent compiling JAX functions (one-time work
+        for shapes not seen before; 0 when every shape was seen).
+      tokens_per_s: new_tokens / (wall_time_s - compile_time_s): decoding speed
+        without one-time compilation.
     """
 
     steps: int = 0
@@ -69,6 +75,7 @@ class SpeculativeStats:
     adapter_copies: int = 0
     new_tokens: int = 0
     wall_time_s: float = 0.0
+    compile_time_s: float = 0.0
     tokens_per_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -173,7 +180,7 @@ def run_loop(
     row_steps = 0
     temperature, top_k, one_minus_top_p, use_top_k, use_top_p = params
 
-    with count_copies() as copies:
+    with count_copies() as copies, measure_compiles() as compiles:
         t_cache = SlotCache(target, batch, device)
         # The target may emit ids the draft cannot embed (vocabularies that differ by
         # padding); the draft then sees id 0 there, which only affects its proposals.
@@ -249,6 +256,7 @@ def run_loop(
                                           k_rows, use_top_k, use_top_p)
             tok_host = np.asarray(jax.block_until_ready(tok_j))  # i32[B', g+1]: the one host sync per step
             n_host = np.asarray(n_j).astype(np.int64)
+            check_step_output("the verification step", n_host, tok_host, k_rows, target_vocab)
             del held, draft_logits, tj  # JAX has finished reading the torch buffers
 
             # 4. Commit.
@@ -310,6 +318,7 @@ def run_loop(
     stats.target_forwards = t_cache.forwards
     stats.draft_forwards = d_cache.forwards
     stats.adapter_copies = copies.copies
+    stats.compile_time_s = compiles.seconds
     _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start)
     out = _build_output(input_ids, rows, pad_token_id, stats)
     if return_state:
@@ -355,7 +364,8 @@ def _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start)
     stats.tokens_per_target_forward = stats.new_tokens / stats.target_forwards if stats.target_forwards else 0.0
     stats.acceptance_rate_per_position = [float(p / t) if t else 0.0 for p, t in zip(passed, tested, strict=True)]
     stats.wall_time_s = time.perf_counter() - t_start
-    stats.tokens_per_s = stats.new_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
+    decoding_s = stats.wall_time_s - stats.compile_time_s
+    stats.tokens_per_s = stats.new_tokens / decoding_s if decoding_s > 0 else 0.0
 
 
 def _build_output(input_ids: torch.Tensor, rows: list[_Row], pad_token_id: int, stats) -> SpeculativeOutput:

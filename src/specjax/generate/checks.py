@@ -1,0 +1,194 @@
+"""Checks the generation loop makes on what it is given and on what plugins give back.
+
+Arguments (before any forward pass): the models are torch modules, no row is all
+padding, and the longest prompt plus ``max_new_tokens`` fits in each model's
+position limit.
+
+Plugin outputs (every step, on the host copies the loop makes anyway): a sampler
+or a drafter is third-party code, and a wrong result would otherwise run to
+completion with garbage tokens and impossible statistics (an acceptance rate of
+33). :func:`checked_sampler` wraps a sampler with the
+:func:`specjax.rejection_sample` contract; :func:`check_step_output` checks a
+step's accepted counts and tokens; :func:`check_draft_output` a drafter's tokens.
+Each raises :class:`PluginOutputError` (a ``ValueError``) naming the plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "PluginOutputError",
+    "check_all_rows_have_tokens",
+    "check_draft_output",
+    "check_model",
+    "check_position_limit",
+    "check_step_output",
+    "checked_sampler",
+    "plugin_name",
+]
+
+
+class PluginOutputError(ValueError):
+    """A sampler or drafter returned something outside its contract."""
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def check_model(name: str, model: Any) -> None:
+    """Raise ``TypeError`` unless ``model`` is a torch module with parameters (a transformers causal LM)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{name}: expected a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
+    if next(model.parameters(), None) is None:
+        raise TypeError(f"{name}: expected a transformers causal LM with parameters, got a "
+                        f"{type(model).__name__} without any")
+    if not callable(getattr(model, "get_input_embeddings", None)) or getattr(model, "config", None) is None:
+        raise TypeError(f"{name}: expected a transformers causal LM (with a config and input embeddings), "
+                        f"got {type(model).__name__}")
+
+
+def check_all_rows_have_tokens(attention_mask: torch.Tensor) -> None:
+    """Raise ``ValueError`` for a row whose attention mask is all zeros."""
+    empty = torch.nonzero(~attention_mask.bool().any(dim=1)).flatten().tolist()
+    if empty:
+        raise ValueError(f"attention_mask: row{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
+                         "of the batch is all padding (no real token); every row needs at least one prompt token")
+
+
+def position_limit(model: Any) -> int | None:
+    """The model's largest sequence length (``config.max_position_embeddings``, GPT-2's ``n_positions``)."""
+    cfg = model.config
+    for attr in ("max_position_embeddings", "n_positions"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_position_limit(name: str, model: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raise ``ValueError`` if ``prompt_tokens + max_new_tokens`` positions exceed ``model``'s limit.
+
+    ``prompt_tokens`` is the longest row's real (unpadded) length: positions count
+    real tokens only. Checked before any forward pass (a model with learned
+    position embeddings would otherwise fail deep inside with an ``IndexError``).
+    """
+    limit = position_limit(model)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ValueError(
+            f"max_new_tokens: the longest prompt ({prompt_tokens} tokens) plus max_new_tokens = {max_new_tokens} "
+            f"needs {prompt_tokens + max_new_tokens} positions, more than the {name}'s limit of {limit} "
+            "(config.max_position_embeddings); shorten the prompt or lower max_new_tokens"
+        )
+
+
+# --------------------------------------------------------------------------- plugin outputs
+
+
+def plugin_name(kind: str, obj: Any, name: str | None = None) -> str:
+    """How messages name a plugin: ``sampler 'numpy'`` or ``sampler module.function``."""
+    if name is not None:
+        return f"{kind} {name!r}"
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{kind} {module}.{qualname}" if module else f"{kind} {qualname}"
+
+
+def _host(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _int_array(who: str, what: str, x: Any, shape: tuple[int, ...]) -> np.ndarray:
+    try:
+        arr = _host(x)
+    except Exception as err:  # any object a plugin may return
+        raise PluginOutputError(f"{who} returned {what} that is not an array ({type(x).__name__}: {err})") from None
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise PluginOutputError(f"{who} returned {what} of dtype {arr.dtype}, expected integers")
+    if tuple(arr.shape) != shape:
+        raise PluginOutputError(f"{who} returned {what} of shape {tuple(arr.shape)}, expected {shape}")
+    return arr
+
+
+def check_step_output(who: str, num_accepted: Any, tokens: Any, num_draft_tokens: Any, vocab: int) -> None:
+    """Check one verification's result for rows with ``k_b = num_draft_tokens[b]``.
+
+    ``num_accepted``: i[B] in [0, k_b]; ``tokens``: i[B, W] with W > max k_b, whose
+    first ``n_b + 1`` entries (the accepted tokens and the emitted one) are in [0, V).
+    """
+    k = np.asarray(num_draft_tokens).astype(np.int64).reshape(-1)
+    b = k.shape[0]
+    n = _int_array(who, "num_accepted", num_accepted, (b,)).astype(np.int64)
+    tok = _host(tokens)
+    if tok.ndim != 2 or tok.shape[0] != b or (b and tok.shape[1] <= int(k.max())):
+        raise PluginOutputError(f"{who} returned tokens of shape {tuple(tok.shape)}, expected ({b}, G+1) with "
+                                f"G >= {int(k.max()) if b else 0}")
+    tok = _int_array(who, "tokens", tok, tuple(tok.shape)).astype(np.int64)
+    bad = np.nonzero((n < 0) | (n > k))[0]
+    if bad.size:
+        r = int(bad[0])
+        raise PluginOutputError(f"{who} returned num_accepted = {int(n[r])} for row {r}, expected a value in "
+                                f"[0, {int(k[r])}] (the row's number of draft tokens)")
+    emitted = np.arange(tok.shape[1])[None, :] <= n[:, None]
+    out = emitted & ((tok < 0) | (tok >= vocab))
+    if out.any():
+        r, i = (int(v) for v in np.argwhere(out)[0])
+        raise PluginOutputError(f"{who} returned token {int(tok[r, i])} at row {r}, position {i}, expected an id "
+                                f"in [0, V) = [0, {vocab})")
+
+
+def checked_sampler(sampler: Callable[..., Any], who: str) -> Callable[..., dict[str, np.ndarray]]:
+    """``sampler`` with its result checked (:func:`check_step_output`) and returned as host NumPy arrays."""
+
+    def run(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *, validate=True):
+        res = sampler(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate)
+        if not isinstance(res, Mapping) or "num_accepted" not in res or "tokens" not in res:
+            raise PluginOutputError(f"{who} returned {type(res).__name__}, expected a dict with 'num_accepted' "
+                                    "and 'tokens'")
+        b, g = draft_tokens.shape
+        n = _int_array(who, "num_accepted", res["num_accepted"], (b,))
+        tokens = _int_array(who, "tokens", res["tokens"], (b, g + 1))
+        check_step_output(who, n, tokens, np.full(b, g), int(target_probs.shape[-1]))
+        return {"num_accepted": n, "tokens": tokens}
+
+    run.__name__ = getattr(sampler, "__name__", "sampler")
+    run.__qualname__ = getattr(sampler, "__qualname__", run.__name__)
+    run.__wrapped__ = sampler  # type: ignore[attr-defined]
+    return run
+
+
+def check_draft_output(who: str, tokens: Any, batch: int, max_tokens: int, vocab: int,
+                       lengths: Any = None) -> np.ndarray:
+    """Check a drafter's proposal: i[B, G'] with G' <= ``max_tokens``, ids in [0, V) where used.
+
+    ``lengths`` (optional, i[B]): each row's number of proposed tokens, in [0, G'];
+    only the first ``lengths[b]`` ids of a row are checked. Returns the host copy.
+    """
+    tok = _host(tokens)
+    if tok.ndim != 2 or tok.shape[0] != batch or tok.shape[1] > max_tokens:
+        raise PluginOutputError(f"{who} returned draft tokens of shape {tuple(tok.shape)}, expected "
+                                f"({batch}, G) with G <= {max_tokens}")
+    tok = _int_array(who, "draft tokens", tok, tuple(tok.shape)).astype(np.int64)
+    width = tok.shape[1]
+    if lengths is None:
+        used = np.ones(tok.shape, bool)
+    else:
+        k = _int_array(who, "draft lengths", lengths, (batch,)).astype(np.int64)
+        bad = np.nonzero((k < 0) | (k > width))[0]
+        if bad.size:
+            r = int(bad[0])
+            raise PluginOutputError(f"{who} returned a draft length of {int(k[r])} for row {r}, expected a "
+                                    f"value in [0, {width}]")
+        used = np.arange(width)[None, :] < k[:, None]
+    out = used & ((tok < 0) | (tok >= vocab))
+    if out.any():
+        r, i = (int(v) for v in np.argwhere(out)[0])
+        raise PluginOutputError(f"{who} returned draft token {int(tok[r, i])} at row {r}, position {i}, expected "
+                                f"an id in [0, V) = [0, {vocab})")
+    return tok
