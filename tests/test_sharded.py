@@ -1,10 +1,8 @@
-"""Tests of the kernels under a device mesh (issue #9), see :mod:`specjax.kernels.sharded`.
+"""Tests of the kernels under a device mesh (issue #9) that run on one device, see :mod:`specjax.kernels.sharded`.
 
-The mesh checks need 8 devices, which JAX only simulates on CPU when
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` is set before it starts;
-this process keeps one device for the rest of the suite, so they run in a
-subprocess (``tests/sharded_checks.py``), once per module, and each named check
-becomes one test here:
+The checks on 8 simulated devices are an ordinary pytest session of their own
+(``tests/mesh/``, ``make test-mesh``; XLA must be asked for the devices before
+JAX starts, and this session keeps one device):
 
 * equality with one device (``num_accepted`` and ``tokens`` exactly) on the
   8x1, 1x8 and 2x4 (batch x vocabulary) meshes, both kernels, ragged drafts,
@@ -16,25 +14,18 @@ becomes one test here:
 * the sharded top-k/top-p cutoffs keep exactly the tokens of the sort-based ones;
 * a rounding tie (s = 1 - 2**-24) lands within float32 rounding of the exact draw.
 
-The core checks run by default (about a minute of CPU time). The rest of the
-matrix (every case on every mesh) is marked slow and runs with
-``SPECJAX_SHARDED_FULL=1``. The tests below the subprocess ones run here, on one
-device.
+The rest of the matrix (every case on every mesh) runs with
+``SPECJAX_SHARDED_FULL=1``. The tests here check the one-device pieces and
+that the core cases cover every mesh, kernel and feature.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import sharded_checks
+import sharded_inputs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -42,56 +33,16 @@ from specjax.kernels import sharded
 from specjax.kernels.frontend import _cutoff
 from specjax.kernels.rejection import rejection_sample
 
-CHECKS_SCRIPT = Path(__file__).with_name("sharded_checks.py")
-FULL = os.environ.get("SPECJAX_SHARDED_FULL") == "1"
 
-
-def _run_checks(names: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("sharded") / "results.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    # -X faulthandler: a crash prints the Python stack of each thread to stderr.
-    cmd = [sys.executable, "-X", "faulthandler", str(CHECKS_SCRIPT), "--json", str(out), "--only", *names]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if not out.exists():
-        pytest.fail(f"sharded_checks.py produced no results (exit {proc.returncode}):\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def core_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _run_checks(sharded_checks.CORE_NAMES, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def full_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return _run_checks(sharded_checks.FULL_ONLY_NAMES, tmp_path_factory)
-
-
-@pytest.mark.parametrize("name", sharded_checks.CORE_NAMES)
-def test_mesh_check(core_results: dict, name: str) -> None:
-    result = core_results[name]
-    assert result["ok"], result["detail"]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not FULL, reason="the full mesh matrix runs with SPECJAX_SHARDED_FULL=1")
-@pytest.mark.parametrize("name", sharded_checks.FULL_ONLY_NAMES)
-def test_mesh_check_full_matrix(full_results: dict, name: str) -> None:
-    result = full_results[name]
-    assert result["ok"], result["detail"]
-
-
-def test_core_checks_cover_every_mesh_kernel_and_feature() -> None:
-    names = sharded_checks.CORE_NAMES
-    for mesh in sharded_checks.MESHES:
+def test_core_cases_cover_every_mesh_kernel_and_feature() -> None:
+    core = {(mesh, case) for mesh, cases in sharded_inputs.CORE_CASES.items() for case in cases}
+    names = [case.name(mesh) for mesh, case in core]
+    assert all(case in sharded_inputs.FULL_MATRIX for _, case in core)
+    for mesh in sharded_inputs.MESHES:
         for kernel in ("probs", "logits"):
             assert any(n.startswith(f"{kernel}_{mesh}_") for n in names), (kernel, mesh)
-    for needle in ("_G0_", "_V50257_", "_V1000_", "_rowkeys", "hlo_probs_1x8", "hlo_probs_2x4", "hlo_logits_1x8",
-                   "hlo_logits_2x4", "_topkp", "negative_control_naive", "negative_control_per_shard",
-                   "agreement_probs", "cutoff_", "rounding_edge"):
+        assert {c.path for m, c in core if m == mesh} == {"detect", "explicit"}, mesh
+    for needle in ("_G0_", "_V50257_", "_V1000_", "_rowkeys"):
         assert any(needle in n for n in names), needle
 
 
@@ -146,7 +97,7 @@ def test_explicit_functions_check_their_axes(kwargs: dict, match: str) -> None:
 
 def test_sharded_path_on_a_one_device_mesh_equals_the_plain_kernel() -> None:
     """The whole sharded code path (shard_map, collectives over size-1 axes) in this process."""
-    x, q, p, u, s = sharded_checks.probs_inputs(8, 3, 300, seed=1)
+    x, q, p, u, s = sharded_inputs.probs_inputs(8, 3, 300, seed=1)
     mesh = one_device_mesh()
     placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(
         (x, q, p, u, s), (P("b", None), P("b", None, "v"), P("b", None, "v"), P("b", None), P("b")), strict=True)]
@@ -172,7 +123,7 @@ def test_float_keys_sort_like_floats_and_invert() -> None:
 
 
 def test_sharded_cutoff_keeps_what_the_sort_based_cutoff_keeps() -> None:
-    """Many rows with ties and -inf, on a one-shard mesh (the 8-shard case runs in the subprocess)."""
+    """Many rows with ties and -inf, on a one-shard mesh (the 8-shard case runs in tests/mesh)."""
     rng = np.random.default_rng(4)
     rows, vocab = 512, 257
     scaled = (2 * rng.standard_normal((rows, vocab))).astype(np.float32)
@@ -236,4 +187,4 @@ def test_hlo_collectives_reads_sizes_loops_and_async_pairs() -> None:
     assert pair["count"] == 1 and pair["result_bytes"] == 8 * 4 * 4 + 8 * 4
     assert gather["operands"] == [("f32", (8, 1000))] and gather["max_dim"] == 8000
     assert gather["results"] == [("f32", (8, 8000))] and gather["result_bytes"] == 8 * 8000 * 4
-    assert sharded_checks.vocab_sized(found, 1000) == [gather]
+    assert sharded_inputs.vocab_sized(found, 1000) == [gather]

@@ -1,16 +1,9 @@
-"""Checks of the sharded kernels on 8 simulated CPU devices, run in their own process.
+"""Inputs and helpers of the sharded-kernel tests (``tests/mesh/``, and ``tests/test_sharded.py``).
 
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must be set before JAX
-starts, so these checks cannot run inside the pytest process (whose other tests
-want one device). ``tests/test_sharded.py`` runs this file once as a script and
-turns each named check into one test; it also imports :data:`CHECK_NAMES`
-(importing this module starts no JAX backend).
-
-Usage::
-
-    python tests/sharded_checks.py                    # run all, print a summary
-    python tests/sharded_checks.py --json out.json    # also write {name: {ok, detail}}
-    python tests/sharded_checks.py --only probs_2x4_V1000_detect hlo_probs_1x8
+Importing this module starts no JAX backend: the mesh tests run in their own
+pytest process whose ``tests/mesh/conftest.py`` asks XLA for 8 simulated CPU
+devices before JAX starts, and the one-device tests in ``tests/test_sharded.py``
+use the input builders too.
 
 Every equality check compares ``num_accepted`` and ``tokens`` exactly with the
 single-device public function on the same inputs (computed on device 0 of the
@@ -19,23 +12,16 @@ same process).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-if __name__ == "__main__" and "--worker" not in sys.argv:
-    _flag = "--xla_force_host_platform_device_count=8"
-    if _flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import numpy as np
+import pytest
+
+# The rest of the mesh matrix is opt-in (slow): SPECJAX_SHARDED_FULL=1.
+FULL = os.environ.get("SPECJAX_SHARDED_FULL") == "1"
+full_matrix = pytest.mark.skipif(not FULL, reason="the full mesh matrix runs with SPECJAX_SHARDED_FULL=1")
 
 F32_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
@@ -90,20 +76,6 @@ CORE_CASES = {
     "2x4": (Case("probs", 8, 0, 1000, "explicit"), Case("logits", 16, 4, 1000, "detect", row_keys=True)),
 }
 FULL_EXTRA = (("2x4", Case("probs", 16, 4, 1000, "detect", auto_axes=True)),)
-
-CHECKS: dict[str, Callable[[], str]] = {}
-CORE: list[str] = []
-
-
-def check(name: str, core: bool = True) -> Callable[[Callable[[], str]], Callable[[], str]]:
-    def register(fn: Callable[[], str]) -> Callable[[], str]:
-        assert name not in CHECKS, name
-        CHECKS[name] = fn
-        if core:
-            CORE.append(name)
-        return fn
-
-    return register
 
 
 # --------------------------------------------------------------------------- inputs
@@ -229,7 +201,7 @@ def place(x: np.ndarray, mesh, spec):
     return jax.device_put(x, NamedSharding(mesh, spec))
 
 
-def _run_case(case: Case, mesh_name: str) -> str:
+def run_case(case: Case, mesh_name: str) -> str:
     from jax.sharding import PartitionSpec as P
 
     from specjax.kernels.frontend import verify_from_logits
@@ -273,37 +245,12 @@ def _run_case(case: Case, mesh_name: str) -> str:
     return assert_equal(ref, got, case.name(mesh_name))
 
 
-for _mesh_name in MESHES:
-    for _case in FULL_MATRIX:
-        check(_case.name(_mesh_name), core=_case in CORE_CASES[_mesh_name])(
-            lambda c=_case, m=_mesh_name: _run_case(c, m))
-for _mesh_name, _case in FULL_EXTRA:
-    check(_case.name(_mesh_name), core=False)(lambda c=_case, m=_mesh_name: _run_case(c, m))
-
-
-@check("tuple_vocab_axis_2x4", core=False)
-def _tuple_axis() -> str:
-    """The vocabulary split over both mesh axes at once (a tuple of axis names, 8 shards)."""
-    from specjax.kernels.frontend import verify_from_logits
-    from specjax.kernels.rejection import rejection_sample
-    from specjax.kernels.sharded import rejection_sample_sharded, verify_from_logits_sharded
-
-    mesh = make_mesh("2x4")
-    args = probs_inputs(16, 4, 1000, seed=3)
-    assert_equal(rejection_sample(*args), rejection_sample_sharded(*args, mesh=mesh, vocab_axis=("b", "v")),
-                 "probs over ('b', 'v')")
-    x, dl, tl, kw = logits_inputs(16, 4, 1000, seed=4, filters=True, row_keys=False)
-    return assert_equal(verify_from_logits(x, dl, tl, **kw),
-                        verify_from_logits_sharded(x, dl, tl, mesh=mesh, vocab_axis=("v", "b"), **kw),
-                        "logits over ('v', 'b')")
-
-
 # --------------------------------------------------------------------------- agreement
 
 AGREE_MESH = "1x8"
 
 
-def _per_shard_probs(bad: bool) -> dict:
+def per_shard_probs(bad: bool) -> dict:
     """Every vocabulary shard's own results; ``bad`` draws the uniforms per shard (the bug class)."""
     import jax
     import jax.numpy as jnp
@@ -336,80 +283,13 @@ def _per_shard_probs(bad: bool) -> dict:
               place(jax.random.key(0), mesh, P()))
 
 
-def _check_copies(ref: dict, got: dict) -> str:
+def check_copies(ref: dict, got: dict) -> str:
     bad = shards_agree(got)
     assert not bad, f"vocabulary shards disagree on {bad}"
     got = host(got)
     for i in range(got["tokens"].shape[0]):
         assert_equal(ref, {k: v[i] for k, v in got.items()}, f"shard {i}")
     return f"all {got['tokens'].shape[0]} vocabulary shards agree with each other and with one device"
-
-
-@check(f"agreement_probs_{AGREE_MESH}")
-def _agree_probs() -> str:
-    from specjax.kernels.rejection import rejection_sample
-
-    return _check_copies(rejection_sample(*probs_inputs(16, 4, 1000, seed=7)), _per_shard_probs(bad=False))
-
-
-@check(f"agreement_logits_{AGREE_MESH}", core=False)
-def _agree_logits() -> str:
-    import jax.numpy as jnp
-
-    from specjax.kernels.frontend import verify_from_logits
-    from specjax.kernels.sharded import MeshLayout, verify_on_mesh
-
-    x, dl, tl, kwargs = logits_inputs(16, 4, 1000, seed=11, filters=False, row_keys=False)
-    got = verify_on_mesh(
-        jnp.asarray(x), jnp.asarray(dl), jnp.asarray(tl), kwargs["key"],
-        jnp.asarray(kwargs["temperature"]), jnp.zeros(16, jnp.int32), jnp.zeros(16, jnp.float32),
-        jnp.asarray(kwargs["num_draft_tokens"]),
-        use_top_k=False, use_top_p=False, layout=MeshLayout(make_mesh(AGREE_MESH), "b", "v"), per_shard=True,
-    )
-    return _check_copies(verify_from_logits(x, dl, tl, **kwargs), got)
-
-
-@check("agreement_negative_control_per_shard_uniforms")
-def _agree_negative() -> str:
-    bad = shards_agree(_per_shard_probs(bad=True))
-    assert bad, "per-shard random streams went unnoticed: the agreement check cannot fail"
-    return f"per-shard uniforms caught: shards disagree on {bad}"
-
-
-# --------------------------------------------------------------------------- cutoffs
-
-
-@check("cutoff_topk_topp_1x8")
-def _cutoffs() -> str:
-    """sharded_cutoff over 8 shards keeps exactly the tokens the sort-based cutoff keeps."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    from specjax.kernels.frontend import _cutoff
-    from specjax.kernels.sharded import sharded_cutoff
-
-    rng = np.random.default_rng(3)
-    rows, vocab = 64, 1000
-    scaled = (3 * rng.standard_normal((rows, vocab))).astype(np.float32)
-    scaled[::3] = np.round(scaled[::3])  # heavy ties
-    scaled[1::4, 500:] = -np.inf
-    scaled[2::8, :] = np.float32(1.5)  # all tied
-    top_k = rng.choice([0, 1, 2, 7, 50, 999, 1000, 5000], rows).astype(np.int32)
-    omp = rng.choice([0.0, 0.1, 0.5, 0.9, 0.99, 1 - 1e-9], rows).astype(np.float32)
-    mesh = make_mesh("1x8")
-    specs = (P(None, "v"), P(), P())
-    fn = jax.jit(jax.shard_map(lambda s, k, o: sharded_cutoff(s, k, o, "v"), mesh=mesh, in_specs=specs,
-                               out_specs=P(), check_vma=False))
-    got = np.asarray(fn(*(place(a, mesh, spec) for a, spec in zip((scaled, top_k, omp), specs, strict=True))))
-    ref = np.asarray(jax.jit(_cutoff)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(omp)))
-    kept_ref = scaled >= ref[:, None]
-    kept_got = scaled >= got[:, None]
-    bad = np.nonzero(np.any(kept_ref != kept_got, axis=1))[0]
-    assert bad.size == 0, f"kept sets differ in rows {bad.tolist()}: cutoffs {ref[bad]} vs {got[bad]}"
-    only_k = (omp == 0) & (top_k > 0) & (top_k <= vocab)
-    assert np.array_equal(ref[only_k], got[only_k]), "top-k cutoffs are not bit-equal"
-    return f"{rows} rows: kept sets identical; top-k-only cutoffs bit-equal ({int(only_k.sum())} rows)"
 
 
 # --------------------------------------------------------------------------- HLO
@@ -471,7 +351,7 @@ def vocab_sized(collectives: list[dict], vocab_local: int) -> list[dict]:
     return [c for c in collectives if c["max_dim"] >= vocab_local]
 
 
-def _hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
+def hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
     from specjax.kernels.sharded import (
         _rejection_sample_mesh_jit,
         _verify_mesh_jit,
@@ -500,28 +380,10 @@ def _hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
             f"{total} operand bytes per device per call; results equal one device's")
 
 
-for _mesh_name in ("1x8", "2x4"):
-    check(f"hlo_probs_{_mesh_name}_V{HLO_VOCAB}")(lambda m=_mesh_name: _hlo_check(m, "probs"))
-check(f"hlo_logits_1x8_V{HLO_VOCAB}_topkp")(lambda: _hlo_check("1x8", "logits", filters=True))
-check(f"hlo_logits_2x4_V{HLO_VOCAB}")(lambda: _hlo_check("2x4", "logits"))
-
-
-@check("hlo_negative_control_naive_all_gather")
-def _hlo_negative() -> str:
-    from specjax.kernels.sharded import hlo_collectives
-
-    mesh = make_mesh("1x8")
-    args, _, _ = hlo_inputs(mesh, "probs")
-    found = hlo_collectives(naive_rejection_jit(mesh).lower(*args).compile().as_text())
-    offenders = vocab_sized(found, HLO_VOCAB // 8)
-    assert offenders, "the HLO check missed a version that all-gathers the vocabulary"
-    return f"caught {len(offenders)} vocabulary-sized collectives, e.g. {offenders[0]['results']}"
-
-
 # --------------------------------------------------------------------------- rounding
 
 
-def _draw_weights(q: np.ndarray, p: np.ndarray, n: int) -> np.ndarray:
+def draw_weights(q: np.ndarray, p: np.ndarray, n: int) -> np.ndarray:
     """float64 weights the emitted token is drawn from, for a row with n accepted."""
     g = q.shape[0]
     target = p[n].astype(np.float64)
@@ -529,43 +391,6 @@ def _draw_weights(q: np.ndarray, p: np.ndarray, n: int) -> np.ndarray:
         return target
     residual = np.maximum(target - q[n].astype(np.float64), 0)
     return residual if residual.sum() > 0 else target
-
-
-@check(f"rounding_edge_s_below_one_1x8_V{HLO_VOCAB}")
-def _rounding_edge() -> str:
-    """s = 1 - 2**-24 makes the draw a float32 rounding tie at the end of the vocabulary.
-
-    Shards and one device add the same weights in different orders, so they may
-    pick different ids here (each within float32 rounding of the exact answer).
-    Checked instead of equality: the acceptance decisions are equal, the sharded
-    token has positive weight, and the exact (float64) cumulative distribution
-    crosses s within 4 float32 ulps of it. Runs the program of the HLO check.
-    """
-    import jax
-
-    from specjax.kernels.rejection import rejection_sample
-    from specjax.kernels.sharded import _rejection_sample_mesh_jit
-
-    mesh = make_mesh("1x8")
-    args, static, _ = hlo_inputs(mesh, "probs")
-    x, q, p, u, s = (np.asarray(a) for a in args)
-    s = np.full_like(s, F32_BELOW_ONE)
-    args = (*args[:4], jax.device_put(s, args[4].sharding))
-    got = host(_rejection_sample_mesh_jit.lower(*args, **static).compile()(*args))
-    ref = host(rejection_sample(x, q, p, u, s))
-    assert np.array_equal(ref["num_accepted"], got["num_accepted"]), "acceptance decisions differ"
-    tol = 4 * 2.0**-24
-    for b, n in enumerate(got["num_accepted"]):
-        y = got["tokens"][b, n]
-        w = _draw_weights(q[b], p[b], n)
-        cdf = np.cumsum(w) / w.sum()
-        below = cdf[y - 1] if y > 0 else 0.0
-        assert w[y] > 0, f"row {b}: drew id {y} of zero weight"
-        assert below <= s[b] + tol and cdf[y] > s[b] - tol, (
-            f"row {b}: id {y} is not within float32 rounding of the exact draw (cdf {below}..{cdf[y]})")
-    differ = np.nonzero(np.any(ref["tokens"] != got["tokens"], axis=1))[0].tolist()
-    return (f"all {len(s)} draws within float32 rounding of the exact ones; rows differing from one "
-            f"device (rounding ties): {differ}")
 
 
 # --------------------------------------------------------------------------- several processes
@@ -602,83 +427,3 @@ def worker(process_id: int, num_processes: int, port: int, out: str) -> None:
     result = {f"{kernel}_{k}": multihost_utils.process_allgather(v, tiled=True)
               for kernel, r in (("probs", probs), ("logits", logits)) for k, v in r.items()}
     np.savez(f"{out}_{process_id}.npz", **result)
-
-
-@check("multiprocess_2x4_two_processes", core=False)
-def _multiprocess() -> str:
-    """Two processes with 4 devices each, one 2x4 mesh over both (gloo collectives on CPU)."""
-    import socket
-    import subprocess
-    import tempfile
-
-    from specjax.kernels.frontend import verify_from_logits
-    from specjax.kernels.rejection import rejection_sample
-
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        port = sock.getsockname()[1]
-    tmp = tempfile.mkdtemp()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), "2", str(port), f"{tmp}/out"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    logs = [proc.communicate(timeout=900)[0] for proc in procs]
-    for i, proc in enumerate(procs):
-        assert proc.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
-    (x, q, p, u, s), (xl, dl, tl, kwargs) = multiprocess_inputs()
-    ref = {"probs": host(rejection_sample(x, q, p, u, s)), "logits": host(verify_from_logits(xl, dl, tl, **kwargs))}
-    for i in range(2):
-        got = np.load(f"{tmp}/out_{i}.npz")
-        for kernel in ("probs", "logits"):
-            assert_equal(ref[kernel], {k: got[f"{kernel}_{k}"] for k in ("num_accepted", "tokens")},
-                         f"process {i}, {kernel}")
-    return "both processes return the one-device results for both kernels"
-
-
-CHECK_NAMES = tuple(CHECKS)
-CORE_NAMES = tuple(CORE)
-FULL_ONLY_NAMES = tuple(n for n in CHECK_NAMES if n not in CORE)
-
-
-# --------------------------------------------------------------------------- main
-
-
-def run(names: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    import jax
-
-    if len(jax.devices()) < 8:
-        raise SystemExit(f"need 8 devices, got {len(jax.devices())}: set XLA_FLAGS before JAX starts")
-    results = {}
-    for name in names or CHECK_NAMES:
-        t0 = time.perf_counter()
-        try:
-            detail, ok = CHECKS[name](), True
-        except Exception as err:  # report every failure, keep going
-            detail, ok = f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}", False
-        results[name] = {"ok": ok, "detail": detail, "seconds": round(time.perf_counter() - t0, 2)}
-        print(f"{'ok  ' if ok else 'FAIL'} {name} ({results[name]['seconds']} s): {detail.splitlines()[0]}",
-              flush=True)
-    return results
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results as JSON to this path")
-    parser.add_argument("--only", nargs="*", help="run only these checks")
-    parser.add_argument("--worker", nargs=4, metavar=("ID", "N", "PORT", "OUT"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(int(args.worker[0]), int(args.worker[1]), int(args.worker[2]), args.worker[3])
-        return 0
-    unknown = set(args.only or ()) - set(CHECK_NAMES)
-    if unknown:
-        parser.error(f"unknown checks {sorted(unknown)}; known: {list(CHECK_NAMES)}")
-    results = run(args.only)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
-    return 0 if all(r["ok"] for r in results.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
