@@ -8,7 +8,8 @@ STAMP := $(VENV)/.specjax-installed
 TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
-.PHONY: install test test-unit test-integration demo lint bench bench-quick gpu-check clean train-draft
+.PHONY: install test test-fast test-mesh test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
+	clean train-draft
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -31,9 +32,26 @@ TEST_ENV := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax-cache JAX_PERSISTENT_CACHE_
 	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 HF_HUB_OFFLINE=1
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
 
+LINT_PATHS := src tests integration_tests benchmarks scripts
+# The mesh tests (tests/mesh/) are their own pytest process: their conftest asks
+# XLA for 8 simulated CPU devices before JAX starts.
+MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/mesh
+
+# The full suite (what .ci/run calls): the main session, then the mesh session.
 test: $(STAMP)
-	$(PY) -m ruff check src tests integration_tests benchmarks scripts
+	$(PY) -m ruff check $(LINT_PATHS)
 	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests
+	$(MESH_PYTEST)
+
+# The inner loop (<= 3 min on 2 cores): ruff check, mypy, and the unit tests not marked slow.
+test-fast: $(STAMP)
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m mypy
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" tests
+
+# SPECJAX_SHARDED_FULL=1 make test-mesh runs the whole mesh matrix.
+test-mesh: $(STAMP)
+	$(MESH_PYTEST)
 
 test-unit: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q tests
@@ -44,14 +62,21 @@ test-integration: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/specjax demo
 
+# The same checks as .pre-commit-config.yaml: ruff check, ruff format --check, mypy over src/.
 lint: $(STAMP)
-	$(PY) -m ruff check src tests integration_tests benchmarks scripts
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(VENV)/bin/specjax bench
 
 bench-quick: $(STAMP)
 	$(VENV)/bin/specjax bench --quick
+
+# docs/benchmarks.md and its plots, rendered from the committed results (benchmarks/results/*.jsonl).
+bench-report: $(STAMP)
+	$(PY) scripts/render_benchmarks.py
 
 # On a machine whose Python already has CUDA builds of torch, JAX and transformers.
 gpu-check:

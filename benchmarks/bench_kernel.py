@@ -361,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# memory bandwidth at start: np.copyto of 128 MiB into a preallocated buffer, read + write "
           f"counted: {copy_bw / 1e9:.2f} GB/s; read-only (jitted jnp.sum): {read_bw / 1e9:.2f} GB/s")
     print(f"# floor = B*2*V*4 bytes (rows p_n and q_n) / copy bandwidth; kernel and bandwidth are timed in "
-          f"{2 if args.quick else FLOOR_ROUNDS} alternating rounds per row and kernel/floor is the median of the rounds' ratios")
+          f"{2 if args.quick else FLOOR_ROUNDS} alternating rounds per row and kernel/floor is the median of the "
+          "rounds' ratios")
     print()
     print("## Acceptance kernel (probabilities in)")
     print(HEADER)

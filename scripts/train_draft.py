@@ -172,7 +172,8 @@ def build_prompts(n_train: int, n_heldout: int, seed: int) -> tuple[list[str], l
     """Deterministic training prompts and held-out prompts (disjoint topics)."""
     pool = [tpl.format(t=t) for tpl in TEMPLATES for t in TOPICS]
     for tpl, kind in EXTRA_TEMPLATES:
-        pool += [tpl.format(c=c) if kind == "country" else tpl.format(a=c) for c in (COUNTRIES if kind == "country" else TASKS)]
+        pool += [tpl.format(c=c) if kind == "country" else tpl.format(a=c)
+                 for c in (COUNTRIES if kind == "country" else TASKS)]
     pool = sorted(set(pool) - set(DEMO_PROMPTS))
     rng = random.Random(seed)
     rng.shuffle(pool)
@@ -520,7 +521,8 @@ def subset_logits(draft: Any, batch: dict[str, Any], always: Any) -> tuple[Any, 
     return h @ draft.lm_head.weight[ids].T, local
 
 
-def train(draft: Any, records: list[dict[str, Any]], evalset: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, float]]:
+def train(draft: Any, records: list[dict[str, Any]], evalset: list[dict[str, Any]],
+          args: argparse.Namespace) -> list[dict[str, float]]:
     """Stage 2: distillation through the LM head (soft top-k targets + hard tokens).
 
     The body and final norm train; the tied embedding stays at its projection of
@@ -631,13 +633,15 @@ def speedup(alpha: float, g: int, t_draft: float, t_verify: float, t_target: flo
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the draft is saved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     g = p.add_argument_group("data")
     g.add_argument("--train-prompts", type=int, default=3200)
-    g.add_argument("--samples-per-prompt", type=int, default=0, help="sampled (T=0.7) continuations per prompt, besides the greedy one")
+    g.add_argument("--samples-per-prompt", type=int, default=0,
+                   help="sampled (T=0.7) continuations per prompt, besides the greedy one")
     g.add_argument("--heldout-prompts", type=int, default=40)
     g.add_argument("--max-new-tokens", type=int, default=160)
     g.add_argument("--gen-batch", type=int, default=128)
@@ -658,15 +662,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch")
-    t.add_argument("--soft-weight", type=float, default=0.7, help="weight of the soft (top-k) loss; the rest is hard CE")
+    t.add_argument("--soft-weight", type=float, default=0.7,
+                   help="weight of the soft (top-k) loss; the rest is hard CE")
     t.add_argument("--kd-temp", type=float, default=1.0)
     t.add_argument("--kd-vocab", type=int, default=4096,
-                   help="stage 2 softmax over the batch's teacher candidates plus this many frequent ids (0: full vocabulary)")
+                   help="stage 2 softmax over the batch's teacher candidates plus this many frequent ids "
+                        "(0: full vocabulary)")
     t.add_argument("--train-embedding", action="store_true", help="also train the tied embedding in stage 2")
     t.add_argument("--log-every", type=int, default=100)
     p.add_argument("--timing-threads", type=int, default=0,
                    help="besides 1 thread, time batch-1 decoding with this many threads (0: all cores)")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run (a few minutes); saves nothing unless --out is given")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke run (a few minutes); saves nothing unless --out is given")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--ceiling-only", action="store_true",
                    help="only measure the projection ceiling (see projection_ceiling) for a few widths, print it "
@@ -794,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
         t_target = time_decode(target, prompt, steps=32, reps=reps)
         t_verify = {n: time_verify(target, prompt, n_new=n, reps=8) for n in range(2, 8)}
         est = {g: speedup(alpha, g, t_draft, t_verify[g + 1], t_target) for g in range(1, 7)}
-        log(f"{threads} thread(s), batch-1 decode with KV cache (context ~{len(prompt)}): draft {t_draft:.2f} ms/token, "
+        log(f"{threads} thread(s), batch-1 decode with KV cache (context ~{len(prompt)}): "
+            f"draft {t_draft:.2f} ms/token, "
             f"target {t_target:.2f} ms/token; target forward of n tokens: "
             + ", ".join(f"{n}: {v:.1f} ms" for n, v in t_verify.items()))
         log(f"estimated greedy speed-up (alpha={alpha:.3f}): " + ", ".join(f"G={g}: {s:.2f}x" for g, s in est.items()))

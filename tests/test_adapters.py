@@ -586,7 +586,8 @@ def test_configure_jax_memory_already_matching_environment_is_fine_after_start()
         ({"memory_fraction": 1.5}, ValueError, r"memory_fraction: expected a value in \(0, 1\], got 1.5"),
         ({"memory_fraction": 0}, ValueError, "memory_fraction: expected a value in"),
         ({"memory_fraction": "0.5"}, TypeError, "memory_fraction: expected a float"),
-        ({"allocator": "cuda"}, ValueError, "allocator: expected one of default, platform, bfc, cuda_async, vmm, got 'cuda'"),
+        ({"allocator": "cuda"}, ValueError,
+         "allocator: expected one of default, platform, bfc, cuda_async, vmm, got 'cuda'"),
         ({"preallocate": "no"}, TypeError, "preallocate: expected a bool, got str"),
     ],
 )

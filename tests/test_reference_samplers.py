@@ -303,21 +303,30 @@ def _with(**changes: Any) -> dict[str, Any]:
 
 
 STRUCTURE_ERRORS = [
-    (dict(q=np.zeros((2, 4, 4), np.float32)), r"^draft_probs: expected shape \(B, G, V\) = \(2, 3, 4\), got \(2, 4, 4\)$"),
-    (dict(p=np.zeros((2, 4), np.float32)), r"^target_probs: expected rank 3 with shape \(B, G\+1, V\), got shape \(2, 4\)$"),
-    (dict(p=np.zeros((2, 3, 4), np.float32)), r"^target_probs: expected shape \(B, G\+1, V\) = \(2, 4, 4\), got \(2, 3, 4\)$"),
+    (dict(q=np.zeros((2, 4, 4), np.float32)),
+     r"^draft_probs: expected shape \(B, G, V\) = \(2, 3, 4\), got \(2, 4, 4\)$"),
+    (dict(p=np.zeros((2, 4), np.float32)),
+     r"^target_probs: expected rank 3 with shape \(B, G\+1, V\), got shape \(2, 4\)$"),
+    (dict(p=np.zeros((2, 3, 4), np.float32)),
+     r"^target_probs: expected shape \(B, G\+1, V\) = \(2, 4, 4\), got \(2, 3, 4\)$"),
     (dict(u=np.zeros((2, 2), np.float32)), r"^accept_uniforms: expected shape \(B, G\) = \(2, 3\), got \(2, 2\)$"),
     (dict(s=np.zeros((3,), np.float32)), r"^sample_uniforms: expected shape \(B\) = \(2,\), got \(3,\)$"),
-    (dict(x=np.zeros((2, 3), np.float32)), r"^draft_tokens: expected integer token ids \(int32 or int64\), got float32$"),
+    (dict(x=np.zeros((2, 3), np.float32)),
+     r"^draft_tokens: expected integer token ids \(int32 or int64\), got float32$"),
     (dict(q=np.zeros((2, 3, 4), np.int32)), r"^draft_probs: expected a floating dtype .* got int32$"),
 ]
 VALUE_ERRORS = [
-    (dict(x=np.full((2, 3), 4, np.int32)), r"^draft_tokens: expected token ids in \[0, V\) = \[0, 4\), got values in \[4, 4\]$"),
-    (dict(q=np.full((2, 3, 4), -0.25, np.float32)), r"^draft_probs: expected non-negative probabilities, got 24 negative values$"),
-    (dict(p=np.full((2, 4, 4), np.nan, np.float32)), r"^target_probs: expected finite probabilities, got 32 NaN or infinite values$"),
+    (dict(x=np.full((2, 3), 4, np.int32)),
+     r"^draft_tokens: expected token ids in \[0, V\) = \[0, 4\), got values in \[4, 4\]$"),
+    (dict(q=np.full((2, 3, 4), -0.25, np.float32)),
+     r"^draft_probs: expected non-negative probabilities, got 24 negative values$"),
+    (dict(p=np.full((2, 4, 4), np.nan, np.float32)),
+     r"^target_probs: expected finite probabilities, got 32 NaN or infinite values$"),
     (dict(p=np.zeros((2, 4, 4), np.float32)), r"^target_probs: expected every distribution p_i to have a positive sum"),
-    (dict(u=np.ones((2, 3), np.float32)), r"^accept_uniforms: expected values in \[0, 1\), got values in \[1.0, 1.0\]$"),
-    (dict(s=np.array([0.5, -0.5], np.float32)), r"^sample_uniforms: expected values in \[0, 1\), got values in \[-0.5, 0.5\]$"),
+    (dict(u=np.ones((2, 3), np.float32)),
+     r"^accept_uniforms: expected values in \[0, 1\), got values in \[1.0, 1.0\]$"),
+    (dict(s=np.array([0.5, -0.5], np.float32)),
+     r"^sample_uniforms: expected values in \[0, 1\), got values in \[-0.5, 0.5\]$"),
 ]
 
 

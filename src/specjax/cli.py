@@ -92,7 +92,8 @@ def _torch_device(name: str) -> Any:
 
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise CLIError("--device cuda: torch has no CUDA device here (install a CUDA build of torch, see docs/gpu.md)")
+            raise CLIError("--device cuda: torch has no CUDA device here "
+                           "(install a CUDA build of torch, see docs/gpu.md)")
         from specjax.adapters import configure_jax_memory
 
         configure_jax_memory()

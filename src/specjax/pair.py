@@ -315,7 +315,8 @@ def load_draft(draft_dir: str | os.PathLike[str] | None = None, *, device: Any =
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     except Exception as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DefaultPairError(f"the default draft model in {path} could not be loaded ({reason}); {REBUILD_HINT}") from err
+        raise DefaultPairError(
+            f"the default draft model in {path} could not be loaded ({reason}); {REBUILD_HINT}") from err
     return model.to(device=device, dtype=torch_dtype).eval()
 
 

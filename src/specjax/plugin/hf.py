@@ -165,7 +165,8 @@ def _sampling_settings(generation_config: Any, logits_processor: Any) -> tuple[f
         )
     if not generation_config.do_sample:
         if processors:
-            raise ValueError(f"speculative_decoding: greedy decoding got logits processors {[k.__name__ for k in kinds]}")
+            raise ValueError("speculative_decoding: greedy decoding got logits processors "
+                             f"{[k.__name__ for k in kinds]}")
         return 0.0, None, None
     temperature, top_k, top_p = 1.0, None, None
     for p in processors:
