@@ -126,7 +126,7 @@ def _draw(t, d, temperature, n, s):
         ds = F.row_stats(d, temperature[:, None])
         t_sel = F._take_rows(ts, n)
         d_sel = F._take_rows(ds, jnp.zeros_like(n))
-        return F._draw_from_logits(t, d, t_sel, d_sel, n, jnp.ones_like(n), s)
+        return F._draw_from_logits(t, d, t_sel, d_sel, n, jnp.ones_like(n), s, jnp.zeros(d.shape[:2], jnp.int32))
 
     return np.asarray(run(t, d, temperature, n, s))
 

@@ -1011,7 +1011,7 @@ BAD_INPUTS = [
              "draft_tokens: expected integer token ids (int32 or int64), got str32", True),
     BadInput("dtype-draft_tokens-bool", _set("draft_tokens", lambda x: x > 1),
              "draft_tokens: expected integer token ids (int32 or int64), got bool", True),
-    BadInput("none-draft_probs", _set("draft_probs", None), "draft_probs: expected an array, got None", True),
+    BadInput("none-target_probs", _set("target_probs", None), "target_probs: expected an array, got None", True),
     BadInput("ragged-target_probs", _set("target_probs", [[[0.5, 0.5]], [[1.0]]]),
              "target_probs: expected a rectangular array, got a ragged nested list", True),
     BadInput("torch-nan-target_probs", _set("target_probs", lambda x: torch.tensor(

@@ -54,6 +54,7 @@ from specjax.kernels.rejection import (
     draw_rows,
     inverse_cdf,
     num_accepted_from_ratios,
+    point_mass,
     row_sums,
 )
 
@@ -428,6 +429,7 @@ def verify_core(
     b, g = draft_tokens.shape
     vocab_local = target_logits.shape[-1]
     row = (slice(None), None)
+    point_masses = draft_logits is None  # q_i is the point mass at x_i
     # k_b outside [0, G] (possible with validate=False) means what its clamped value
     # means, on every path: the C++ step clamps it too.
     num_draft_tokens = jnp.clip(num_draft_tokens, 0, g)
@@ -444,14 +446,17 @@ def verify_core(
         t_stats = stats(target_logits)
         if g == 0:
             return t_stats, None, jnp.zeros((b,), jnp.int32)
-        d_stats = stats(draft_logits)
         t_first = RowStats(*(f[:, :g] for f in t_stats))
         p_x = probs_from_stats(t_first, vocab_gather(target_logits[:, :g], x, axis_name, offset), x)
+        if point_masses:  # q_i(x_i) = 1
+            return t_stats, None, num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms,
+                                                           num_draft_tokens)
+        d_stats = stats(draft_logits)
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
         return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
 
     def draw_one_device(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> dict[str, jax.Array]:
-        y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms)
+        y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x)
         return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
     def all_rows_one_device() -> dict[str, jax.Array]:
@@ -480,6 +485,11 @@ def verify_core(
         return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
 
     if not axis_name:
+        if point_masses:
+            # One pass summarises the target's G+1 rows (there is no draft row to
+            # read); the draw then reads row n only. No C++ fast path: the
+            # target's forward dwarfs this step, and the JAX code is the contract.
+            return all_rows_one_device()
         if top_k is not None or one_minus_top_p is not None:
             # Every row needs its cutoff (a top-k or a full pass anyway), and one
             # call over all rows is cheaper than one per position.
@@ -498,8 +508,11 @@ def verify_core(
     p_n = probs_from_stats(_take_rows(t_stats, n), t_row, ids)
     if g > 0:
         d_pos = jnp.minimum(n, g - 1)
-        d_row = jnp.take_along_axis(draft_logits, d_pos[:, None, None], axis=1)[:, 0]
-        q_n = probs_from_stats(_take_rows(d_stats, d_pos), d_row, ids)
+        if point_masses:
+            q_n = point_mass(jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0], ids[0], jnp.float32)
+        else:
+            d_row = jnp.take_along_axis(draft_logits, d_pos[:, None, None], axis=1)[:, 0]
+            q_n = probs_from_stats(_take_rows(d_stats, d_pos), d_row, ids)
         q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
     else:
         q_n = jnp.zeros_like(p_n)
@@ -579,36 +592,39 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
     return n, t_sel, d_sel
 
 
-def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms):
+def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x):
     """y per row from the residual of the processed rows ``p_n``, ``q_n`` (single device, JAX code).
 
     ``t_sel`` / ``d_sel`` are the statistics of row ``n`` (:func:`_accept_lazily`).
     Only row ``n`` of the target logits (and of the draft logits, when a draft
     token was rejected) is turned into probabilities, inside
-    :func:`specjax.kernels.rejection.draw_rows`. (On CPU the C++
-    :func:`specjax.kernels.cpu_kernels.verify` does the whole step instead.)
+    :func:`specjax.kernels.rejection.draw_rows`. ``draft_logits=None``: ``q_n``
+    is the point mass at ``x_n`` (i32[B, G] ``x``). (On CPU the C++
+    :func:`specjax.kernels.cpu_kernels.verify` does the step with draft logits.)
     """
-    g = draft_logits.shape[1]
+    g = x.shape[1]
     vocab = target_logits.shape[-1]
-    if d_sel is not None:
-        d_pos = jnp.minimum(n, g - 1)
-        has_q = n < num_draft_tokens
-    else:
-        d_pos, d_sel, has_q = n, t_sel, jnp.zeros_like(n, dtype=bool)
-    no_draft = g == 0
+    d_pos = jnp.minimum(n, max(g - 1, 0))
+    has_q = n < num_draft_tokens
+    if d_sel is None:
+        d_sel = t_sel  # unused
+    mode = "none" if g == 0 else "point" if draft_logits is None else "logits"
 
     def row_fn(row):
-        t_logits, d_logits, n_b, d_b, has_q_b, t_st, d_st = row
+        t_logits, d_logits, x_b, n_b, d_b, has_q_b, t_st, d_st = row
         # The ids are made here, inside the draw's loop, where they fuse into their
         # consumers: an arange from outside would be a V-sized buffer made per call.
         ids = lax.iota(jnp.int32, vocab)
         p_row = probs_from_stats(t_st, lax.dynamic_index_in_dim(t_logits, n_b, 0, keepdims=False), ids)
-        if no_draft:
+        if mode == "none":
             return p_row, jnp.zeros_like(p_row)
-        q_row = probs_from_stats(d_st, lax.dynamic_index_in_dim(d_logits, d_b, 0, keepdims=False), ids)
+        if mode == "point":
+            q_row = point_mass(lax.dynamic_index_in_dim(x_b, d_b, 0, keepdims=False), ids, jnp.float32)
+        else:
+            q_row = probs_from_stats(d_st, lax.dynamic_index_in_dim(d_logits, d_b, 0, keepdims=False), ids)
         return p_row, jnp.where(has_q_b, q_row, 0)
 
-    return draw_rows((target_logits, draft_logits, n, d_pos, has_q, t_sel, d_sel), row_fn, sample_uniforms)
+    return draw_rows((target_logits, draft_logits, x, n, d_pos, has_q, t_sel, d_sel), row_fn, sample_uniforms)
 
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
@@ -890,7 +906,8 @@ def _verify_summary(draft_tokens, k, target_logits, draft_logits):
     valid = jnp.arange(g)[None, :] < k[:, None]
     ids = jnp.where(valid, draft_tokens, 0)
     lo_hi = jnp.stack([jnp.min(ids), jnp.max(ids)]).astype(jnp.int32) if g else jnp.zeros(2, jnp.int32)
-    return lo_hi, _all_rows_finite(target_logits), _all_rows_finite(draft_logits)
+    d_finite = jnp.bool_(True) if draft_logits is None else _all_rows_finite(draft_logits)
+    return lo_hi, _all_rows_finite(target_logits), d_finite
 
 
 def _check_logits(name: str, logits: jax.Array, finite: bool | None = None) -> None:
@@ -922,7 +939,10 @@ def verify_from_logits(
 
     Args:
       draft_tokens: i32/i64[B, G], ``x_i``; entries at positions ``>= k_b`` are ignored.
-      draft_logits: f[B, G, V]: the draft model's logits the ``x_i`` were sampled from.
+      draft_logits: f[B, G, V]: the draft model's logits the ``x_i`` were sampled
+        from; or None for deterministic proposals (an n-gram match): each ``q_i``
+        is then the point mass at ``x_i`` (see :func:`specjax.rejection_sample`),
+        at every temperature, with the target processed as usual.
       target_logits: f[B, G+1, V]: the target model's logits at the same positions,
         plus the one after the last draft token.
       key: a JAX PRNG key, or one per row (shape (B,)) so that a row's outcome does
@@ -956,27 +976,32 @@ def verify_from_logits(
     gathering the vocabulary (:mod:`specjax.kernels.sharded`, ``docs/distributed.md``).
     """
     draft_tokens = _v.as_array("draft_tokens", _v.token_ids_unchecked(draft_tokens, validate))
-    draft_logits = _v.as_array("draft_logits", draft_logits)
+    point_masses = draft_logits is None
+    if not point_masses:
+        draft_logits = _v.as_array("draft_logits", draft_logits)
     target_logits = _v.as_array("target_logits", target_logits)
     _v.check_rank("draft_tokens", draft_tokens, 2, "BG")
-    _v.check_rank("draft_logits", draft_logits, 3, "BGV")
+    if not point_masses:
+        _v.check_rank("draft_logits", draft_logits, 3, "BGV")
     _v.check_rank("target_logits", target_logits, 3, ("B", "G+1", "V"))
     batch, g = draft_tokens.shape
     vocab = target_logits.shape[2]
     logits_bg = (target_logits.shape[0], target_logits.shape[1] - 1)
-    if tuple(draft_logits.shape[:2]) == logits_bg and (batch, g) != logits_bg:
+    if not point_masses and tuple(draft_logits.shape[:2]) == logits_bg and (batch, g) != logits_bg:
         # both logits agree: the tokens are the odd one out (B and G are read from them below)
         raise ValueError(f"draft_tokens: expected shape (B, G) = {logits_bg} like the logits, got {(batch, g)}")
-    if draft_logits.ndim == 3 and draft_logits.shape[2] != vocab:
+    if not point_masses and draft_logits.shape[2] != vocab:
         raise ValueError(
             f"draft_logits: expected the target's vocabulary size V = {vocab}, got {draft_logits.shape[2]} "
             "(pad the smaller vocabulary with -inf logits first)"
         )
     _v.check_shape("target_logits", target_logits, (batch, g + 1, vocab), ("B", "G+1", "V"))
-    _v.check_shape("draft_logits", draft_logits, (batch, g, vocab), "BGV")
+    if not point_masses:
+        _v.check_shape("draft_logits", draft_logits, (batch, g, vocab), "BGV")
     if vocab == 0:
         raise ValueError("target_logits: expected a vocabulary size V >= 1, got V = 0")
-    _v.check_float("draft_logits", draft_logits)
+    if not point_masses:
+        _v.check_float("draft_logits", draft_logits)
     _v.check_float("target_logits", target_logits)
     draft_tokens = _v.as_token_ids("draft_tokens", draft_tokens)
     key = as_key(key, batch)
@@ -994,7 +1019,8 @@ def verify_from_logits(
         return {"num_accepted": jnp.zeros((0,), jnp.int32), "tokens": jnp.zeros((0, g + 1), jnp.int32)}
     if validate:  # one fused check, one transfer to the host
         # read by the check and the step
-        draft_tokens, draft_logits, target_logits = map(_v.for_jit, (draft_tokens, draft_logits, target_logits))
+        draft_tokens, target_logits = _v.for_jit(draft_tokens), _v.for_jit(target_logits)
+        draft_logits = None if point_masses else _v.for_jit(draft_logits)
         lo_hi, t_finite, d_finite = jax.device_get(_verify_summary(draft_tokens, k, target_logits, draft_logits))
         lo, hi = (int(v) for v in np.asarray(lo_hi))
         if lo < 0 or hi >= vocab:
@@ -1003,7 +1029,8 @@ def verify_from_logits(
                 f"got values in [{lo}, {hi}]"
             )
         _check_logits("target_logits", target_logits, bool(t_finite))
-        _check_logits("draft_logits", draft_logits, bool(d_finite))
+        if not point_masses:
+            _check_logits("draft_logits", draft_logits, bool(d_finite))
     from specjax.kernels import sharded  # lazy: sharded imports this module
 
     layout = sharded.mesh_layout(target_logits, "target_logits")  # split over B and/or V?

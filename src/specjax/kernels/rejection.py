@@ -343,60 +343,88 @@ def _draw_one(read: Callable[[], tuple[jax.Array, jax.Array]], s: jax.Array) -> 
     return (b * k + jnp.where(found & (j < k), j, last_in)).astype(jnp.int32)
 
 
-def _gather_draft_probs(target_probs: jax.Array, draft_probs: jax.Array,
+def point_mass(token: jax.Array, ids: jax.Array, dtype: Any) -> jax.Array:
+    """f[..., V]: the point mass at ``token`` (i32[...]) over ``ids`` (i32[V]).
+
+    The draft distribution of a deterministic proposal (an n-gram match, a
+    greedy head): ``q(v) = [v == token]``. Then test ``i`` reads ``u_i < p_i(x_i)``
+    and the residual ``max(p_n - q_n, 0)`` is ``p_n`` with ``x_n`` removed. Built
+    one row at a time inside the draw, never as a (B, G, V) array.
+    """
+    return (ids == token[..., None]).astype(dtype)
+
+
+def _gather_draft_probs(target_probs: jax.Array, draft_probs: jax.Array | None,
                         draft_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(p_i(x_i), q_i(x_i))``: f[B, G] each, in the inputs' dtypes; B·G scalars, never (B, G, V).
+
+    ``draft_probs=None`` means point masses: ``q_i(x_i) = 1``. An id outside
+    [0, V) (possible with ``validate=False``) has probability 0 on both sides,
+    so it is never accepted.
 
     One row at a time (``lax.map`` over row indices, the inputs loop
     invariants): on XLA:CPU a gather over the whole (B, G, V) arrays at once
     was several times slower, more so as G grows.
     """
+    vocab = target_probs.shape[-1]
 
     def one(i: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = lax.dynamic_index_in_dim(draft_tokens, i, 0, keepdims=False)[:, None]  # i32[G, 1]
+        x = lax.dynamic_index_in_dim(draft_tokens, i, 0, keepdims=False)  # i32[G]
+        inside = (x >= 0) & (x < vocab)
+        xc = jnp.clip(x, 0, vocab - 1)[:, None]
         p_row = lax.dynamic_index_in_dim(target_probs, i, 0, keepdims=False)[: x.shape[0]]
+        p_x = jnp.where(inside, jnp.take_along_axis(p_row, xc, axis=1)[:, 0], 0)
+        if draft_probs is None:
+            return p_x, jnp.ones_like(p_x)
         q_row = lax.dynamic_index_in_dim(draft_probs, i, 0, keepdims=False)
-        return jnp.take_along_axis(p_row, x, axis=1)[:, 0], jnp.take_along_axis(q_row, x, axis=1)[:, 0]
+        return p_x, jnp.where(inside, jnp.take_along_axis(q_row, xc, axis=1)[:, 0], 0)
 
     return lax.map(one, jnp.arange(draft_tokens.shape[0], dtype=jnp.int32))
 
 
-# Recompiles only when the shapes or dtypes of the five inputs change.
+# Recompiles only when the shapes or dtypes of the five inputs change, or
+# draft_probs switches between an array and None (point masses).
 @jax.jit
 def _rejection_sample_jit(
     draft_tokens: jax.Array,
-    draft_probs: jax.Array,
+    draft_probs: jax.Array | None,
     target_probs: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
 ) -> dict[str, jax.Array]:
     g = draft_tokens.shape[1]
-    ct = compute_dtype(jnp.result_type(draft_probs.dtype, target_probs.dtype))
+    q_dtype = target_probs.dtype if draft_probs is None else draft_probs.dtype
+    ct = compute_dtype(jnp.result_type(q_dtype, target_probs.dtype))
     draft_tokens = draft_tokens.astype(jnp.int32)
     p_x, q_x = _gather_draft_probs(target_probs, draft_probs, draft_tokens)
     p_x, q_x = p_x.astype(ct), q_x.astype(ct)
     n = num_accepted_from_ratios(p_x, q_x, below_one(accept_uniforms.astype(ct)))
+    vocab = target_probs.shape[-1]
 
     def row_fn(row):
-        p_b, q_b, n_b = row  # f[G+1, V], f[G, V], i32[]
+        p_b, q_b, x_b, n_b = row  # f[G+1, V], f[G, V] or None, i32[G], i32[]
         p_row = lax.dynamic_index_in_dim(p_b, n_b, 0, keepdims=False).astype(ct)
         if g == 0:
             return p_row, jnp.zeros_like(p_row)
-        q_row = lax.dynamic_index_in_dim(q_b, jnp.minimum(n_b, g - 1), 0, keepdims=False).astype(ct)
+        pos = jnp.minimum(n_b, g - 1)
+        if q_b is None:
+            q_row = point_mass(lax.dynamic_index_in_dim(x_b, pos, 0, keepdims=False), lax.iota(jnp.int32, vocab), ct)
+        else:
+            q_row = lax.dynamic_index_in_dim(q_b, pos, 0, keepdims=False).astype(ct)
         return p_row, jnp.where(n_b < g, q_row, 0)
 
     def jax_draw() -> jax.Array:
-        return draw_rows((target_probs, draft_probs, n), row_fn, sample_uniforms.astype(ct))
+        return draw_rows((target_probs, draft_probs, draft_tokens, n), row_fn, sample_uniforms.astype(ct))
 
     def cpu_draw() -> jax.Array:
         # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels.draw_probs).
-        vocab = target_probs.shape[-1]
         rows = cpu_kernels.draw_rows_index(n, g)
         return cpu_kernels.draw_probs(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), rows,
                                       sample_uniforms.astype(ct))
 
     # float32 inputs only: others would need a converted copy of the whole inputs.
-    if target_probs.dtype == draft_probs.dtype == ct == jnp.float32 and cpu_kernels.available():
+    if (draft_probs is not None and target_probs.dtype == draft_probs.dtype == ct == jnp.float32
+            and cpu_kernels.available()):
         y = lax.platform_dependent(cpu=cpu_draw, default=jax_draw)
     else:
         y = jax_draw()
@@ -416,7 +444,11 @@ def rejection_sample(
 
     Args:
       draft_tokens: i32[B, G] or i64[B, G], ``x_i``, in [0, V).
-      draft_probs: f[B, G, V], ``q_i``: the distribution ``x_i`` was sampled from.
+      draft_probs: f[B, G, V], ``q_i``: the distribution ``x_i`` was sampled from;
+        or None when each ``x_i`` was proposed deterministically (an n-gram
+        match, a greedy head): ``q_i`` is then the point mass at ``x_i``, so test
+        ``i`` passes iff ``u_i < p_i(x_i)`` and a correction token is drawn
+        from ``p_n`` without ``x_n`` (renormalised). No (B, G, V) array is built.
       target_probs: f[B, G+1, V], ``p_i``; ``p_G`` follows the last draft token.
       accept_uniforms: f[B, G], ``u_i`` in [0, 1).
       sample_uniforms: f[B], ``s`` in [0, 1).

@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextvars
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -81,6 +81,7 @@ from specjax.kernels.rejection import (
     compute_dtype,
     inverse_cdf,
     num_accepted_from_ratios,
+    point_mass,
     residual_weights,
     row_sums,
     to_blocks,
@@ -444,10 +445,14 @@ def _psum_owned(values: tuple[jax.Array, ...], axis_name: AxisName) -> tuple[jax
 
 def _rejection_body(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *,
                     vocab_axis: AxisName, per_shard: bool):
-    """One shard's step: rows of its batch slice, columns of its vocabulary slice."""
+    """One shard's step: rows of its batch slice, columns of its vocabulary slice.
+
+    ``draft_probs=None``: point masses at the draft tokens (``q_i(x_i) = 1``).
+    """
     g = draft_tokens.shape[1]
     size = target_probs.shape[2]
-    ct = compute_dtype(jnp.result_type(draft_probs.dtype, target_probs.dtype))
+    q_dtype = target_probs.dtype if draft_probs is None else draft_probs.dtype
+    ct = compute_dtype(jnp.result_type(q_dtype, target_probs.dtype))
     offset = lax.axis_index(vocab_axis) * size if vocab_axis else 0
     x = draft_tokens.astype(jnp.int32)
     if g > 0:
@@ -456,7 +461,10 @@ def _rejection_body(draft_tokens, draft_probs, target_probs, accept_uniforms, sa
         idx = jnp.clip(local, 0, size - 1)[:, :, None]
         # Gather in the input dtype, zero elsewhere, then one psum of (B, G) pairs.
         p_x = jnp.where(inside, jnp.take_along_axis(target_probs[:, :g], idx, axis=2)[:, :, 0], 0)
-        q_x = jnp.where(inside, jnp.take_along_axis(draft_probs, idx, axis=2)[:, :, 0], 0)
+        if draft_probs is None:
+            q_x = jnp.where(inside, jnp.ones_like(p_x), 0)
+        else:
+            q_x = jnp.where(inside, jnp.take_along_axis(draft_probs, idx, axis=2)[:, :, 0], 0)
         if vocab_axis:
             p_x, q_x = _psum_owned((p_x, q_x), vocab_axis)
         n = num_accepted_from_ratios(p_x.astype(ct), q_x.astype(ct), below_one(accept_uniforms.astype(ct)))
@@ -465,7 +473,12 @@ def _rejection_body(draft_tokens, draft_probs, target_probs, accept_uniforms, sa
 
     p_n = jnp.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0].astype(ct)
     if g > 0:
-        q_n = jnp.take_along_axis(draft_probs, jnp.minimum(n, g - 1)[:, None, None], axis=1)[:, 0]
+        pos = jnp.minimum(n, g - 1)
+        if draft_probs is None:
+            x_n = jnp.take_along_axis(x, pos[:, None], axis=1)[:, 0]
+            q_n = point_mass(x_n, lax.iota(jnp.int32, size) + offset, ct)
+        else:
+            q_n = jnp.take_along_axis(draft_probs, pos[:, None, None], axis=1)[:, 0]
         q_n = jnp.where((n < g)[:, None], q_n.astype(ct), 0)
     else:
         q_n = jnp.zeros_like(p_n)
@@ -475,6 +488,15 @@ def _rejection_body(draft_tokens, draft_probs, target_probs, accept_uniforms, sa
     if per_shard:
         out = {key: v[None] for key, v in out.items()}
     return out
+
+
+def _without_draft(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body`` for point-mass drafts: shard_map passes no draft array, the body gets None."""
+
+    def run(draft_tokens, *rest, **kwargs):
+        return body(draft_tokens, None, *rest, **kwargs)
+
+    return run
 
 
 def _out_specs(layout: MeshLayout, per_shard: bool) -> dict[str, P]:
@@ -503,18 +525,23 @@ def _rejection_sample_mesh_jit(draft_tokens, draft_probs, target_probs, accept_u
     b_pad = _round_up(b, layout.size(ba))
     v_pad = _round_up(vocab, layout.size(va))
     # Padded rows and ids have zero probabilities: ids are never drawn, rows are cut off.
+    point_masses = draft_probs is None
     args = (
         _constrain(_pad_to(draft_tokens, 0, b_pad), mesh, P(ba, None)),
-        _constrain(_pad_to(_pad_to(draft_probs, 0, b_pad), 2, v_pad), mesh, P(ba, None, va)),
+        *(() if point_masses else
+          (_constrain(_pad_to(_pad_to(draft_probs, 0, b_pad), 2, v_pad), mesh, P(ba, None, va)),)),
         _constrain(_pad_to(_pad_to(target_probs, 0, b_pad), 2, v_pad), mesh, P(ba, None, va)),
         _constrain(_pad_to(accept_uniforms, 0, b_pad), mesh, P(ba, None)),
         _constrain(_pad_to(sample_uniforms, 0, b_pad), mesh, P(ba)),
     )
     body = partial(_rejection_body, vocab_axis=va, per_shard=per_shard)
+    if point_masses:
+        body = _without_draft(body)
     out = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(ba, None), P(ba, None, va), P(ba, None, va), P(ba, None), P(ba)),
+        in_specs=(P(ba, None), *(() if point_masses else (P(ba, None, va),)), P(ba, None, va), P(ba, None),
+                  P(ba)),
         out_specs=_out_specs(layout, per_shard),
         # all_gather results count as varying, so replication can't be inferred;
         # it holds by construction and tests check it with per_shard=True.
@@ -525,7 +552,7 @@ def _rejection_sample_mesh_jit(draft_tokens, draft_probs, target_probs, accept_u
 
 def rejection_sample_on_mesh(
     draft_tokens: jax.Array,
-    draft_probs: jax.Array,
+    draft_probs: jax.Array | None,
     target_probs: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
@@ -541,7 +568,7 @@ def rejection_sample_on_mesh(
     ba, va = layout.batch_axis, layout.vocab_axis
     args = (
         _place(draft_tokens, layout, P(ba, None)),
-        _place(draft_probs, layout, P(ba, None, va)),
+        None if draft_probs is None else _place(draft_probs, layout, P(ba, None, va)),
         _place(target_probs, layout, P(ba, None, va)),
         _place(accept_uniforms, layout, P(ba, None)),
         _place(sample_uniforms, layout, P(ba)),
@@ -635,9 +662,11 @@ def _verify_mesh_jit(draft_tokens, draft_logits, target_logits, key, temperature
     b_pad = _round_up(b, layout.size(ba))
     v_pad = _round_up(vocab, layout.size(va))
     row = P(ba)
+    point_masses = draft_logits is None
     args = (
         _constrain(_pad_to(draft_tokens, 0, b_pad), mesh, P(ba, None)),
-        _constrain(_pad_to(_pad_to(draft_logits, 0, b_pad), 2, v_pad, -jnp.inf), mesh, P(ba, None, va)),
+        *(() if point_masses else
+          (_constrain(_pad_to(_pad_to(draft_logits, 0, b_pad), 2, v_pad, -jnp.inf), mesh, P(ba, None, va)),)),
         _constrain(_pad_to(_pad_to(target_logits, 0, b_pad), 2, v_pad, -jnp.inf), mesh, P(ba, None, va)),
         _constrain(_pad_to(u, 0, b_pad), mesh, P(ba, None)),
         _constrain(_pad_to(temperature, 0, b_pad, 1), mesh, row),
@@ -646,10 +675,13 @@ def _verify_mesh_jit(draft_tokens, draft_logits, target_logits, key, temperature
         _constrain(_pad_to(num_draft_tokens, 0, b_pad), mesh, row),
     )
     body = partial(_verify_body, vocab_axis=va, use_top_k=use_top_k, use_top_p=use_top_p, per_shard=per_shard)
+    if point_masses:
+        body = _without_draft(body)
     out = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(ba, None), P(ba, None, va), P(ba, None, va), P(ba, None), row, row, row, row),
+        in_specs=(P(ba, None), *(() if point_masses else (P(ba, None, va),)), P(ba, None, va), P(ba, None),
+                  row, row, row, row),
         out_specs=_out_specs(layout, per_shard),
         # all_gather results count as varying, so replication can't be inferred;
         # it holds by construction and tests check it with per_shard=True.
@@ -666,7 +698,7 @@ def verify_on_mesh(draft_tokens, draft_logits, target_logits, key, temperature, 
     row = P(ba)
     return _verify_mesh_jit(
         _place(draft_tokens, layout, P(ba, None)),
-        _place(draft_logits, layout, P(ba, None, va)),
+        None if draft_logits is None else _place(draft_logits, layout, P(ba, None, va)),
         _place(target_logits, layout, P(ba, None, va)),
         _place(key, layout, P()),
         _place(temperature, layout, row),

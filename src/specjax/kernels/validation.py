@@ -176,7 +176,7 @@ def _kernel_value_summary(draft_tokens, draft_probs, target_probs, accept_unifor
         x32 = x.astype(jnp.float32)
         return jnp.sum(~jnp.isfinite(x32)), jnp.sum(x32 < 0)
 
-    dp_nonfinite, dp_neg = bad(draft_probs)
+    dp_nonfinite, dp_neg = bad(draft_probs) if draft_probs is not None else (0, 0)
     tp_nonfinite, tp_neg = bad(target_probs)
     u = accept_uniforms
     s = sample_uniforms
@@ -229,20 +229,24 @@ def convert_kernel_inputs(
             if _is_torch(x) and x.dtype.is_floating_point and x.element_size() == 8:
                 wide[name] = x.detach().cpu().numpy()
     draft_tokens = as_array("draft_tokens", token_ids_unchecked(draft_tokens, validate))
-    draft_probs = as_array("draft_probs", draft_probs)
+    point_mass = draft_probs is None  # q_i is the point mass at x_i
+    if not point_mass:
+        draft_probs = as_array("draft_probs", draft_probs)
     target_probs = as_array("target_probs", target_probs)
     accept_uniforms = as_array("accept_uniforms", accept_uniforms)
     sample_uniforms = as_array("sample_uniforms", sample_uniforms)
 
     check_rank("draft_tokens", draft_tokens, 2, "BG")
-    check_rank("draft_probs", draft_probs, 3, "BGV")
+    if not point_mass:
+        check_rank("draft_probs", draft_probs, 3, "BGV")
     check_rank("target_probs", target_probs, 3, ("B", "G+1", "V"))
     check_rank("accept_uniforms", accept_uniforms, 2, "BG")
     check_rank("sample_uniforms", sample_uniforms, 1, "B")
     b, g = draft_tokens.shape
     vocab = target_probs.shape[2]
     check_shape("target_probs", target_probs, (b, g + 1, vocab), ("B", "G+1", "V"))
-    check_shape("draft_probs", draft_probs, (b, g, vocab), "BGV")
+    if not point_mass:
+        check_shape("draft_probs", draft_probs, (b, g, vocab), "BGV")
     check_shape("accept_uniforms", accept_uniforms, (b, g), "BG")
     check_shape("sample_uniforms", sample_uniforms, (b,), "B")
     if vocab == 0:
@@ -254,7 +258,8 @@ def convert_kernel_inputs(
         ("accept_uniforms", accept_uniforms),
         ("sample_uniforms", sample_uniforms),
     ):
-        check_float(name, x)
+        if x is not None:
+            check_float(name, x)
     host_checked = set()
     if validate:
         # NumPy uniforms are range-checked in their own precision, before JAX may
@@ -275,7 +280,7 @@ def convert_kernel_inputs(
                 f"draft_tokens: expected token ids in [0, V) = [0, {vocab}), "
                 f"got values in [{summary['tok_min']}, {summary['tok_max']}]"
             )
-        for name in ("draft_probs", "target_probs"):
+        for name in ("target_probs",) if point_mass else ("draft_probs", "target_probs"):
             if summary[f"{name}_nonfinite"]:
                 raise ValueError(
                     f"{name}: expected finite probabilities, got {summary[f'{name}_nonfinite']} NaN or infinite values"
@@ -298,7 +303,8 @@ def convert_kernel_inputs(
             )
 
     return tuple(  # type: ignore[return-value]
-        for_jit(x) for x in (draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms))
+        None if x is None else for_jit(x)
+        for x in (draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms))
 
 
 def for_jit(x: Any) -> Any:
