@@ -1,19 +1,55 @@
-"""Shared output of the benchmark scripts: result rows appended to a JSONL file."""
+"""Shared output of the benchmark scripts: result rows appended to a JSONL file.
+
+Every row gets a ``run`` field saying what produced it (commit, command, time,
+load average, machine), the same for all rows of one process, so that
+``scripts/render_benchmarks.py`` can tell runs apart and render the latest
+run of each file (``benchmarks/results/*.jsonl`` are the committed ones).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import subprocess
+import sys
+import time
 from collections.abc import Iterable
+from functools import cache
 from typing import Any
 
 
+@cache
+def run_info() -> dict[str, Any]:
+    """What produced this process's rows: commit (``+dirty`` with local changes), command, time, load."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no", "src", "benchmarks"):
+        commit += "+dirty"
+    return {
+        "commit": commit,
+        "command": " ".join(["python", os.path.relpath(sys.argv[0], root), *sys.argv[1:]]),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+    }
+
+
 def append_jsonl(path: str, rows: Iterable[dict[str, Any]]) -> None:
-    """Append one JSON object per row to ``path`` (its directory is created)."""
+    """Append one JSON object per row to ``path`` (its directory is created), each with :func:`run_info`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    info = run_info()
     with open(path, "a", encoding="utf-8") as fh:
         for r in rows:
-            fh.write(json.dumps(r) + "\n")
+            fh.write(json.dumps({**r, "run": r.get("run", info)}, ensure_ascii=False) + "\n")
 
 
 def flat_record(row: Any) -> dict[str, Any]:
