@@ -139,7 +139,7 @@ def logits_inputs(batch: int, g: int, vocab: int, seed: int, filters: bool, row_
     target[:, :, ::97] = np.round(target[:, :, ::97])  # ties
     draft[:, :, 5::101] = -np.inf  # tokens the draft never proposes
     if batch > 2:
-        target[2, :, vocab // 2:] = -np.inf  # a target that excludes half the vocabulary
+        target[2, :, vocab // 2 :] = -np.inf  # a target that excludes half the vocabulary
     temperature = np.resize(np.array([0.0, 0.7, 1.0, 1.6], np.float32), batch)
     scaled = draft / np.where(temperature > 0, temperature, 1)[:, None, None]
     gumbel = rng.gumbel(size=draft.shape).astype(np.float32)
@@ -179,8 +179,10 @@ def assert_equal(ref: dict, got: dict, what: str) -> str:
     for key in ("num_accepted", "tokens"):
         if ref[key].shape != got[key].shape or not np.array_equal(ref[key], got[key]):
             rows = np.nonzero(np.any((ref[key] != got[key]).reshape(len(ref[key]), -1), axis=1))[0]
-            raise AssertionError(f"{what}: {key} differs from one device in rows {rows.tolist()}: "
-                                 f"{ref[key][rows].tolist()} vs {got[key][rows].tolist()}")
+            raise AssertionError(
+                f"{what}: {key} differs from one device in rows {rows.tolist()}: "
+                f"{ref[key][rows].tolist()} vs {got[key][rows].tolist()}"
+            )
     n = ref["num_accepted"]
     return f"equal; num_accepted histogram {np.bincount(n).tolist()}"
 
@@ -227,8 +229,7 @@ def run_case(case: Case, mesh_name: str) -> str:
         else:
             got = rejection_sample_sharded(*args, mesh=mesh, batch_axis="b", vocab_axis="v")
     else:
-        x, dl, tl, kwargs = logits_inputs(case.batch, case.num_draft, case.vocab, seed, case.filters,
-                                          case.row_keys)
+        x, dl, tl, kwargs = logits_inputs(case.batch, case.num_draft, case.vocab, seed, case.filters, case.row_keys)
         ref = verify_from_logits(x, dl, tl, **kwargs)
         if case.path == "detect":
             got = verify_from_logits(
@@ -277,10 +278,10 @@ def per_shard_probs(bad: bool) -> dict:
         return _rejection_body(x, q, p, uu[:, :-1], uu[:, -1], vocab_axis="v", per_shard=True)
 
     specs = (P("b", None), P("b", None, "v"), P("b", None, "v"), P())
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=_out_specs(layout, True),
-                               check_vma=False))
-    return fn(*(place(a, mesh, spec) for a, spec in zip((x, q, p), specs, strict=False)),
-              place(jax.random.key(0), mesh, P()))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=_out_specs(layout, True), check_vma=False))
+    return fn(
+        *(place(a, mesh, spec) for a, spec in zip((x, q, p), specs, strict=False)), place(jax.random.key(0), mesh, P())
+    )
 
 
 def check_copies(ref: dict, got: dict) -> str:
@@ -313,15 +314,25 @@ def hlo_inputs(mesh, kernel: str, filters: bool = False) -> tuple[tuple, dict, A
     big, row, pair = P("b", None, "v"), P("b"), P("b", None)
     if kernel == "probs":
         x, q, p, u, s = probs_inputs(b, g, v, seed=5)
-        args = (place(x, mesh, pair), place(q, mesh, big), place(p, mesh, big), place(u, mesh, pair),
-                place(s, mesh, row))
+        args = (
+            place(x, mesh, pair),
+            place(q, mesh, big),
+            place(p, mesh, big),
+            place(u, mesh, pair),
+            place(s, mesh, row),
+        )
         return args, {"layout": layout}, rejection_sample(x, q, p, u, s)
     x, dl, tl, kw = logits_inputs(b, g, v, seed=5, filters=filters, row_keys=False)
     temperature, top_k, omp = _prepare_params(kw["temperature"], kw.get("top_k"), kw.get("top_p"), b, False)
     if top_k is None:
         top_k, omp = np.zeros(b, np.int32), np.zeros(b, np.float32)
-    args = (place(x, mesh, pair), place(dl, mesh, big), place(tl, mesh, big), place(kw["key"], mesh, P()),
-            *(place(np.asarray(a), mesh, row) for a in (temperature, top_k, omp, kw["num_draft_tokens"])))
+    args = (
+        place(x, mesh, pair),
+        place(dl, mesh, big),
+        place(tl, mesh, big),
+        place(kw["key"], mesh, P()),
+        *(place(np.asarray(a), mesh, row) for a in (temperature, top_k, omp, kw["num_draft_tokens"])),
+    )
     static = {"layout": layout, "use_top_k": filters, "use_top_p": filters}
     return args, static, verify_from_logits(x, dl, tl, **kw)
 
@@ -339,11 +350,15 @@ def naive_rejection_jit(mesh):
         p = lax.all_gather(p, "v", axis=2, tiled=True)
         return _rejection_body(x, q, p, u, s, vocab_axis=None, per_shard=False)
 
-    return jax.jit(jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(P("b", None), P("b", None, "v"), P("b", None, "v"), P("b", None), P("b")),
-        out_specs={"num_accepted": P("b"), "tokens": P("b", None)}, check_vma=False,
-    ))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("b", None), P("b", None, "v"), P("b", None, "v"), P("b", None), P("b")),
+            out_specs={"num_accepted": P("b"), "tokens": P("b", None)},
+            check_vma=False,
+        )
+    )
 
 
 def vocab_sized(collectives: list[dict], vocab_local: int) -> list[dict]:
@@ -367,7 +382,8 @@ def hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
     assert found, "no collectives at all: is the vocabulary really split?"
     offenders = vocab_sized(found, vocab_local)
     assert not offenders, "collectives carrying a vocabulary dimension:\n" + "\n".join(
-        c["line"][:300] for c in offenders)
+        c["line"][:300] for c in offenders
+    )
     # A collective inside a loop reuses one rendezvous key per iteration on XLA:CPU,
     # and a device running ahead can join the wrong iteration's rendezvous (a crash
     # under load); see sharded._smallest_float.
@@ -376,8 +392,10 @@ def hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
     assert_equal(ref, compiled(*args), f"{kernel} on {mesh_name}")
     total = sum(c["operand_bytes"] * c["count"] for c in found)
     biggest = max(c["max_dim"] for c in found)
-    return (f"{len(found)} collectives, largest dimension {biggest} < V/S = {vocab_local}, "
-            f"{total} operand bytes per device per call; results equal one device's")
+    return (
+        f"{len(found)} collectives, largest dimension {biggest} < V/S = {vocab_local}, "
+        f"{total} operand bytes per device per call; results equal one device's"
+    )
 
 
 # --------------------------------------------------------------------------- rounding
@@ -412,8 +430,9 @@ def worker(process_id: int, num_processes: int, port: int, out: str) -> None:
 
     import specjax
 
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{port}", num_processes=num_processes, process_id=process_id
+    )
     mesh = jax.make_mesh((2, len(jax.devices()) // 2), ("b", "v"))  # the devices of all processes
 
     def global_array(x, spec):
@@ -424,6 +443,9 @@ def worker(process_id: int, num_processes: int, port: int, out: str) -> None:
     big = P("b", None, "v")
     probs = specjax.rejection_sample(x, global_array(q, big), global_array(p, big), u, s)
     logits = specjax.verify_from_logits(xl, global_array(dl, big), global_array(tl, big), **kwargs)
-    result = {f"{kernel}_{k}": multihost_utils.process_allgather(v, tiled=True)
-              for kernel, r in (("probs", probs), ("logits", logits)) for k, v in r.items()}
+    result = {
+        f"{kernel}_{k}": multihost_utils.process_allgather(v, tiled=True)
+        for kernel, r in (("probs", probs), ("logits", logits))
+        for k, v in r.items()
+    }
     np.savez(f"{out}_{process_id}.npz", **result)

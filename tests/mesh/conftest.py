@@ -29,8 +29,10 @@ def _jax_backend_started() -> bool:
 
 
 if _jax_backend_started():
-    raise pytest.UsageError("tests/mesh: JAX was initialised before tests/mesh/conftest.py could ask for "
-                            f"{DEVICES} devices; run the mesh tests as their own session: pytest tests/mesh")
+    raise pytest.UsageError(
+        "tests/mesh: JAX was initialised before tests/mesh/conftest.py could ask for "
+        f"{DEVICES} devices; run the mesh tests as their own session: pytest tests/mesh"
+    )
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -40,5 +42,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     import jax
 
     if len(jax.devices()) < DEVICES:
-        raise pytest.UsageError(f"tests/mesh: need {DEVICES} devices, got {len(jax.devices())}: XLA_FLAGS "
-                                "must be set before JAX starts (run pytest tests/mesh on its own)")
+        raise pytest.UsageError(
+            f"tests/mesh: need {DEVICES} devices, got {len(jax.devices())}: XLA_FLAGS "
+            "must be set before JAX starts (run pytest tests/mesh on its own)"
+        )

@@ -33,10 +33,18 @@ def test_agreement_logits_1x8() -> None:
 
     x, dl, tl, kwargs = logits_inputs(16, 4, 1000, seed=11, filters=False, row_keys=False)
     got = verify_on_mesh(
-        jnp.asarray(x), jnp.asarray(dl), jnp.asarray(tl), kwargs["key"],
-        jnp.asarray(kwargs["temperature"]), jnp.zeros(16, jnp.int32), jnp.zeros(16, jnp.float32),
+        jnp.asarray(x),
+        jnp.asarray(dl),
+        jnp.asarray(tl),
+        kwargs["key"],
+        jnp.asarray(kwargs["temperature"]),
+        jnp.zeros(16, jnp.int32),
+        jnp.zeros(16, jnp.float32),
         jnp.asarray(kwargs["num_draft_tokens"]),
-        use_top_k=False, use_top_p=False, layout=MeshLayout(make_mesh(AGREE_MESH), "b", "v"), per_shard=True,
+        use_top_k=False,
+        use_top_p=False,
+        layout=MeshLayout(make_mesh(AGREE_MESH), "b", "v"),
+        per_shard=True,
     )
     check_copies(verify_from_logits(x, dl, tl, **kwargs), got)
 
@@ -65,8 +73,11 @@ def test_cutoff_topk_topp_1x8() -> None:
     omp = rng.choice([0.0, 0.1, 0.5, 0.9, 0.99, 1 - 1e-9], rows).astype(np.float32)
     mesh = make_mesh("1x8")
     specs = (P(None, "v"), P(), P())
-    fn = jax.jit(jax.shard_map(lambda s, k, o: sharded_cutoff(s, k, o, "v"), mesh=mesh, in_specs=specs,
-                               out_specs=P(), check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda s, k, o: sharded_cutoff(s, k, o, "v"), mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False
+        )
+    )
     got = np.asarray(fn(*(place(a, mesh, spec) for a, spec in zip((scaled, top_k, omp), specs, strict=True))))
     ref = np.asarray(jax.jit(_cutoff)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(omp)))
     kept_ref = scaled >= ref[:, None]

@@ -51,9 +51,14 @@ def test_tuple_vocab_axis_2x4() -> None:
 
     mesh = make_mesh("2x4")
     args = probs_inputs(16, 4, 1000, seed=3)
-    assert_equal(rejection_sample(*args), rejection_sample_sharded(*args, mesh=mesh, vocab_axis=("b", "v")),
-                 "probs over ('b', 'v')")
+    assert_equal(
+        rejection_sample(*args),
+        rejection_sample_sharded(*args, mesh=mesh, vocab_axis=("b", "v")),
+        "probs over ('b', 'v')",
+    )
     x, dl, tl, kw = logits_inputs(16, 4, 1000, seed=4, filters=True, row_keys=False)
-    assert_equal(verify_from_logits(x, dl, tl, **kw),
-                 verify_from_logits_sharded(x, dl, tl, mesh=mesh, vocab_axis=("v", "b"), **kw),
-                 "logits over ('v', 'b')")
+    assert_equal(
+        verify_from_logits(x, dl, tl, **kw),
+        verify_from_logits_sharded(x, dl, tl, mesh=mesh, vocab_axis=("v", "b"), **kw),
+        "logits over ('v', 'b')",
+    )

@@ -22,13 +22,21 @@ from sharded_inputs import (
 )
 
 
-@pytest.mark.parametrize(("mesh_name", "kernel", "filters"), [
-    ("1x8", "probs", False),
-    ("2x4", "probs", False),
-    ("1x8", "logits", True),
-    ("2x4", "logits", False),
-], ids=[f"hlo_probs_1x8_V{HLO_VOCAB}", f"hlo_probs_2x4_V{HLO_VOCAB}", f"hlo_logits_1x8_V{HLO_VOCAB}_topkp",
-        f"hlo_logits_2x4_V{HLO_VOCAB}"])
+@pytest.mark.parametrize(
+    ("mesh_name", "kernel", "filters"),
+    [
+        ("1x8", "probs", False),
+        ("2x4", "probs", False),
+        ("1x8", "logits", True),
+        ("2x4", "logits", False),
+    ],
+    ids=[
+        f"hlo_probs_1x8_V{HLO_VOCAB}",
+        f"hlo_probs_2x4_V{HLO_VOCAB}",
+        f"hlo_logits_1x8_V{HLO_VOCAB}_topkp",
+        f"hlo_logits_2x4_V{HLO_VOCAB}",
+    ],
+)
 def test_hlo_no_vocabulary_sized_collectives(mesh_name: str, kernel: str, filters: bool) -> None:
     hlo_check(mesh_name, kernel, filters)
 
@@ -73,4 +81,5 @@ def test_rounding_edge_s_below_one_1x8() -> None:
         below = cdf[y - 1] if y > 0 else 0.0
         assert w[y] > 0, f"row {b}: drew id {y} of zero weight"
         assert below <= s[b] + tol and cdf[y] > s[b] - tol, (
-            f"row {b}: id {y} is not within float32 rounding of the exact draw (cdf {below}..{cdf[y]})")
+            f"row {b}: id {y} is not within float32 rounding of the exact draw (cdf {below}..{cdf[y]})"
+        )

@@ -25,9 +25,16 @@ def test_multiprocess_2x4_two_processes(tmp_path: Path) -> None:
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port), f"{tmp_path}/out"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), "2", str(port), f"{tmp_path}/out"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = [proc.communicate(timeout=900)[0] for proc in procs]
     for i, proc in enumerate(procs):
         assert proc.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
@@ -36,5 +43,6 @@ def test_multiprocess_2x4_two_processes(tmp_path: Path) -> None:
     for i in range(2):
         got = np.load(f"{tmp_path}/out_{i}.npz")
         for kernel in ("probs", "logits"):
-            assert_equal(ref[kernel], {k: got[f"{kernel}_{k}"] for k in ("num_accepted", "tokens")},
-                         f"process {i}, {kernel}")
+            assert_equal(
+                ref[kernel], {k: got[f"{kernel}_{k}"] for k in ("num_accepted", "tokens")}, f"process {i}, {kernel}"
+            )
