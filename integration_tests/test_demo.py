@@ -35,6 +35,9 @@ def test_demo_runs_and_prints_table():
     # greedy speculative output is the target's own greedy output
     assert greedy.rstrip().endswith("yes"), greedy
     assert re.search(r"\d+\.\d\dx", greedy)
+    # tokens/s exclude model load and JIT compilation, which are reported apart
+    assert re.search(r"one-time work, not in the figures above: loading the target \d+\.\d s and the draft "
+                     r"\d+\.\d s; JIT compilation \d+\.\d s \(\d+\.\d s of it in the warm-up\)", out), out
 
 
 def _one_line(proc) -> str:

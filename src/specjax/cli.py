@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -114,18 +115,55 @@ def load_model(path: str, *, gguf_file: str | None, device: Any, role: str) -> t
             f"--{role} {path}: no such model directory (pass a local directory with config.json, "
             "or omit --target/--draft to use the embedded default pair)"
         )
+    if local.exists():
+        check_model_dir(local, role=role, gguf_file=gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # whatever a broken model makes transformers raise: one line, not a traceback
         raise CLIError(f"--{role} {path}: could not load a causal LM ({_first_line(err)})") from err
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    except (OSError, ValueError, TypeError) as err:
+    except Exception as err:
         raise CLIError(
             f"--{role} {path}: the model has no usable tokenizer ({_first_line(err)}); save one beside it"
         ) from err
     return model.to(device).eval(), tokenizer
+
+
+def check_model_dir(local: Path, *, role: str, gguf_file: str | None) -> None:
+    """Raise CLIError naming the file unless ``local`` looks like a loadable model directory.
+
+    Checked before transformers reads anything, whose errors for these cases are
+    tracebacks or misleading (a file given as the directory is read as a pickle,
+    and the error suggests turning off torch's safe loading). Reads only headers:
+    ``config.json`` must parse, and every ``*.safetensors`` file must have a
+    valid safetensors header that its size covers.
+    """
+    flag = f"--{role} {local}"
+    if not local.is_dir():
+        hint = " (for a GGUF file, pass its directory and --gguf-file NAME)" if local.suffix == ".gguf" else ""
+        raise CLIError(f"{flag}: is a file, expected a model directory with config.json and the weights{hint}")
+    if gguf_file:
+        if not (local / gguf_file).is_file():
+            raise CLIError(f"{flag}: no file {gguf_file} in the directory (--gguf-file)")
+        return
+    config = local / "config.json"
+    if not config.is_file():
+        raise CLIError(f"{flag}: no config.json in the directory (expected a transformers model directory)")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CLIError(f"{flag}: {config.name} is not readable JSON ({_first_line(err)})") from err
+    from safetensors import safe_open
+
+    for weights in sorted(local.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as fh:
+                fh.keys()
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise CLIError(f"{flag}: {weights.name} is not a valid safetensors file ({_first_line(err)}); "
+                           "save or download the model again") from err
 
 
 def _first_line(err: BaseException) -> str:
@@ -235,8 +273,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompts_file is None):
         raise CLIError("generate: give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
+    _check_sampler(args.sampler)  # before the slow model load
     device = _torch_device(args.device)
+    t_load = time.perf_counter()
     target, draft, tok, d_tok = load_pair(args, device, progress=not args.json)
+    load_s = _elapsed(t_load)
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     single = len(prompts) == 1 and not args.json
     bar = None if single else tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr)
@@ -252,17 +293,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 pad_token_id=tok.pad_token_id, sampler=args.sampler,
                 target_tokenizer=tok, draft_tokenizer=d_tok, on_tokens=stream,
             )
-        except ValueError as err:
-            raise CLIError(f"generate: {err}") from err
+        except (ValueError, TypeError) as err:
+            raise CLIError(f"generate: {_first_line(err)}") from err
         stats = out.stats.as_dict()
         for row, prompt in enumerate(chunk):
             new = out.sequences[row, ids.shape[1]: ids.shape[1] + int(out.num_new_tokens[row])].tolist()
             text = tok.decode(new, skip_special_tokens=True)
             if args.json:
-                print(json.dumps({"prompt": prompt, "text": text, "token_ids": new, "stats": stats}), flush=True)
+                print(json.dumps({"prompt": prompt, "text": text, "token_ids": new, "stats": stats,
+                                  "load_time_s": load_s}), flush=True)
             elif single:
                 print()
-                _print_stats(stats, file=sys.stderr)
+                _print_stats(stats, file=sys.stderr, load_s=load_s)
             else:
                 print(f"### {prompt}\n{text}\n", flush=True)
         if bar is not None:
@@ -272,13 +314,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_stats(stats: dict[str, Any], file: Any) -> None:
+def _print_stats(stats: dict[str, Any], file: Any, load_s: float) -> None:
+    """One line of statistics; tokens/s excludes the one-time work, reported after it."""
     print(
         f"[{stats['new_tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s, acceptance "
         f"{stats['acceptance_rate']:.2f}, mean accepted length {stats['mean_accepted_length']:.2f}, "
-        f"{stats['steps']} steps]",
+        f"{stats['steps']} steps; one-time work not counted: model load {load_s:.1f} s, "
+        f"JIT compilation {stats['compile_time_s']:.1f} s]",
         file=file,
     )
+
+
+def _check_sampler(name: str) -> None:
+    """Load a sampler plugin by name now: a missing or broken plugin is one line, exit 2."""
+    if name == "jax":
+        return
+    from specjax.plugin.registry import load_sampler
+
+    try:
+        load_sampler(name)
+    except (ImportError, ValueError, TypeError) as err:
+        raise CLIError(f"--sampler {name}: {_first_line(err)}") from err
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -348,6 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not debug:
+        _one_line_plugin_warnings()
     try:
         args = build_parser().parse_args(argv)
         handler = {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.command]
@@ -362,6 +420,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+class _NoTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _one_line_plugin_warnings() -> None:
+    """Plugins that fail to load are reported as one line each on stderr (``--debug``: with tracebacks)."""
+    log = logging.getLogger("specjax.plugin")
+    if any(isinstance(f, _NoTraceback) for h in log.handlers for f in h.filters):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_NoTraceback())
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    log.addHandler(handler)
+    log.propagate = False
 
 
 def _start_jax(threads: int) -> None:
