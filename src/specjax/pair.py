@@ -213,6 +213,7 @@ class _Quiet:
         if not self.progress:
             hf_logging.disable_progress_bar()
             hf_logging.set_verbosity_error()
+            gguf_utils: Any
             try:
                 import transformers.modeling_gguf_pytorch_utils as gguf_utils
             except ImportError:  # pragma: no cover - layout of another transformers version
@@ -268,6 +269,7 @@ def load_target(target_dir: str | os.PathLike[str] | None = None, gguf_file: str
     torch_dtype = _resolve_dtype(dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    model: Any  # transformers' PreTrainedModel.to is a functools.wraps wrapper mypy cannot call
     try:
         with _Quiet(progress):
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir), gguf_file=gguf_file)
@@ -310,6 +312,7 @@ def load_draft(draft_dir: str | os.PathLike[str] | None = None, *, device: Any =
     torch_dtype = _resolve_dtype(dtype)
     from transformers import AutoModelForCausalLM
 
+    model: Any  # as in load_target
     try:
         with _Quiet(progress):
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)

@@ -87,7 +87,7 @@ _JAX_NAMES = ", ".join(d.name for d in JAX_TO_TORCH)
 
 
 def _x64_enabled() -> bool:
-    return bool(jax.config.jax_enable_x64)
+    return bool(jax.config.read("jax_enable_x64"))
 
 
 def _describe(t: torch.Tensor) -> str:

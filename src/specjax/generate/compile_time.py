@@ -44,11 +44,11 @@ class CompileClock:
     compiles: int = 0
 
 
-def _listener(event: str, duration: float, **_: object) -> None:
+def _listener(event: str, duration_secs: float, **_: str | int) -> None:
     if event not in _EVENTS:
         return
     for clock in getattr(_local, "clocks", ()):
-        clock.seconds += duration
+        clock.seconds += duration_secs
         if event == _BACKEND:
             clock.compiles += 1
 

@@ -223,7 +223,8 @@ def row_stats(logits: jax.Array, scale: jax.Array, cutoff: jax.Array
     n = logits.shape[0]
     f32 = jax.ShapeDtypeStruct((n,), jnp.float32)
     call = jax.ffi.ffi_call("specjax_row_stats", (f32, f32, jax.ShapeDtypeStruct((n,), jnp.int32)))
-    return call(logits, scale, cutoff)
+    row_max, normaliser, argmax = call(logits, scale, cutoff)
+    return row_max, normaliser, argmax
 
 
 def draw_rows_index(n: jax.Array, g: int) -> jax.Array:
@@ -304,5 +305,6 @@ def verify(target: jax.Array, draft: jax.Array, draft_tokens: jax.Array, num_dra
     b = target.shape[0]
     i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
     call = jax.ffi.ffi_call("specjax_verify", (i32, i32))
-    return call(target, draft, draft_tokens, num_draft_tokens, accept_uniforms, sample_uniforms, scale,
-                target_cutoff, draft_cutoff)
+    num_accepted, emitted = call(target, draft, draft_tokens, num_draft_tokens, accept_uniforms, sample_uniforms,
+                                 scale, target_cutoff, draft_cutoff)
+    return num_accepted, emitted

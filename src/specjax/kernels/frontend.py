@@ -61,6 +61,8 @@ from specjax.kernels.rejection import (
 __all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "verify_from_logits"]
 
 _NEG_INF = -jnp.inf
+# The mesh axis (or axes) the vocabulary is split over inside shard_map; None on one device.
+AxisName = str | tuple[str, ...] | None
 _F32_MAX = float(np.finfo(np.float32).max)
 #: Positive temperatures whose reciprocal is a normal float32 (2**-126 to 2**126): the
 #: range where the processed distribution is computed faithfully. Beyond 2**126, 1/T
@@ -103,17 +105,17 @@ class RowStats(NamedTuple):
 # --------------------------------------------------------------------------- #
 
 
-def vocab_max(x: jax.Array, axis_name: str | None) -> jax.Array:
+def vocab_max(x: jax.Array, axis_name: AxisName) -> jax.Array:
     m = jnp.max(x, axis=-1)
     return lax.pmax(m, axis_name) if axis_name else m
 
 
-def vocab_sum(x: jax.Array, axis_name: str | None) -> jax.Array:
+def vocab_sum(x: jax.Array, axis_name: AxisName) -> jax.Array:
     s = row_sums(x)
     return lax.psum(s, axis_name) if axis_name else s
 
 
-def vocab_argmax(x: jax.Array, axis_name: str | None, offset: jax.Array | int) -> jax.Array:
+def vocab_argmax(x: jax.Array, axis_name: AxisName, offset: jax.Array | int) -> jax.Array:
     """First index of the maximum (global index when sharded)."""
     local = jnp.argmax(x, axis=-1).astype(jnp.int32) + offset
     if not axis_name:
@@ -124,7 +126,7 @@ def vocab_argmax(x: jax.Array, axis_name: str | None, offset: jax.Array | int) -
     return lax.pmin(jnp.where(local_max == global_max, local, big), axis_name)
 
 
-def vocab_gather(x: jax.Array, index: jax.Array, axis_name: str | None, offset: jax.Array | int) -> jax.Array:
+def vocab_gather(x: jax.Array, index: jax.Array, axis_name: AxisName, offset: jax.Array | int) -> jax.Array:
     """``x[..., index]`` per row, for a (possibly sharded) last axis; NaN where ``index`` is outside it.
 
     A NaN logit has probability 0 in :func:`probs_from_stats`, so a draft token
@@ -239,7 +241,7 @@ def _row_cutoffs(
     top_k: jax.Array | None,
     one_minus_top_p: jax.Array | None,
     x_max: jax.Array | None = None,
-    axis_name: str | None = None,
+    axis_name: AxisName = None,
 ) -> jax.Array:
     """f32[...]: each row's smallest kept ``s_j = (x_j - max)·inv_t`` (-inf without top-k/top-p).
 
@@ -269,7 +271,7 @@ def row_stats(
     top_k: jax.Array | None = None,
     one_minus_top_p: jax.Array | None = None,
     *,
-    axis_name: str | None = None,
+    axis_name: AxisName = None,
     offset: jax.Array | int = 0,
 ) -> RowStats:
     """Summarise the processed distribution of every row of ``logits``.
@@ -299,6 +301,7 @@ def row_stats(
     x_max = vocab_max(x, axis_name) if filtered or axis_name else None
     cut = _row_cutoffs(x, inv_t, top_k, one_minus_top_p, x_max, axis_name)
     if axis_name:
+        assert x_max is not None
         s = relative(x, x_max)
         e = jnp.exp(s)
         if filtered:
@@ -418,7 +421,7 @@ def verify_core(
     one_minus_top_p: jax.Array | None,
     num_draft_tokens: jax.Array,
     *,
-    axis_name: str | None = None,
+    axis_name: AxisName = None,
     offset: jax.Array | int = 0,
 ) -> dict[str, jax.Array]:
     """The acceptance step from logits (traceable; see :func:`verify_from_logits`).
@@ -457,7 +460,7 @@ def verify_core(
 
     def draw_one_device(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> dict[str, jax.Array]:
         y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x)
-        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y, None if axis_name else vocab_local)}
 
     def all_rows_one_device() -> dict[str, jax.Array]:
         t_stats, d_stats, n = summarise_all_rows()
@@ -482,7 +485,7 @@ def verify_core(
             target_logits.astype(jnp.float32), draft_logits.astype(jnp.float32), x, num_draft_tokens,
             accept_uniforms.astype(jnp.float32), sample_uniforms.astype(jnp.float32),
             jnp.where(greedy, jnp.float32(0), inv_t), cutoffs(target_logits), cutoffs(draft_logits))
-        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y, None if axis_name else vocab_local)}
 
     if not axis_name:
         if point_masses:
@@ -511,6 +514,7 @@ def verify_core(
         if point_masses:
             q_n = point_mass(jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0], ids[0], jnp.float32)
         else:
+            assert d_stats is not None
             d_row = jnp.take_along_axis(draft_logits, d_pos[:, None, None], axis=1)[:, 0]
             q_n = probs_from_stats(_take_rows(d_stats, d_pos), d_row, ids)
         q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
@@ -518,7 +522,7 @@ def verify_core(
         q_n = jnp.zeros_like(p_n)
     weights = sharded_residual_weights(p_n, q_n, axis_name)
     y = sharded_inverse_cdf(weights, sample_uniforms, axis_name, offset)
-    return {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+    return {"num_accepted": n, "tokens": assemble_tokens(x, n, y, None if axis_name else vocab_local)}
 
 
 def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens):

@@ -215,9 +215,17 @@ def inverse_cdf(weights: jax.Array, sample_uniforms: jax.Array) -> jax.Array:
     return y.astype(jnp.int32)
 
 
-def assemble_tokens(draft_tokens: jax.Array, num_accepted: jax.Array, emitted: jax.Array) -> jax.Array:
-    """i32[B, G+1]: the accepted draft tokens, then ``emitted``, then -1."""
+def assemble_tokens(draft_tokens: jax.Array, num_accepted: jax.Array, emitted: jax.Array,
+                    vocab: int | None = None) -> jax.Array:
+    """i32[B, G+1]: the accepted draft tokens, then ``emitted``, then -1.
+
+    With ``vocab``, ``emitted`` is clipped to [0, V): the draws never leave it on
+    valid inputs, but unvalidated degenerate ones (a distribution with no
+    positive weight, NaN) must still give an id, never -1 (the padding marker).
+    """
     b, g = draft_tokens.shape
+    if vocab is not None:
+        emitted = jnp.clip(emitted, 0, vocab - 1)
     positions = jnp.arange(g + 1, dtype=jnp.int32)[None, :]
     padded = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((b, 1), -1, jnp.int32)], axis=1)
     n = num_accepted[:, None]
@@ -418,6 +426,7 @@ def _rejection_sample_jit(
 
     def cpu_draw() -> jax.Array:
         # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels.draw_probs).
+        assert draft_probs is not None  # point masses take the JAX draw
         rows = cpu_kernels.draw_rows_index(n, g)
         return cpu_kernels.draw_probs(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), rows,
                                       sample_uniforms.astype(ct))
@@ -428,7 +437,7 @@ def _rejection_sample_jit(
         y = lax.platform_dependent(cpu=cpu_draw, default=jax_draw)
     else:
         y = jax_draw()
-    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y)}
+    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y, target_probs.shape[-1])}
 
 
 def rejection_sample(
@@ -538,7 +547,7 @@ def _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniform
     cdf = jnp.cumsum(dists, axis=-1)  # (B, G+1, V)
     ys = jnp.sum(cdf <= sample_uniforms[:, None, None], axis=-1, dtype=jnp.int32)
     y = jnp.take_along_axis(ys, n[:, None], axis=1)[:, 0]
-    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y)}
+    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y, target_probs.shape[-1])}
 
 
 def _as_numpy_result(result: dict[str, jax.Array]) -> dict[str, np.ndarray]:

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -192,7 +192,8 @@ def mesh_layout(x: Any, name: str = "target") -> MeshLayout | None:
     batch_axis, vocab_axis = _axis(spec[0]), _axis(spec[-1])
     if batch_axis is None and vocab_axis is None:
         return None
-    return MeshLayout(sharding.mesh, batch_axis, vocab_axis)
+    # A committed array's NamedSharding holds a concrete Mesh (AbstractMesh only inside tracing).
+    return MeshLayout(cast(Mesh, sharding.mesh), batch_axis, vocab_axis)
 
 
 def _constrain(x: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
@@ -534,7 +535,7 @@ def _rejection_sample_mesh_jit(draft_tokens, draft_probs, target_probs, accept_u
         _constrain(_pad_to(accept_uniforms, 0, b_pad), mesh, P(ba, None)),
         _constrain(_pad_to(sample_uniforms, 0, b_pad), mesh, P(ba)),
     )
-    body = partial(_rejection_body, vocab_axis=va, per_shard=per_shard)
+    body: Callable[..., Any] = partial(_rejection_body, vocab_axis=va, per_shard=per_shard)
     if point_masses:
         body = _without_draft(body)
     out = jax.shard_map(
@@ -674,7 +675,9 @@ def _verify_mesh_jit(draft_tokens, draft_logits, target_logits, key, temperature
         _constrain(_pad_to(one_minus_top_p, 0, b_pad), mesh, row),
         _constrain(_pad_to(num_draft_tokens, 0, b_pad), mesh, row),
     )
-    body = partial(_verify_body, vocab_axis=va, use_top_k=use_top_k, use_top_p=use_top_p, per_shard=per_shard)
+    body: Callable[..., Any] = partial(
+        _verify_body, vocab_axis=va, use_top_k=use_top_k, use_top_p=use_top_p, per_shard=per_shard
+    )
     if point_masses:
         body = _without_draft(body)
     out = jax.shard_map(

@@ -9,6 +9,7 @@ device→host transfer and are skipped with ``validate=False``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -156,14 +157,14 @@ def as_token_ids(name: str, x: Any) -> Any:
     return x
 
 
-def check_rank(name: str, x: Any, rank: int, letters: str) -> None:
+def check_rank(name: str, x: Any, rank: int, letters: Sequence[str]) -> None:
     if x.ndim != rank:
         raise ValueError(
             f"{name}: expected rank {rank} with shape ({', '.join(letters)}), got shape {tuple(x.shape)}"
         )
 
 
-def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: str) -> None:
+def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: Sequence[str]) -> None:
     if tuple(x.shape) != tuple(expected):
         raise ValueError(
             f"{name}: expected shape ({', '.join(letters)}) = {tuple(expected)}, got {tuple(x.shape)}"

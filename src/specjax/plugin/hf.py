@@ -51,7 +51,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "PatchStats",
@@ -357,7 +357,7 @@ def speculative_decoding(
     if generation_config.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        return GenerateDecoderOnlyOutput(sequences=out.sequences)
+        return GenerateDecoderOnlyOutput(sequences=cast("torch.LongTensor", out.sequences))
     return out.sequences
 
 
