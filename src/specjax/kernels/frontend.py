@@ -57,6 +57,7 @@ from specjax.kernels.rejection import (
     point_mass,
     row_sums,
 )
+from specjax.kernels.validation import FloatOrRows, IntOrRows
 
 __all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "verify_from_logits"]
 
@@ -830,12 +831,12 @@ def _constant_row(value: float, batch: int, dtype: Any) -> np.ndarray:
 
 
 def sample_from_logits(
-    logits: Any,
+    logits: Any,  # ArrayInput; Any because the body rebinds it to the converted array
     *,
-    key: Any,
-    temperature: Any,
-    top_k: Any = None,
-    top_p: Any = None,
+    key: jax.Array,
+    temperature: FloatOrRows,
+    top_k: IntOrRows | None = None,
+    top_p: FloatOrRows | None = None,
     validate: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Process logits into a sampling distribution and draw one token per row.
@@ -928,15 +929,16 @@ def _check_logits(name: str, logits: jax.Array, finite: bool | None = None) -> N
 
 
 def verify_from_logits(
+    # ArrayInput (draft_logits: or None); Any because the body rebinds them to the converted arrays
     draft_tokens: Any,
     draft_logits: Any,
     target_logits: Any,
     *,
-    key: Any,
-    temperature: Any,
-    top_k: Any = None,
-    top_p: Any = None,
-    num_draft_tokens: Any = None,
+    key: jax.Array,
+    temperature: FloatOrRows,
+    top_k: IntOrRows | None = None,
+    top_p: FloatOrRows | None = None,
+    num_draft_tokens: IntOrRows | None = None,
     validate: bool = True,
 ) -> dict[str, jax.Array]:
     """The acceptance step from logits: process both sides identically, then accept/draw.

@@ -52,6 +52,7 @@ from jax import lax
 
 from specjax.kernels import cpu_kernels
 from specjax.kernels import validation as _v
+from specjax.kernels.validation import ArrayInput
 
 __all__ = ["rejection_sample"]
 
@@ -441,11 +442,11 @@ def _rejection_sample_jit(
 
 
 def rejection_sample(
-    draft_tokens: Any,
-    draft_probs: Any,
-    target_probs: Any,
-    accept_uniforms: Any,
-    sample_uniforms: Any,
+    draft_tokens: ArrayInput,
+    draft_probs: ArrayInput | None,
+    target_probs: ArrayInput,
+    accept_uniforms: ArrayInput,
+    sample_uniforms: ArrayInput,
     *,
     validate: bool = True,
 ) -> dict[str, jax.Array]:

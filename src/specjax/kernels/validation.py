@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:  # the kernels never import torch; a tensor is recognised by its module
+    import torch
+
+# What the public functions take as an array argument: JAX and NumPy arrays,
+# torch tensors (crossed without a copy where possible), nested sequences of numbers.
+ArrayInput: TypeAlias = "jax.Array | np.ndarray | torch.Tensor | Sequence[Any]"
+# A per-row parameter: one Python number for every row, or one value per row.
+FloatOrRows: TypeAlias = "float | ArrayInput"
+IntOrRows: TypeAlias = "int | ArrayInput"
 
 _INT32_MAX = np.iinfo(np.int32).max
 _INT32_MIN = np.iinfo(np.int32).min
