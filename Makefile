@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
 .PHONY: install test test-fast test-mesh test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
-	clean train-draft
+	clean train-draft fuzz soak
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,17 @@ test-mesh: $(STAMP)
 
 test-unit: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q tests
+
+# The API fuzzer's long profile (tests/test_fuzz.py runs a bounded one in `make test`):
+# repeated runs with fresh seeds for FUZZ_SECONDS (default 600), stopping at the first failure.
+FUZZ_SECONDS ?= 600
+fuzz: $(STAMP)
+	$(TEST_ENV) $(PY) scripts/fuzz.py --seconds $(FUZZ_SECONDS)
+
+# Not in CI: random generations for SOAK_SECONDS; errors, RSS over time, recompilations.
+SOAK_SECONDS ?= 300
+soak: $(STAMP)
+	$(TEST_ENV) $(PY) benchmarks/soak.py --seconds $(SOAK_SECONDS)
 
 test-integration: $(STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q integration_tests

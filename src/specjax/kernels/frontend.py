@@ -663,7 +663,8 @@ def _sample_jit(logits, key, temperature, top_k, one_minus_top_p, *, use_top_k, 
         one_minus_top_p if use_top_p else None,
     )
     probs = row_probs(stats, logits)
-    tokens = inverse_cdf(probs, _uniforms(key, b, 1)[:, 0])
+    # clipped: an unvalidated degenerate row (NaN) still gives an id in [0, V), never -1
+    tokens = jnp.clip(inverse_cdf(probs, _uniforms(key, b, 1)[:, 0]), 0, logits.shape[-1] - 1)
     return tokens, probs
 
 
@@ -717,6 +718,8 @@ def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
     them and from where every jitted call takes them the same way (a JAX array
     argument would be read back once here).
     """
+    if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+        value = min(max(value, -(2**63)), 2**63 - 1)  # a Python int past int64 (top_k=2**70) means its extreme
     if isinstance(value, jax.Array):
         arr = np.asarray(jax.device_get(value))
     elif type(value).__module__.split(".")[0] == "torch":

@@ -242,6 +242,9 @@ def _as_torch(name: str, x: Any) -> Any:
     arr = _as_numpy(name, x)
     if arr.dtype.name == "bfloat16":  # ml_dtypes
         arr = arr.astype(np.float32)
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(f"{name}: expected numbers (a list, NumPy array, JAX array or torch tensor), "
+                         f"got {type(x).__name__} of dtype {arr.dtype}")
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
@@ -323,7 +326,8 @@ def torch_rejection_sample(
     y = (cdf <= threshold[:, None]).sum(dim=1)  # smallest v with cdf(v) > s·Σw, or V
     lanes = torch.arange(vocab, device=device)
     last_positive = torch.where(w > 0, lanes, torch.full_like(lanes, -1)).amax(dim=1)
-    y = torch.where(y < vocab, y, last_positive)
+    # no positive weight at all (negative probabilities, validate=False): V - 1 as the JAX kernel, never -1
+    y = torch.where(y < vocab, y, torch.where(last_positive >= 0, last_positive, vocab - 1))
 
     positions = torch.arange(num_draft + 1, device=device)[None, :]
     padded = torch.cat([x, torch.full((batch, 1), -1, dtype=torch.int64, device=device)], dim=1)

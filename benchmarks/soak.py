@@ -1,0 +1,283 @@
+"""Soak test: many random speculative generations for a given time (not run in CI).
+
+Runs ``speculative_generate`` over and over on a tiny Llama pair built from configs
+(offline), with random prompts (batch sizes, left padding, lengths), ``max_new_tokens``,
+draft lengths, samplers (``jax``, ``numpy``, ``torch``) and sampling parameters (greedy,
+temperature, top-k, top-p, seeds), and reports:
+
+* **errors**: calls that raised, or whose output breaks the contract (shape, prompt kept,
+  ``1 <= new <= max_new_tokens``, ids in [0, V)); must be 0;
+* **RSS over time**: the process's current and peak resident set size at each report;
+  after the warm-up it must stay flat (no leak per call);
+* **recompilations after warm-up**: JAX compilations (from ``jax.monitoring``, see
+  :mod:`specjax.generate.compile_time`) during *replays*, exact repeats of calls made
+  during the warm-up (same inputs, parameters and seed, so the same shapes); must be 0.
+  Compilations during new random calls after the warm-up are reported apart (new shapes
+  may still appear there: rare batch-size and draft-length combinations).
+
+Usage::
+
+    python benchmarks/soak.py --seconds 300            # 5 minutes; exit status 1 if a check fails
+    python benchmarks/soak.py --seconds 60 --json out.json
+
+Absolute speeds on a shared CPU are noise here; the checks are counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import random
+import resource
+import sys
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass
+class Call:
+    """One generation's inputs (enough to replay it exactly)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    kwargs: dict[str, Any]
+
+    def describe(self) -> str:
+        k = {n: v for n, v in self.kwargs.items() if n not in ("target", "draft")}
+        return f"B={self.input_ids.shape[0]} P={self.input_ids.shape[1]} {k}"
+
+
+@dataclass
+class Report:
+    calls: int = 0
+    replays: int = 0
+    new_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    warmup_compiles: int = 0
+    replay_compiles: int = 0
+    new_call_compiles: int = 0
+    compiled_functions_after_warmup: Counter = field(default_factory=Counter)
+    rss_timeline: list[dict[str, float]] = field(default_factory=list)
+
+
+def rss_mb() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in MiB."""
+    with open("/proc/self/statm") as fh:
+        current = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return current, peak
+
+
+def tiny_pair(vocab: int, hidden: int) -> tuple[Any, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make(layers: int, seed: int) -> Any:
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+                          tie_word_embeddings=False)
+        model = LlamaForCausalLM(cfg).eval()
+        model.generation_config.pad_token_id = 0
+        model.generation_config.eos_token_id = None
+        return model
+
+    target = make(2, 0)
+    draft = make(1, 1)
+    with torch.no_grad():  # a draft that agrees with the target often: rows accept different numbers of tokens
+        for pt, pd in zip(target.parameters(), draft.parameters(), strict=False):
+            if pt.shape == pd.shape:
+                pd.copy_(pt + 0.05 * pt.std() * torch.randn_like(pt))
+    return target, draft
+
+
+def random_call(rng: random.Random, vocab: int, max_batch: int, sampler_names: list[str],
+                extra: dict[str, Any]) -> Call:
+    b = rng.randint(1, max_batch)
+    lengths = [rng.randint(1, 16) for _ in range(b)]
+    width = max(lengths)
+    ids = torch.zeros((b, width), dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, width - n:] = torch.tensor([rng.randint(1, vocab - 1) for _ in range(n)])
+        mask[r, width - n:] = 1
+    mode = rng.choice(["greedy", "temperature", "top_k", "top_p", "both", "per_row"])
+    kwargs: dict[str, Any] = dict(max_new_tokens=rng.randint(1, 24), num_draft_tokens=rng.randint(1, 4),
+                                  seed=rng.randint(0, 2**31), sampler=rng.choice(sampler_names), **extra)
+    if mode == "greedy":
+        kwargs["temperature"] = 0.0
+    else:
+        kwargs["temperature"] = rng.choice([0.3, 0.7, 1.0, 1.5])
+    if mode in ("top_k", "both"):
+        kwargs["top_k"] = rng.choice([1, 5, 20, 0])
+    if mode in ("top_p", "both"):
+        kwargs["top_p"] = rng.choice([0.5, 0.9, 1.0])
+    if mode == "per_row":
+        kwargs["temperature"] = [rng.choice([0.0, 0.5, 1.0]) for _ in range(b)]
+        kwargs["top_k"] = [rng.choice([0, 3, 50]) for _ in range(b)]
+    if rng.random() < 0.3:
+        kwargs["eos_token_id"] = rng.randint(1, vocab - 1)
+    return Call(ids, mask, kwargs)
+
+
+def check_output(call: Call, out: Any, vocab: int) -> str | None:
+    ids = call.input_ids
+    b, width = ids.shape
+    seq, new = out.sequences, out.num_new_tokens
+    if seq.shape[0] != b or not torch.equal(seq[:, :width], ids):
+        return "the prompts are not kept"
+    max_new = call.kwargs["max_new_tokens"]
+    if int(new.min()) < 1 or int(new.max()) > max_new:
+        return f"num_new_tokens {new.tolist()} outside [1, {max_new}]"
+    for r in range(b):
+        row = seq[r, width: width + int(new[r])]
+        if not bool(((row >= 0) & (row < vocab)).all()):
+            return f"row {r}: ids outside [0, {vocab})"
+        eos = call.kwargs.get("eos_token_id")
+        if int(new[r]) < max_new and (eos is None or int(row[-1]) != eos):
+            return f"row {r} ended after {int(new[r])} tokens without EOS"
+    return None
+
+
+def run(args: argparse.Namespace) -> Report:
+    import specjax
+    from specjax.generate.compile_time import measure_compiles
+
+    target, draft = tiny_pair(args.vocab, args.hidden)
+    params = inspect.signature(specjax.speculative_generate).parameters
+    extra = {"adaptive": False} if "adaptive" in params else {}  # measured-cost draft lengths vary run to run
+    rng = random.Random(args.seed)
+    samplers = args.samplers.split(",")
+    report = Report()
+    seen: list[Call] = []
+    t0 = time.perf_counter()
+    next_report = 0.0
+    warmup_done = False
+    fn_counts: Counter = Counter()
+
+    from jax import monitoring
+
+    def on_event(event: str, duration: float, **kw: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration" and warmup_done:
+            fn_counts[kw.get("fun_name", "?")] += 1
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    print(f"soak: {args.seconds:.0f} s ({args.warmup:.0f} s warm-up), vocab {args.vocab}, batch <= {args.max_batch}, "
+          f"samplers {samplers}", flush=True)
+    print(f"{'time s':>7} {'calls':>6} {'replays':>7} {'tokens':>7} {'errors':>6} {'rss MiB':>8} {'peak MiB':>8} "
+          f"{'compiles':>8} {'replay compiles':>15}", flush=True)
+    while True:
+        elapsed = time.perf_counter() - t0
+        if elapsed >= next_report or elapsed >= args.seconds:
+            gc.collect()
+            cur, peak = rss_mb()
+            total = report.warmup_compiles + report.replay_compiles + report.new_call_compiles
+            report.rss_timeline.append({"t": round(elapsed, 1), "rss_mb": round(cur, 1), "peak_mb": round(peak, 1),
+                                        "calls": report.calls, "warmup": not warmup_done})
+            print(f"{elapsed:7.0f} {report.calls:6d} {report.replays:7d} {report.new_tokens:7d} "
+                  f"{len(report.errors):6d} {cur:8.1f} {peak:8.1f} {total:8d} {report.replay_compiles:15d}",
+                  flush=True)
+            next_report += args.report_every
+        if elapsed >= args.seconds:
+            break
+        if not warmup_done and elapsed >= args.warmup:
+            warmup_done = True
+            report.rss_timeline.append({"t": round(elapsed, 1), "rss_mb": round(rss_mb()[0], 1),
+                                        "peak_mb": round(rss_mb()[1], 1), "calls": report.calls, "warmup": False,
+                                        "mark": "end of warm-up"})
+        replay = warmup_done and seen and rng.random() < args.replay_fraction
+        call = rng.choice(seen) if replay else random_call(rng, args.vocab, args.max_batch, samplers, extra)
+        try:
+            with measure_compiles() as clock:
+                out = specjax.speculative_generate(target, draft, call.input_ids, call.attention_mask, **call.kwargs)
+            problem = check_output(call, out, args.vocab)
+            if problem:
+                report.errors.append(f"{call.describe()}: {problem}")
+            report.new_tokens += int(out.num_new_tokens.sum())
+        except Exception as err:  # every failure of a valid call is an error to report
+            report.errors.append(f"{call.describe()}: {type(err).__name__}: {err}")
+            if args.verbose:
+                traceback.print_exc()
+            continue
+        finally:
+            report.calls += 1
+        if not warmup_done:
+            report.warmup_compiles += clock.compiles
+            seen.append(call)
+        elif replay:
+            report.replays += 1
+            report.replay_compiles += clock.compiles
+            if clock.compiles:
+                report.errors.append(f"replay recompiled {clock.compiles}x: {call.describe()}")
+        else:
+            report.new_call_compiles += clock.compiles
+    report.compiled_functions_after_warmup = fn_counts
+    return report
+
+
+def summarize(report: Report, args: argparse.Namespace) -> bool:
+    after = [p for p in report.rss_timeline if not p.get("warmup")]
+    start = next((p for p in report.rss_timeline if p.get("mark")), after[0] if after else None)
+    end = report.rss_timeline[-1]
+    growth = end["peak_mb"] - start["peak_mb"] if start else 0.0
+    flat = growth <= max(args.rss_tolerance_mb, 0.02 * (start["peak_mb"] if start else 0))
+    print()
+    print(f"calls {report.calls} ({report.replays} replays of warm-up calls), new tokens {report.new_tokens}")
+    print(f"errors: {len(report.errors)} (must be 0)")
+    for e in report.errors[:20]:
+        print(f"  {e}")
+    print(f"peak RSS after warm-up: {start['peak_mb'] if start else float('nan'):.1f} MiB -> {end['peak_mb']:.1f} MiB "
+          f"(+{growth:.1f} MiB; flat: {'yes' if flat else 'NO'}, tolerance "
+          f"{max(args.rss_tolerance_mb, 0.02 * (start['peak_mb'] if start else 0)):.1f} MiB)")
+    print(f"compilations: {report.warmup_compiles} in the warm-up, {report.replay_compiles} in replays of seen "
+          f"shapes (must be 0), {report.new_call_compiles} in new random calls after the warm-up")
+    if report.compiled_functions_after_warmup:
+        top = ", ".join(f"{n} x{c}" for n, c in report.compiled_functions_after_warmup.most_common(6))
+        print(f"  compiled after the warm-up (new shapes): {top}")
+    ok = not report.errors and report.replay_compiles == 0 and flat
+    print(f"soak: {'PASS' if ok else 'FAIL'}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"calls": report.calls, "replays": report.replays, "new_tokens": report.new_tokens,
+                       "errors": report.errors, "warmup_compiles": report.warmup_compiles,
+                       "replay_compiles": report.replay_compiles, "new_call_compiles": report.new_call_compiles,
+                       "rss_timeline": report.rss_timeline, "rss_growth_after_warmup_mb": growth,
+                       "pass": ok}, fh, indent=1)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", 300)))
+    parser.add_argument("--warmup", type=float, default=None, help="warm-up seconds (default: a third of the run)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=4)
+    parser.add_argument("--samplers", default="jax,jax,numpy,torch", help="comma-separated, repeated = more often")
+    parser.add_argument("--replay-fraction", type=float, default=0.5)
+    parser.add_argument("--report-every", type=float, default=30.0)
+    parser.add_argument("--rss-tolerance-mb", type=float, default=20.0)
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--verbose", action="store_true", help="print tracebacks of errors")
+    args = parser.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = args.seconds / 3
+    report = run(args)
+    return 0 if summarize(report, args) else 1
+
+
+if __name__ == "__main__":
+    np.set_printoptions(linewidth=200)
+    sys.exit(main())
