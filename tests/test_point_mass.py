@@ -12,7 +12,7 @@ test ``i`` passes iff ``u_i < p_i(x_i)``; a rejected position draws from
 * ``verify_from_logits(draft_logits=None)``: greedy rows keep exactly the
   argmax-matching prefix, ragged ``num_draft_tokens`` are honoured, bad input
   still gets named errors;
-* the mesh path (a subprocess with 4 simulated devices) equals one device;
+* the mesh path equals one device (tests/mesh/test_mesh_point_mass.py);
 * statistics (slow): at T = 0.7 with top-k and top-p the emitted tokens follow
   the processed target distribution at positions 0 and 1, with a negative
   control (the same deterministic proposals verified as if they had been
@@ -20,11 +20,6 @@ test ``i`` passes iff ``u_i < p_i(x_i)``; a rejected position draws from
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -175,47 +170,6 @@ def test_verify_point_masses_ragged_rows_match_the_kernel_on_processed_probs():
         ref = reference_rejection_sample(x[row:row + 1, :kb], _one_hot(x[row:row + 1, :kb], vocab),
                                          p[row:row + 1, : kb + 1], uu[None, :kb], uu[g:g + 1])
         assert y == ref_y or is_tie(ref, 0, y, float(uu[g]), tol=1e-4)
-
-
-MESH_SCRIPT = textwrap.dedent(
-    """
-    import jax, numpy as np
-    from jax.sharding import Mesh
-    from specjax import rejection_sample, verify_from_logits
-    from specjax.kernels.sharded import rejection_sample_sharded, verify_from_logits_sharded
-    assert jax.device_count() == 4, jax.devices()
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("b", "v"))
-    rng = np.random.default_rng(0)
-    b, g, vocab = 6, 3, 1001
-    t = (rng.normal(size=(b, g + 1, vocab)) * 3).astype(np.float32)
-    am = np.argmax(t, axis=-1)
-    x = np.where(rng.random((b, g)) < 0.6, am[:, :g], rng.integers(0, vocab, (b, g))).astype(np.int32)
-    k = np.array([3, 2, 0, 1, 3, 3], np.int32)
-    keys = jax.random.split(jax.random.key(4), b)
-    kw = dict(key=keys, temperature=np.array([0.0, 0.7, 1.0, 0.7, 1.3, 0.0], np.float32), top_k=[0, 20, 0, 5, 0, 0],
-              top_p=[1.0, 0.9, 1.0, 1.0, 0.8, 1.0], num_draft_tokens=k)
-    one = verify_from_logits(x, None, t, **kw)
-    for axes in (("b", None), (None, "v"), ("b", "v")):
-        many = verify_from_logits_sharded(x, None, t, mesh=mesh, batch_axis=axes[0], vocab_axis=axes[1], **kw)
-        assert np.array_equal(np.asarray(one["tokens"]), np.asarray(many["tokens"])), axes
-    p = np.exp(t - t.max(-1, keepdims=True)); p /= p.sum(-1, keepdims=True)
-    u, s = rng.random((b, g)).astype(np.float32), rng.random(b).astype(np.float32)
-    one = rejection_sample(x, None, p, u, s)
-    for axes in (("b", None), (None, "v"), ("b", "v")):
-        many = rejection_sample_sharded(x, None, p, u, s, mesh=mesh, batch_axis=axes[0], vocab_axis=axes[1])
-        assert np.array_equal(np.asarray(one["tokens"]), np.asarray(many["tokens"])), axes
-    print("MESH-OK")
-    """
-)
-
-
-def test_point_masses_on_a_mesh_equal_one_device():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0 and "MESH-OK" in proc.stdout, proc.stderr[-4000:]
 
 
 # --------------------------------------------------------------------------- #
