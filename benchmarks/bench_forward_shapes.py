@@ -51,7 +51,7 @@ def forward_rows(batch: int = 8, prompt: int = 40, widths: Sequence[int] = (1, 2
     from bench_generate import synthetic_pair
     from transformers import DynamicCache
 
-    from specjax.generate.slots import crop_cache
+    from specjax.slots import crop_cache
 
     target, _ = synthetic_pair()
     cache_kw = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"

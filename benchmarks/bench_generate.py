@@ -7,6 +7,7 @@ Usage::
     python benchmarks/bench_generate.py --jsonl bench-results/generate.jsonl
     python benchmarks/bench_generate.py --target DIR --draft DIR     # any local pair
     python benchmarks/bench_generate.py --synthetic  # skip the embedded pair
+    python benchmarks/bench_generate.py --drafter ngram,hybrid,model --categories open,grounded
 
 Methods, all on the same models, prompts and machine in one run:
 
@@ -16,9 +17,17 @@ Methods, all on the same models, prompts and machine in one run:
   B=1 only (transformers supports no more), greedy, with transformers' default
   draft-length schedule; ``assisted-G`` fixes its draft length to G;
 * ``specjax``: :func:`specjax.speculative_generate` at B=1 and B=8, with G and
-  (greedy, full run) 2G draft tokens per step. Below the table, the acceptance
-  rate of the first draft position: the draft's quality, which unlike the
-  overall acceptance rate (accepted / proposed) does not fall as G grows.
+  (greedy, full run) 2G draft tokens per step, once per drafter of
+  ``--drafter`` (``model``: the pair's draft model; ``ngram``: prompt lookup;
+  ``hybrid``: n-gram where it matches, else the draft model), with the
+  adaptive draft length (``--fixed`` drafts G every step). Below the table,
+  the acceptance rate per draft position and the fraction of steps that
+  drafted.
+
+Prompt categories (``--categories``): ``open`` (open chat) and ``grounded``
+(input-grounded tasks: summaries, rewrites, extraction, code edits, answers
+quoting a document, chats quoting earlier turns), from :mod:`specjax.prompts`;
+the synthetic pair has only random prompts (category ``synthetic``).
 
 Every method is warmed up once with exactly the calls it is then timed on (JAX
 compiles the loop's steps for the shapes they meet; greedy runs meet the same
@@ -216,6 +225,40 @@ def count_new(new_tokens: Any, eos: list[int]) -> list[int]:
 # --------------------------------------------------------------------------- #
 
 
+DRAFTERS = ("model", "ngram", "hybrid")
+
+
+def make_drafter(pair: Pair, name: str) -> Any:
+    """What ``speculative_generate(draft=...)`` gets for a drafter name: a fresh drafter per call."""
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+
+    if name == "model":
+        return pair.draft
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "hybrid":
+        return HybridDrafter(NgramDrafter(), ModelDrafter(pair.draft))
+    raise ValueError(f"--drafter: expected names among {', '.join(DRAFTERS)}, got {name!r}")
+
+
+def category_prompts(pair: Pair, category: str) -> list[Any]:
+    """The prompts of ``category`` as i64[1, P] tensors (chat template applied)."""
+    from specjax.prompts import all_prompts
+
+    if category == "synthetic" or pair.tokenizer is None:
+        return make_prompts(pair, 8)
+    tok = pair.tokenizer
+    out = []
+    for messages in all_prompts()[category].values():
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                          return_dict=True)["input_ids"]
+        else:
+            ids = tok("\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
+        out.append(ids)
+    return out
+
+
 @dataclass
 class Result:
     """One call: tokens generated (all rows, up to EOS) and the time it took."""
@@ -228,6 +271,9 @@ class Result:
     proposed: int = 0
     row_steps: float = 0.0
     first_position: float | None = None  # acceptance rate of the first draft position
+    per_position: list[float] | None = None  # acceptance rate per draft position
+    steps: int = 0
+    draft_steps: int = 0
 
 
 @dataclass
@@ -239,10 +285,12 @@ class Method:
     units: list[tuple[Any, Any]]  # the calls: (input_ids, attention_mask)
     call: Callable[[Any, Any, int], Any]  # (ids, mask, seed) -> (new tokens i64[B, N], counts, stats or None)
     results: list[Result] = field(default_factory=list)
+    category: str = ""
+    drafter: str = ""
 
     @property
     def key(self) -> tuple:
-        return (self.name, self.batch_size, self.temperature, self.num_draft_tokens)
+        return (self.category, self.name, self.drafter, self.batch_size, self.temperature, self.num_draft_tokens)
 
     def run(self, unit: int) -> Result:
         ids, mask = self.units[unit]
@@ -255,6 +303,8 @@ class Method:
             res.row_steps = stats.new_tokens / stats.mean_accepted_length if stats.mean_accepted_length else 0.0
             if stats.acceptance_rate_per_position:
                 res.first_position = stats.acceptance_rate_per_position[0]
+                res.per_position = list(stats.acceptance_rate_per_position)
+            res.steps, res.draft_steps = stats.steps, stats.draft_steps
         return res
 
 
@@ -277,13 +327,14 @@ def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None
     return call
 
 
-def _specjax_call(pair: Pair, max_new: int, temperature: float, num_draft_tokens: int) -> Callable:
+def _specjax_call(pair: Pair, max_new: int, temperature: float, num_draft_tokens: int, drafter: str = "model",
+                  adaptive: bool = True) -> Callable:
     from specjax import speculative_generate
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], Any]:
-        out = speculative_generate(pair.target, pair.draft, ids, mask, max_new_tokens=max_new,
+        out = speculative_generate(pair.target, make_drafter(pair, drafter), ids, mask, max_new_tokens=max_new,
                                    num_draft_tokens=num_draft_tokens, temperature=temperature, seed=seed,
-                                   eos_token_id=pair.eos or None, pad_token_id=pair.pad)
+                                   eos_token_id=pair.eos or None, pad_token_id=pair.pad, adaptive=adaptive)
         return out.sequences[:, ids.shape[1]:], out.num_new_tokens.tolist(), out.stats
 
     return call
@@ -317,7 +368,10 @@ def _paired_ratio(runs: list[Result], base: list[Result], cpu: bool = False) -> 
 def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: int = 4,
                    max_new_tokens: int | None = None, reps: int | None = None,
                    target_dir: str | None = None, draft_dir: str | None = None,
-                   synthetic: bool = False, log: Callable[[str], None] | None = None) -> list[dict]:
+                   synthetic: bool = False, log: Callable[[str], None] | None = None,
+                   drafters: Sequence[str] = ("model",), categories: Sequence[str] | None = None,
+                   temperatures: Sequence[float] | None = None, adaptive: bool = True,
+                   batch_sizes: Sequence[int] = (1, 8)) -> list[dict]:
     """Run every method; one row per method (see the module docstring)."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     pair = pair or load_pair(target_dir, draft_dir, synthetic)
@@ -325,29 +379,41 @@ def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: i
     max_new = max_new_tokens or (32 if quick else 64)
     reps = reps or (2 if quick else 4)
     n_single = 2 if quick else 4
-    temperatures = (0.0,) if quick else (0.0, 0.7)
-    prompts = make_prompts(pair, 8)
-    singles = [(p, None) for p in prompts[:n_single]]
-    batch8 = [left_pad(prompts, pair.pad)]
+    temperatures = tuple(temperatures) if temperatures else ((0.0,) if quick else (0.0, 0.7))
+    if categories is None:
+        categories = ("synthetic",) if pair.tokenizer is None else ("open",)
+    elif pair.tokenizer is None:
+        categories = ("synthetic",)
 
     groups: list[list[Method]] = []  # methods timed against each other on the same calls
-    for temp in temperatures:
-        one = [Method("target", 1, temp, 0, singles, _hf_call(pair, max_new, temp))]
-        if temp == 0.0:
-            one.append(Method("assisted", 1, temp, 0, singles,
-                              _hf_call(pair, max_new, temp, _assistant(pair.draft, None))))
-            if not quick:
-                one.append(Method("assisted-G", 1, temp, g, singles,
-                                  _hf_call(pair, max_new, temp, _assistant(pair.draft, g))))
-        one.append(Method("specjax", 1, temp, g, singles, _specjax_call(pair, max_new, temp, g)))
-        if temp == 0.0 and not quick:  # transformers' default schedule drafts up to 20 tokens
-            one.append(Method("specjax", 1, temp, 2 * g, singles, _specjax_call(pair, max_new, temp, 2 * g)))
-        groups.append(one)
-        eight = [Method("target", 8, temp, 0, batch8, _hf_call(pair, max_new, temp)),
-                 Method("specjax", 8, temp, g, batch8, _specjax_call(pair, max_new, temp, g))]
-        if temp == 0.0 and not quick:
-            eight.append(Method("specjax", 8, temp, 2 * g, batch8, _specjax_call(pair, max_new, temp, 2 * g)))
-        groups.append(eight)
+    for category in categories:
+        prompts = category_prompts(pair, category)
+        singles = [(p, None) for p in prompts[:n_single]]
+        batch8 = [left_pad((prompts * 8)[:8], pair.pad)]
+        for temp in temperatures:
+            if 1 in batch_sizes:
+                one = [Method("target", 1, temp, 0, singles, _hf_call(pair, max_new, temp), category=category)]
+                if temp == 0.0 and "model" in drafters:
+                    one.append(Method("assisted", 1, temp, 0, singles,
+                                      _hf_call(pair, max_new, temp, _assistant(pair.draft, None)), category=category))
+                    if not quick:
+                        one.append(Method("assisted-G", 1, temp, g, singles,
+                                          _hf_call(pair, max_new, temp, _assistant(pair.draft, g)),
+                                          category=category))
+                for d in drafters:
+                    one.append(Method("specjax", 1, temp, g, singles,
+                                      _specjax_call(pair, max_new, temp, g, d, adaptive), category=category,
+                                      drafter=d))
+                if temp == 0.0 and not quick and "model" in drafters:  # transformers' default drafts up to 20
+                    one.append(Method("specjax", 1, temp, 2 * g, singles,
+                                      _specjax_call(pair, max_new, temp, 2 * g, "model", adaptive),
+                                      category=category, drafter="model"))
+                groups.append(one)
+            if 8 in batch_sizes:
+                eight = [Method("target", 8, temp, 0, batch8, _hf_call(pair, max_new, temp), category=category)]
+                eight += [Method("specjax", 8, temp, g, batch8, _specjax_call(pair, max_new, temp, g, d, adaptive),
+                                 category=category, drafter=d) for d in drafters]
+                groups.append(eight)
 
     say(f"pair: {pair.name}; G={g}, max_new_tokens={max_new}, {n_single} prompts at B=1, 8 at B=8, "
         f"{reps} repetitions; load average {os.getloadavg()[0]:.1f}")
@@ -391,6 +457,14 @@ def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: i
                 "acceptance_rate": sum(r.accepted for r in runs) / proposed if proposed else None,
                 "acceptance_first_position": (statistics.mean(r.first_position for r in runs)
                                               if runs and all(r.first_position is not None for r in runs) else None),
+                "acceptance_per_position": ([round(statistics.mean(v), 3) for v in zip(*(r.per_position for r in runs),
+                                                                                          strict=True)]
+                                            if runs and all(r.per_position for r in runs) else None),
+                "draft_step_fraction": (sum(r.draft_steps for r in runs) / sum(r.steps for r in runs)
+                                        if m.name == "specjax" and sum(r.steps for r in runs) else None),
+                "category": m.category,
+                "drafter": m.drafter or None,
+                "adaptive": adaptive if m.name == "specjax" else None,
                 "speedup": _paired_ratio(runs, base.results),
                 "speedup_cpu_time": _paired_ratio(runs, base.results, cpu=True),
                 "same_as_target": same,
@@ -406,23 +480,25 @@ def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: i
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        "| method | B | T | G | tokens/s | speed-up vs target | (by CPU time) | acceptance | mean accepted length "
-        "| same output |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| prompts | method | drafter | B | T | G | tokens/s | speed-up vs target | (by CPU time) | acceptance "
+        "| mean accepted length | steps drafting | same output |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         mal = "" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         same = "" if r["same_as_target"] is None else ("yes" if r["same_as_target"] else "NO")
+        frac = "" if r.get("draft_step_fraction") is None else f"{r['draft_step_fraction']:.2f}"
         g = r["num_draft_tokens"] or ""
-        lines.append(f"| {r['method']} | {r['batch_size']} | {r['temperature']} | {g} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {same} |")
+        lines.append(f"| {r.get('category', '')} | {r['method']} | {r.get('drafter') or ''} | {r['batch_size']} | "
+                     f"{r['temperature']} | {g} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {frac} | {same} |")
     extra = [f"specjax B=1 T={r['temperature']} G={r['num_draft_tokens']}: {r['speedup_vs_assisted']:.2f}x "
              "transformers' assisted generation (median of the per-call ratios)"
              for r in rows if "speedup_vs_assisted" in r]
-    extra += [f"specjax B={r['batch_size']} T={r['temperature']} G={r['num_draft_tokens']}: acceptance rate of the "
-              f"first draft position {r['acceptance_first_position']:.2f} (the draft's quality, whatever G)"
-              for r in rows if r.get("acceptance_first_position") is not None]
+    extra += [f"{r.get('category', '')} specjax[{r.get('drafter')}] B={r['batch_size']} T={r['temperature']} "
+              f"G={r['num_draft_tokens']}: acceptance per draft position {r['acceptance_per_position']}"
+              for r in rows if r.get("acceptance_per_position") is not None]
     return "\n".join([*lines, "", *extra])
 
 
@@ -436,6 +512,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-draft-tokens", type=int, default=4, metavar="G")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--reps", type=int)
+    parser.add_argument("--drafter", default="model", help="comma-separated drafters: model, ngram, hybrid")
+    parser.add_argument("--categories", help="comma-separated prompt sets: open, grounded (default: open)")
+    parser.add_argument("--temperatures", help="comma-separated temperatures (default: 0 and 0.7; --quick: 0)")
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes among 1 and 8")
+    parser.add_argument("--fixed", action="store_true", help="draft G tokens every step (no adaptive length)")
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
     pool = jax_threads.apply(args)
@@ -446,8 +527,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}, "
           f"load average: {os.getloadavg()[0]:.1f}; {pool}", file=sys.stderr)
+    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
+    bad = [d for d in drafters if d not in DRAFTERS]
+    if bad or not drafters:
+        parser.error(f"--drafter: expected names among {', '.join(DRAFTERS)}, got {args.drafter!r}")
+    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    if categories and any(c not in ("open", "grounded") for c in categories):
+        parser.error(f"--categories: expected open and/or grounded, got {args.categories!r}")
+    try:
+        temps = [float(t) for t in args.temperatures.split(",")] if args.temperatures else None
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        parser.error("--temperatures / --batch-sizes: expected comma-separated numbers")
+    if any(b not in (1, 8) for b in sizes):
+        parser.error(f"--batch-sizes: expected 1 and/or 8, got {args.batch_sizes!r}")
     rows = bench_generate(args.quick, num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
-                          reps=args.reps, target_dir=args.target, draft_dir=args.draft, synthetic=args.synthetic)
+                          reps=args.reps, target_dir=args.target, draft_dir=args.draft, synthetic=args.synthetic,
+                          drafters=drafters, categories=categories, temperatures=temps, adaptive=not args.fixed,
+                          batch_sizes=sizes)
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))
     if args.jsonl:

@@ -35,6 +35,16 @@ import specjax
 ARCHS = ("llama", "gpt2", "qwen2", "mistral")
 VOCAB = 96
 G = 4
+
+
+def generate(*args, **kwargs):
+    """``speculative_generate`` on the fixed schedule (G draft tokens every step) unless a test says otherwise.
+
+    These tests check the loop's mechanics step by step (caches, counts,
+    statistics); the adaptive draft length is tested in test_drafters.py.
+    """
+    kwargs.setdefault("adaptive", False)
+    return specjax.speculative_generate(*args, **kwargs)
 LENGTHS = (5, 1, 7, 3)  # B=4, left-padded to 7
 
 
@@ -107,7 +117,7 @@ def test_greedy_matches_target_generate(arch, draft_kind, batch, pairs, left_pad
     target, draft = models["target"], models[draft_kind]
     ids, mask = left_padded(LENGTHS[:batch] if batch > 1 else (6,), vocab_size=VOCAB, seed=11)
     rec = StepRecorder()
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G,
+    out = generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G,
                                        on_tokens=rec)
     ref = hf_greedy(target, ids, mask, 12)
     assert out.sequences.dtype == torch.long
@@ -162,7 +172,7 @@ def test_eos_inside_accepted_draft_ends_that_row_there(pairs, left_padded):
     else:
         pytest.fail("no prompt pair gives a usable EOS token")
     rec = StepRecorder()
-    out = specjax.speculative_generate(target, target, ids, mask, max_new_tokens=n_new, num_draft_tokens=G,
+    out = generate(target, target, ids, mask, max_new_tokens=n_new, num_draft_tokens=G,
                                        eos_token_id=eos, pad_token_id=0, on_tokens=rec)
     new = out.sequences[:, ids.shape[1]:]
     # row 0: the first step accepts the whole draft x_0..x_3; EOS is x_2, the row ends right after it
@@ -184,7 +194,7 @@ def test_eos_matches_target_generate(draft_kind, pairs, left_padded):
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=5)
     plain = hf_greedy(target, ids, mask, 14)[:, ids.shape[1]:]
     eos = [int(plain[0, 5]), int(plain[2, 9])]
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G,
+    out = generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G,
                                        eos_token_id=eos, pad_token_id=0)
     ref = hf_greedy(target, ids, mask, 14, eos_token_id=eos)
     assert torch.equal(out.sequences, ref)
@@ -198,7 +208,7 @@ def test_the_loop_tells_the_caches_whether_every_new_slot_is_valid(draft_kind, p
     EOS ends two rows early (their slots turn invalid while the others go on),
     and rejections leave a second pending draft token, so both values occur.
     """
-    from specjax.generate.slots import SlotCache
+    from specjax.slots import SlotCache
 
     models = pairs("qwen2")
     target, draft = models["target"], models[draft_kind]
@@ -213,7 +223,7 @@ def test_the_loop_tells_the_caches_whether_every_new_slot_is_valid(draft_kind, p
         return original(self, tokens, valid, last_only=last_only, all_valid=all_valid)
 
     monkeypatch.setattr(SlotCache, "forward", checked)
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G,
+    out = generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G,
                                        eos_token_id=eos, pad_token_id=0)
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 14, eos_token_id=eos))
     given = [(flag, truth) for flag, truth in seen if flag is not None]
@@ -229,7 +239,7 @@ def test_max_new_tokens_is_never_exceeded(draft_kind, max_new_tokens, pairs, lef
     target, draft = models["target"], models[draft_kind]
     ids, mask = left_padded((3, 5), vocab_size=VOCAB, seed=2)
     rec = StepRecorder()
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
+    out = generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
                                        num_draft_tokens=G, on_tokens=rec)
     assert out.sequences.shape == (2, ids.shape[1] + max_new_tokens)
     assert out.num_new_tokens.tolist() == [max_new_tokens] * 2
@@ -264,7 +274,7 @@ def test_caches_match_a_fresh_forward(arch, draft_kind, max_new_tokens, with_eos
     if with_eos:
         plain = hf_greedy(target, ids, mask, max_new_tokens)[:, ids.shape[1]:]
         eos = int(plain[1, 6])
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
+    out = generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
                                        num_draft_tokens=G, eos_token_id=eos, pad_token_id=0, return_state=True)
     assert out.stats.steps >= (3 if draft_kind == "perturbed" else math.ceil(max_new_tokens / (G + 1)))
     state = out.state
@@ -297,7 +307,7 @@ def test_caches_match_a_fresh_forward(arch, draft_kind, max_new_tokens, with_eos
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_slot_cache_skips_the_mask_only_while_every_slot_is_valid(arch, tiny_lm):
     """All slots valid: no mask/positions passed (the causal fast path); a hole: both passed; exact either way."""
-    from specjax.generate.slots import SlotCache
+    from specjax.slots import SlotCache
 
     model = tiny_lm(arch, vocab_size=VOCAB)
     cache = SlotCache(model, 2, torch.device("cpu"))  # reads the forward's signature: before the wrapper
@@ -358,11 +368,11 @@ def test_tokenizers_that_do_not_match_are_refused(pairs):
     shuffled = words[:2] + sorted(words[2:], key=lambda w: int(w[1:]) * 7 % (VOCAB - 2))
     ids = torch.tensor([[5, 6, 7]])
     same = _word_tokenizer(words)
-    out = specjax.speculative_generate(models["target"], models["same"], ids, max_new_tokens=2,
+    out = generate(models["target"], models["same"], ids, max_new_tokens=2,
                                        target_tokenizer=same, draft_tokenizer=_word_tokenizer(list(words)))
     assert out.sequences.shape == (1, 5)
     with pytest.raises(ValueError, match=r"draft_tokenizer: \d+ of the first 96 token ids map to different"):
-        specjax.speculative_generate(models["target"], models["same"], ids, max_new_tokens=2,
+        generate(models["target"], models["same"], ids, max_new_tokens=2,
                                      target_tokenizer=same, draft_tokenizer=_word_tokenizer(shuffled))
 
 
@@ -371,7 +381,7 @@ def test_vocabularies_of_different_sizes_are_refused(pairs, tiny_lm):
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(ValueError, match="vocabulary has 96 entries and the draft's 1024; they differ by more "
                                          "than padding"):
-        specjax.speculative_generate(pairs("llama")["target"], big, ids, max_new_tokens=2)
+        generate(pairs("llama")["target"], big, ids, max_new_tokens=2)
 
 
 def test_models_on_different_devices_are_refused(pairs, tiny_lm):
@@ -380,7 +390,7 @@ def test_models_on_different_devices_are_refused(pairs, tiny_lm):
     assert next(meta_draft.parameters()).device.type == "meta"
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(ValueError, match=r"draft: expected the target's device cpu, got meta"):
-        specjax.speculative_generate(pairs("llama")["target"], meta_draft, ids, max_new_tokens=2)
+        generate(pairs("llama")["target"], meta_draft, ids, max_new_tokens=2)
 
 
 @pytest.mark.parametrize(
@@ -404,7 +414,7 @@ def test_models_on_different_devices_are_refused(pairs, tiny_lm):
 def test_bad_lengths_are_refused(kwargs, message, pairs):
     models = pairs("llama")
     with pytest.raises(ValueError, match=message):
-        specjax.speculative_generate(models["target"], models["other"], torch.tensor([[5, 6, 7]]), **kwargs)
+        generate(models["target"], models["other"], torch.tensor([[5, 6, 7]]), **kwargs)
 
 
 @pytest.mark.parametrize("bad", [VOCAB, 10**6, -1])
@@ -412,7 +422,7 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(bad, pairs):
     """Refused up front with the range, not an IndexError from inside the embedding."""
     models = pairs("llama")
     with pytest.raises(ValueError, match=rf"input_ids: expected token ids in \[0, {VOCAB}\) .*got values in "):
-        specjax.speculative_generate(models["target"], models["other"], torch.tensor([[5, bad, 7]]),
+        generate(models["target"], models["other"], torch.tensor([[5, bad, 7]]),
                                      max_new_tokens=2)
 
 
@@ -420,24 +430,24 @@ def test_padded_batch_without_attention_mask_is_refused(pairs, left_padded):
     models = pairs("llama")
     ids, mask = left_padded((2, 5), vocab_size=VOCAB, seed=1)
     with pytest.raises(ValueError, match="attention_mask: the batch looks left-padded"):
-        specjax.speculative_generate(models["target"], models["other"], ids, max_new_tokens=2)
+        generate(models["target"], models["other"], ids, max_new_tokens=2)
     right = torch.flip(mask, dims=[1])
     with pytest.raises(ValueError, match="attention_mask: expected left padding"):
-        specjax.speculative_generate(models["target"], models["other"], ids, right, max_new_tokens=2)
+        generate(models["target"], models["other"], ids, right, max_new_tokens=2)
 
 
 def test_unknown_sampler_name_is_refused(pairs):
     pytest.importorskip("specjax.plugin.registry")
     models = pairs("llama")
     with pytest.raises(ValueError, match="unknown sampler 'no-such-sampler'"):
-        specjax.speculative_generate(models["target"], models["other"], torch.tensor([[5, 6, 7]]),
+        generate(models["target"], models["other"], torch.tensor([[5, 6, 7]]),
                                      max_new_tokens=2, sampler="no-such-sampler")
 
 
 def test_sliding_window_too_short_is_refused(tiny_lm):
     target = tiny_lm("mistral", sliding_window=16)
     with pytest.raises(ValueError, match=r"target: sliding-window attention \(window 16\) is not supported"):
-        specjax.speculative_generate(target, target, torch.tensor([[5, 6, 7]]), max_new_tokens=20)
+        generate(target, target, torch.tensor([[5, 6, 7]]), max_new_tokens=20)
 
 
 def test_sliding_window_layers_within_the_window_are_exact(tiny_lm, perturbed_copy, left_padded):
@@ -445,7 +455,7 @@ def test_sliding_window_layers_within_the_window_are_exact(tiny_lm, perturbed_co
     target = tiny_lm("mistral", sliding_window=4096)
     draft = perturbed_copy(target, noise=0.05, seed=3)
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=11)
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G)
+    out = generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G)
     assert 0 < out.stats.acceptance_rate < 1
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 16))
 
@@ -490,7 +500,7 @@ def test_target_vocabulary_padded_beyond_the_drafts(temperature, tiny_lm, pertur
             p.copy_(q[: p.shape[0]] if p.shape != q.shape else q)
     ids, mask = left_padded(LENGTHS, vocab_size=128, seed=3)
     sampler = RecordingSampler()
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G,
+    out = generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G,
                                        temperature=temperature, sampler=sampler, seed=1)
     new = out.sequences[:, ids.shape[1]:]
     assert int(new.max()) >= 128, "the target never emitted a padding id: the test does not test"
@@ -498,7 +508,7 @@ def test_target_vocabulary_padded_beyond_the_drafts(temperature, tiny_lm, pertur
     assert out.stats.draft_tokens_accepted > 0
     if temperature == 0.0:
         assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 16))
-    fused = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G,
+    fused = generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G,
                                          temperature=temperature, seed=1)
     assert torch.equal(fused.sequences, out.sequences)
 
@@ -511,11 +521,11 @@ def test_draft_vocabulary_padded_beyond_the_targets(tiny_lm, left_padded):
     with torch.inference_mode():  # the draft alone would pick padding ids
         assert int(draft(ids, attention_mask=mask).logits.argmax(-1).max()) >= 128
     sampler = RecordingSampler()
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G,
+    out = generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G,
                                        sampler=sampler)
     assert sampler.calls > 0 and 0 <= sampler.max_draft_token < 128
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 12))
-    fused = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G)
+    fused = generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G)
     assert torch.equal(fused.sequences, out.sequences)
 
 
@@ -571,7 +581,7 @@ def test_stats_are_consistent(draft_kind, batch, max_new_tokens, g, temperature,
     models = pairs("llama")
     ids, mask = left_padded(LENGTHS[:batch] if batch > 1 else (4,), vocab_size=VOCAB, seed=9)
     rec = StepRecorder()
-    out = specjax.speculative_generate(models["target"], models[draft_kind], ids, mask,
+    out = generate(models["target"], models[draft_kind], ids, mask,
                                        max_new_tokens=max_new_tokens, num_draft_tokens=g,
                                        temperature=temperature, on_tokens=rec)
     s = out.stats
@@ -598,8 +608,8 @@ def test_sampler_callable_matches_the_fused_path(pairs, left_padded):
     models = pairs("llama")
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=4)
     kwargs = dict(max_new_tokens=10, num_draft_tokens=G, temperature=0.8, top_k=20, seed=3)
-    fused = specjax.speculative_generate(models["target"], models["perturbed"], ids, mask, **kwargs)
-    called = specjax.speculative_generate(models["target"], models["perturbed"], ids, mask,
+    fused = generate(models["target"], models["perturbed"], ids, mask, **kwargs)
+    called = generate(models["target"], models["perturbed"], ids, mask,
                                           sampler=specjax.rejection_sample, **kwargs)
     assert torch.equal(fused.sequences, called.sequences)
     assert fused.stats.draft_tokens_accepted == called.stats.draft_tokens_accepted
@@ -614,11 +624,11 @@ def test_a_sampled_row_does_not_depend_on_the_other_rows(seed, pairs):
     models = pairs("llama")
     kwargs = dict(max_new_tokens=13, num_draft_tokens=G, temperature=0.8, seed=seed, eos_token_id=[])
     prompt = torch.tensor([[5, 9, 12, 7, 3]])
-    alone = specjax.speculative_generate(models["target"], models["perturbed"], prompt, **kwargs)
+    alone = generate(models["target"], models["perturbed"], prompt, **kwargs)
     steps_differ = False
     for other in ([1, 2, 3, 4, 5], [40, 41, 42, 43, 44], [90, 3, 77, 5, 61]):
         recorder = StepRecorder()
-        batch = specjax.speculative_generate(models["target"], models["perturbed"],
+        batch = generate(models["target"], models["perturbed"],
                                              torch.tensor([prompt[0].tolist(), other]),
                                              on_tokens=recorder, **kwargs)
         assert torch.equal(batch.sequences[0], alone.sequences[0]), other

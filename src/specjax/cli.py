@@ -171,8 +171,13 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def load_pair(args: argparse.Namespace, device: Any, progress: bool) -> tuple[Any, Any, Any, Any]:
-    """(target, draft, target_tokenizer, draft_tokenizer) from the flags or the embedded pair."""
+def load_pair(args: argparse.Namespace, device: Any, progress: bool,
+              need_draft: bool = True) -> tuple[Any, Any, Any, Any]:
+    """(target, draft, target_tokenizer, draft_tokenizer) from the flags or the embedded pair.
+
+    With ``need_draft=False`` (a drafter without a model, e.g. ``ngram``) ``--target``
+    may come alone; draft and its tokenizer are then None.
+    """
     if args.target is None and args.draft is None:
         from specjax.demo import pair_overrides
         from specjax.pair import DefaultPairError, load_default_pair
@@ -182,6 +187,9 @@ def load_pair(args: argparse.Namespace, device: Any, progress: bool) -> tuple[An
         except DefaultPairError as err:
             raise CLIError(str(err)) from err
         return pair.target, pair.draft, pair.tokenizer, pair.tokenizer
+    if args.target is not None and args.draft is None and not need_draft:
+        target, t_tok = load_model(args.target, gguf_file=args.gguf_file, device=device, role="target")
+        return target, None, t_tok, None
     if args.target is None or args.draft is None:
         raise CLIError("--target and --draft go together (omit both to use the embedded default pair)")
     target, t_tok = load_model(args.target, gguf_file=args.gguf_file, device=device, role="target")
@@ -274,9 +282,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("generate: give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
     _check_sampler(args.sampler)  # before the slow model load
+    drafter_name = _check_drafter(args)
     device = _torch_device(args.device)
     t_load = time.perf_counter()
-    target, draft, tok, d_tok = load_pair(args, device, progress=not args.json)
+    target, draft, tok, d_tok = load_pair(args, device, progress=not args.json,
+                                          need_draft=drafter_name in ("model", "hybrid"))
     load_s = _elapsed(t_load)
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     single = len(prompts) == 1 and not args.json
@@ -286,8 +296,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids, mask = encode(tok, chunk, chat=args.chat, device=device)
         stream = TextStream(tok) if single else None
         try:
+            drafter = _make_drafter(drafter_name, draft)
             out = speculative_generate(
-                target, draft, ids, mask, max_new_tokens=args.max_new_tokens,
+                target, drafter, ids, mask, max_new_tokens=args.max_new_tokens,
                 num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=eos,
                 pad_token_id=tok.pad_token_id, sampler=args.sampler,
@@ -312,6 +323,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     return 0
+
+
+def _check_drafter(args: argparse.Namespace) -> str:
+    """The drafter's name from ``--drafter`` (a model path there means ``--draft PATH``), checked before loading."""
+    from specjax.drafters import available_drafters
+
+    name = args.drafter
+    if name not in ("model", "hybrid") and Path(name).exists():
+        if args.draft is not None and args.draft != name:
+            raise CLIError(f"--drafter {name}: a model path, but --draft {args.draft} names another model")
+        args.draft = name
+        return "model"
+    try:
+        names = available_drafters()
+    except Exception as err:  # a broken plugin installation: say so in one line
+        raise CLIError(f"--drafter: cannot list the installed drafters: {_first_line(err)}") from err
+    if name not in names:
+        raise CLIError(f"--drafter: unknown drafter {name!r} (and no such model path); available drafters: "
+                       f"{', '.join(names)}")
+    return name
+
+
+def _make_drafter(name: str, draft: Any) -> Any:
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, load_drafter
+
+    if name == "model":
+        return draft
+    if name == "hybrid":
+        return HybridDrafter(NgramDrafter(), ModelDrafter(draft))
+    return load_drafter(name)
 
 
 def _print_stats(stats: dict[str, Any], file: Any, load_s: float) -> None:
@@ -387,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=_positive_int, default=8)
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     gen.add_argument("--sampler", default="jax", help="sampler name (see specjax.load_sampler)")
+    gen.add_argument("--drafter", default="model", metavar="NAME_OR_PATH",
+                     help="what drafts: model (the --draft model, the default), ngram (prompt lookup, no draft "
+                          "model needed), hybrid (ngram where it matches, else the draft model), a draft model "
+                          "path, or an installed drafter's name")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     gen.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)

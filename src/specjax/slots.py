@@ -58,7 +58,7 @@ class SlotCache:
         return self.mask.shape[1]
 
     def forward(self, tokens: torch.Tensor, valid: torch.Tensor, *, last_only: bool,
-                all_valid: bool | None = None) -> torch.Tensor:
+                all_valid: bool | None = None, hidden: bool = False) -> Any:
         """Append W slots and run the model on them.
 
         Args:
@@ -68,10 +68,13 @@ class SlotCache:
           all_valid: whether every entry of ``valid`` is True, when the caller
             knows it on the host; None reads it from ``valid`` (on a GPU, one
             device→host sync).
+          hidden: also return the model's final hidden states (the last entry of
+            ``output_hidden_states``, f[B, W, d]) from the same forward.
 
         Returns:
           f32[B, W, V] logits (or f32[B, 1, V] with ``last_only``), as the model
-          produced them (a fresh tensor each call).
+          produced them (a fresh tensor each call); with ``hidden``, the pair
+          ``(logits, hidden_states)``.
         """
         if self.input_vocab is not None:
             tokens = torch.where(tokens < self.input_vocab, tokens, torch.zeros_like(tokens))
@@ -90,11 +93,13 @@ class SlotCache:
             kwargs["position_ids"] = positions
         if last_only and self._keep_kw:
             kwargs[self._keep_kw] = 1
+        if hidden:
+            kwargs["output_hidden_states"] = True
         with torch.inference_mode():
             out = self.model(**kwargs)
         self.forwards += 1
-        logits = out.logits
-        return logits[:, -1:] if last_only else logits
+        logits = out.logits[:, -1:] if last_only else out.logits
+        return (logits, out.hidden_states[-1]) if hidden else logits
 
     def invalidate(self, start: int, keep: torch.Tensor) -> None:
         """Mark slots ``start + j`` invalid for every ``j >= keep[b]`` in row b, then crop.

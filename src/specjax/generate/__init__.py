@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.drafters import HybridDrafter, ModelDrafter, resolve_drafter
+from specjax.drafters.base import SamplingState
 from specjax.generate import checks
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 
@@ -142,18 +144,22 @@ def speculative_generate(
     draft_tokenizer: Any = None,
     on_tokens: Any = None,
     return_state: bool = False,
+    adaptive: bool = True,
 ) -> SpeculativeOutput:
-    """Generate with the target's distribution, drafting with a smaller model.
+    """Generate with the target's distribution, drafting with a smaller model or another drafter.
 
     Args:
       target: a transformers causal LM (``AutoModelForCausalLM``), in eval mode.
-      draft: a causal LM sharing the target's tokenizer, on the same device.
-        Vocabulary sizes may differ by padding: ids beyond the draft's
-        vocabulary get draft probability 0.
+      draft: what proposes draft tokens: a causal LM sharing the target's
+        tokenizer, on the same device (the ``model`` drafter; vocabulary sizes
+        may differ by padding: ids beyond the draft's vocabulary get draft
+        probability 0); a drafter object (:mod:`specjax.drafters`, e.g.
+        ``HybridDrafter``); or a registered drafter name such as ``"ngram"``
+        (:func:`specjax.drafters.available_drafters`).
       input_ids: i64[B, P] prompts, left-padded when their lengths differ.
       attention_mask: i64/bool[B, P], 1 for real tokens; required when padded.
       max_new_tokens: tokens to generate per row at most (>= 1).
-      num_draft_tokens: G, draft tokens proposed per step (>= 1).
+      num_draft_tokens: G, the most draft tokens proposed per step (>= 1).
       temperature: scalar or f32[B]; 0 = greedy (the default).
       top_k: None, scalar or i32[B] (0 = off); top_p: None, scalar or f32[B] in (0, 1].
       seed: seeds the per-row JAX keys (row b's draws depend on seed and b only).
@@ -169,6 +175,11 @@ def speculative_generate(
         are committed (for streaming).
       return_state: keep the loop's final caches in ``output.state`` (a
         :class:`LoopState`; for tests and debugging — it holds both KV caches).
+      adaptive: choose each step's draft length from measured costs and each
+        row's acceptance, down to 0 (a plain decoding step) when drafting does
+        not pay (:mod:`specjax.generate.schedule`); False drafts G tokens every
+        step (fewer only near ``max_new_tokens``). Outputs follow the target's
+        distribution either way; greedy outputs are identical.
 
     Returns:
       :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``.
@@ -186,7 +197,10 @@ def speculative_generate(
         names the sampler.
     """
     checks.check_model("target", target)
-    checks.check_model("draft", draft)
+    drafter = resolve_drafter(draft)
+    draft_models = _draft_models(drafter)  # the models inside the drafter (the model and hybrid drafters)
+    for m in draft_models:
+        checks.check_model("draft", m)
     if _device(target).type == "cuda":
         _share_gpu_with_torch()
     import jax
@@ -206,7 +220,8 @@ def speculative_generate(
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int | np.integer) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens: expected an integer >= 1, got {num_draft_tokens!r}")
-    check_pair(target, draft, target_tokenizer, draft_tokenizer)
+    for m in draft_models:
+        check_pair(target, m, target_tokenizer, draft_tokenizer)
     device = _device(target)
     if input_ids.device != device:
         raise ValueError(f"input_ids: expected the models' device {device}, got {input_ids.device}")
@@ -244,41 +259,46 @@ def speculative_generate(
 
     target_vocab = _vocab_size(target)
     # Ids outside the embeddings would fail deep inside torch (IndexError): check here.
-    vocab_limit = min(_input_vocab_size(target), _input_vocab_size(draft))
+    vocab_limit = min(_input_vocab_size(m) for m in (target, *draft_models))
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab_limit:
         raise ValueError(f"input_ids: expected token ids in [0, {vocab_limit}) (the models' vocabulary), "
                          f"got values in [{lo}, {hi}]")
     longest = int(attention_mask.bool().sum(dim=1).max())  # positions count real tokens only
     checks.check_position_limit("target", target, longest, int(max_new_tokens))
-    checks.check_position_limit("draft", draft, longest, int(max_new_tokens))
+    for m in draft_models:
+        checks.check_position_limit("draft", m, longest, int(max_new_tokens))
     needed = prompt_len + max_new_tokens * (num_draft_tokens + 2)
     _check_sliding_window(target, needed, "target")
-    _check_sliding_window(draft, needed, "draft")
+    for m in draft_models:
+        _check_sliding_window(m, needed, "draft")
 
     sampler_fn = _resolve_sampler(sampler)
     temperature_a, top_k_a, top_p_a = _prepare_params(temperature, top_k, top_p, batch, True)
-    params = (  # on the device once, for every step's jitted calls
+    base = jax.random.key(seed)
+    sampling = SamplingState(  # on the device once, for every step's jitted calls
         jax.device_put(temperature_a),
         jax.device_put(top_k_a if top_k_a is not None else np.zeros((batch,), np.int32)),
         jax.device_put(top_p_a if top_p_a is not None else np.zeros((batch,), np.float32)),
         top_k_a is not None,
         top_p_a is not None,
+        jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jax.numpy.arange(batch)),
     )
-    base = jax.random.key(seed)
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jax.numpy.arange(batch))
+    if not isinstance(adaptive, bool):
+        raise TypeError(f"adaptive: expected True or False, got {type(adaptive).__name__}")
 
     target.eval()
-    draft.eval()
+    for m in draft_models:
+        m.eval()
     return run_loop(
         target,
-        draft,
+        drafter,
         input_ids,
         attention_mask,
         max_new_tokens=int(max_new_tokens),
         num_draft_tokens=int(num_draft_tokens),
-        params=params,
-        row_keys=row_keys,
+        sampling=sampling,
+        adaptive=adaptive,
         eos_ids=eos_ids,
         pad_token_id=int(pad_token_id),
         target_vocab=target_vocab,
@@ -286,6 +306,15 @@ def speculative_generate(
         on_tokens=on_tokens,
         return_state=return_state,
     )
+
+
+def _draft_models(drafter: Any) -> list[Any]:
+    """The transformers models a built-in drafter runs (checked against the target like a draft model)."""
+    if isinstance(drafter, ModelDrafter):
+        return [drafter.model]
+    if isinstance(drafter, HybridDrafter):
+        return _draft_models(drafter.fallback)
+    return []
 
 
 def _share_gpu_with_torch() -> None:

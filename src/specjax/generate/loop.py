@@ -16,7 +16,7 @@ Chen et al. 2023, arXiv:2302.01318):
    correction/bonus token; the int32 tokens come back to torch.
 4. **Commit.** Each row appends its ``n`` accepted tokens and the emitted token,
    stops at EOS or ``max_new_tokens``; both caches mark the rejected slots
-   invalid (see :mod:`specjax.generate.slots`).
+   invalid (see :mod:`specjax.slots`).
 
 Host synchronisation: once per draft draw (the drawn token ids are the next
 draft input, and torch's CPU/CUDA forward needs them; on GPU this is a device
@@ -34,9 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal, SamplingState
+from specjax.generate import checks
 from specjax.generate.checks import check_step_output
 from specjax.generate.compile_time import measure_compiles
-from specjax.generate.slots import SlotCache
+from specjax.generate.schedule import DraftSchedule
+from specjax.slots import SlotCache
 
 
 @dataclass
@@ -59,8 +62,11 @@ class SpeculativeStats:
       wall_time_s: wall-clock time of the call.
       compile_time_s: the part of it spent compiling JAX functions (one-time work
         for shapes not seen before; 0 when every shape was seen).
-      tokens_per_s: new_tokens / (wall_time_s - compile_time_s): decoding speed
-        without one-time compilation.
+      tokens_per_s: new_tokens / (wall_time_s - compile_time_s): decoding
+        speed without one-time compilation.
+      drafter: the drafter's name.
+      draft_steps: steps in which the drafter proposed (the others were plain
+        decoding steps, chosen by the adaptive draft length).
     """
 
     steps: int = 0
@@ -77,6 +83,8 @@ class SpeculativeStats:
     wall_time_s: float = 0.0
     compile_time_s: float = 0.0
     tokens_per_s: float = 0.0
+    drafter: str = ""
+    draft_steps: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -110,18 +118,20 @@ class LoopState:
     (without padding) followed by its generated tokens:
 
     * ``target_cache`` holds ``seq[:-1]`` in its valid slots and ``last[j] == seq[-1]``;
-    * ``draft_cache`` holds ``seq`` minus its last few tokens, which are
-      ``draft_pending[j]`` (one or two; three after a final step that did not draft).
+    * with the ``model`` drafter, ``draft_cache`` holds ``seq`` minus its last
+      few tokens, which are ``draft_pending[j]`` (at least one: the tokens the
+      draft has not fed yet; more after steps that did not draft). For other
+      drafters ``draft_cache`` is None and ``draft_pending`` empty.
 
     Attributes:
-      target_cache, draft_cache: :class:`SlotCache`.
+      target_cache, draft_cache: :class:`SlotCache` (draft_cache may be None).
       rows: list of B' ints.
       last: i64[B'].
       draft_pending: B' lists of token ids.
     """
 
     target_cache: SlotCache
-    draft_cache: SlotCache
+    draft_cache: SlotCache | None
     rows: list[int]
     last: torch.Tensor
     draft_pending: list[list[int]]
@@ -140,139 +150,138 @@ class _Row:
 
 def run_loop(
     target: Any,
-    draft: Any,
+    drafter: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     *,
     max_new_tokens: int,
     num_draft_tokens: int,
-    params: tuple[Any, Any, Any, bool, bool],
-    row_keys: Any,
+    sampling: SamplingState,
     eos_ids: set[int],
     pad_token_id: int,
     target_vocab: int,
     sampler: Any,
     on_tokens: Any = None,
     return_state: bool = False,
+    adaptive: bool = True,
 ) -> SpeculativeOutput:
     """The loop proper; arguments are already validated by :func:`speculative_generate`.
 
-    ``params`` is ``(temperature f32[B], top_k i32[B], one_minus_top_p f32[B],
-    use_top_k, use_top_p)``; ``sampler`` is None for the fused JAX path, else a
-    callable with the :func:`specjax.rejection_sample` contract. Finished rows
-    stay in the caches until they are dropped, but append no valid slots.
+    ``drafter`` follows :class:`specjax.drafters.Drafter`; ``sampling`` holds the
+    per-row parameters and keys; ``sampler`` is None for the fused JAX path,
+    else a callable with the :func:`specjax.rejection_sample` contract.
+    ``adaptive`` chooses the draft length per step from measured costs
+    (:mod:`specjax.generate.schedule`); False drafts ``num_draft_tokens`` every
+    step (fewer only where ``max_new_tokens`` allows fewer). Finished rows stay
+    in the caches until they are dropped, but append no valid slots.
     """
     import jax
     import jax.numpy as jnp
 
     from specjax.adapters import count_copies, jit_input, to_torch
-    from specjax.generate import steps
+    from specjax.kernels import steps
 
     t_start = time.perf_counter()
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     rows = [_Row(i) for i in range(batch)]
     cache_rows = list(range(batch))  # original row index of each cache row
-    stats = SpeculativeStats()
+    stats = SpeculativeStats(drafter=str(getattr(drafter, "name", type(drafter).__name__)))
+    who = checks.plugin_name("drafter", drafter, getattr(drafter, "name", None))
+    trusted = type(drafter).__module__.startswith("specjax.drafters")
     tested = np.zeros(num_draft_tokens, np.int64)
     passed = np.zeros(num_draft_tokens, np.int64)
     gained_total = 0
     row_steps = 0
-    temperature, top_k, one_minus_top_p, use_top_k, use_top_p = params
 
     with count_copies() as copies, measure_compiles() as compiles:
         t_cache = SlotCache(target, batch, device)
-        # The target may emit ids the draft cannot embed (vocabularies that differ by
-        # padding); the draft then sees id 0 there, which only affects its proposals.
-        d_embed = draft.get_input_embeddings().weight.shape[0]
-        d_cache = SlotCache(draft, batch, device, input_vocab=d_embed if d_embed < target_vocab else None)
         if prompt_len > 1:
-            # Prefill all but the last prompt token: the target scores that one with
-            # the first draft, and the draft feeds it first.
-            prompt_valid = attention_mask[:, :-1].bool()
-            t_cache.forward(input_ids[:, :-1], prompt_valid, last_only=True)
-            d_cache.forward(input_ids[:, :-1], prompt_valid, last_only=True)
-        # Host-side bookkeeping (NumPy, rebuilt as tensors once per step):
-        last_h = input_ids[:, -1].cpu().numpy().copy()  # i64[B']: last committed token, not in the target cache
-        pend0_h = last_h.copy()  # i64[B']: a second pending draft token, where pend0_valid_h
-        pend0_valid_h = np.zeros(batch, bool)  # the draft also still has to see last_h (always pending)
+            # Prefill all but the last prompt token: the target scores that one
+            # with the first proposals.
+            t_cache.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), last_only=True)
+        mask_h = attention_mask.bool().cpu().numpy()
+        ids_h = input_ids.cpu().numpy()
+        contexts = [ids_h[b][mask_h[b]].tolist() for b in range(batch)]
+        drafter.start(DraftSetup(target, input_ids, attention_mask, [list(c) for c in contexts], target_vocab,
+                                 num_draft_tokens, sampling))
+        schedule = DraftSchedule(batch, num_draft_tokens, adaptive=adaptive,
+                                 draft_cost_hint=float(getattr(drafter, "cost_per_token_hint", 0.003)),
+                                 model=target, drafter_key=stats.drafter)
+        last_h = ids_h[:, -1].astype(np.int64).copy()  # i64[B']: last committed token, not in the target cache
 
-        unfed: dict[int, list[int]] = {}  # pending tokens a step without drafting (the last) left unfed
+        hidden_kw = bool(getattr(drafter, "needs_target_hidden", False))
         step = 0
-        row_t, row_k, row_p, keys = temperature, top_k, one_minus_top_p, row_keys
         while not all(r.done for r in rows):
+            t_step = time.perf_counter()
             state = [rows[i] for i in cache_rows]
             b_now = len(state)
             remaining = np.array([0 if r.done else max_new_tokens - len(r.generated) for r in state])
-            active = torch.as_tensor(remaining > 0, device=device)[:, None]  # bool[B', 1]
-            all_active = bool(np.all(remaining > 0))  # host copies of the validity: no device sync
-            k_rows = np.minimum(num_draft_tokens, np.maximum(remaining - 1, 0))
-            g = int(k_rows.max())
-            last = torch.as_tensor(last_h, device=device)
+            active_h = remaining > 0
+            all_active = bool(active_h.all())  # host copies of the validity: no device sync
+            active = torch.as_tensor(active_h, device=device)[:, None]  # bool[B', 1]
+            # A row may draft at most G tokens and never past max_new_tokens (the
+            # emitted token comes on top of the accepted ones).
+            caps = np.where(active_h, np.minimum(num_draft_tokens, np.maximum(remaining - 1, 0)), 0)
 
-            # 1. Draft: the pending tokens, then g autoregressive draws.
-            d_start = d_cache.length
-            if pend0_valid_h.any():
-                feed = torch.as_tensor(np.stack([pend0_h, last_h], axis=1), device=device)
-                feed_valid = torch.as_tensor(np.stack([pend0_valid_h, np.ones(b_now, bool)], axis=1),
-                                             device=device) & active
-                feed_all_valid = all_active and bool(pend0_valid_h.all())
+            # 1. Draft.
+            want = schedule.plan(caps, active_h)
+            t_draft = time.perf_counter()
+            if want.max(initial=0) > 0:
+                proposal = drafter.propose(
+                    DraftRequest(step, [contexts[i] for i in cache_rows], want, active_h, sampling))
+                _check_proposal(who, proposal, want, b_now, target_vocab, check_ids=not trusted)
+                schedule.record_draft(int(want.max()), time.perf_counter() - t_draft)
+                stats.draft_steps += 1
             else:
-                feed, feed_valid, feed_all_valid = last[:, None], active, all_active
-            width0 = feed.shape[1] if g else 0  # with g = 0 the draft does not run: its pending tokens stay
-            draft_x: list[Any] = []
-            draft_logits: list[Any] = []
-            x_feeds: list[torch.Tensor] = []
-            held: list[torch.Tensor] = []  # torch buffers JAX reads: kept until verify is done
-            for i in range(g):
-                logits = d_cache.forward(feed, feed_valid, last_only=True, all_valid=feed_all_valid)[:, 0]
-                held.append(logits)
-                lj = jit_input(logits)
-                draft_logits.append(lj)
-                x = steps.draft_draw(lj, keys, step, i + 1, row_t, row_k, row_p, vocab=target_vocab,
-                                     use_top_k=use_top_k, use_top_p=use_top_p)
-                draft_x.append(x)
-                feed = to_torch(x).to(torch.long)[:, None]
-                feed_valid, feed_all_valid = active, all_active
-                x_feeds.append(feed)
+                proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
+            k_rows = np.minimum(schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h), want)
+            g = int(k_rows.max(initial=0))
+            width = schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
+            last = torch.as_tensor(last_h, device=device)
+            x_t, x_j = _draft_columns(proposal.tokens, k_rows, g, width, last, to_torch, jnp)
+            d_logits = None
+            if proposal.logits is not None and g:
+                d_logits = tuple(jit_input(lg) if isinstance(lg, torch.Tensor) else lg for lg in proposal.logits[:g])
+                d_logits += (d_logits[-1],) * (width - g)
 
-            # 2. Score: [last, x_0 .. x_{g-1}] in one target forward.
+            # 2. Score [last, x_0 .. x_{width-1}] in one target forward.
             t_start_slot = t_cache.length
-            t_in = torch.cat([last[:, None], *x_feeds], dim=1)
-            target_logits = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False, all_valid=all_active)
-            held.append(target_logits)
+            t_in = torch.cat([last[:, None], x_t], dim=1)
+            t_fwd = time.perf_counter()
+            target_logits, hidden = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False,
+                                                    all_valid=all_active, hidden=True) if hidden_kw else \
+                (t_cache.forward(t_in, active.expand(t_in.shape), last_only=False, all_valid=all_active), None)
+            forward_s = time.perf_counter() - t_fwd
+            schedule.record_verify(width + 1, forward_s)
             tj = jit_input(target_logits)
 
             # 3. Verify.
+            s = sampling
             if sampler is None:
-                # the draft tokens go in as a tuple and k as host numbers: no eager JAX op here
-                result = steps.verify_step(tuple(draft_x), tuple(draft_logits), tj, keys, step, row_t, row_k,
-                                           row_p, k_rows.astype(np.int32),
-                                           use_top_k=use_top_k, use_top_p=use_top_p)
+                result = steps.verify_step(x_j, d_logits, tj, s.keys, step, s.temperature, s.top_k,
+                                           s.one_minus_top_p, k_rows.astype(np.int32),
+                                           use_top_k=s.use_top_k, use_top_p=s.use_top_p)
                 n_j, tok_j = result["num_accepted"], result["tokens"]
             else:
-                xj = jnp.stack(draft_x, axis=1) if g else jnp.zeros((b_now, 0), jnp.int32)
-                n_j, tok_j = _run_sampler(sampler, xj, tuple(draft_logits), tj, keys, step, row_t, row_k, row_p,
-                                          k_rows, use_top_k, use_top_p)
-            tok_host = np.asarray(jax.block_until_ready(tok_j))  # i32[B', g+1]: the one host sync per step
+                n_j, tok_j = _run_sampler(sampler, x_j, d_logits, tj, s, step, k_rows)
+            tok_host = np.asarray(jax.block_until_ready(tok_j))  # i32[B', width+1]: the one host sync per step
             n_host = np.asarray(n_j).astype(np.int64)
             check_step_output("the verification step", n_host, tok_host, k_rows, target_vocab)
-            del held, draft_logits, tj  # JAX has finished reading the torch buffers
+            del d_logits, tj, target_logits  # JAX has finished reading the torch buffers
 
             # 4. Commit.
             stats.steps += 1
             kept = np.zeros(b_now, np.int64)  # accepted draft tokens each row keeps (EOS may cut them)
+            emitted_rows: list[list[int]] = []
             for j, row in enumerate(state):
                 if row.done:
+                    emitted_rows.append([])
                     continue
-                if not g:
-                    unfed[row.index] = [int(pend0_h[j])] * bool(pend0_valid_h[j]) + [int(last_h[j])]
-                pend0_valid_h[j] = False
                 n, k = int(n_host[j]), int(k_rows[j])
                 stats.draft_tokens_proposed += k
                 stats.draft_tokens_accepted += n
-                reached = min(n + 1, k)
-                tested[:reached] += 1
+                tested[: min(n + 1, k)] += 1
                 passed[:n] += 1
                 emitted = tok_host[j, : n + 1].tolist()
                 if eos_ids:
@@ -282,62 +291,118 @@ def run_loop(
                             row.done = True
                             break
                 row.generated.extend(emitted)
+                contexts[row.index].extend(emitted)
                 if len(row.generated) >= max_new_tokens:
                     row.done = True
                 gained_total += len(emitted)
                 row_steps += 1
                 if on_tokens is not None:
                     on_tokens(row.index, emitted)
-                kept[j] = m = len(emitted) - 1
+                kept[j] = len(emitted) - 1
                 last_h[j] = emitted[-1]
-                if g and m == g:  # x_{g-1} was accepted but never fed to the draft
-                    pend0_h[j] = tok_host[j, g - 1]
-                    pend0_valid_h[j] = True
-            n_t = torch.as_tensor(kept, device=device)
-            # the target fed [last, x_0 .. x_{g-1}]: last and the kept draft tokens stay
-            t_cache.invalidate(t_start_slot, 1 + n_t)
-            if g:
-                # the draft fed its pending chunk (all of it stays) and x_0 .. x_{g-2}
-                d_cache.invalidate(d_start + width0, torch.clamp(n_t, max=g - 1))
+                emitted_rows.append(emitted)
+            # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
+            t_cache.invalidate(t_start_slot, torch.as_tensor(1 + kept, device=device))
+            drafter.commit(CommitInfo(emitted_rows, n_host, k_rows, hidden))
+            schedule.record_outcome(k_rows, n_host)
             step += 1
+            # the step's time besides drafting and the target forward (verification, bookkeeping)
+            schedule.record_overhead(time.perf_counter() - t_step - (t_fwd - t_draft) - forward_s)
 
             # Drop finished rows from the caches once at least half of them are done
             # (fewer distinct batch sizes, so fewer recompilations).
             live = [j for j, i in enumerate(cache_rows) if not rows[i].done]
             if live and len(live) <= b_now // 2:
-                idx = torch.as_tensor(live, device=device)
-                t_cache.select_rows(idx)
-                d_cache.select_rows(idx)
+                t_cache.select_rows(torch.as_tensor(live, device=device))
+                drafter.select_rows(live)
+                schedule.select_rows(live)
                 cache_rows = [cache_rows[j] for j in live]
-                last_h, pend0_h, pend0_valid_h = last_h[live], pend0_h[live], pend0_valid_h[live]
+                last_h = last_h[live]
                 # per-row parameters and keys follow their rows (gathered once per change)
-                select = jnp.asarray(np.asarray(cache_rows, np.int32))
-                row_t, row_k, row_p = temperature[select], top_k[select], one_minus_top_p[select]
-                keys = row_keys[select]
+                sampling = sampling.select(jnp.asarray(np.asarray(live, np.int32)))
 
     stats.target_forwards = t_cache.forwards
-    stats.draft_forwards = d_cache.forwards
+    d_cache = getattr(drafter, "cache", None)
+    stats.draft_forwards = d_cache.forwards if isinstance(d_cache, SlotCache) else 0
     stats.adapter_copies = copies.copies
     stats.compile_time_s = compiles.seconds
     _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start)
     out = _build_output(input_ids, rows, pad_token_id, stats)
     if return_state:
-        draft_pending = [
-            [*unfed.get(i, [int(pend0_h[j])] * bool(pend0_valid_h[j])), int(last_h[j])]
-            for j, i in enumerate(cache_rows)
-        ]
-        out.state = LoopState(t_cache, d_cache, cache_rows, torch.as_tensor(last_h, device=device), draft_pending)
+        pending = getattr(drafter, "pending", None)
+        out.state = LoopState(t_cache, d_cache, cache_rows, torch.as_tensor(last_h, device=device),
+                              [list(p) for p in pending] if pending is not None else [])
     return out
 
 
-def _run_sampler(sampler, xj, draft_logits, tj, keys, step, row_t, row_k, row_p, k_rows, use_top_k, use_top_p):
+def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab: int, *, check_ids: bool) -> None:
+    """A drafter's proposal: shapes, ``0 <= k_b <= max_tokens[b]``, and (third-party drafters) ids in [0, V)."""
+    if not isinstance(proposal, Proposal):
+        raise checks.PluginOutputError(f"{who} returned {type(proposal).__name__}, expected a "
+                                       "specjax.drafters.Proposal")
+    k = np.asarray(proposal.num_tokens)
+    if k.shape != (batch,) or not np.issubdtype(k.dtype, np.integer):
+        raise checks.PluginOutputError(f"{who} returned num_tokens of shape {k.shape} and dtype {k.dtype}, "
+                                       f"expected integers of shape ({batch},)")
+    over = np.nonzero((k < 0) | (k > want))[0]
+    if over.size:
+        r = int(over[0])
+        raise checks.PluginOutputError(f"{who} proposed {int(k[r])} tokens for row {r}, expected at most "
+                                       f"{int(want[r])} (and at least 0)")
+    shape = tuple(getattr(proposal.tokens, "shape", ()))
+    if len(shape) != 2 or shape[0] != batch or shape[1] < int(k.max(initial=0)):
+        raise checks.PluginOutputError(f"{who} returned tokens of shape {shape}, expected ({batch}, G) with "
+                                       f"G >= {int(k.max(initial=0))}")
+    if proposal.logits is not None:
+        if len(proposal.logits) < int(k.max(initial=0)):
+            raise checks.PluginOutputError(f"{who} returned {len(proposal.logits)} logits arrays for "
+                                           f"{int(k.max(initial=0))} draft positions")
+        for lg in proposal.logits:
+            if tuple(lg.shape)[:1] != (batch,) or len(lg.shape) != 2:
+                raise checks.PluginOutputError(f"{who} returned draft logits of shape {tuple(lg.shape)}, expected "
+                                               f"({batch}, V)")
+    if check_ids:
+        checks.check_draft_output(who, proposal.tokens, batch, shape[1], vocab, k)
+
+
+def _draft_columns(tokens: Any, k_rows: np.ndarray, g: int, width: int, last: torch.Tensor, to_torch: Any,
+                   jnp: Any) -> tuple[torch.Tensor, Any]:
+    """The draft columns as torch i64[B', width] (target input) and JAX i32[B', width] (verify input).
+
+    Row b's entries at positions >= k_b (and the filler columns past g) are its
+    last token: a valid id that is never tested.
+    """
+    b = last.shape[0]
+    if width == 0:
+        return last.new_zeros((b, 0)), jnp.zeros((b, 0), jnp.int32)
+    used = np.arange(width)[None, :] < k_rows[:, None]
+    if isinstance(tokens, np.ndarray):
+        cols = np.zeros((b, width), np.int64)
+        cols[:, :g] = tokens[:, :g]
+        cols = np.where(used, cols, last.cpu().numpy()[:, None])
+        x_t = torch.as_tensor(cols, device=last.device)
+        return x_t, jnp.asarray(cols.astype(np.int32))
+    if isinstance(tokens, torch.Tensor):
+        x = tokens[:, :g].to(device=last.device, dtype=torch.long)
+        x = torch.cat([x, last[:, None].expand(b, width - g)], dim=1)
+        x_t = torch.where(torch.as_tensor(used, device=last.device), x, last[:, None])
+        return x_t, jnp.asarray(x_t.cpu().numpy().astype(np.int32))
+    x = jnp.asarray(tokens)[:, :g].astype(jnp.int32)
+    fill = jnp.asarray(last.cpu().numpy().astype(np.int32))[:, None]
+    if width > g:
+        x = jnp.concatenate([x, jnp.broadcast_to(fill, (b, width - g))], axis=1)
+    x = jnp.where(jnp.asarray(used), x, fill)
+    return to_torch(x).to(torch.long), x
+
+
+def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):
     """A probabilities-contract sampler, called once per distinct draft length in the batch."""
     import jax.numpy as jnp
 
-    from specjax.generate import steps
+    from specjax.kernels import steps
 
-    q, p, u = steps.probs_step(draft_logits, tj, keys, step, row_t, row_k, row_p,
-                               use_top_k=use_top_k, use_top_p=use_top_p)
+    q, p, u = steps.probs_step(draft_logits, tj, s.keys, step, s.temperature, s.top_k, s.one_minus_top_p,
+                               use_top_k=s.use_top_k, use_top_p=s.use_top_p)
     b, g = xj.shape
     n_out = np.zeros((b,), np.int32)
     tok_out = np.full((b, g + 1), -1, np.int32)
@@ -345,7 +410,8 @@ def _run_sampler(sampler, xj, draft_logits, tj, keys, step, row_t, row_k, row_p,
         idx = np.nonzero(k_rows == k)[0]
         ji = jnp.asarray(idx)
         # row b's sampling uniform is u[b, k_b] (steps.sampling_uniform), not u[b, g]
-        res = sampler(xj[ji, :k], q[ji, :k], p[ji, : k + 1], u[ji, :k], u[ji, k], validate=False)
+        q_k = None if q is None else q[ji, :k]
+        res = sampler(xj[ji, :k], q_k, p[ji, : k + 1], u[ji, :k], u[ji, k], validate=False)
         n_out[idx] = np.asarray(_host(res["num_accepted"]))
         tok_out[idx, : k + 1] = np.asarray(_host(res["tokens"]))
     return jnp.asarray(n_out), jnp.asarray(tok_out)
@@ -359,7 +425,8 @@ def _host(x: Any) -> np.ndarray:
 
 def _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start) -> None:
     stats.new_tokens = sum(len(r.generated) for r in rows)
-    stats.acceptance_rate = stats.draft_tokens_accepted / stats.draft_tokens_proposed if stats.draft_tokens_proposed else 0.0
+    proposed = stats.draft_tokens_proposed
+    stats.acceptance_rate = stats.draft_tokens_accepted / proposed if proposed else 0.0
     stats.mean_accepted_length = gained_total / row_steps if row_steps else 0.0
     stats.tokens_per_target_forward = stats.new_tokens / stats.target_forwards if stats.target_forwards else 0.0
     stats.acceptance_rate_per_position = [float(p / t) if t else 0.0 for p, t in zip(passed, tested, strict=True)]

@@ -81,22 +81,29 @@ def sampling_uniform(u: jax.Array, num_draft_tokens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(u, num_draft_tokens[:, None].astype(jnp.int32), axis=1)[:, 0]
 
 
-# Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
+def _stack_draft(draft_logits, b: int, vocab: int):
+    """f[B, G, V] from a tuple of G f[B, V_draft]; None stays None (point masses)."""
+    if draft_logits is None:
+        return None
+    if not draft_logits:
+        return jnp.zeros((b, 0, vocab), jnp.float32)
+    return fit_vocab(jnp.stack(draft_logits, axis=1), vocab)
+
+
+# Recompiles when B, G, the vocabularies, the use of top-k/top-p or point masses
+# (draft_logits None) versus logits change.
 @partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
 def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, temperature, top_k,
                 one_minus_top_p, num_draft_tokens, *, use_top_k, use_top_p):
     """The acceptance step of the loop (the fused JAX sampler).
 
     Args:
-      draft_tokens: tuple of G i32[B] (stacked here, inside the jitted call);
-      draft_logits: tuple of G f[B, V_draft]; target_logits: f[B, G+1, V].
+      draft_tokens: i32[B, G]; draft_logits: a tuple of G f[B, V_draft], or None
+        for deterministic proposals (point masses); target_logits: f[B, G+1, V].
     """
-    draft_tokens = jnp.stack(draft_tokens, axis=1) if draft_tokens else \
-        jnp.zeros((target_logits.shape[0], 0), jnp.int32)
     vocab = target_logits.shape[-1]
-    d = fit_vocab(jnp.stack(draft_logits, axis=1), vocab) if draft_logits else \
-        jnp.zeros((*draft_tokens.shape, vocab), jnp.float32)
     b, g = draft_tokens.shape
+    d = _stack_draft(draft_logits, b, vocab)
     u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)
     return verify_core(
         draft_tokens, d, target_logits, u[:, :g], sampling_uniform(u, num_draft_tokens), temperature,
@@ -110,7 +117,7 @@ def probs_step(draft_logits, target_logits, row_keys, step, temperature, top_k, 
                *, use_top_k, use_top_p):
     """Processed probabilities and uniforms for a sampler with the probabilities contract.
 
-    Returns ``(draft_probs f32[B, G, V], target_probs f32[B, G+1, V],
+    Returns ``(draft_probs f32[B, G, V] (None for point masses), target_probs f32[B, G+1, V],
     uniforms f32[B, G+1])``; for a row with draft length ``k_b``,
     ``uniforms[b, :k_b]`` are its acceptance uniforms and ``uniforms[b, k_b]``
     its sampling uniform (:func:`sampling_uniform`), exactly those
@@ -125,7 +132,6 @@ def probs_step(draft_logits, target_logits, row_keys, step, temperature, top_k, 
                           one_minus_top_p[:, None] if use_top_p else None)
         return row_probs(stats, x)
 
-    d = fit_vocab(jnp.stack(draft_logits, axis=1), vocab) if draft_logits else \
-        jnp.zeros((b, 0, vocab), jnp.float32)
+    d = _stack_draft(draft_logits, b, vocab)
     u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)
-    return probs(d), probs(target_logits), u
+    return None if d is None else probs(d), probs(target_logits), u

@@ -1,0 +1,385 @@
+"""Drafters (issue 19): the n-gram and hybrid drafters, a third-party drafter by name, the adaptive length.
+
+* greedy output equals ``target.generate`` for ``ngram`` and ``hybrid`` at B = 1
+  and on a ragged left-padded batch whose rows never match, with EOS inside a
+  proposed n-gram, and with contexts shorter than n;
+* the adaptive draft length never asks for tokens past ``max_new_tokens``;
+* a drafter installed as a real distribution (pip, offline) is used by name;
+* unknown names and drafters that return garbage get errors naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import specjax
+from specjax.drafters import (
+    HybridDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    Proposal,
+    available_drafters,
+    load_drafter,
+)
+from specjax.drafters.ngram import NgramIndex
+
+VOCAB = 96
+
+
+def hf_greedy(target, ids, mask, n, eos=None):
+    gen = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0,
+                          eos_token_id=eos)
+    width = ids.shape[1] + n
+    if gen.shape[1] < width:
+        gen = torch.nn.functional.pad(gen, (0, width - gen.shape[1]), value=0)
+    return gen
+
+
+@pytest.fixture(scope="module")
+def models(tiny_lm, perturbed_copy):
+    target = tiny_lm("llama", vocab_size=VOCAB, layers=2, seed=3)
+    return {"target": target, "draft": perturbed_copy(target, noise=0.3, seed=1)}
+
+
+def repetitive_prompt(seed: int, length: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    phrase = rng.integers(1, VOCAB, size=6).tolist()
+    return (phrase * (length // 6 + 1))[:length]
+
+
+# --------------------------------------------------------------------------- #
+# The n-gram index
+# --------------------------------------------------------------------------- #
+
+
+def test_ngram_index_takes_the_longest_then_most_recent_match():
+    idx = NgramIndex([1, 2, 3, 9, 8, 2, 3, 7, 6, 1, 2, 3], min_n=2, max_n=5)
+    # suffix [1, 2, 3] occurred at 0..2 (then 9); [2, 3] occurred later, at 5..6 (then 7): the longer wins
+    assert idx.lookup(3) == [9, 8, 2]
+    idx.extend([5])  # suffix [3, 5]: never seen
+    assert idx.lookup(4) == []
+    short = NgramIndex([4, 4], min_n=2, max_n=5)  # context shorter than any repeat
+    assert short.lookup(3) == []
+    one = NgramIndex([7], min_n=2, max_n=5)
+    assert one.lookup(3) == []
+
+
+def test_ngram_index_skips_single_tokens_unless_asked():
+    tokens = [5, 6, 1, 7, 5]
+    assert NgramIndex(tokens, min_n=2, max_n=5).lookup(2) == []
+    assert NgramIndex(tokens, min_n=1, max_n=5).lookup(2) == [6, 1]
+
+
+def test_ngram_index_matches_a_brute_force_search():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ctx = rng.integers(0, 4, size=rng.integers(1, 40)).tolist()
+        k = int(rng.integers(1, 6))
+        want: list[int] = []
+        for n in range(min(5, len(ctx)), 1, -1):
+            suffix = ctx[len(ctx) - n:]
+            ends = [e for e in range(n - 1, len(ctx) - 1) if ctx[e - n + 1: e + 1] == suffix]
+            if ends:
+                want = ctx[ends[-1] + 1: ends[-1] + 1 + k]
+                break
+        assert NgramIndex(ctx, 2, 5).lookup(k) == want, (ctx, k)
+
+
+def test_ngram_options_are_checked():
+    with pytest.raises(ValueError, match=r"min_n: expected an integer >= 1"):
+        NgramDrafter(min_n=0)
+    with pytest.raises(ValueError, match=r"max_n: expected an integer >= min_n = 3"):
+        NgramDrafter(min_n=3, max_n=2)
+
+
+# --------------------------------------------------------------------------- #
+# Greedy identity
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("kind", ["ngram", "hybrid"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_greedy_identity_batch_of_one(models, kind, adaptive):
+    target = models["target"]
+    ids = torch.tensor([repetitive_prompt(1, 20)])
+    mask = torch.ones_like(ids)
+    draft = "ngram" if kind == "ngram" else HybridDrafter(NgramDrafter(), ModelDrafter(models["draft"]))
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=24, num_draft_tokens=5,
+                                       adaptive=adaptive)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 24))
+    if not adaptive:  # (the adaptive length decides from timings; the fixed one always drafts what matches)
+        assert out.stats.draft_tokens_proposed > 0  # the repeated phrase matched
+    if kind == "ngram":
+        assert out.stats.draft_forwards == 0
+
+
+@pytest.mark.parametrize("kind", ["ngram", "hybrid"])
+def test_greedy_identity_ragged_batch_with_rows_that_never_match(models, left_padded, kind):
+    target = models["target"]
+    rep = repetitive_prompt(2, 14)
+    rng = np.random.default_rng(5)
+    distinct = rng.permutation(np.arange(1, VOCAB))[:9].tolist()  # no repeated token: no match at first
+    rows = [rep, distinct, [distinct[0]]]  # the last: context shorter than any n-gram
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
+    draft = "ngram" if kind == "ngram" else HybridDrafter(NgramDrafter(), ModelDrafter(models["draft"]))
+    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=4)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 16))
+
+
+def test_eos_inside_a_proposed_ngram(models):
+    """The prompt repeats a phrase; EOS is a token inside it: generation stops exactly where the target's does."""
+    target = models["target"]
+    ids = torch.tensor([repetitive_prompt(3, 24)])
+    mask = torch.ones_like(ids)
+    plain = hf_greedy(target, ids, mask, 20)[0, ids.shape[1]:]
+    eos = int(plain[5])  # a token the target emits after a few steps
+    out = specjax.speculative_generate(target, "ngram", ids, mask, max_new_tokens=20, eos_token_id=eos,
+                                       pad_token_id=0)
+    ref = hf_greedy(target, ids, mask, 20, eos=eos)  # padded with 0 after EOS
+    width = out.sequences.shape[1]
+    assert torch.equal(out.sequences, ref[:, :width]) and not ref[:, width:].any()
+    assert int(out.num_new_tokens[0]) == int(np.flatnonzero(plain.numpy() == eos)[0]) + 1
+
+
+# --------------------------------------------------------------------------- #
+# The adaptive length
+# --------------------------------------------------------------------------- #
+
+
+class Recording:
+    """Wraps a drafter and records each request's max_tokens and the rows' generated counts."""
+
+    def __init__(self, inner, prompt_lens):
+        self.inner = inner
+        self.name = "recording"
+        self.needs_target_hidden = False
+        self.cost_per_token_hint = inner.cost_per_token_hint
+        self.prompt_lens = prompt_lens
+        self.requests: list[tuple[np.ndarray, list[int]]] = []
+
+    def start(self, setup):
+        self.rows = list(range(len(setup.contexts)))
+        self.inner.start(setup)
+
+    def propose(self, request):
+        generated = [len(c) - self.prompt_lens[r] for c, r in zip(request.contexts, self.rows, strict=True)]
+        self.requests.append((request.max_tokens.copy(), generated))
+        return self.inner.propose(request)
+
+    def commit(self, info):
+        self.inner.commit(info)
+
+    def select_rows(self, rows):
+        self.rows = [self.rows[j] for j in rows]
+        self.inner.select_rows(rows)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 9, 13])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_never_drafts_past_max_new_tokens(models, max_new_tokens, adaptive):
+    target = models["target"]
+    ids = torch.tensor([repetitive_prompt(4, 18), repetitive_prompt(5, 18)])
+    rec = Recording(ModelDrafter(target), [18, 18])  # the target as its own draft: everything is accepted
+    out = specjax.speculative_generate(target, rec, ids, max_new_tokens=max_new_tokens, num_draft_tokens=4,
+                                       adaptive=adaptive)
+    assert out.num_new_tokens.tolist() == [max_new_tokens] * 2
+    for want, generated in rec.requests:
+        for k, done in zip(want, generated, strict=True):
+            assert k <= max(0, max_new_tokens - done - 1), (want, generated)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, torch.ones_like(ids), max_new_tokens))
+
+
+def test_adaptive_and_fixed_lengths_agree_with_a_useless_drafter(models, tiny_lm):
+    """A draft that never agrees: both schedules give the target's greedy output (how often the adaptive one
+    drafts depends on measured times; tests/test_schedule.py checks its decisions on given times)."""
+    target = models["target"]
+    stranger = tiny_lm("llama", vocab_size=VOCAB, layers=1, seed=99, init_range=1.0)
+    ids = torch.tensor([repetitive_prompt(6, 10)])
+    fixed = specjax.speculative_generate(target, stranger, ids, max_new_tokens=30, adaptive=False)
+    adaptive = specjax.speculative_generate(target, stranger, ids, max_new_tokens=30, adaptive=True)
+    assert torch.equal(fixed.sequences, adaptive.sequences)
+    assert torch.equal(fixed.sequences, hf_greedy(target, ids, torch.ones_like(ids), 30))
+    assert fixed.stats.draft_steps == fixed.stats.steps - 1  # all but the last (one token left: no draft)
+
+
+# --------------------------------------------------------------------------- #
+# Names and bad drafters
+# --------------------------------------------------------------------------- #
+
+
+def test_unknown_drafter_name_lists_the_available_ones(models):
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"draft: unknown drafter 'nope'; available drafters: .*hybrid.*model.*ngram"):
+        specjax.speculative_generate(models["target"], "nope", ids, max_new_tokens=3)
+    assert {"model", "ngram", "hybrid"} <= set(available_drafters())
+    with pytest.raises(ValueError, match=r"the 'hybrid' drafter needs a fallback"):
+        load_drafter("hybrid")
+    with pytest.raises(TypeError, match=r"draft: expected a transformers causal LM, a drafter object or a drafter"):
+        specjax.speculative_generate(models["target"], 3.5, ids, max_new_tokens=3)
+
+
+class Broken:
+    name = "broken-drafter"
+    needs_target_hidden = False
+    cost_per_token_hint = 0.0
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def start(self, setup):
+        self.vocab = setup.target_vocab
+
+    def propose(self, request):
+        b = len(request.contexts)
+        k = np.minimum(request.max_tokens, 2)
+        tokens = np.ones((b, 2), np.int64)
+        if self.mode == "too-many":
+            return Proposal(np.ones((b, 9), np.int64), np.full(b, 9), None)
+        if self.mode == "bad-id":
+            tokens[:, 0] = self.vocab + 5
+        if self.mode == "bad-shape":
+            return Proposal(np.ones((b + 1, 2), np.int64), k, None)
+        if self.mode == "not-a-proposal":
+            return tokens
+        return Proposal(tokens, k, None)
+
+    def commit(self, info):
+        pass
+
+    def select_rows(self, rows):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("too-many", r"drafter 'broken-drafter' proposed 9 tokens for row 0, expected at most 4"),
+        ("bad-id",
+         r"drafter 'broken-drafter' returned draft token 101 at row 0, position 0, expected an id in \[0, V\)"),
+        ("bad-shape", r"drafter 'broken-drafter' returned tokens of shape \(3, 2\), expected \(2, G\)"),
+        ("not-a-proposal", r"drafter 'broken-drafter' returned ndarray, expected a specjax.drafters.Proposal"),
+    ],
+)
+def test_bad_drafter_output_is_refused_naming_the_drafter(models, mode, message):
+    ids = torch.tensor([repetitive_prompt(7, 8), repetitive_prompt(8, 8)])
+    with pytest.raises(ValueError, match=message):
+        specjax.speculative_generate(models["target"], Broken(mode), ids, max_new_tokens=8, num_draft_tokens=4,
+                                     adaptive=False)
+    # negative control: the same drafter without the fault runs and keeps the target's output
+    out = specjax.speculative_generate(models["target"], Broken("ok"), ids, max_new_tokens=8, num_draft_tokens=4,
+                                       adaptive=False)
+    assert torch.equal(out.sequences, hf_greedy(models["target"], ids, torch.ones_like(ids), 8))
+
+
+# --------------------------------------------------------------------------- #
+# A third-party drafter, installed with pip and used by name
+# --------------------------------------------------------------------------- #
+
+DIST = "specjax-thirdparty-drafter"
+MODULE = "specjax_thirdparty_drafter"
+PYPROJECT = f"""
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{DIST}"
+version = "0.0.1"
+
+[project.entry-points."specjax.drafters"]
+repeat_last = "{MODULE}:make"
+
+[tool.setuptools]
+py-modules = ["{MODULE}"]
+"""
+SOURCE = '''
+"""A third-party drafter: proposes the last committed token again, k times."""
+import numpy as np
+from specjax.drafters import Proposal
+
+CALLS = {"propose": 0}
+
+
+class RepeatLast:
+    name = "repeat_last"
+    needs_target_hidden = False
+    cost_per_token_hint = 0.0
+
+    def start(self, setup):
+        pass
+
+    def propose(self, request):
+        CALLS["propose"] += 1
+        k = np.asarray(request.max_tokens, np.int64)
+        g = int(k.max(initial=0))
+        last = np.array([c[-1] for c in request.contexts], np.int64)
+        return Proposal(np.repeat(last[:, None], g, axis=1), k, None)
+
+    def commit(self, info):
+        pass
+
+    def select_rows(self, rows):
+        pass
+
+
+def make(**options):
+    return RepeatLast()
+'''
+RUN = """
+import json, torch, specjax
+from transformers import LlamaConfig, LlamaForCausalLM
+import specjax_thirdparty_drafter as mod
+cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, bos_token_id=None,
+                  eos_token_id=None)
+torch.manual_seed(0)
+target = LlamaForCausalLM(cfg).eval()
+target.generation_config.eos_token_id = None
+ids = torch.tensor([[3, 7, 11, 5, 5, 5]])
+out = specjax.speculative_generate(target, "repeat_last", ids, max_new_tokens=12, adaptive=False)
+ref = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0)
+print(json.dumps({"same": bool(torch.equal(out.sequences, ref)), "calls": mod.CALLS["propose"],
+                  "drafter": out.stats.drafter, "names": specjax.drafters.available_drafters()}))
+"""
+
+
+def test_thirdparty_drafter_installed_with_pip_is_used_by_name(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pyproject.toml").write_text(PYPROJECT, encoding="utf-8")
+    (src / f"{MODULE}.py").write_text(SOURCE, encoding="utf-8")
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-index", "--no-build-isolation", "--no-deps",
+         "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env = {k: v for k, v in os.environ.items() if k != "SPECJAX_PLUGINS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
+    env["HF_HUB_OFFLINE"] = "1"
+    try:
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(RUN)], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert result["same"] and result["calls"] > 0 and result["drafter"] == "repeat_last"
+        assert "repeat_last" in result["names"]
+        # SPECJAX_PLUGINS filters drafters like samplers: excluded, the name is unknown
+        env["SPECJAX_PLUGINS"] = "something_else"
+        run = subprocess.run([sys.executable, "-c", textwrap.dedent(RUN)], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode != 0 and "unknown drafter 'repeat_last'" in run.stderr
+    finally:
+        shutil.rmtree(site, ignore_errors=True)

@@ -1,0 +1,141 @@
+"""Drafters: what proposes the tokens the target verifies (see :mod:`specjax.drafters.base`).
+
+Built in:
+
+* ``model`` — :class:`ModelDrafter`, a smaller causal LM sharing the tokenizer
+  (what passing a model as ``draft`` means);
+* ``ngram`` — :class:`NgramDrafter`, prompt lookup: no model, no training;
+  strong on input-grounded tasks (summaries, edits, extraction, quoting);
+* ``hybrid`` — :class:`HybridDrafter`, n-gram where it matches, a fallback
+  drafter (a model) elsewhere.
+
+Third-party drafters are installed as entry points of the group
+``specjax.drafters`` (``name = "module:factory"``; ``factory(**options)``
+returns a drafter); ``SPECJAX_PLUGINS`` filters them by name, as it filters
+samplers. :func:`load_drafter` builds one by name; :func:`resolve_drafter`
+turns whatever ``speculative_generate(draft=...)`` was given into a drafter.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from specjax.drafters.base import CommitInfo, Drafter, DraftRequest, DraftSetup, Proposal, SamplingState
+from specjax.drafters.hybrid import HybridDrafter
+from specjax.drafters.model import ModelDrafter
+from specjax.drafters.ngram import NgramDrafter
+
+__all__ = [
+    "DRAFTERS_GROUP",
+    "CommitInfo",
+    "DraftRequest",
+    "DraftSetup",
+    "Drafter",
+    "HybridDrafter",
+    "ModelDrafter",
+    "NgramDrafter",
+    "Proposal",
+    "SamplingState",
+    "available_drafters",
+    "load_drafter",
+    "resolve_drafter",
+]
+
+DRAFTERS_GROUP = "specjax.drafters"
+logger = logging.getLogger("specjax.drafters")
+
+
+def _model(model: Any = None, **_: Any) -> ModelDrafter:
+    if model is None:
+        raise ValueError("draft: the 'model' drafter needs a model: pass the draft model itself as draft=")
+    return ModelDrafter(model)
+
+
+def _hybrid(model: Any = None, fallback: Any = None, min_n: int = 2, max_n: int = 5) -> HybridDrafter:
+    if fallback is None and model is None:
+        raise ValueError("draft: the 'hybrid' drafter needs a fallback: load_drafter('hybrid', model=draft_model) "
+                         "or HybridDrafter(NgramDrafter(), ModelDrafter(draft_model))")
+    fb = fallback if fallback is not None else ModelDrafter(model)
+    return HybridDrafter(NgramDrafter(min_n, max_n), fb)
+
+
+def _ngram(min_n: int = 2, max_n: int = 5, **_: Any) -> NgramDrafter:
+    return NgramDrafter(min_n, max_n)
+
+
+_BUILTIN: dict[str, Callable[..., Any]] = {"model": _model, "ngram": _ngram, "hybrid": _hybrid}
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    from specjax.plugin.registry import allowed_names
+
+    allowed = allowed_names()
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=DRAFTERS_GROUP):
+        if ep.name in _BUILTIN:
+            if not ep.value.startswith("specjax."):
+                logger.warning("%s: ignoring %s = %s: the name %r is built in", DRAFTERS_GROUP, ep.name, ep.value,
+                               ep.name)
+            continue
+        if allowed is not None and ep.name not in allowed:
+            continue
+        found[ep.name] = ep
+    return found
+
+
+def available_drafters() -> list[str]:
+    """Sorted names :func:`load_drafter` accepts: the built-ins and the installed entry points."""
+    return sorted({*_BUILTIN, *_entry_points()})
+
+
+def load_drafter(name: str, **options: Any) -> Any:
+    """Build the drafter called ``name`` with ``options`` (e.g. ``model=`` for ``model`` and ``hybrid``).
+
+    Raises:
+      ValueError: an unknown name (the message lists the available drafters), a
+        factory that fails, or one that returns something that is not a drafter.
+      TypeError: ``name`` is not a string.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"draft: expected a drafter name (str), got {type(name).__name__}")
+    if name in _BUILTIN:
+        return _BUILTIN[name](**options)
+    eps = _entry_points()
+    if name not in eps:
+        raise ValueError(f"draft: unknown drafter {name!r}; available drafters: {', '.join(available_drafters())}")
+    ep = eps[name]
+    try:
+        factory = ep.load()
+    except BaseException as err:  # also SystemExit from the plugin's import; an interrupt goes on
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        raise ValueError(f"draft: drafter {name!r} ({ep.value}) failed to import: {type(err).__name__}: {err}") \
+            from err
+    drafter = factory(**options)
+    missing = [m for m in ("start", "propose", "commit", "select_rows") if not callable(getattr(drafter, m, None))]
+    if missing:
+        raise ValueError(f"draft: drafter {name!r} ({ep.value}) returned a {type(drafter).__name__} without "
+                         f"{', '.join(missing)}()")
+    return drafter
+
+
+def is_drafter(obj: Any) -> bool:
+    """Whether ``obj`` has the drafter methods (``start``, ``propose``, ``commit``, ``select_rows``)."""
+    return all(callable(getattr(obj, m, None)) for m in ("start", "propose", "commit", "select_rows"))
+
+
+def resolve_drafter(draft: Any) -> Any:
+    """A drafter for ``speculative_generate``'s ``draft``: a model, a drafter object or a registered name."""
+    if isinstance(draft, str):
+        return load_drafter(draft)
+    if is_drafter(draft):
+        return draft
+    import torch
+
+    if isinstance(draft, torch.nn.Module):
+        return ModelDrafter(draft)
+    raise TypeError(f"draft: expected a transformers causal LM, a drafter object or a drafter name "
+                    f"({', '.join(available_drafters())}), got {type(draft).__name__}")

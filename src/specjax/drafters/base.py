@@ -1,0 +1,178 @@
+"""The drafter protocol: whatever proposes draft tokens to the speculative loop.
+
+One step of :func:`specjax.speculative_generate`, seen from a drafter:
+
+1. ``propose(request)``: for each cache row ``b``, propose up to
+   ``request.max_tokens[b]`` tokens continuing ``request.contexts[b]`` (ragged:
+   any count from 0 up). A row's tokens come either with the logits they were
+   sampled from (``Proposal.logits``: the loop processes them exactly as the
+   target's, so ``q`` is exactly the distribution the tokens were drawn from)
+   or as deterministic proposals (``logits=None``: ``q`` is the point mass at
+   each token, see :func:`specjax.rejection_sample`).
+2. The loop scores ``[last committed token, proposals…]`` with the target in
+   one forward pass and runs the acceptance step.
+3. ``commit(result)``: the tokens each row actually committed (accepted
+   proposals, then the correction or bonus token), and, for a drafter that
+   sets ``needs_target_hidden``, the target's final hidden states from that same
+   forward pass (never a second target forward).
+
+Contexts are host lists of token ids (the row's prompt without padding, then
+every committed token); ``contexts[b][-1]`` is the last committed token, which
+the target has not seen yet. Rows keep their positions between calls until
+``select_rows`` drops finished ones.
+
+Randomness: a drafter that samples draws through
+:func:`specjax.kernels.steps.draft_draw` with ``request.sampling`` (the
+row keys, folded with the step and the draft position), so a row's draws do
+not depend on the rest of its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["CommitInfo", "DraftRequest", "DraftSetup", "Drafter", "Proposal", "SamplingState"]
+
+
+@dataclass
+class SamplingState:
+    """The per-row sampling parameters and keys of the rows in the caches (JAX arrays of B' rows).
+
+    Attributes:
+      temperature: f32[B']; top_k: i32[B']; one_minus_top_p: f32[B'].
+      use_top_k, use_top_p: whether any row uses them (static for the jitted steps).
+      keys: key[B'], one PRNG key per row.
+    """
+
+    temperature: Any
+    top_k: Any
+    one_minus_top_p: Any
+    use_top_k: bool
+    use_top_p: bool
+    keys: Any
+
+    def select(self, rows: Any) -> SamplingState:
+        """The state of ``rows`` (i32[B''] indices into the current rows)."""
+        return SamplingState(self.temperature[rows], self.top_k[rows], self.one_minus_top_p[rows], self.use_top_k,
+                             self.use_top_p, self.keys[rows])
+
+
+@dataclass
+class DraftSetup:
+    """What a drafter is told once, before the first step.
+
+    Attributes:
+      target: the target model (a transformers causal LM).
+      input_ids: i64[B, P], the left-padded prompts (on the target's device).
+      attention_mask: i64[B, P], 1 for real tokens.
+      contexts: B lists of the prompts' token ids without padding.
+      target_vocab: V, the target's vocabulary size (proposals must lie in [0, V)).
+      max_draft_tokens: G, the most tokens a row is ever asked for in one step.
+      sampling: :class:`SamplingState` of all B rows.
+    """
+
+    target: Any
+    input_ids: Any
+    attention_mask: Any
+    contexts: list[list[int]]
+    target_vocab: int
+    max_draft_tokens: int
+    sampling: SamplingState
+
+
+@dataclass
+class DraftRequest:
+    """One step's request.
+
+    Attributes:
+      step: the step number (0, 1, …), for key folding.
+      contexts: B' host lists: each cache row's committed tokens (see module doc).
+      max_tokens: i64[B'], at most this many proposals per row (0: none; finished
+        rows have 0).
+      active: bool[B'], rows still generating.
+      sampling: :class:`SamplingState` of the B' rows.
+    """
+
+    step: int
+    contexts: list[list[int]]
+    max_tokens: np.ndarray
+    active: np.ndarray
+    sampling: SamplingState
+
+
+@dataclass
+class Proposal:
+    """A drafter's answer.
+
+    Attributes:
+      tokens: i32/i64[B', g] (NumPy, torch or JAX): row b's proposals are
+        ``tokens[b, :num_tokens[b]]``; later entries are ignored.
+      num_tokens: i64[B'] host array, ``k_b`` in [0, max_tokens[b]].
+      logits: None (deterministic proposals: point masses), or a tuple of g
+        f[B', V_draft] arrays (JAX, or torch that crosses zero-copy): the logits
+        ``tokens[:, i]`` were sampled from, processed by the loop with the
+        target's sampling parameters. ``V_draft`` may differ from V by padding.
+    """
+
+    tokens: Any
+    num_tokens: np.ndarray
+    logits: tuple[Any, ...] | None = None
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1]) if self.tokens is not None and self.tokens.ndim == 2 else 0
+
+
+@dataclass
+class CommitInfo:
+    """What one step committed.
+
+    Attributes:
+      emitted: B' host lists: each row's committed tokens this step (its accepted
+        proposals, then the correction or bonus token; cut after EOS; empty for
+        rows that had finished).
+      num_accepted: i64[B'], accepted proposals per row.
+      num_proposed: i64[B'], ``k_b`` the loop tested per row.
+      target_hidden: for drafters with ``needs_target_hidden``: f[B', W, d], the
+        target's final hidden states at the slots of this step's verification
+        forward (``[last, x_0, …]``); slot ``j`` of row b is the state after
+        ``contexts[b][-1]`` followed by ``j`` proposals. Else None.
+    """
+
+    emitted: list[list[int]]
+    num_accepted: np.ndarray
+    num_proposed: np.ndarray
+    target_hidden: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What :func:`specjax.speculative_generate` accepts as ``draft`` besides a model or a name.
+
+    Attributes:
+      name: shown in statistics and error messages.
+      needs_target_hidden: ask the loop for the target's final hidden states of
+        each verification forward (:attr:`CommitInfo.target_hidden`).
+      cost_per_token_hint: a prior for the seconds one proposed token costs
+        (0 for host lookups); the loop measures the real cost and uses that.
+    """
+
+    name: str
+    needs_target_hidden: bool
+    cost_per_token_hint: float
+
+    def start(self, setup: DraftSetup) -> None:
+        """Prepare for a new batch (prefill caches, index prompts)."""
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        """Propose up to ``request.max_tokens[b]`` tokens per row."""
+
+    def commit(self, info: CommitInfo) -> None:
+        """Learn what the step committed (called after every step, also steps that did not propose)."""
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (indices into the current rows), in that order."""

@@ -1,0 +1,92 @@
+"""N-gram lookup where it matches, another drafter (a draft model) for the other rows (``hybrid``).
+
+Each step asks the n-gram drafter first. When every row that may draft has a
+match, the step uses the n-gram proposals alone (point masses) and the
+fallback does not run. Otherwise the fallback proposes for the whole batch
+(one batched forward per position) and rows with an n-gram match take the
+n-gram proposals instead: their draft logits are replaced by logits that are
+0 at the proposed token and -inf elsewhere, whose processed distribution at
+any temperature, top-k and top-p is exactly the point mass at that token, so
+one acceptance step verifies both kinds of rows exactly.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal
+from specjax.kernels.steps import fit_vocab
+
+__all__ = ["HybridDrafter"]
+
+
+# Recompiles when B, the draft vocabulary or V change.
+@partial(jax.jit, static_argnames=("vocab",))
+def _point_mass_logits(logits: Any, tokens: Any, use_tokens: Any, *, vocab: int) -> Any:
+    """f[B, V]: ``logits`` (padded/cut to V) where ``use_tokens`` is False, else 0 at ``tokens``, -inf elsewhere."""
+    logits = fit_vocab(logits, vocab)
+    ids = lax.iota(jnp.int32, vocab)
+    mass = jnp.where(ids[None, :] == tokens[:, None], 0.0, -jnp.inf).astype(logits.dtype)
+    return jnp.where(use_tokens[:, None], mass, logits)
+
+
+class HybridDrafter:
+    """``ngram`` where the context's suffix occurred before, ``fallback`` elsewhere.
+
+    Args:
+      ngram: an :class:`~specjax.drafters.ngram.NgramDrafter`.
+      fallback: any drafter proposing with logits (e.g. a
+        :class:`~specjax.drafters.model.ModelDrafter`).
+    """
+
+    needs_target_hidden = False
+
+    def __init__(self, ngram: Any, fallback: Any) -> None:
+        self.ngram, self.fallback = ngram, fallback
+        self.name = f"hybrid({ngram.name}, {fallback.name})"
+        self.needs_target_hidden = bool(getattr(fallback, "needs_target_hidden", False))
+        self.cost_per_token_hint = float(getattr(fallback, "cost_per_token_hint", 0.0))
+        self.vocab = 0
+        self.last_source = ""
+
+    def start(self, setup: DraftSetup) -> None:
+        self.vocab = setup.target_vocab
+        self.ngram.start(setup)
+        self.fallback.start(setup)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        ng = self.ngram.propose(request)
+        wants = request.max_tokens > 0
+        missing = wants & (ng.num_tokens == 0)
+        if not missing.any():
+            self.last_source = "ngram"
+            return ng
+        self.last_source = "fallback" if not (ng.num_tokens > 0).any() else "both"
+        fb = self.fallback.propose(request)
+        if fb.logits is None or not (ng.num_tokens > 0).any():
+            return fb
+        g = fb.width
+        use = ng.num_tokens > 0
+        ng_tokens = np.zeros((len(use), g), np.int32)
+        ng_tokens[:, : ng.width] = np.asarray(ng.tokens)[:, :g]
+        tokens = jnp.where(jnp.asarray(use)[:, None], jnp.asarray(ng_tokens), jnp.asarray(fb.tokens).astype(jnp.int32))
+        use_j = jnp.asarray(use)
+        logits = tuple(
+            _point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb.logits)
+        )
+        counts = np.where(use, np.minimum(ng.num_tokens, g), fb.num_tokens).astype(np.int64)
+        return Proposal(tokens, counts, logits)
+
+    def commit(self, info: CommitInfo) -> None:
+        self.ngram.commit(info)
+        self.fallback.commit(info)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.ngram.select_rows(rows)
+        self.fallback.select_rows(rows)

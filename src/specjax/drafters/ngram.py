@@ -1,0 +1,104 @@
+"""N-gram prompt lookup: propose what followed the context's suffix the last time it occurred.
+
+Per row: find the longest n-gram (``n`` from ``max_n`` down to ``min_n``) that
+ends the row's context (prompt + generated tokens) and occurred earlier in
+that context; propose up to ``k`` of the tokens that followed its most recent
+earlier occurrence. No match: no proposal for that row (the loop then takes a
+plain decoding step for it). Proposals are deterministic, so they go to the
+acceptance step as point masses (``q`` = 1 at the token): exact at every
+temperature (Leviathan et al. 2023; Saxena 2023, "prompt lookup decoding").
+
+Each row keeps a hash index per ``n`` from an n-gram to the end position of
+its latest occurrence that has a continuation, updated as tokens are
+committed, so a lookup costs ``max_n - min_n + 1`` dictionary probes whatever
+the context length. Single tokens are not matched by default: on a CPU each
+wasted verification costs about half a decoding step, and one-token matches
+are mostly wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal
+
+__all__ = ["NgramDrafter", "NgramIndex"]
+
+
+class NgramIndex:
+    """The n-gram index of one row's context (host Python; amortised O(1) per token)."""
+
+    __slots__ = ("context", "max_n", "min_n", "tables")
+
+    def __init__(self, tokens: list[int], min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.context: list[int] = []
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append ``tokens``; index the n-grams that now have a continuation."""
+        ctx = self.context
+        for t in tokens:
+            end = len(ctx) - 1  # the n-grams ending here get their continuation `t`
+            ctx.append(int(t))
+            if end < 0:
+                continue
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                self.tables[n][tuple(ctx[end - n + 1: end + 1])] = end
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest earlier occurrence of the context's suffix."""
+        ctx = self.context
+        size = len(ctx)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, size), self.min_n - 1, -1):
+            end = self.tables[n].get(tuple(ctx[size - n:]))
+            if end is not None:
+                return ctx[end + 1: end + 1 + k]
+        return []
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting (the ``ngram`` drafter).
+
+    Args:
+      min_n, max_n: the n-gram lengths matched, longest first (default 2..5).
+        ``min_n = 1`` also matches single tokens.
+
+    Raises:
+      ValueError: ``min_n`` < 1 or ``max_n`` < ``min_n``.
+    """
+
+    name = "ngram"
+    needs_target_hidden = False
+    cost_per_token_hint = 0.0
+
+    def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
+        for arg, value in (("min_n", min_n), ("max_n", max_n)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"{arg}: expected an integer >= 1, got {value!r}")
+        if max_n < min_n:
+            raise ValueError(f"max_n: expected an integer >= min_n = {min_n}, got {max_n}")
+        self.min_n, self.max_n = int(min_n), int(max_n)
+        self.rows: list[NgramIndex] = []
+
+    def start(self, setup: DraftSetup) -> None:
+        self.rows = [NgramIndex(ctx, self.min_n, self.max_n) for ctx in setup.contexts]
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        found = [r.lookup(int(k)) for r, k in zip(self.rows, request.max_tokens, strict=True)]
+        counts = np.array([len(f) for f in found], np.int64)
+        tokens = np.zeros((len(found), int(counts.max(initial=0))), np.int32)
+        for b, f in enumerate(found):
+            tokens[b, : len(f)] = f
+        return Proposal(tokens, counts, None)
+
+    def commit(self, info: CommitInfo) -> None:
+        for r, emitted in zip(self.rows, info.emitted, strict=True):
+            if emitted:
+                r.extend(emitted)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[j] for j in rows]

@@ -1,0 +1,185 @@
+"""The cost-aware draft length: how many tokens to draft and verify, per step and per row.
+
+A step that drafts ``k`` tokens for a row whose draft tokens pass with
+probability ``α`` each gains ``E(α, k) = (1 − α^(k+1)) / (1 − α)`` tokens on
+average (Leviathan et al. 2023, eq. 1) and costs the drafter's time for ``k``
+tokens plus one target forward over ``k + 1`` tokens; a plain decoding step
+(``k = 0``) gains 1 token for a forward over 1 token. The schedule picks the
+width ``w`` (the batch's largest ``k``) that maximises expected tokens per
+second of the whole batch, with ``k_b = min(w, what row b may and can
+draft)``; ``w = 0`` is a plain decoding step, so a drafter that does not pay
+is not used.
+
+Costs are measured, not assumed, during the call (and kept for later calls
+with the same model and batch size):
+
+* the target forward over ``q`` tokens: every step times its forward. The
+  estimate for ``q`` is the smallest of its last few times, ignoring the first
+  one (torch's first calls at a new shape are many times slower); until ``q``
+  has such a time, a prior of ``T(1)·(1 + 0.12·(q − 1))``. When the step needs
+  ``q`` tokens and ``q + 1`` has no time yet, it runs ``q + 1`` once (a filler
+  token that is never tested) to learn it; a width measured to cost more than
+  a larger one (on these CPUs, ``q = 3`` and ``7`` hit a slow matrix-product
+  path of a large LM head) is then padded up to the cheaper width;
+* the drafter's time per proposed token and the rest of a step (verification,
+  bookkeeping), the same way;
+* ``α`` per row: a decaying count of passed and failed tests (a prior of 0.6
+  for a row that has not drafted yet). A row that stops drafting forgets
+  slowly, so it tries again later.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DraftSchedule", "expected_tokens"]
+
+_PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
+_DECAY = 0.85  # per step, for the pass/fail counts
+_KEEP = 6  # recent times kept per cost
+# Timings shared between calls: {(id(model), batch): (weakref, timings)}.
+_SHARED: dict[tuple[int, int], tuple[Any, dict[Any, deque[float]]]] = {}
+
+
+def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """f64[...]: ``E(α, k) = 1 + α + … + α^k``, tokens a step gains (k = 0 gives 1)."""
+    alpha = np.clip(alpha, 0.0, 0.999)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class DraftSchedule:
+    """Per-step choice of the draft width, from measured costs and per-row acceptance.
+
+    Args:
+      batch: B, the rows of the call.
+      max_draft: G, the most tokens a row drafts per step.
+      adaptive: False drafts ``min(G, what the row may)`` every step (the
+        fixed schedule of classic speculative decoding).
+      draft_cost_hint: seconds per drafted token assumed until measured.
+      model: the target (timings are shared between calls on the same model
+        and batch size).
+    """
+
+    def __init__(self, batch: int, max_draft: int, *, adaptive: bool, draft_cost_hint: float,
+                 model: Any = None, drafter_key: str = "") -> None:
+        self.max_draft = max_draft
+        self.adaptive = adaptive
+        self.passes = np.zeros(batch)
+        self.fails = np.zeros(batch)
+        self.draft_cost_hint = float(draft_cost_hint)
+        self.drafter_key = drafter_key
+        key = (id(model), batch)
+        shared = _SHARED.get(key)
+        if model is not None and shared is not None and shared[0]() is model:
+            self.times = shared[1]
+        else:
+            self.times = {}
+            if model is not None:
+                _SHARED[key] = (weakref.ref(model), self.times)
+
+    # ------------------------------------------------------------------ #
+    # Costs
+    # ------------------------------------------------------------------ #
+    def _record(self, key: Any, seconds: float) -> None:
+        self.times.setdefault(key, deque(maxlen=_KEEP + 1)).append(seconds)
+
+    def _estimate(self, key: Any) -> float | None:
+        """The smallest recent time of ``key``, ignoring its very first (warm-up) time; None if unknown."""
+        t = self.times.get(key)
+        if t is None or len(t) < 2:
+            return None
+        return min(list(t)[1:] if len(t) <= _KEEP else t)
+
+    def record_verify(self, q: int, seconds: float) -> None:
+        self._record(("verify", q), seconds)
+
+    def record_draft(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self._record(("draft", self.drafter_key), seconds / tokens)
+
+    def record_overhead(self, seconds: float) -> None:
+        self._record("overhead", seconds)
+
+    def _verify_cost(self, q: int) -> float:
+        t = self._estimate(("verify", q))
+        if t is not None:
+            return t
+        base = self._estimate(("verify", 1)) or 1.0
+        return base * (1 + 0.12 * (q - 1))  # a prior: small q cost little more than one token
+
+    def _draft_cost(self) -> float:
+        t = self._estimate(("draft", self.drafter_key))
+        return self.draft_cost_hint if t is None else t
+
+    def _overhead(self) -> float:
+        return self._estimate("overhead") or 0.0
+
+    def padded_width(self, q: int) -> int:
+        """The width to run for ``q`` needed tokens (see the module doc): ``q``, ``q + 1`` to learn its
+        cost, or a larger width measured to be cheaper."""
+        if not self.adaptive or q <= 1:
+            return q
+        limit = self.max_draft + 2
+        if q + 1 <= limit and self._estimate(("verify", q + 1)) is None and self._estimate(("verify", q)) is None:
+            return q  # learn q first
+        if q + 1 <= limit and self._estimate(("verify", q + 1)) is None:
+            return q + 1  # learn q + 1 once
+        best, cost = q, self._verify_cost(q)
+        for wider in (q + 1, q + 2):
+            t = self._estimate(("verify", wider)) if wider <= limit else None
+            if t is not None and t < 0.97 * cost:
+                best, cost = wider, t
+        return best
+
+    # ------------------------------------------------------------------ #
+    # Decisions
+    # ------------------------------------------------------------------ #
+    def alpha(self) -> np.ndarray:
+        return (self.passes + _PRIOR_PASS) / (self.passes + self.fails + _PRIOR_PASS + _PRIOR_FAIL)
+
+    def _best_width(self, limits: np.ndarray, rows: np.ndarray, draft_s_per_token: float) -> int:
+        """argmax over w of Σ_b E(α_b, min(w, limit_b)) / (w·draft cost + verify(w + 1) + overhead)."""
+        top = int(limits.max(initial=0))
+        if top == 0 or not rows.any():
+            return 0
+        alpha = self.alpha()[rows]
+        lim = limits[rows]
+        overhead = self._overhead()
+        best_w, best_rate = 0, float(len(alpha)) / (self._verify_cost(1) + overhead)
+        for w in range(1, top + 1):
+            gain = expected_tokens(alpha, np.minimum(w, lim)).sum()
+            cost = w * draft_s_per_token + self._verify_cost(self.padded_width(w + 1)) + overhead
+            rate = gain / cost
+            if rate > best_rate * 1.0001:
+                best_w, best_rate = w, rate
+        return best_w
+
+    def plan(self, caps: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """i64[B']: how many tokens to ask the drafter for, per row (before it proposes)."""
+        if not self.adaptive:
+            return caps
+        w = self._best_width(caps, active & (caps > 0), self._draft_cost())
+        return np.minimum(caps, w)
+
+    def trim(self, proposed: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """i64[B']: how many of the proposed tokens to verify (the drafting is paid already)."""
+        if not self.adaptive:
+            return proposed
+        w = self._best_width(proposed, active & (proposed > 0), 0.0)
+        return np.minimum(proposed, w)
+
+    # ------------------------------------------------------------------ #
+    # Learning
+    # ------------------------------------------------------------------ #
+    def record_outcome(self, tested: np.ndarray, accepted: np.ndarray) -> None:
+        """Per row: ``tested`` = k_b, ``accepted`` = n_b (a failed test when n_b < k_b)."""
+        drafted = tested > 0
+        self.passes = np.where(drafted, _DECAY * self.passes + accepted, self.passes * 0.97)
+        self.fails = np.where(drafted, _DECAY * self.fails + (accepted < tested), self.fails * 0.97)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.passes, self.fails = self.passes[rows], self.fails[rows]

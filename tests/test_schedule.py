@@ -1,0 +1,110 @@
+"""The adaptive draft length's decisions (specjax.generate.schedule) on given costs and outcomes.
+
+No timing is measured here: costs are recorded by hand, so each decision is
+determined and each test can fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax.generate.schedule import DraftSchedule, expected_tokens
+
+
+def schedule(verify_ms: dict[int, float], draft_ms: float = 0.0, overhead_ms: float = 1.0, batch: int = 1,
+             g: int = 6) -> DraftSchedule:
+    s = DraftSchedule(batch, g, adaptive=True, draft_cost_hint=draft_ms / 1000)
+    for q, ms in verify_ms.items():
+        for _ in range(3):  # the first time of each cost counts as warm-up
+            s.record_verify(q, ms / 1000)
+    for _ in range(3):
+        s.record_overhead(overhead_ms / 1000)
+        if draft_ms:
+            s.record_draft(1, draft_ms / 1000)
+    return s
+
+
+CPU_LIKE = {1: 40.0, 2: 66.0, 3: 82.0, 4: 56.0, 5: 57.0, 6: 58.0, 7: 85.0, 8: 58.0}
+
+
+def test_expected_tokens():
+    assert expected_tokens(np.array(0.5), np.array(0)) == pytest.approx(1.0)
+    assert expected_tokens(np.array(0.5), np.array(3)) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(np.array(1.0), np.array(4)) == pytest.approx(5.0, rel=1e-2)
+
+
+def test_free_drafts_with_good_acceptance_are_verified():
+    s = schedule(CPU_LIKE)
+    for _ in range(5):
+        s.record_outcome(np.array([4]), np.array([4]))  # everything accepted
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [6]
+    assert s.trim(np.array([3]), np.array([True])).tolist() == [3]
+
+
+def test_a_drafter_that_is_never_accepted_is_not_used():
+    s = schedule(CPU_LIKE, draft_ms=3.0)
+    for _ in range(8):
+        s.record_outcome(np.array([4]), np.array([0]))
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [0]
+    # negative control: the same costs with good acceptance draft
+    good = schedule(CPU_LIKE, draft_ms=3.0)
+    for _ in range(8):
+        good.record_outcome(np.array([4]), np.array([4]))
+    assert good.plan(np.array([6]), np.array([True]))[0] > 0
+
+
+def test_expensive_drafting_is_shortened():
+    """A draft token costing half a target forward: the best width is short."""
+    s = schedule(CPU_LIKE, draft_ms=20.0)
+    for _ in range(8):
+        s.record_outcome(np.array([3]), np.array([2]))
+    w = int(s.plan(np.array([6]), np.array([True]))[0])
+    cheap = schedule(CPU_LIKE, draft_ms=0.5)
+    for _ in range(8):
+        cheap.record_outcome(np.array([3]), np.array([2]))
+    assert w < int(cheap.plan(np.array([6]), np.array([True]))[0])
+
+
+def test_slow_widths_are_padded_to_cheaper_ones():
+    s = schedule(CPU_LIKE)
+    assert s.padded_width(3) == 4  # 82 ms > 56 ms
+    assert s.padded_width(7) == 8
+    assert s.padded_width(5) == 5
+    assert s.padded_width(1) == 1
+
+
+def test_an_unmeasured_wider_shape_is_tried_once():
+    s = schedule({1: 40.0, 2: 66.0, 3: 82.0})
+    assert s.padded_width(3) == 4  # 4 has no time yet: learn it
+    for _ in range(3):
+        s.record_verify(4, 0.090)  # slower than 3
+    assert s.padded_width(3) == 3
+
+
+def test_the_first_time_of_a_shape_is_ignored():
+    s = DraftSchedule(1, 4, adaptive=True, draft_cost_hint=0.0)
+    s.record_verify(1, 0.040)
+    s.record_verify(4, 5.0)  # a warm-up call: torch's first call at a shape
+    s.record_verify(4, 0.050)
+    assert s._verify_cost(4) == pytest.approx(0.050)
+
+
+def test_caps_are_never_exceeded_and_fixed_schedule_is_the_caps():
+    s = schedule(CPU_LIKE, batch=4)
+    caps = np.array([0, 1, 6, 3])
+    active = np.array([False, True, True, True])
+    assert np.all(s.plan(caps, active) <= caps)
+    fixed = DraftSchedule(4, 6, adaptive=False, draft_cost_hint=0.0)
+    assert fixed.plan(caps, active).tolist() == caps.tolist()
+    assert fixed.trim(np.array([0, 1, 2, 3]), active).tolist() == [0, 1, 2, 3]
+
+
+def test_rows_that_stop_drafting_forget_slowly():
+    s = schedule(CPU_LIKE)
+    for _ in range(8):
+        s.record_outcome(np.array([4]), np.array([0]))
+    low = float(s.alpha()[0])
+    for _ in range(60):
+        s.record_outcome(np.array([0]), np.array([0]))  # steps without drafting
+    assert float(s.alpha()[0]) > low + 0.2
