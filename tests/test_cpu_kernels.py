@@ -216,6 +216,7 @@ def test_tiny_temperatures_give_normalised_distributions(path, temperature, requ
     np.testing.assert_array_equal(np.asarray(out["tokens"])[:, g], x.argmax(-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_public_functions_give_the_same_tokens_either_way(seed):
     rng = np.random.default_rng(seed)
@@ -279,6 +280,7 @@ def test_the_environment_variable_turns_the_kernels_off_silently():
     assert "SPECJAX_CPU_KERNELS" in reason
 
 
+@pytest.mark.slow
 def test_a_fresh_build_is_cached(tmp_path):
     proc = _run(PROBE, SPECJAX_CACHE_DIR=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -416,6 +418,7 @@ def test_fused_step_equals_a_float64_reference_and_the_jax_code(g, v):
     assert np.any(temperature == 0) and np.any(temperature > 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("filtered", [False, True])
 def test_out_of_range_ids_are_never_accepted_on_either_path(filtered):
     """With validate=False nothing checks the ids: an id outside [0, V) has probability 0
@@ -484,6 +487,7 @@ def test_the_draft_draw_and_the_acceptance_test_see_the_same_q_bit_for_bit(top_k
         np.testing.assert_array_equal(n[use], expected)
 
 
+@pytest.mark.slow
 def test_num_draft_tokens_outside_0_g_mean_their_clamped_value_on_every_path():
     """With validate=False, k_b > G acts as G and k_b < 0 as 0, with and without the kernels."""
     b, g, v = 12, 3, 40

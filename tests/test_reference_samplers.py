@@ -145,6 +145,7 @@ def assert_all_agree(x: Any, q: Any, p: Any, u: Any, s: Any) -> np.ndarray:
     return ref_n
 
 
+@pytest.mark.slow
 def test_three_samplers_agree_on_exact_inputs() -> None:
     rng = np.random.default_rng(1234)
     full = partial = 0
@@ -270,6 +271,7 @@ def test_loop_host_conversion_of_every_result_type() -> None:
     assert _host(torch.tensor([[3, -1]], dtype=torch.int32)).dtype == np.int32
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_torch_sampler_never_imports_jax() -> None:
     code = """
 import sys

@@ -292,7 +292,7 @@ def test_row_and_block_sums_equal_float64_sums(vocab: int, dtype: str) -> None:
     np.testing.assert_allclose(blocks, x.reshape(3, 2 * vocab), rtol=tol)
 
 
-@pytest.mark.parametrize("vocab", [300, 50257])
+@pytest.mark.parametrize("vocab", [300, pytest.param(50257, marks=pytest.mark.slow)])
 def test_per_row_draw_equals_the_vectorised_draw(vocab: int) -> None:
     """CPU's row-at-a-time draw (draw_rows) and the vectorised inverse CDF (other backends) agree.
 

@@ -49,6 +49,7 @@ def _probe(threads: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh interpreter starting JAX
 @LINUX_2_CPUS
 def test_the_pool_gets_n_threads_and_every_thread_keeps_its_affinity():
     default, one = _probe(0), _probe(1)
