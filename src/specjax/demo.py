@@ -134,7 +134,7 @@ def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, s
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else eos[0])
     from specjax.prompts import all_prompts
 
-    chosen = PROMPTS
+    chosen: tuple[tuple[str, str], ...] = PROMPTS
     if quick:
         chosen = tuple(next(p for p in PROMPTS if p[0] == kind) for kind in ("open", "grounded"))
         max_new_tokens = min(max_new_tokens, 32)

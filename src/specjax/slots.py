@@ -150,7 +150,7 @@ class SlotCache:
             seen = getattr(layer, "cumulative_length", None)
             if seen is not None and seen != keys.shape[-2]:
                 return  # a sliding-window layer that dropped slots itself: keep ours
-        for layer in self.cache.layers:
+        for layer in getattr(self.cache, "layers", []):  # checked above: tensors in every layer
             layer.keys = layer.keys[:, :, first:].contiguous()
             layer.values = layer.values[:, :, first:].contiguous()
             if getattr(layer, "cumulative_length", None) is not None:

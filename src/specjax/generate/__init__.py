@@ -118,7 +118,7 @@ def _check_sliding_window(model: Any, needed: int, name: str) -> None:
     window = getattr(model.config, "sliding_window", None)
     layer_types = getattr(model.config, "layer_types", None) or []
     uses_window = window is not None and (not layer_types or any("sliding" in t for t in layer_types))
-    if uses_window and getattr(model.config, "use_sliding_window", True) and needed > window:
+    if window is not None and uses_window and getattr(model.config, "use_sliding_window", True) and needed > window:
         raise ValueError(
             f"{name}: sliding-window attention (window {window}) is not supported for sequences of up to "
             f"{needed} cache slots; use max_new_tokens and prompts that fit in the window"

@@ -413,7 +413,7 @@ def _uniforms(key: jax.Array, batch: int, count: int) -> jax.Array:
 
 def verify_core(
     draft_tokens: jax.Array,
-    draft_logits: jax.Array,
+    draft_logits: jax.Array | None,
     target_logits: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
@@ -455,6 +455,7 @@ def verify_core(
         if point_masses:  # q_i(x_i) = 1
             return t_stats, None, num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms,
                                                            num_draft_tokens)
+        assert draft_logits is not None
         d_stats = stats(draft_logits)
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
         return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
@@ -476,6 +477,7 @@ def verify_core(
         # The whole step in one C++ call (cpu_kernels.verify): per batch row,
         # position by position, summarising a row only while the tests pass.
         # Only the top-k/top-p cutoffs (a top-k over every row) run in XLA first.
+        assert draft_logits is not None  # point masses return before the C++ path
         inv_t, greedy = _inverse_temperature(temperature)
 
         def cutoffs(logits: jax.Array) -> jax.Array:
@@ -515,7 +517,7 @@ def verify_core(
         if point_masses:
             q_n = point_mass(jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0], ids[0], jnp.float32)
         else:
-            assert d_stats is not None
+            assert d_stats is not None and draft_logits is not None
             d_row = jnp.take_along_axis(draft_logits, d_pos[:, None, None], axis=1)[:, 0]
             q_n = probs_from_stats(_take_rows(d_stats, d_pos), d_row, ids)
         q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
