@@ -28,13 +28,14 @@ def test_demo_runs_and_prints_table():
     proc = run_demo("--quick")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "speed-up" in out and "accept" in out and "mean len" in out
+    assert "speed-up" in out and "accept" in out and "mean len" in out and "drafter" in out
     rows = [line for line in out.splitlines() if re.search(r"\s(greedy|T=0\.7)\s", line)]
-    assert len(rows) == 2, out
-    greedy = next(r for r in rows if " greedy " in r)
-    # greedy speculative output is the target's own greedy output
-    assert greedy.rstrip().endswith("yes"), greedy
-    assert re.search(r"\d+\.\d\dx", greedy)
+    assert len(rows) == 4, out  # --quick: one open-chat and one grounded prompt, greedy and sampled
+    for greedy in (r for r in rows if " greedy " in r):
+        # greedy speculative output is the target's own greedy output
+        assert greedy.rstrip().endswith("yes"), greedy
+        assert re.search(r"\d+\.\d\dx", greedy)
+        assert re.search(r" (model|ngram|hybrid) ", greedy)
     # tokens/s exclude model load and JIT compilation, which are reported apart
     assert re.search(r"one-time work, not in the figures above: loading the target \d+\.\d s and the draft "
                      r"\d+\.\d s; JIT compilation \d+\.\d s \(\d+\.\d s of it in the warm-up\)", out), out

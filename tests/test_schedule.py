@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specjax.generate.schedule import DraftSchedule, expected_tokens
+from specjax.generate.schedule import EXPLORE_EVERY, DraftSchedule, expected_tokens
 
 
 def schedule(verify_ms: dict[int, float], draft_ms: float = 0.0, overhead_ms: float = 1.0, batch: int = 1,
@@ -47,6 +47,13 @@ def test_a_drafter_that_is_never_accepted_is_not_used():
     for _ in range(8):
         s.record_outcome(np.array([4]), np.array([0]))
     assert s.plan(np.array([6]), np.array([True])).tolist() == [0]
+    # ... until it has not drafted for EXPLORE_EVERY steps: then it looks again, with 2 tokens
+    for _ in range(EXPLORE_EVERY - 1):
+        s.record_outcome(np.array([0]), np.array([0]))
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [0]
+    s.record_outcome(np.array([0]), np.array([0]))
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [2]
+    assert s.trim(np.array([1]), np.array([True])).tolist() == [1]
     # negative control: the same costs with good acceptance draft
     good = schedule(CPU_LIKE, draft_ms=3.0)
     for _ in range(8):

@@ -26,6 +26,11 @@ with the same model and batch size):
 * ``α`` per row: a decaying count of passed and failed tests (a prior of 0.6
   for a row that has not drafted yet). A row that stops drafting forgets
   slowly, so it tries again later.
+
+Estimates only improve where the schedule looks, so it looks again: after
+``EXPLORE_EVERY`` steps without drafting, a step verifies up to two proposed
+tokens even if the estimates say no (at most one slightly wider forward in
+that many steps), which refreshes the costs and the acceptance.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ __all__ = ["DraftSchedule", "expected_tokens"]
 _PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
 _DECAY = 0.85  # per step, for the pass/fail counts
 _KEEP = 6  # recent times kept per cost
+EXPLORE_EVERY = 12  # steps without drafting before one exploring step
 # Timings shared between calls: {(id(model), batch): (weakref, timings)}.
 _SHARED: dict[tuple[int, int], tuple[Any, dict[Any, deque[float]]]] = {}
 
@@ -72,6 +78,7 @@ class DraftSchedule:
         self.fails = np.zeros(batch)
         self.draft_cost_hint = float(draft_cost_hint)
         self.drafter_key = drafter_key
+        self.idle_steps = 0  # steps since the last one that verified a proposal
         key = (id(model), batch)
         shared = _SHARED.get(key)
         if model is not None and shared is not None and shared[0]() is model:
@@ -163,6 +170,8 @@ class DraftSchedule:
         if not self.adaptive:
             return caps
         w = self._best_width(caps, active & (caps > 0), self._draft_cost())
+        if w == 0 and self.idle_steps >= EXPLORE_EVERY:
+            w = 2  # look again (see the module doc)
         return np.minimum(caps, w)
 
     def trim(self, proposed: np.ndarray, active: np.ndarray) -> np.ndarray:
@@ -170,6 +179,8 @@ class DraftSchedule:
         if not self.adaptive:
             return proposed
         w = self._best_width(proposed, active & (proposed > 0), 0.0)
+        if w == 0 and self.idle_steps >= EXPLORE_EVERY:
+            w = 2
         return np.minimum(proposed, w)
 
     # ------------------------------------------------------------------ #
@@ -178,6 +189,7 @@ class DraftSchedule:
     def record_outcome(self, tested: np.ndarray, accepted: np.ndarray) -> None:
         """Per row: ``tested`` = k_b, ``accepted`` = n_b (a failed test when n_b < k_b)."""
         drafted = tested > 0
+        self.idle_steps = 0 if drafted.any() else self.idle_steps + 1
         self.passes = np.where(drafted, _DECAY * self.passes + accepted, self.passes * 0.97)
         self.fails = np.where(drafted, _DECAY * self.fails + (accepted < tested), self.fails * 0.97)
 
