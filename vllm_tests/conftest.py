@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_PLUGINS", "specjax")  # only specjax's general plugi
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 VOCAB = 64
 # No chunked prefill: vLLM 0.32 on CPU crashes when it discards the token of a partly prefilled

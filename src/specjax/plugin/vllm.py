@@ -166,7 +166,11 @@ def register() -> bool:
             "vLLM's own rejection sampler stays in place", version, ".x, ".join(SUPPORTED_VLLM_VERSIONS))
         return False
     import importlib
+    import os
 
+    # JAX starts in this process at the first step; on a GPU it must not take 75% of
+    # the memory vLLM planned for itself (specjax.adapters.configure_jax_memory).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     module = importlib.import_module(_TARGET_MODULE)
     with _lock:
         current = getattr(module, _TARGET_NAME, None)
