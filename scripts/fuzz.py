@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ def main() -> int:
                str(ROOT / "tests" / "test_fuzz.py"), *args.pytest_args]
         rc = subprocess.call(cmd, cwd=ROOT, env=env)
         if rc != 0:
-            print(f"fuzz: FAILED in run {runs}; rerun with: SPECJAX_FUZZ=long {' '.join(cmd[1:])}", flush=True)
+            print(f"fuzz: FAILED in run {runs}; rerun with: SPECJAX_FUZZ=long {shlex.join(cmd)}", flush=True)
             return rc
     print(f"fuzz: {runs} runs, no failure in {time.monotonic() - start:.0f} s", flush=True)
     return 0

@@ -26,7 +26,8 @@ class CLIError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, no usage dump
-        raise CLIError(f"{self.prog}: {message} (see --help)")
+        one_line = message.replace("\r", "\\r").replace("\n", "\\n")  # argv may hold line breaks
+        raise CLIError(f"{self.prog}: {one_line} (see --help)")
 
 
 # --------------------------------------------------------------------------- #
@@ -460,7 +461,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CLIError as err:
         if debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        text = str(err).replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever a path or value holds
+        print(f"error: {text}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

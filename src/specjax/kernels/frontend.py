@@ -796,12 +796,13 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
     if scalars:  # the common case: Python numbers, prepared once per value and batch size
         temperature = _scalar_float("temperature", temperature)
         top_p = None if top_p is None else _scalar_float("top_p", top_p)
-        if validate:  # as the array path reports them: one value per row
+        if validate:  # as the array path reports them: one value per row (a scalar is checked also at B = 0)
+            rows = max(batch, 1)
             if top_k is not None and top_k < 0:  # before int64 arithmetic: -2**70 is an int too
-                raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {[top_k] * batch}")
-            _check_params(np.full(batch, temperature, np.float64),
-                          None if top_k is None else np.full(batch, min(top_k, _INT32_MAX), np.int64),
-                          None if top_p is None else np.full(batch, top_p, np.float64), validate)
+                raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {[top_k] * rows}")
+            _check_params(np.full(rows, temperature, np.float64),
+                          None if top_k is None else np.full(rows, min(top_k, _INT32_MAX), np.int64),
+                          None if top_p is None else np.full(rows, top_p, np.float64), validate)
         return (_scalar_row(temperature, batch, np.float32),
                 None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
                 None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32))
