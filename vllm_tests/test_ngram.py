@@ -178,3 +178,45 @@ def test_repairs_of_vllm_processing(llm):
                                                         torch.tensor([2, 2, 5], dtype=torch.int32), 5,
                                                         replace_from=0, replace_to=1)
     assert expanded.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("case", ["unsupported version", "changed function"])
+def test_register_leaves_vllm_alone_with_one_warning(case, monkeypatch):
+    import vllm
+    from vllm.v1.sample import rejection_sampler
+
+    plugin.register()
+    assert plugin.unregister()
+    vllm_step = rejection_sampler.rejection_sample
+    if case == "unsupported version":
+        monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    else:
+        def rejection_sample(draft_token_ids, num_draft_tokens, cu_num_draft_tokens, target_logits):
+            raise AssertionError("not called")
+
+        monkeypatch.setattr(rejection_sampler, "rejection_sample", rejection_sample)
+        vllm_step = rejection_sample
+    handler = _Collect()
+    logging.getLogger("vllm.specjax").addHandler(handler)
+    try:
+        assert plugin.register() is False
+        left = rejection_sampler.rejection_sample
+    finally:
+        logging.getLogger("vllm.specjax").removeHandler(handler)
+        monkeypatch.undo()
+        assert plugin.register()
+    assert left is vllm_step  # vLLM's (or the changed) function stayed in place
+    assert len(handler.messages) == 1, handler.messages
+    assert ("0.99.0 is not a supported version" if case == "unsupported version" else "expected them to start with") \
+        in handler.messages[0]
+    assert "vLLM's own rejection sampler stays in place" in handler.messages[0]
+    assert rejection_sampler.rejection_sample is plugin.rejection_sample  # registered again after undo
