@@ -174,7 +174,7 @@ def kernel_case(draw):
     return args, (b, g, v), defect, blame, draw(st.booleans())
 
 
-@examples(ci=60)
+@examples(ci=40)
 @given(kernel_case(), st.sampled_from(["jax", "numpy", "torch"]))
 def test_fuzz_rejection_sample(case, sampler):
     args, (b, g, v), defect, blame, validate = case
@@ -275,7 +275,7 @@ def _row(value: Any, r: int) -> Any:
     return (host(value) if not isinstance(value, list) else np.asarray(value))[r]
 
 
-@examples(ci=60)
+@examples(ci=40)
 @given(logits_case(rank=2), st.sampled_from(CONTAINERS))
 def test_fuzz_sample_from_logits(case, container):
     _, logits, params, bad, validate, (b, _, v) = case
@@ -314,7 +314,7 @@ def test_fuzz_sample_from_logits(case, container):
             assert np.all(probs[r][rel < kth] == 0)
 
 
-@examples(ci=60)
+@examples(ci=40)
 @given(logits_case(rank=3), st.data())
 def test_fuzz_verify_from_logits(case, data):
     _, target, params, bad, validate, (b, g, v) = case
@@ -414,7 +414,7 @@ def generate_case(draw):
     return ids, mask, kwargs, bad
 
 
-@examples(ci=12, long=100)
+@examples(ci=8, long=100)
 @given(case=generate_case())
 def test_fuzz_speculative_generate(tiny_pair, case):
     target, draft = tiny_pair
