@@ -116,8 +116,10 @@ def test_compare_to_reference_can_fail() -> None:
     args = random_batch(rng, 64, 2, 5)
     ref = reference_rejection_sample(*args)
     tokens, q, p, u, s = args
-    as_out = lambda r: {"num_accepted": r.num_accepted.astype(np.int32),  # noqa: E731
-                        "tokens": r.tokens.astype(np.int32)}
+
+    def as_out(r: Any) -> dict[str, np.ndarray]:
+        return {"num_accepted": r.num_accepted.astype(np.int32), "tokens": r.tokens.astype(np.int32)}
+
     assert compare_to_reference(args, as_out(ref), ref).rows == 64
     # Acceptance as if q(x) = 0 (every token with p(x) > 0 passes).
     with pytest.raises(AssertionError, match="not a near tie"):
