@@ -405,7 +405,7 @@ class _Buffers:
         key = (kind, device, dtype)
         buf = self._store.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.zeros(numel, dtype=dtype, device=device)  # finite values in the padding rows
+            buf = torch.zeros(numel, dtype=dtype, device=device)
             self._store[key] = buf
         return buf[:numel].view(shape)
 
@@ -428,6 +428,7 @@ def _to_kernel(tensor: Any) -> Any:
 
 
 def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonus_token_ids, sampling_metadata):
+    """:func:`rejection_sample`'s work (``g`` = max_spec_len, ``num_draft_tokens`` a host list)."""
     import numpy as np
     import torch
 
@@ -456,8 +457,9 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
     rows = np.clip(rows, 0, num_tokens - 1)
     rows_t = torch.from_numpy(rows).to(device, non_blocking=True)
 
-    # Only the B real rows are copied: padding rows (k = 0, greedy) keep whatever
-    # finite values the buffer holds, and their results are dropped.
+    # Only the B real rows are copied: padding rows (k = 0, greedy) keep whatever the
+    # buffer holds (stale logits); their results are dropped, and no row's arithmetic
+    # reads another row.
     target = _buffers.get("target", (bp, width + 1, vocab), torch.float32, device)
     torch.index_select(target_logits, 0, rows_t.view(-1), out=target[:batch].view(-1, vocab))
     draft = torch.zeros((bp, width), dtype=torch.int32, device=device)
