@@ -446,25 +446,21 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
     bp = _bucket(batch)
     width = _draft_width(g)
 
-    # Row of the flattened inputs that each (request, position) reads: position i of
-    # request b is row start_b + i; positions past k_b repeat the last draft row (never
-    # used: tests there count as failures and the emitted token there is the bonus).
+    # Each of the T flattened rows goes to its (request, position) slot once; the other
+    # slots (positions >= k_b, padding requests) keep whatever the buffer holds (stale
+    # logits): tests there count as failures, the token emitted at k_b is replaced by
+    # vLLM's bonus, padding results are dropped, and no row's arithmetic reads another.
     k = np.zeros(bp, np.int32)
     k[:batch] = num_draft_tokens
     starts = np.cumsum(k, dtype=np.int64) - k
-    last = np.maximum(k.astype(np.int64) - 1, 0)
-    rows = starts[:batch, None] + np.minimum(np.arange(width + 1)[None, :], last[:batch, None])
-    rows = np.clip(rows, 0, num_tokens - 1)
-    rows_t = torch.from_numpy(rows).to(device, non_blocking=True)
-
-    # Only the B real rows are copied: padding rows (k = 0, greedy) keep whatever the
-    # buffer holds (stale logits); their results are dropped, and no row's arithmetic
-    # reads another row.
+    request = np.repeat(np.arange(batch), k[:batch])
+    position = np.arange(num_tokens) - starts[request]
+    slots = torch.from_numpy(request * (width + 1) + position).to(device, non_blocking=True)
     target = _buffers.get("target", (bp, width + 1, vocab), torch.float32, device)
-    torch.index_select(target_logits, 0, rows_t.view(-1), out=target[:batch].view(-1, vocab))
-    draft = torch.zeros((bp, width), dtype=torch.int32, device=device)
-    valid = torch.from_numpy(np.arange(width)[None, :] < k[:batch, None]).to(device, non_blocking=True)
-    draft[:batch] = torch.where(valid, draft_token_ids.to(torch.int32)[rows_t[:, :width]], 0)
+    target.view(-1, vocab).index_copy_(0, slots, target_logits)
+    draft = torch.zeros((bp * (width + 1),), dtype=torch.int32, device=device)
+    draft.index_copy_(0, slots, draft_token_ids.to(torch.int32))
+    draft = draft.view(bp, width + 1)[:, :width].contiguous()
 
     # Kernel temperature per row: 0 = greedy (vLLM's temperature 0), 1 = the logits are
     # already processed by vLLM. Padding rows are greedy (the cheapest).
@@ -486,7 +482,8 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
         if draft_probs.dtype != torch.float32:
             draft_probs = draft_probs.float()
         q = _buffers.get("draft", (bp, width, vocab), torch.float32, device)
-        torch.index_select(draft_probs, 0, rows_t[:, :width].reshape(-1), out=q[:batch].view(-1, vocab))
+        q_slots = torch.from_numpy(request * width + position).to(device, non_blocking=True)
+        q.view(-1, vocab).index_copy_(0, q_slots, draft_probs)
         tokens = _given_probs_step(draft, q, target, keys, temperature, k_t, bonus_p)
     out.copy_(_from_kernel(tokens, device)[:batch, : g + 1])
     return out
