@@ -103,8 +103,9 @@ def sample_counts(target, draft, *, length, num_draft_tokens, sampler="jax", mix
     """Counts i64[V] * length of the first ``length`` tokens over N rows of PROMPT."""
     ids = torch.tensor([PROMPT] * N)
     t0 = time.perf_counter()
+    # The fixed schedule: every step drafts, so both branches of the test carry weight.
     out = specjax.speculative_generate(target, draft, ids, max_new_tokens=length, num_draft_tokens=num_draft_tokens,
-                                       seed=1234, sampler=sampler, **params)
+                                       seed=1234, sampler=sampler, adaptive=False, **params)
     elapsed = time.perf_counter() - t0
     assert elapsed < MAX_SECONDS, f"{N} rows took {elapsed:.0f} s"
     new = out.sequences[:, len(PROMPT):].numpy()
@@ -139,6 +140,37 @@ def test_joint_distribution_matches_the_target(length, g, temperature, top_k, to
     p = chi_square_p(counts, expected)
     print(f"chi-square p = {p:.3g}")
     assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["ngram", "hybrid"])
+def test_point_mass_drafters_keep_the_joint_distribution(kind, pair):
+    """Deterministic proposals (n-gram lookup, here with single tokens so that PROMPT matches) verified as
+    point masses, alone and mixed with the model's sampled proposals in one batch."""
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+
+    target, draft = pair
+    drafter = NgramDrafter(min_n=1) if kind == "ngram" else HybridDrafter(NgramDrafter(min_n=1), ModelDrafter(draft))
+    counts = sample_counts(target, drafter, length=3, num_draft_tokens=3, temperature=0.7, top_k=4)
+    p = chi_square_p(counts, exact_joint(target, 3, 0.7, 4, None))
+    print(f"chi-square p = {p:.3g}")
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_negative_control_with_point_mass_proposals(pair):
+    """A sampler that keeps every n-gram proposal must be caught (the point-mass test has power)."""
+    from specjax.drafters import NgramDrafter
+
+    target, _ = pair
+    counts = sample_counts(target, NgramDrafter(min_n=1), length=3, num_draft_tokens=3, sampler=always_accept,
+                           temperature=0.7, top_k=4, mixed=False)
+    p = chi_square_p(counts, exact_joint(target, 3, 0.7, 4, None)) if _support_ok(counts, target) else 0.0
+    print(f"chi-square p = {p:.3g}")
+    assert p < 1e-6, f"the broken sampler was not caught: p = {p:.2e}"
+
+
+def _support_ok(counts, target) -> bool:
+    """Whether no draw fell outside the top-k support (a broken sampler may emit such draws)."""
+    return not counts.reshape(-1)[exact_joint(target, 3, 0.7, 4, None).reshape(-1) <= 0].any()
 
 
 # --------------------------------------------------------------------------- #

@@ -90,10 +90,15 @@ class DraftRequest:
     Attributes:
       step: the step number (0, 1, …), for key folding.
       contexts: B' host lists: each cache row's committed tokens (see module doc).
-      max_tokens: i64[B'], at most this many proposals per row (0: none; finished
-        rows have 0).
+      max_tokens: i64[B'], how many proposals the loop's schedule asks for per
+        row (0: none; finished rows have 0): what a drafter that pays per
+        token (a model) should draft.
       active: bool[B'], rows still generating.
       sampling: :class:`SamplingState` of the B' rows.
+      limit: i64[B'] >= max_tokens, the most proposals a row may get (G, or
+        fewer near ``max_new_tokens``): a drafter whose proposals cost nothing
+        (a lookup) may propose up to this; the schedule then decides how many
+        to verify. None means ``max_tokens``.
     """
 
     step: int
@@ -101,6 +106,12 @@ class DraftRequest:
     max_tokens: np.ndarray
     active: np.ndarray
     sampling: SamplingState
+    limit: np.ndarray | None = None
+
+    @property
+    def allowed(self) -> np.ndarray:
+        """i64[B']: ``limit``, or ``max_tokens`` without one."""
+        return self.max_tokens if self.limit is None else self.limit
 
 
 @dataclass
@@ -115,11 +126,15 @@ class Proposal:
         f[B', V_draft] arrays (JAX, or torch that crosses zero-copy): the logits
         ``tokens[:, i]`` were sampled from, processed by the loop with the
         target's sampling parameters. ``V_draft`` may differ from V by padding.
+      paid_tokens: how many tokens per row the drafter paid for (a model's
+        draft positions), for the schedule's cost per token; None: the
+        request's ``max(max_tokens)``; 0 for free proposals.
     """
 
     tokens: Any
     num_tokens: np.ndarray
     logits: tuple[Any, ...] | None = None
+    paid_tokens: int | None = None
 
     @property
     def width(self) -> int:

@@ -62,26 +62,28 @@ class HybridDrafter:
 
     def propose(self, request: DraftRequest) -> Proposal:
         ng = self.ngram.propose(request)
-        wants = request.max_tokens > 0
-        missing = wants & (ng.num_tokens == 0)
-        if not missing.any():
+        use = ng.num_tokens > 0
+        missing = (request.max_tokens > 0) & ~use
+        if not missing.any():  # the fallback is not needed (or not wanted) this step
             self.last_source = "ngram"
             return ng
-        self.last_source = "fallback" if not (ng.num_tokens > 0).any() else "both"
+        self.last_source = "fallback" if not use.any() else "both"
         fb = self.fallback.propose(request)
-        if fb.logits is None or not (ng.num_tokens > 0).any():
+        if fb.logits is None or not use.any():
             return fb
-        g = fb.width
-        use = ng.num_tokens > 0
+        g = max(fb.width, ng.width)
         ng_tokens = np.zeros((len(use), g), np.int32)
-        ng_tokens[:, : ng.width] = np.asarray(ng.tokens)[:, :g]
-        tokens = jnp.where(jnp.asarray(use)[:, None], jnp.asarray(ng_tokens), jnp.asarray(fb.tokens).astype(jnp.int32))
+        ng_tokens[:, : ng.width] = np.asarray(ng.tokens)
+        fb_tokens = jnp.asarray(fb.tokens).astype(jnp.int32)
+        if g > fb.width:  # positions only n-gram rows reach: the fallback's rows never test them
+            fb_tokens = jnp.pad(fb_tokens, ((0, 0), (0, g - fb.width)))
         use_j = jnp.asarray(use)
-        logits = tuple(
-            _point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb.logits)
-        )
-        counts = np.where(use, np.minimum(ng.num_tokens, g), fb.num_tokens).astype(np.int64)
-        return Proposal(tokens, counts, logits)
+        tokens = jnp.where(use_j[:, None], jnp.asarray(ng_tokens), fb_tokens)
+        # n-gram rows: logits whose processed distribution is the point mass at their token
+        fb_logits = list(fb.logits) + [fb.logits[-1]] * (g - fb.width)
+        logits = tuple(_point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb_logits))
+        counts = np.where(use, ng.num_tokens, fb.num_tokens).astype(np.int64)
+        return Proposal(tokens, counts, logits, paid_tokens=fb.width)
 
     def commit(self, info: CommitInfo) -> None:
         self.ngram.commit(info)

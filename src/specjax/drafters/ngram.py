@@ -88,12 +88,13 @@ class NgramDrafter:
         self.rows = [NgramIndex(ctx, self.min_n, self.max_n) for ctx in setup.contexts]
 
     def propose(self, request: DraftRequest) -> Proposal:
-        found = [r.lookup(int(k)) for r, k in zip(self.rows, request.max_tokens, strict=True)]
+        # Lookups are free: propose up to the limit and let the schedule choose how many to verify.
+        found = [r.lookup(int(k)) for r, k in zip(self.rows, request.allowed, strict=True)]
         counts = np.array([len(f) for f in found], np.int64)
         tokens = np.zeros((len(found), int(counts.max(initial=0))), np.int32)
         for b, f in enumerate(found):
             tokens[b, : len(f)] = f
-        return Proposal(tokens, counts, None)
+        return Proposal(tokens, counts, None, paid_tokens=0)
 
     def commit(self, info: CommitInfo) -> None:
         for r, emitted in zip(self.rows, info.emitted, strict=True):

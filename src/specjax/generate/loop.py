@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal, SamplingState
+from specjax.drafters.hybrid import HybridDrafter
 from specjax.generate import checks
 from specjax.generate.checks import check_step_output
 from specjax.generate.compile_time import measure_compiles
@@ -65,8 +66,9 @@ class SpeculativeStats:
       tokens_per_s: new_tokens / (wall_time_s - compile_time_s): decoding
         speed without one-time compilation.
       drafter: the drafter's name.
-      draft_steps: steps in which the drafter proposed (the others were plain
-        decoding steps, chosen by the adaptive draft length).
+      draft_steps: steps that verified at least one proposed token (the others
+        were plain decoding steps: no proposal, or the adaptive draft length
+        chose none).
     """
 
     steps: int = 0
@@ -211,6 +213,9 @@ def run_loop(
         last_h = ids_h[:, -1].astype(np.int64).copy()  # i64[B']: last committed token, not in the target cache
 
         hidden_kw = bool(getattr(drafter, "needs_target_hidden", False))
+        # Drafters whose proposals cost nothing (lookups) are asked every step.
+        free_proposals = float(getattr(drafter, "cost_per_token_hint", 1.0)) == 0.0 or \
+            isinstance(drafter, HybridDrafter)
         step = 0
         while not all(r.done for r in rows):
             t_step = time.perf_counter()
@@ -224,18 +229,20 @@ def run_loop(
             # emitted token comes on top of the accepted ones).
             caps = np.where(active_h, np.minimum(num_draft_tokens, np.maximum(remaining - 1, 0)), 0)
 
-            # 1. Draft.
+            # 1. Draft: the schedule asks for `want` tokens per row (what a drafter that pays
+            # per token drafts); free proposals (lookups) may go up to the row's cap.
             want = schedule.plan(caps, active_h)
             t_draft = time.perf_counter()
-            if want.max(initial=0) > 0:
+            if caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or free_proposals):
                 proposal = drafter.propose(
-                    DraftRequest(step, [contexts[i] for i in cache_rows], want, active_h, sampling))
-                _check_proposal(who, proposal, want, b_now, target_vocab, check_ids=not trusted)
-                schedule.record_draft(int(want.max()), time.perf_counter() - t_draft)
-                stats.draft_steps += 1
+                    DraftRequest(step, [contexts[i] for i in cache_rows], want, active_h, sampling, caps))
+                _check_proposal(who, proposal, caps, b_now, target_vocab, check_ids=not trusted)
+                paid = int(want.max()) if proposal.paid_tokens is None else int(proposal.paid_tokens)
+                schedule.record_draft(paid, time.perf_counter() - t_draft)
             else:
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
-            k_rows = np.minimum(schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h), want)
+            k_rows = np.minimum(schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h), caps)
+            stats.draft_steps += int(k_rows.max(initial=0) > 0)
             g = int(k_rows.max(initial=0))
             width = schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
             last = torch.as_tensor(last_h, device=device)
