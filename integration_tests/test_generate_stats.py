@@ -64,13 +64,13 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.softmax(scores.double(), dim=-1)
 
 
-def exact_joint(target, length: int, temperature: float, top_k, top_p) -> np.ndarray:
-    """f64[V] * length: the target's probability of every continuation of PROMPT."""
+def exact_joint(target, length: int, temperature: float, top_k, top_p, prompt=PROMPT) -> np.ndarray:
+    """f64[V] * length: the target's probability of every continuation of ``prompt``."""
     joint = np.ones((1,), np.float64)
     prefixes: list[tuple[int, ...]] = [()]
     with torch.inference_mode():
         for _ in range(length):
-            ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+            ids = torch.tensor([list(prompt) + list(p) for p in prefixes])
             probs = processed_probs(target(ids).logits[:, -1], temperature, top_k, top_p).numpy()
             joint = (joint[:, None] * probs).reshape(-1)
             prefixes = [(*p, v) for p in prefixes for v in range(V)]
@@ -99,16 +99,17 @@ def chi_square_p(observed: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
-def sample_counts(target, draft, *, length, num_draft_tokens, sampler="jax", mixed=True, **params) -> np.ndarray:
-    """Counts i64[V] * length of the first ``length`` tokens over N rows of PROMPT."""
-    ids = torch.tensor([PROMPT] * N)
+def sample_counts(target, draft, *, length, num_draft_tokens, sampler="jax", mixed=True, prompt=PROMPT,
+                  **params) -> np.ndarray:
+    """Counts i64[V] * length of the first ``length`` tokens over N rows of ``prompt``."""
+    ids = torch.tensor([list(prompt)] * N)
     t0 = time.perf_counter()
     # The fixed schedule: every step drafts, so both branches of the test carry weight.
     out = specjax.speculative_generate(target, draft, ids, max_new_tokens=length, num_draft_tokens=num_draft_tokens,
                                        seed=1234, sampler=sampler, adaptive=False, **params)
     elapsed = time.perf_counter() - t0
     assert elapsed < MAX_SECONDS, f"{N} rows took {elapsed:.0f} s"
-    new = out.sequences[:, len(PROMPT):].numpy()
+    new = out.sequences[:, len(prompt):].numpy()
     assert new.shape == (N, length) and out.num_new_tokens.tolist() == [length] * N
     if mixed:  # both the acceptance and the residual branch carry weight
         assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats
@@ -142,16 +143,24 @@ def test_joint_distribution_matches_the_target(length, g, temperature, top_k, to
     assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 
+def quoting_prompt(target) -> list[int]:
+    """PROMPT, its greedy continuation, then PROMPT again: n-gram lookup then proposes that continuation."""
+    with torch.inference_mode():
+        cont = target.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=4, pad_token_id=0)
+    return cont[0].tolist() + PROMPT
+
+
 @pytest.mark.parametrize("kind", ["ngram", "hybrid"])
 def test_point_mass_drafters_keep_the_joint_distribution(kind, pair):
-    """Deterministic proposals (n-gram lookup, here with single tokens so that PROMPT matches) verified as
-    point masses, alone and mixed with the model's sampled proposals in one batch."""
+    """Deterministic proposals (n-gram lookup) verified as point masses, alone and mixed with the model's
+    sampled proposals in one batch."""
     from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 
     target, draft = pair
+    prompt = quoting_prompt(target)
     drafter = NgramDrafter(min_n=1) if kind == "ngram" else HybridDrafter(NgramDrafter(min_n=1), ModelDrafter(draft))
-    counts = sample_counts(target, drafter, length=3, num_draft_tokens=3, temperature=0.7, top_k=4)
-    p = chi_square_p(counts, exact_joint(target, 3, 0.7, 4, None))
+    counts = sample_counts(target, drafter, length=3, num_draft_tokens=3, temperature=0.7, top_k=4, prompt=prompt)
+    p = chi_square_p(counts, exact_joint(target, 3, 0.7, 4, None, prompt))
     print(f"chi-square p = {p:.3g}")
     assert p > 1e-3, f"chi-square p = {p:.2e}"
 
@@ -161,16 +170,14 @@ def test_negative_control_with_point_mass_proposals(pair):
     from specjax.drafters import NgramDrafter
 
     target, _ = pair
+    prompt = quoting_prompt(target)
     counts = sample_counts(target, NgramDrafter(min_n=1), length=3, num_draft_tokens=3, sampler=always_accept,
-                           temperature=0.7, top_k=4, mixed=False)
-    p = chi_square_p(counts, exact_joint(target, 3, 0.7, 4, None)) if _support_ok(counts, target) else 0.0
+                           temperature=0.7, top_k=4, mixed=False, prompt=prompt)
+    expected = exact_joint(target, 3, 0.7, 4, None, prompt)
+    outside = counts.reshape(-1)[expected.reshape(-1) <= 0].any()  # a broken sampler may emit impossible tokens
+    p = 0.0 if outside else chi_square_p(counts, expected)
     print(f"chi-square p = {p:.3g}")
     assert p < 1e-6, f"the broken sampler was not caught: p = {p:.2e}"
-
-
-def _support_ok(counts, target) -> bool:
-    """Whether no draw fell outside the top-k support (a broken sampler may emit such draws)."""
-    return not counts.reshape(-1)[exact_joint(target, 3, 0.7, 4, None).reshape(-1) <= 0].any()
 
 
 # --------------------------------------------------------------------------- #

@@ -38,7 +38,8 @@ PROMPT = torch.tensor([[5, 17, 42, 8, 23]])
 
 @pytest.mark.parametrize(("which", "value", "match"), [
     ("target", None, r"target: expected a transformers causal LM \(a torch.nn.Module\), got NoneType"),
-    ("draft", None, r"draft: expected a transformers causal LM \(a torch.nn.Module\), got NoneType"),
+    ("draft", None, r"draft: expected a transformers causal LM, a drafter object or a drafter name \(.*\), "
+                    r"got NoneType"),
     ("target", "gpt2", r"target: expected a transformers causal LM \(a torch.nn.Module\), got str"),
     ("draft", torch.nn.Sequential(), r"draft: expected a transformers causal LM with parameters, got a Sequential"),
     ("target", torch.nn.Linear(2, 2), r"target: expected a transformers causal LM \(with a config and input "
@@ -164,8 +165,9 @@ NAME = __name__
 def test_a_sampler_breaking_its_contract_is_named(pair, sampler, match):
     target, draft = pair
     with pytest.raises(PluginOutputError, match=match):
+        # the fixed schedule: every step drafts 4 tokens (the messages name k_b = 4)
         specjax.speculative_generate(target, draft, PROMPT, max_new_tokens=12, num_draft_tokens=4,
-                                     temperature=1.0, sampler=sampler)
+                                     temperature=1.0, sampler=sampler, adaptive=False)
 
 
 def test_a_registered_sampler_is_named_by_its_name(pair):
