@@ -346,7 +346,7 @@ def _logits_jits():
         ("frontend._verify_jit", frontend._verify_jit.lower(tokens, d, t, key, f32, i32, f32, i32 + g, **static)),
         ("frontend._sample_jit", frontend._sample_jit.lower(t[:, 0], key, f32, i32, f32, **static)),
         ("steps.draft_draw", steps.draft_draw.lower(t[:, 0], keys, 0, 1, f32, i32, f32, vocab=v, **static)),
-        ("steps.verify_step", steps.verify_step.lower(tuple(tokens.T), tuple(d.transpose(1, 0, 2)), t, keys, 0,
+        ("steps.verify_step", steps.verify_step.lower(tokens, tuple(d.transpose(1, 0, 2)), t, keys, 0,
                                                       f32, i32, f32, i32 + g, **static)),
         ("steps.probs_step", steps.probs_step.lower(tuple(d.transpose(1, 0, 2)), t, keys, 0, f32, i32, f32,
                                                     **static)),

@@ -28,9 +28,12 @@ with the same model and batch size):
   slowly, so it tries again later.
 
 Estimates only improve where the schedule looks, so it looks again: after
-``EXPLORE_EVERY`` steps without drafting, a step verifies up to two proposed
-tokens even if the estimates say no (at most one slightly wider forward in
-that many steps), which refreshes the costs and the acceptance.
+``EXPLORE_EVERY`` steps without drafting, a step verifies one proposed token
+even if the estimates say no (at most one slightly wider forward in that many
+steps), which refreshes the costs and the acceptance. Drafting that must be
+paid for (a model) is chosen only when its expected rate beats a plain step's
+by ``PAID_MARGIN``: estimates are noisy, and a wasted draft costs more than a
+missed one.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ _PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
 _DECAY = 0.85  # per step, for the pass/fail counts
 _KEEP = 6  # recent times kept per cost
 EXPLORE_EVERY = 12  # steps without drafting before one exploring step
+PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
+_FORGET = 0.99  # per step without drafting, for the pass/fail counts
 # Timings shared between calls: {(id(model), batch): (weakref, timings)}.
 _SHARED: dict[tuple[int, int], tuple[Any, dict[Any, deque[float]]]] = {}
 
@@ -156,13 +161,14 @@ class DraftSchedule:
         alpha = self.alpha()[rows]
         lim = limits[rows]
         overhead = self._overhead()
-        best_w, best_rate = 0, float(len(alpha)) / (self._verify_cost(1) + overhead)
+        margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
+        best_w, best_rate = 0, margin * float(len(alpha)) / (self._verify_cost(1) + overhead)
         for w in range(1, top + 1):
             gain = expected_tokens(alpha, np.minimum(w, lim)).sum()
             cost = w * draft_s_per_token + self._verify_cost(self.padded_width(w + 1)) + overhead
             rate = gain / cost
-            if rate > best_rate * 1.0001:
-                best_w, best_rate = w, rate
+            if rate > best_rate:
+                best_w, best_rate = w, rate * 1.0001
         return best_w
 
     def plan(self, caps: np.ndarray, active: np.ndarray) -> np.ndarray:
@@ -171,7 +177,7 @@ class DraftSchedule:
             return caps
         w = self._best_width(caps, active & (caps > 0), self._draft_cost())
         if w == 0 and self.idle_steps >= EXPLORE_EVERY:
-            w = 2  # look again (see the module doc)
+            w = 1  # look again (see the module doc)
         return np.minimum(caps, w)
 
     def trim(self, proposed: np.ndarray, active: np.ndarray) -> np.ndarray:
@@ -180,7 +186,7 @@ class DraftSchedule:
             return proposed
         w = self._best_width(proposed, active & (proposed > 0), 0.0)
         if w == 0 and self.idle_steps >= EXPLORE_EVERY:
-            w = 2
+            w = 1
         return np.minimum(proposed, w)
 
     # ------------------------------------------------------------------ #
@@ -190,8 +196,8 @@ class DraftSchedule:
         """Per row: ``tested`` = k_b, ``accepted`` = n_b (a failed test when n_b < k_b)."""
         drafted = tested > 0
         self.idle_steps = 0 if drafted.any() else self.idle_steps + 1
-        self.passes = np.where(drafted, _DECAY * self.passes + accepted, self.passes * 0.97)
-        self.fails = np.where(drafted, _DECAY * self.fails + (accepted < tested), self.fails * 0.97)
+        self.passes = np.where(drafted, _DECAY * self.passes + accepted, self.passes * _FORGET)
+        self.fails = np.where(drafted, _DECAY * self.fails + (accepted < tested), self.fails * _FORGET)
 
     def select_rows(self, rows: list[int]) -> None:
         self.passes, self.fails = self.passes[rows], self.fails[rows]
