@@ -40,6 +40,8 @@ MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/mesh
 # The full suite (what .ci/run calls): the main session, then the mesh session.
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+	$(PY) -m mypy
 	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests
 	$(MESH_PYTEST)
 	$(MAKE) --no-print-directory test-vllm

@@ -67,8 +67,15 @@ def forward_rows(batch: int = 8, prompt: int = 40, widths: Sequence[int] = (1, 2
                 target(input_ids=new, use_cache=True, **{cache_kw: cache})
                 crop_cache(cache, q)
 
-            rows.append({"what": "target forward", "B": batch, "q": q, "rows": batch * q,
-                         "median_us": _median_s(step, reps=15) * 1e6})
+            rows.append(
+                {
+                    "what": "target forward",
+                    "B": batch,
+                    "q": q,
+                    "rows": batch * q,
+                    "median_us": _median_s(step, reps=15) * 1e6,
+                }
+            )
     base = rows[0]["median_us"]
     for r in rows:
         r["relative_to_q1"] = r["median_us"] / base
@@ -86,8 +93,15 @@ def linear_rows(ms: Sequence[int] = (8, 16, 24, 40, 72), d_in: int = 512, d_out:
         x = torch.randn(m, d_in, generator=gen)
         as_stored = _median_s(lambda x=x: torch.nn.functional.linear(x, w), reps=200) * 1e6
         transposed = _median_s(lambda x=x: x @ w_t, reps=200) * 1e6
-        rows.append({"what": "linear", "M": m, "nn_linear_us": as_stored, "pretransposed_us": transposed,
-                     "gflops_nn_linear": 2 * m * d_in * d_out / as_stored / 1e3})
+        rows.append(
+            {
+                "what": "linear",
+                "M": m,
+                "nn_linear_us": as_stored,
+                "pretransposed_us": transposed,
+                "gflops_nn_linear": 2 * m * d_in * d_out / as_stored / 1e3,
+            }
+        )
     return rows
 
 
@@ -109,8 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| linear (M, 512) x (512, 1376) | nn.Linear weight (transposed GEMM) | weight stored transposed | ratio |")
     print("|---:|---:|---:|---:|")
     for r in lin:
-        print(f"| M = {r['M']} | {r['nn_linear_us']:.0f} µs | {r['pretransposed_us']:.0f} µs | "
-              f"{r['nn_linear_us'] / r['pretransposed_us']:.1f}× |")
+        print(
+            f"| M = {r['M']} | {r['nn_linear_us']:.0f} µs | {r['pretransposed_us']:.0f} µs | "
+            f"{r['nn_linear_us'] / r['pretransposed_us']:.1f}× |"
+        )
     if args.jsonl:
         append_jsonl(args.jsonl, [*fwd, *lin])
     return 0

@@ -92,9 +92,17 @@ SYNTHETIC_NAME = "synthetic Llama 8L-d512-V8192 + built 1L-d64 draft"
 # --------------------------------------------------------------------------- #
 
 
-def synthetic_pair(*, seed: int = 0, layers: int = 8, hidden: int = 512, vocab_size: int = 8192,
-                   embedding_std: float = 4.0, head_std: float = 0.2, draft_hidden: int = 64,
-                   draft_logit_scale: float = 1.5) -> tuple[Any, Any]:
+def synthetic_pair(
+    *,
+    seed: int = 0,
+    layers: int = 8,
+    hidden: int = 512,
+    vocab_size: int = 8192,
+    embedding_std: float = 4.0,
+    head_std: float = 0.2,
+    draft_hidden: int = 64,
+    draft_logit_scale: float = 1.5,
+) -> tuple[Any, Any]:
     """A random Llama target and a tiny draft built to imitate it (see the module docstring).
 
     Target: Llama, ``layers`` x ``hidden``, V = ``vocab_size``, random weights,
@@ -109,21 +117,38 @@ def synthetic_pair(*, seed: int = 0, layers: int = 8, hidden: int = 512, vocab_s
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    common = dict(vocab_size=vocab_size, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0,
-                  bos_token_id=None, eos_token_id=None)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=1376 * hidden // 512, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=8, **common)
+    common = dict(
+        vocab_size=vocab_size,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=1376 * hidden // 512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        **common,
+    )
     torch.manual_seed(seed)
     target = LlamaForCausalLM(cfg).eval()
-    dcfg = LlamaConfig(hidden_size=draft_hidden, intermediate_size=2 * draft_hidden, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=4, **common)
+    dcfg = LlamaConfig(
+        hidden_size=draft_hidden,
+        intermediate_size=2 * draft_hidden,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        **common,
+    )
     draft = LlamaForCausalLM(dcfg).eval()
     with torch.no_grad():
         target.model.embed_tokens.weight.normal_(0.0, embedding_std)
         target.lm_head.weight.normal_(0.0, head_std)
         exit_h = target.model.norm(target.model.embed_tokens.weight)
-        f = torch.cat([(exit_h[i:i + 1024] @ target.lm_head.weight.T).argmax(-1)
-                       for i in range(0, vocab_size, 1024)])
+        f = torch.cat([(exit_h[i : i + 1024] @ target.lm_head.weight.T).argmax(-1) for i in range(0, vocab_size, 1024)])
         codes = torch.randn(vocab_size, draft_hidden, generator=torch.Generator().manual_seed(seed + 1))
         codes /= codes.norm(dim=1, keepdim=True)
         draft.lm_head.weight.copy_(codes * draft_logit_scale)
@@ -161,8 +186,7 @@ def load_pair(target_dir: str | None, draft_dir: str | None, synthetic: bool) ->
             p = load_default_pair()
             return _with_ids(Pair(p.target, p.draft, "SmolLM2-135M-Instruct + specjax draft", p.tokenizer))
         except Exception as err:  # the pair is optional here: fall back, and say why
-            print(f"default pair unavailable ({type(err).__name__}: {err}); using the synthetic pair",
-                  file=sys.stderr)
+            print(f"default pair unavailable ({type(err).__name__}: {err}); using the synthetic pair", file=sys.stderr)
     target, draft = synthetic_pair()
     return Pair(target, draft, SYNTHETIC_NAME)
 
@@ -187,8 +211,9 @@ def make_prompts(pair: Pair, count: int, seed: int = 0) -> list[Any]:
     tok = pair.tokenizer
     for text in (PROMPTS * (count // len(PROMPTS) + 1))[:count]:
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"]
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
         else:
             ids = tok(text, return_tensors="pt")["input_ids"]
         out.append(ids)
@@ -202,8 +227,8 @@ def left_pad(prompts: list[Any], pad: int) -> tuple[Any, Any]:
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, width - p.shape[1]:] = p[0]
-        mask[b, width - p.shape[1]:] = 1
+        ids[b, width - p.shape[1] :] = p[0]
+        mask[b, width - p.shape[1] :] = 1
     return ids, mask
 
 
@@ -251,8 +276,9 @@ def category_prompts(pair: Pair, category: str) -> list[Any]:
     out = []
     for messages in all_prompts()[category].values():
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                          return_dict=True)["input_ids"]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+                "input_ids"
+            ]
         else:
             ids = tok("\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
         out.append(ids)
@@ -296,8 +322,12 @@ class Method:
         ids, mask = self.units[unit]
         t0, c0 = time.perf_counter(), time.process_time()
         new, counts, stats = self.call(ids, mask, unit)
-        res = Result(sum(counts), time.perf_counter() - t0, time.process_time() - c0,
-                     [row[:n] for row, n in zip(new.tolist(), counts, strict=True)])
+        res = Result(
+            sum(counts),
+            time.perf_counter() - t0,
+            time.process_time() - c0,
+            [row[:n] for row, n in zip(new.tolist(), counts, strict=True)],
+        )
         if stats is not None:
             res.accepted, res.proposed = stats.draft_tokens_accepted, stats.draft_tokens_proposed
             res.row_steps = stats.new_tokens / stats.mean_accepted_length if stats.mean_accepted_length else 0.0
@@ -311,31 +341,51 @@ class Method:
 def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None) -> Callable:
     import torch
 
-    kwargs: dict[str, Any] = {"do_sample": False} if temperature == 0 else \
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    kwargs: dict[str, Any] = (
+        {"do_sample": False}
+        if temperature == 0
+        else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
     if assistant is not None:
         kwargs["assistant_model"] = assistant
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], None]:
         torch.manual_seed(seed)
         with torch.inference_mode():
-            out = pair.target.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=pair.pad,
-                                       eos_token_id=pair.eos or None, **kwargs)
-        new = out[:, ids.shape[1]:]
+            out = pair.target.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                pad_token_id=pair.pad,
+                eos_token_id=pair.eos or None,
+                **kwargs,
+            )
+        new = out[:, ids.shape[1] :]
         return new, count_new(new, pair.eos), None
 
     return call
 
 
-def _specjax_call(pair: Pair, max_new: int, temperature: float, num_draft_tokens: int, drafter: str = "model",
-                  adaptive: bool = True) -> Callable:
+def _specjax_call(
+    pair: Pair, max_new: int, temperature: float, num_draft_tokens: int, drafter: str = "model", adaptive: bool = True
+) -> Callable:
     from specjax import speculative_generate
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], Any]:
-        out = speculative_generate(pair.target, make_drafter(pair, drafter), ids, mask, max_new_tokens=max_new,
-                                   num_draft_tokens=num_draft_tokens, temperature=temperature, seed=seed,
-                                   eos_token_id=pair.eos or None, pad_token_id=pair.pad, adaptive=adaptive)
-        return out.sequences[:, ids.shape[1]:], out.num_new_tokens.tolist(), out.stats
+        out = speculative_generate(
+            pair.target,
+            make_drafter(pair, drafter),
+            ids,
+            mask,
+            max_new_tokens=max_new,
+            num_draft_tokens=num_draft_tokens,
+            temperature=temperature,
+            seed=seed,
+            eos_token_id=pair.eos or None,
+            pad_token_id=pair.pad,
+            adaptive=adaptive,
+        )
+        return out.sequences[:, ids.shape[1] :], out.num_new_tokens.tolist(), out.stats
 
     return call
 
@@ -359,19 +409,30 @@ def _assistant(draft: Any, num_draft_tokens: int | None) -> Any:
 
 def _paired_ratio(runs: list[Result], base: list[Result], cpu: bool = False) -> float:
     """Median over calls of (tokens/s of the run) / (tokens/s of the baseline's run of the same call)."""
+
     def rate(r: Result) -> float:
         return r.tokens / (r.cpu_seconds if cpu else r.seconds)
 
     return statistics.median(rate(a) / rate(b) for a, b in zip(runs, base, strict=True))
 
 
-def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: int = 4,
-                   max_new_tokens: int | None = None, reps: int | None = None,
-                   target_dir: str | None = None, draft_dir: str | None = None,
-                   synthetic: bool = False, log: Callable[[str], None] | None = None,
-                   drafters: Sequence[str] = ("model",), categories: Sequence[str] | None = None,
-                   temperatures: Sequence[float] | None = None, adaptive: bool = True,
-                   batch_sizes: Sequence[int] = (1, 8)) -> list[dict]:
+def bench_generate(
+    quick: bool,
+    *,
+    pair: Pair | None = None,
+    num_draft_tokens: int = 4,
+    max_new_tokens: int | None = None,
+    reps: int | None = None,
+    target_dir: str | None = None,
+    draft_dir: str | None = None,
+    synthetic: bool = False,
+    log: Callable[[str], None] | None = None,
+    drafters: Sequence[str] = ("model",),
+    categories: Sequence[str] | None = None,
+    temperatures: Sequence[float] | None = None,
+    adaptive: bool = True,
+    batch_sizes: Sequence[int] = (1, 8),
+) -> list[dict]:
     """Run every method; one row per method (see the module docstring)."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     pair = pair or load_pair(target_dir, draft_dir, synthetic)
@@ -394,29 +455,77 @@ def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: i
             if 1 in batch_sizes:
                 one = [Method("target", 1, temp, 0, singles, _hf_call(pair, max_new, temp), category=category)]
                 if temp == 0.0 and "model" in drafters:
-                    one.append(Method("assisted", 1, temp, 0, singles,
-                                      _hf_call(pair, max_new, temp, _assistant(pair.draft, None)), category=category))
+                    one.append(
+                        Method(
+                            "assisted",
+                            1,
+                            temp,
+                            0,
+                            singles,
+                            _hf_call(pair, max_new, temp, _assistant(pair.draft, None)),
+                            category=category,
+                        )
+                    )
                     if not quick:
-                        one.append(Method("assisted-G", 1, temp, g, singles,
-                                          _hf_call(pair, max_new, temp, _assistant(pair.draft, g)),
-                                          category=category))
+                        one.append(
+                            Method(
+                                "assisted-G",
+                                1,
+                                temp,
+                                g,
+                                singles,
+                                _hf_call(pair, max_new, temp, _assistant(pair.draft, g)),
+                                category=category,
+                            )
+                        )
                 for d in drafters:
-                    one.append(Method("specjax", 1, temp, g, singles,
-                                      _specjax_call(pair, max_new, temp, g, d, adaptive), category=category,
-                                      drafter=d))
+                    one.append(
+                        Method(
+                            "specjax",
+                            1,
+                            temp,
+                            g,
+                            singles,
+                            _specjax_call(pair, max_new, temp, g, d, adaptive),
+                            category=category,
+                            drafter=d,
+                        )
+                    )
                 if temp == 0.0 and not quick and "model" in drafters:  # transformers' default drafts up to 20
-                    one.append(Method("specjax", 1, temp, 2 * g, singles,
-                                      _specjax_call(pair, max_new, temp, 2 * g, "model", adaptive),
-                                      category=category, drafter="model"))
+                    one.append(
+                        Method(
+                            "specjax",
+                            1,
+                            temp,
+                            2 * g,
+                            singles,
+                            _specjax_call(pair, max_new, temp, 2 * g, "model", adaptive),
+                            category=category,
+                            drafter="model",
+                        )
+                    )
                 groups.append(one)
             if 8 in batch_sizes:
                 eight = [Method("target", 8, temp, 0, batch8, _hf_call(pair, max_new, temp), category=category)]
-                eight += [Method("specjax", 8, temp, g, batch8, _specjax_call(pair, max_new, temp, g, d, adaptive),
-                                 category=category, drafter=d) for d in drafters]
+                eight += [
+                    Method(
+                        "specjax",
+                        8,
+                        temp,
+                        g,
+                        batch8,
+                        _specjax_call(pair, max_new, temp, g, d, adaptive),
+                        category=category,
+                        drafter=d,
+                    )
+                    for d in drafters
+                ]
                 groups.append(eight)
 
-    say(f"pair: {pair.name}; G={g}, max_new_tokens={max_new}, {n_single} prompts at B=1, 8 at B=8, "
-        f"{reps} repetitions; load average {os.getloadavg()[0]:.1f}")
+    say(
+        f"pair: {pair.name}; G={g}, max_new_tokens={max_new}, {n_single} prompts at B=1, 8 at B=8, "
+        f"{reps} repetitions; load average {os.getloadavg()[0]:.1f}"
+    )
     t0 = time.perf_counter()
     for group in groups:  # warm-up: the same calls as timed below
         for m in group:
@@ -455,13 +564,21 @@ def bench_generate(quick: bool, *, pair: Pair | None = None, num_draft_tokens: i
                 "tokens_per_s": tokens / sum(r.seconds for r in runs),
                 "mean_accepted_length": tokens / row_steps if row_steps else None,
                 "acceptance_rate": sum(r.accepted for r in runs) / proposed if proposed else None,
-                "acceptance_first_position": (statistics.mean(r.first_position for r in runs)
-                                              if runs and all(r.first_position is not None for r in runs) else None),
-                "acceptance_per_position": ([round(statistics.mean(v), 3) for v in zip(*(r.per_position for r in runs),
-                                                                                          strict=True)]
-                                            if runs and all(r.per_position for r in runs) else None),
-                "draft_step_fraction": (sum(r.draft_steps for r in runs) / sum(r.steps for r in runs)
-                                        if m.name == "specjax" and sum(r.steps for r in runs) else None),
+                "acceptance_first_position": (
+                    statistics.mean(r.first_position for r in runs)
+                    if runs and all(r.first_position is not None for r in runs)
+                    else None
+                ),
+                "acceptance_per_position": (
+                    [round(statistics.mean(v), 3) for v in zip(*(r.per_position for r in runs), strict=True)]
+                    if runs and all(r.per_position for r in runs)
+                    else None
+                ),
+                "draft_step_fraction": (
+                    sum(r.draft_steps for r in runs) / sum(r.steps for r in runs)
+                    if m.name == "specjax" and sum(r.steps for r in runs)
+                    else None
+                ),
                 "category": m.category,
                 "drafter": m.drafter or None,
                 "adaptive": adaptive if m.name == "specjax" else None,
@@ -490,15 +607,23 @@ def format_table(rows: list[dict]) -> str:
         same = "" if r["same_as_target"] is None else ("yes" if r["same_as_target"] else "NO")
         frac = "" if r.get("draft_step_fraction") is None else f"{r['draft_step_fraction']:.2f}"
         g = r["num_draft_tokens"] or ""
-        lines.append(f"| {r.get('category', '')} | {r['method']} | {r.get('drafter') or ''} | {r['batch_size']} | "
-                     f"{r['temperature']} | {g} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {frac} | {same} |")
-    extra = [f"specjax B=1 T={r['temperature']} G={r['num_draft_tokens']}: {r['speedup_vs_assisted']:.2f}x "
-             "transformers' assisted generation (median of the per-call ratios)"
-             for r in rows if "speedup_vs_assisted" in r]
-    extra += [f"{r.get('category', '')} specjax[{r.get('drafter')}] B={r['batch_size']} T={r['temperature']} "
-              f"G={r['num_draft_tokens']}: acceptance per draft position {r['acceptance_per_position']}"
-              for r in rows if r.get("acceptance_per_position") is not None]
+        lines.append(
+            f"| {r.get('category', '')} | {r['method']} | {r.get('drafter') or ''} | {r['batch_size']} | "
+            f"{r['temperature']} | {g} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {frac} | {same} |"
+        )
+    extra = [
+        f"specjax B=1 T={r['temperature']} G={r['num_draft_tokens']}: {r['speedup_vs_assisted']:.2f}x "
+        "transformers' assisted generation (median of the per-call ratios)"
+        for r in rows
+        if "speedup_vs_assisted" in r
+    ]
+    extra += [
+        f"{r.get('category', '')} specjax[{r.get('drafter')}] B={r['batch_size']} T={r['temperature']} "
+        f"G={r['num_draft_tokens']}: acceptance per draft position {r['acceptance_per_position']}"
+        for r in rows
+        if r.get("acceptance_per_position") is not None
+    ]
     return "\n".join([*lines, "", *extra])
 
 
@@ -525,8 +650,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    print(f"torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}, "
-          f"load average: {os.getloadavg()[0]:.1f}; {pool}", file=sys.stderr)
+    print(
+        f"torch threads: {torch.get_num_threads()}, cpus: {os.cpu_count()}, "
+        f"load average: {os.getloadavg()[0]:.1f}; {pool}",
+        file=sys.stderr,
+    )
     drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
     bad = [d for d in drafters if d not in DRAFTERS]
     if bad or not drafters:
@@ -541,10 +669,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--temperatures / --batch-sizes: expected comma-separated numbers")
     if any(b not in (1, 8) for b in sizes):
         parser.error(f"--batch-sizes: expected 1 and/or 8, got {args.batch_sizes!r}")
-    rows = bench_generate(args.quick, num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
-                          reps=args.reps, target_dir=args.target, draft_dir=args.draft, synthetic=args.synthetic,
-                          drafters=drafters, categories=categories, temperatures=temps, adaptive=not args.fixed,
-                          batch_sizes=sizes)
+    rows = bench_generate(
+        args.quick,
+        num_draft_tokens=args.num_draft_tokens,
+        max_new_tokens=args.max_new_tokens,
+        reps=args.reps,
+        target_dir=args.target,
+        draft_dir=args.draft,
+        synthetic=args.synthetic,
+        drafters=drafters,
+        categories=categories,
+        temperatures=temps,
+        adaptive=not args.fixed,
+        batch_sizes=sizes,
+    )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))
     if args.jsonl:

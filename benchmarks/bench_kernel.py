@@ -85,8 +85,9 @@ class Row:
 # --------------------------------------------------------------------------- timing
 
 
-def time_call(fn: Callable[[], Any], *, budget_s: float, min_reps: int = 5, max_reps: int = 200,
-              warmup: int = 2) -> tuple[float, int]:
+def time_call(
+    fn: Callable[[], Any], *, budget_s: float, min_reps: int = 5, max_reps: int = 200, warmup: int = 2
+) -> tuple[float, int]:
     """Median seconds per call of ``fn`` (which must return JAX arrays), after warm-up.
 
     Repeats until ``budget_s`` is spent, at least ``min_reps`` and at most
@@ -132,8 +133,9 @@ def measure_copy_bandwidth(*, nbytes: int = 128 * 2**20, reps: int = 5) -> float
 FLOOR_ROUNDS = 5
 
 
-def time_against_floor(fn: Callable[[], Any], floor_bytes: int, *, budget_s: float, max_reps: int,
-                       rounds: int) -> tuple[float, int, float, list[float]]:
+def time_against_floor(
+    fn: Callable[[], Any], floor_bytes: int, *, budget_s: float, max_reps: int, rounds: int
+) -> tuple[float, int, float, list[float]]:
     """Time ``fn`` and the copy bandwidth in alternating rounds; the floor ratio per round.
 
     On a shared machine the load drifts within seconds, and a kernel timed
@@ -154,8 +156,13 @@ def time_against_floor(fn: Callable[[], Any], floor_bytes: int, *, budget_s: flo
     bandwidths: list[float] = []
     ratios: list[float] = []
     for r in range(rounds):
-        t, n = time_call(fn, budget_s=budget_s / rounds, min_reps=max(2, 5 // rounds),
-                         max_reps=max(1, max_reps // rounds), warmup=2 if r == 0 else 1)
+        t, n = time_call(
+            fn,
+            budget_s=budget_s / rounds,
+            min_reps=max(2, 5 // rounds),
+            max_reps=max(1, max_reps // rounds),
+            warmup=2 if r == 0 else 1,
+        )
         times.append(t)
         calls += n
         bw = measure_copy_bandwidth(reps=3)
@@ -233,8 +240,11 @@ def bench_probs_kernel(
                 max_reps = 50 if quick else 200
                 floor_bytes = batch * 2 * vocab * 4
                 t_kernel, n_kernel, copy_bytes_per_s, floor_ratios = time_against_floor(
-                    lambda a=args: _rejection_sample_jit(*a), floor_bytes,
-                    budget_s=budget, max_reps=max_reps, rounds=2 if quick else FLOOR_ROUNDS,
+                    lambda a=args: _rejection_sample_jit(*a),
+                    floor_bytes,
+                    budget_s=budget,
+                    max_reps=max_reps,
+                    rounds=2 if quick else FLOOR_ROUNDS,
                 )
                 t_floor = floor_bytes / copy_bytes_per_s
 
@@ -252,31 +262,58 @@ def bench_probs_kernel(
                     )
                     sf_note = ""
                 common = {"kernel": "probs", "B": batch, "G": num_draft, "V": vocab}
-                rows.append(Row(
-                    method="kernel", median_us=t_kernel * 1e6, reps=n_kernel,
-                    ratio=(t_kernel / t_sf) if t_sf else None, ratio_to="straightforward" if t_sf else None,
-                    extra={"ratio_to_floor": statistics.median(floor_ratios),
-                           "ratio_to_floor_rounds": floor_ratios, "temp_bytes": kernel_temp}, **common,
-                ))
-                rows.append(Row(
-                    method="straightforward", median_us=None if t_sf is None else t_sf * 1e6,
-                    reps=n_sf, note=sf_note, extra={"temp_bytes": sf_temp}, **common,
-                ))
-                rows.append(Row(
-                    method="floor", median_us=t_floor * 1e6, note="B*2*V*4 bytes / copy bandwidth",
-                    extra={"bytes": floor_bytes, "copy_bytes_per_s": copy_bytes_per_s}, **common,
-                ))
+                rows.append(
+                    Row(
+                        method="kernel",
+                        median_us=t_kernel * 1e6,
+                        reps=n_kernel,
+                        ratio=(t_kernel / t_sf) if t_sf else None,
+                        ratio_to="straightforward" if t_sf else None,
+                        extra={
+                            "ratio_to_floor": statistics.median(floor_ratios),
+                            "ratio_to_floor_rounds": floor_ratios,
+                            "temp_bytes": kernel_temp,
+                        },
+                        **common,
+                    )
+                )
+                rows.append(
+                    Row(
+                        method="straightforward",
+                        median_us=None if t_sf is None else t_sf * 1e6,
+                        reps=n_sf,
+                        note=sf_note,
+                        extra={"temp_bytes": sf_temp},
+                        **common,
+                    )
+                )
+                rows.append(
+                    Row(
+                        method="floor",
+                        median_us=t_floor * 1e6,
+                        note="B*2*V*4 bytes / copy bandwidth",
+                        extra={"bytes": floor_bytes, "copy_bytes_per_s": copy_bytes_per_s},
+                        **common,
+                    )
+                )
                 if batch == 1:
                     # The public entry point with validate=False: conversion and
                     # shape checks in Python, then the same jitted kernel.
                     t_pub, n_pub = time_call(
                         lambda a=args: rejection_sample(*a, validate=False),
-                        budget_s=budget, max_reps=max_reps,
+                        budget_s=budget,
+                        max_reps=max_reps,
                     )
-                    rows.append(Row(
-                        method="public_validate_false", median_us=t_pub * 1e6, reps=n_pub,
-                        ratio=t_pub / t_kernel, ratio_to="kernel", **common,
-                    ))
+                    rows.append(
+                        Row(
+                            method="public_validate_false",
+                            median_us=t_pub * 1e6,
+                            reps=n_pub,
+                            ratio=t_pub / t_kernel,
+                            ratio_to="kernel",
+                            **common,
+                        )
+                    )
                 del args
                 print(_format_row(rows, batch, num_draft, vocab), flush=True)
     return rows
@@ -321,8 +358,10 @@ def check_targets(rows: list[Row]) -> list[str]:
     k = _find(rows, "kernel", 64, 4, 32000)
     if k is not None and k.ratio is not None:
         ok = k.ratio <= 0.25
-        out.append(f"target kernel <= 0.25x straightforward at B=64 G=4 V=32000: "
-                   f"{k.ratio:.3f}x -> {'met' if ok else 'NOT met'}")
+        out.append(
+            f"target kernel <= 0.25x straightforward at B=64 G=4 V=32000: "
+            f"{k.ratio:.3f}x -> {'met' if ok else 'NOT met'}"
+        )
     worst = None
     for r in rows:
         if r.method == "kernel" and r.B >= 8:
@@ -331,10 +370,15 @@ def check_targets(rows: list[Row]) -> list[str]:
                 worst = (rf, r)
     if worst is not None:
         rf, r = worst
-        bad = [f"B={x.B} G={x.G} V={x.V}: {x.extra['ratio_to_floor']:.2f}x" for x in rows
-               if x.method == "kernel" and x.B >= 8 and x.extra["ratio_to_floor"] > 3]
-        out.append(f"target kernel within 3x of the memory floor for B >= 8: worst {rf:.2f}x "
-                   f"(B={r.B} G={r.G} V={r.V}) -> {'met' if not bad else 'NOT met: ' + '; '.join(bad)}")
+        bad = [
+            f"B={x.B} G={x.G} V={x.V}: {x.extra['ratio_to_floor']:.2f}x"
+            for x in rows
+            if x.method == "kernel" and x.B >= 8 and x.extra["ratio_to_floor"] > 3
+        ]
+        out.append(
+            f"target kernel within 3x of the memory floor for B >= 8: worst {rf:.2f}x "
+            f"(B={r.B} G={r.G} V={r.V}) -> {'met' if not bad else 'NOT met: ' + '; '.join(bad)}"
+        )
     return out
 
 
@@ -342,11 +386,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run: few sizes, few repetitions")
     parser.add_argument("--jsonl", metavar="PATH", help="append result rows as JSON lines to PATH")
-    parser.add_argument("--max-straightforward-gb", type=float, default=4.0,
-                        help="skip the straightforward version above this many GB of temporaries")
-    parser.add_argument("--logits", action="store_true",
-                        help="then run the logits front end against transformers' _speculative_sampling "
-                             "(benchmarks/bench_logits.py, with the same --quick and --jsonl)")
+    parser.add_argument(
+        "--max-straightforward-gb",
+        type=float,
+        default=4.0,
+        help="skip the straightforward version above this many GB of temporaries",
+    )
+    parser.add_argument(
+        "--logits",
+        action="store_true",
+        help="then run the logits front end against transformers' _speculative_sampling "
+        "(benchmarks/bench_logits.py, with the same --quick and --jsonl)",
+    )
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
     pool = jax_threads.apply(args)
@@ -355,19 +406,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         (QUICK_BATCHES, QUICK_DRAFTS, QUICK_VOCABS) if args.quick else (FULL_BATCHES, FULL_DRAFTS, FULL_VOCABS)
     )
     start = time.perf_counter()
-    print(f"# jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
-          f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; float32 inputs; {pool}")
+    print(
+        f"# jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
+        f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; float32 inputs; {pool}"
+    )
     copy_bw, read_bw = measure_copy_bandwidth(), measure_read_bandwidth()
-    print(f"# memory bandwidth at start: np.copyto of 128 MiB into a preallocated buffer, read + write "
-          f"counted: {copy_bw / 1e9:.2f} GB/s; read-only (jitted jnp.sum): {read_bw / 1e9:.2f} GB/s")
-    print(f"# floor = B*2*V*4 bytes (rows p_n and q_n) / copy bandwidth; kernel and bandwidth are timed in "
-          f"{2 if args.quick else FLOOR_ROUNDS} alternating rounds per row and kernel/floor is the median of the "
-          "rounds' ratios")
+    print(
+        f"# memory bandwidth at start: np.copyto of 128 MiB into a preallocated buffer, read + write "
+        f"counted: {copy_bw / 1e9:.2f} GB/s; read-only (jitted jnp.sum): {read_bw / 1e9:.2f} GB/s"
+    )
+    print(
+        f"# floor = B*2*V*4 bytes (rows p_n and q_n) / copy bandwidth; kernel and bandwidth are timed in "
+        f"{2 if args.quick else FLOOR_ROUNDS} alternating rounds per row and kernel/floor is the median of the "
+        "rounds' ratios"
+    )
     print()
     print("## Acceptance kernel (probabilities in)")
     print(HEADER)
     rows = bench_probs_kernel(
-        batches, drafts, vocabs,
+        batches,
+        drafts,
+        vocabs,
         quick=args.quick,
         max_straightforward_bytes=args.max_straightforward_gb * 1e9,
     )

@@ -95,8 +95,14 @@ TOPK_MAX_B = 8  # both sides sort every row (≈ 40 ms a row here): B = 64 would
 # --------------------------------------------------------------------------- timing
 
 
-def time_interleaved(fns: dict[str, tuple[Callable[[], Any], int]], *, budget_s: float, min_rounds: int,
-                     max_rounds: int = 200, warmup: int = 2) -> dict[str, tuple[float, int]]:
+def time_interleaved(
+    fns: dict[str, tuple[Callable[[], Any], int]],
+    *,
+    budget_s: float,
+    min_rounds: int,
+    max_rounds: int = 200,
+    warmup: int = 2,
+) -> dict[str, tuple[float, int]]:
     """Median seconds per call of each ``fns[name] = (fn, torch_threads)``, measured in rounds.
 
     Every round calls each function once, so a change in the machine's load
@@ -120,8 +126,9 @@ def time_interleaved(fns: dict[str, tuple[Callable[[], Any], int]], *, budget_s:
     return {name: (statistics.median(ts), len(ts)) for name, ts in times.items()}
 
 
-def time_in_blocks(fns: dict[str, tuple[Callable[[], Any], int]], *, block: int = 20, rounds: int = 5
-                   ) -> dict[str, tuple[float, int]]:
+def time_in_blocks(
+    fns: dict[str, tuple[Callable[[], Any], int]], *, block: int = 20, rounds: int = 5
+) -> dict[str, tuple[float, int]]:
     """Like :func:`time_interleaved`, but each function runs ``block`` calls in a row per round.
 
     The first call of each block (right after the other function ran) is not
@@ -163,7 +170,7 @@ def with_processed_draft_tokens(inp: dict[str, np.ndarray], seed: int) -> dict[s
     gen = torch.Generator().manual_seed(seed)
     tokens = np.empty_like(inp["draft_tokens"])
     for b in range(tokens.shape[0]):
-        probs = torch.softmax(_hf_warp(torch.from_numpy(inp["draft_logits"][b:b + 1]))[0], dim=-1)
+        probs = torch.softmax(_hf_warp(torch.from_numpy(inp["draft_logits"][b : b + 1]))[0], dim=-1)
         tokens[b] = torch.multinomial(probs, 1, generator=gen)[:, 0].numpy()
     return {**inp, "draft_tokens": tokens}
 
@@ -190,8 +197,7 @@ def _key_cycle(b: int) -> Callable[[], jax.Array]:
     B = 1 timing would rest on one outcome. (The peer draws from torch's global
     generator, which also moves on at every call.)
     """
-    keys = itertools.cycle(jax.block_until_ready(
-        [jax.random.split(jax.random.key(i), b) for i in range(KEYS)]))
+    keys = itertools.cycle(jax.block_until_ready([jax.random.split(jax.random.key(i), b) for i in range(KEYS)]))
     return lambda: next(keys)
 
 
@@ -204,18 +210,21 @@ def _with_keys(fn: Callable[..., Any], args: tuple, static: dict[str, bool]) -> 
 def mean_accepted(args: tuple, static: dict[str, bool]) -> float:
     """The mean of ``num_accepted`` over the key cycle (how far ours reads into the draft)."""
     key = _key_cycle(args[0].shape[0])
-    return float(np.mean([np.asarray(_verify_jit(*args[:3], key(), *args[4:], **static)["num_accepted"])
-                          for _ in range(KEYS)]))
+    return float(
+        np.mean([np.asarray(_verify_jit(*args[:3], key(), *args[4:], **static)["num_accepted"]) for _ in range(KEYS)])
+    )
 
 
 def _hf_inputs(inp: dict[str, np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One (candidate_input_ids (1, PROMPT+G), candidate_logits (1, G, V), new_logits (1, G+1, V)) per row."""
     rows = []
     for b in range(inp["draft_tokens"].shape[0]):
-        ids = torch.cat([torch.zeros((1, PROMPT), dtype=torch.long),
-                         torch.from_numpy(inp["draft_tokens"][b:b + 1]).long()], dim=1)
-        rows.append((ids, torch.from_numpy(inp["draft_logits"][b:b + 1]),
-                     torch.from_numpy(inp["target_logits"][b:b + 1])))
+        ids = torch.cat(
+            [torch.zeros((1, PROMPT), dtype=torch.long), torch.from_numpy(inp["draft_tokens"][b : b + 1]).long()], dim=1
+        )
+        rows.append(
+            (ids, torch.from_numpy(inp["draft_logits"][b : b + 1]), torch.from_numpy(inp["target_logits"][b : b + 1]))
+        )
     return rows
 
 
@@ -272,16 +281,33 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
 
     def add(results, method, peer, b, processing, note="", accepted=None):
         seconds, reps = results[method]
-        rows.append({
-            "bench": "logits", "method": method, "peer": peer, "B": b, "G": G, "V": V,
-            "processing": processing, "median_us": seconds * 1e6, "per_row_us": seconds * 1e6 / b,
-            "reps": reps, "note": note, "mean_accepted": accepted,
-        })
+        rows.append(
+            {
+                "bench": "logits",
+                "method": method,
+                "peer": peer,
+                "B": b,
+                "G": G,
+                "V": V,
+                "processing": processing,
+                "median_us": seconds * 1e6,
+                "per_row_us": seconds * 1e6 / b,
+                "reps": reps,
+                "note": note,
+                "mean_accepted": accepted,
+            }
+        )
 
     def public(tin: dict[str, torch.Tensor], validate: bool) -> Callable[[], Any]:
         key = _key_cycle(tin["draft_tokens"].shape[0])
-        return lambda: verify_from_logits(tin["draft_tokens"], tin["draft_logits"], tin["target_logits"],
-                                          key=key(), temperature=1.0, validate=validate)
+        return lambda: verify_from_logits(
+            tin["draft_tokens"],
+            tin["draft_logits"],
+            tin["target_logits"],
+            key=key(),
+            temperature=1.0,
+            validate=validate,
+        )
 
     def torch_inputs(inp: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         # Torch tensors as a model returns them (torch's allocator aligns them to 64
@@ -316,15 +342,21 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
                 add(res, ours + " (JAX code)", hf_plain, b, plain, "C++ CPU kernels off", accepted)
             add(res, public_name, hf_plain, b, plain, "torch inputs (zero-copy)", accepted)
             if b == 1:
-                add(res, "specjax verify_from_logits(validate=True)", hf_plain, b, plain,
-                    "torch inputs; the value checks sync with the host", accepted)
+                add(
+                    res,
+                    "specjax verify_from_logits(validate=True)",
+                    hf_plain,
+                    b,
+                    plain,
+                    "torch inputs; the value checks sync with the host",
+                    accepted,
+                )
             add(res, hf_plain, None, b, plain, loop_note)
             add(res, hf_plain + " (torch 1 thread)", None, b, plain, loop_note)
             if b == 1:
                 # The same two, each warm: blocks of consecutive calls (see time_in_blocks).
                 warm = " (blocks of 20 calls)"
-                res = time_in_blocks({ours + warm: fns[ours], hf_plain + warm: fns[hf_plain]},
-                                     rounds=3 if quick else 7)
+                res = time_in_blocks({ours + warm: fns[ours], hf_plain + warm: fns[hf_plain]}, rounds=3 if quick else 7)
                 add(res, ours + warm, hf_plain + warm, b, plain, accepted=accepted)
                 add(res, hf_plain + warm, None, b, plain, "each warm: the other's calls are not in between")
 
@@ -341,8 +373,7 @@ def bench_logits(quick: bool) -> list[dict[str, Any]]:
                 }
                 res = time_interleaved(fns, budget_s=budget, min_rounds=rounds)
                 add(res, ours + " " + ALL_ACCEPTED, hf_all, b, plain, accepted=accepted_all)
-                add(res, public_name + " " + ALL_ACCEPTED, hf_all, b, plain, "torch inputs (zero-copy)",
-                    accepted_all)
+                add(res, public_name + " " + ALL_ACCEPTED, hf_all, b, plain, "torch inputs (zero-copy)", accepted_all)
                 add(res, hf_all, None, b, plain)
 
             if b == 1 or (b <= TOPK_MAX_B and not quick):
@@ -391,9 +422,11 @@ def environment() -> dict[str, Any]:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    header = ("| method | processing | B | mean n | median | per row | speed-up vs transformers (2 threads) "
-              "| vs transformers (1 thread) | note |\n"
-              "|---|---|---:|---:|---:|---:|---:|---:|---|")
+    header = (
+        "| method | processing | B | mean n | median | per row | speed-up vs transformers (2 threads) "
+        "| vs transformers (1 thread) | note |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---|"
+    )
     lines = [header]
     for r in rows:
         speed = "" if r["speedup"] is None else f"{r['speedup']:.1f}×"
@@ -420,17 +453,23 @@ def target_verdict(rows: Sequence[dict[str, Any]]) -> tuple[bool, str]:
     extra = ""
     if one_thread:
         us = one_thread["median_us"]
-        extra = (f"; against torch with 1 thread: _verify_jit {us / at_b1['specjax _verify_jit']['median_us']:.1f}×, "
-                 f"verify_from_logits(validate=False) "
-                 f"{us / at_b1['specjax verify_from_logits(validate=False)']['median_us']:.1f}×")
+        extra = (
+            f"; against torch with 1 thread: _verify_jit {us / at_b1['specjax _verify_jit']['median_us']:.1f}×, "
+            f"verify_from_logits(validate=False) "
+            f"{us / at_b1['specjax verify_from_logits(validate=False)']['median_us']:.1f}×"
+        )
     every = {r["method"]: r["speedup"] for r in rows if r["B"] == 1 and ALL_ACCEPTED in r["method"]}
     if every:
-        extra += ("; with every draft token accepted: _verify_jit "
-                  f"{every['specjax _verify_jit ' + ALL_ACCEPTED]:.1f}×, verify_from_logits(validate=False) "
-                  f"{every['specjax verify_from_logits(validate=False) ' + ALL_ACCEPTED]:.1f}×")
-    return met, (f"target (>= {TARGET_SPEEDUP:.0f}× faster than transformers' _speculative_sampling with "
-                 f"{TORCH_THREADS} torch threads at B = 1): {'met' if met else 'NOT met'}: _verify_jit "
-                 f"{kernel:.1f}×, verify_from_logits(validate=False) {public:.1f}×{extra}")
+        extra += (
+            "; with every draft token accepted: _verify_jit "
+            f"{every['specjax _verify_jit ' + ALL_ACCEPTED]:.1f}×, verify_from_logits(validate=False) "
+            f"{every['specjax verify_from_logits(validate=False) ' + ALL_ACCEPTED]:.1f}×"
+        )
+    return met, (
+        f"target (>= {TARGET_SPEEDUP:.0f}× faster than transformers' _speculative_sampling with "
+        f"{TORCH_THREADS} torch threads at B = 1): {'met' if met else 'NOT met'}: _verify_jit "
+        f"{kernel:.1f}×, verify_from_logits(validate=False) {public:.1f}×{extra}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -445,10 +484,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(*, quick: bool, jsonl: str | None, pool: str) -> int:
     """Run, print the table and the verdict, append the rows to ``jsonl``; ``pool`` describes XLA's pool."""
     env = environment()
-    print(f"# specjax logits front end vs transformers, G={G}, V={V}, float32; "
-          f"jax {env['jax']}, torch {env['torch']} ({TORCH_THREADS} threads), "
-          f"transformers {env['transformers']}, {env['jax_device']}, {env['cpus']} CPUs; {pool}; "
-          f"C++ CPU kernels: {'on' if env['cpu_kernels'] else 'off (' + str(cpu_kernels.build_error()) + ')'}")
+    print(
+        f"# specjax logits front end vs transformers, G={G}, V={V}, float32; "
+        f"jax {env['jax']}, torch {env['torch']} ({TORCH_THREADS} threads), "
+        f"transformers {env['transformers']}, {env['jax_device']}, {env['cpus']} CPUs; {pool}; "
+        f"C++ CPU kernels: {'on' if env['cpu_kernels'] else 'off (' + str(cpu_kernels.build_error()) + ')'}"
+    )
     rows = bench_logits(quick)
     print(format_table(rows))
     _, verdict = target_verdict(rows)

@@ -56,8 +56,7 @@ from specjax.kernels import rejection as R
 V_LOGITS = 49152
 
 
-def in_blocks(fns: dict[str, Callable[[], Any]], rounds: int, per_call: int = 1, block: int = 20
-              ) -> dict[str, float]:
+def in_blocks(fns: dict[str, Callable[[], Any]], rounds: int, per_call: int = 1, block: int = 20) -> dict[str, float]:
     """Median seconds per call (divided by ``per_call``) of each function, timed warm.
 
     Each round runs every function ``block + 1`` times in a row and keeps the
@@ -84,12 +83,15 @@ def crossing(rounds: int) -> dict[str, float]:
     t = torch.randn(1, 5, V_LOGITS)
     first = jax.jit(lambda a: a[0, 0, :1])
     prepared = jax.dlpack.from_dlpack(t)
-    return in_blocks({
-        "DLPack import": lambda: jax.dlpack.from_dlpack(t),
-        "DLPack import + call": lambda: first(jax.dlpack.from_dlpack(t)),
-        "NumPy view + call": lambda: first(t.numpy()),
-        "prepared JAX array + call": lambda: first(prepared),
-    }, rounds)
+    return in_blocks(
+        {
+            "DLPack import": lambda: jax.dlpack.from_dlpack(t),
+            "DLPack import + call": lambda: first(jax.dlpack.from_dlpack(t)),
+            "NumPy view + call": lambda: first(t.numpy()),
+            "prepared JAX array + call": lambda: first(prepared),
+        },
+        rounds,
+    )
 
 
 def row_reduction(rounds: int) -> dict[str, float]:
@@ -103,15 +105,20 @@ def row_reduction(rounds: int) -> dict[str, float]:
     def nine_maxes(a: jax.Array) -> jax.Array:
         def body(i, acc):
             return acc + jnp.max(lax.dynamic_index_in_dim(a, i, 0, keepdims=False))
+
         return lax.fori_loop(0, a.shape[0], body, jnp.float32(0))
 
-    out = in_blocks({
-        "jitted jnp.max of one row": lambda: row_max(row_j),
-        "NumPy max of one row": lambda: rows[0].max(),
-        "jitted no-op call": lambda: noop(row_j),
-    }, rounds)
+    out = in_blocks(
+        {
+            "jitted jnp.max of one row": lambda: row_max(row_j),
+            "NumPy max of one row": lambda: rows[0].max(),
+            "jitted no-op call": lambda: noop(row_j),
+        },
+        rounds,
+    )
     out["jnp.max per row, 9 rows in one jitted call"] = in_blocks(
-        {"x": lambda: nine_maxes(rows_j)}, rounds, per_call=9)["x"]
+        {"x": lambda: nine_maxes(rows_j)}, rounds, per_call=9
+    )["x"]
     return out
 
 
@@ -137,13 +144,15 @@ def vector_width(rounds: int) -> dict[str, float]:
     static = ("use_top_k", "use_top_p")
     for b in (1, 8):
         args, kw = _ours_args(logits_inputs(b, seed=b), 1.0, None, None)
-        cases[f"_verify_jit B={b} G=4 V=49152"] = (both(F._verify_jit.__wrapped__, static_argnames=static),
-                                                    lambda f, a=args, k=kw: f(*a, **k))
+        cases[f"_verify_jit B={b} G=4 V=49152"] = (
+            both(F._verify_jit.__wrapped__, static_argnames=static),
+            lambda f, a=args, k=kw: f(*a, **k),
+        )
     kargs = make_inputs(8, 8, 32000)
-    cases["probability kernel B=8 G=8 V=32000"] = (both(R._rejection_sample_jit.__wrapped__),
-                                                   lambda f, a=kargs: f(*a))
+    cases["probability kernel B=8 G=8 V=32000"] = (both(R._rejection_sample_jit.__wrapped__), lambda f, a=kargs: f(*a))
     fns: dict[str, Callable[[], Any]] = {}
     for name, ((default, wide), call) in cases.items():
+
         def agree(x: Any, y: Any, close: bool = name.startswith("normaliser")) -> bool:
             x, y = np.asarray(x), np.asarray(y)
             return bool(np.allclose(x, y, rtol=1e-6) if close else np.array_equal(x, y))
@@ -174,6 +183,7 @@ def kernel_parts(rounds: int) -> dict[str, float]:
         @jax.jit
         def run(draft, target, n):
             return lax.map(lambda i: body(draft, target, n, i), jnp.arange(b, dtype=jnp.int32))
+
         return run
 
     def residual_and_sums(draft, target, n, i):
@@ -185,15 +195,18 @@ def kernel_parts(rounds: int) -> dict[str, float]:
         # The barrier makes XLA write the whole residual row, as the pass does.
         return lax.optimization_barrier(jnp.maximum(p - q, 0))[:1]
 
-    passes = {name: per_row(body) for name, body in
-              (("pass", residual_and_sums), ("residual", residual_only))}
-    return in_blocks({
-        "whole kernel": lambda: R._rejection_sample_jit(tokens, draft, target, u, s),
-        "B*G gathers and n": lambda: gathers(tokens, draft, target, u),
-        "per-row pass: residual of rows p_n, q_n and its 128-wide block sums (GEMV)":
-            lambda: passes["pass"](draft, target, n),
-        "per-row pass without the block sums (residual row only)": lambda: passes["residual"](draft, target, n),
-    }, rounds)
+    passes = {name: per_row(body) for name, body in (("pass", residual_and_sums), ("residual", residual_only))}
+    return in_blocks(
+        {
+            "whole kernel": lambda: R._rejection_sample_jit(tokens, draft, target, u, s),
+            "B*G gathers and n": lambda: gathers(tokens, draft, target, u),
+            "per-row pass: residual of rows p_n, q_n and its 128-wide block sums (GEMV)": lambda: passes["pass"](
+                draft, target, n
+            ),
+            "per-row pass without the block sums (residual row only)": lambda: passes["residual"](draft, target, n),
+        },
+        rounds,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -203,18 +216,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
     pool = jax_threads.apply(args)
-    print(f"# jax {jax.__version__}, torch {torch.__version__}, {jax.devices()[0]}; medians of "
-          f"{args.rounds} rounds of 20-call blocks; {pool}")
+    print(
+        f"# jax {jax.__version__}, torch {torch.__version__}, {jax.devices()[0]}; medians of "
+        f"{args.rounds} rounds of 20-call blocks; {pool}"
+    )
     records: list[dict[str, Any]] = []
-    for section, fn in (("crossing f32[1, 5, 49152] into a jitted call", crossing),
-                        ("one reduction over a 49152-wide row", row_reduction),
-                        ("kernel at B=8 G=8 V=32000, part by part", kernel_parts),
-                        ("XLA's default vector width against 512-bit vectors", vector_width)):
+    for section, fn in (
+        ("crossing f32[1, 5, 49152] into a jitted call", crossing),
+        ("one reduction over a 49152-wide row", row_reduction),
+        ("kernel at B=8 G=8 V=32000, part by part", kernel_parts),
+        ("XLA's default vector width against 512-bit vectors", vector_width),
+    ):
         print(f"\n## {section}\n\n| what | median |\n|---|---:|")
         for name, sec in fn(args.rounds).items():
             print(f"| {name} | {sec * 1e6:.1f} µs |")
-            records.append({"bench": "overheads", "table": section, "what": name, "median_us": sec * 1e6,
-                            "jax_pool": pool})
+            records.append(
+                {"bench": "overheads", "table": section, "what": name, "median_us": sec * 1e6, "jax_pool": pool}
+            )
     if args.jsonl:
         append_jsonl(args.jsonl, records)
     return 0

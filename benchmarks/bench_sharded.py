@@ -129,11 +129,15 @@ def naive_probs(mesh):
         p = lax.all_gather(p, "v", axis=2, tiled=True)
         return _rejection_body(x, q, p, u, s, vocab_axis=None, per_shard=False)
 
-    return jax.jit(jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(P(None, None), P(None, None, "v"), P(None, None, "v"), P(None, None), P(None)),
-        out_specs={"num_accepted": P(), "tokens": P()}, check_vma=False,
-    ))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(None, None), P(None, None, "v"), P(None, None, "v"), P(None, None), P(None)),
+            out_specs={"num_accepted": P(), "tokens": P()},
+            check_vma=False,
+        )
+    )
 
 
 def naive_logits(mesh):
@@ -146,11 +150,15 @@ def naive_logits(mesh):
         return verify_core(x, dl, tl, u[:, :g], u[:, g], temperature, None, None, k)
 
     rep = P()
-    return jax.jit(jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(rep, P(None, None, "v"), P(None, None, "v"), rep, rep, rep),
-        out_specs={"num_accepted": rep, "tokens": rep}, check_vma=False,
-    ))
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(rep, P(None, None, "v"), P(None, None, "v"), rep, rep, rep),
+            out_specs={"num_accepted": rep, "tokens": rep},
+            check_vma=False,
+        )
+    )
 
 
 # --------------------------------------------------------------------------- inputs
@@ -187,10 +195,19 @@ def make_inputs(kernel: str, batch: int, g: int, vocab: int, mesh) -> dict[str, 
     dummy_k, dummy_p = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.float32)
     key = jax.random.key(1)
     one = (tokens, *big, key, temperature, dummy_k, dummy_p, k)
-    sharded = (on_mesh(tokens, rep), *(on_mesh(a, split) for a in big), on_mesh(key, rep),
-               *(on_mesh(a, rep) for a in (temperature, dummy_k, dummy_p, k)))
-    naive = (on_mesh(tokens, rep), *(on_mesh(a, split) for a in big), on_mesh(u, rep),
-             on_mesh(temperature, rep), on_mesh(k, rep))
+    sharded = (
+        on_mesh(tokens, rep),
+        *(on_mesh(a, split) for a in big),
+        on_mesh(key, rep),
+        *(on_mesh(a, rep) for a in (temperature, dummy_k, dummy_p, k)),
+    )
+    naive = (
+        on_mesh(tokens, rep),
+        *(on_mesh(a, split) for a in big),
+        on_mesh(u, rep),
+        on_mesh(temperature, rep),
+        on_mesh(k, rep),
+    )
     return {"one_device": one, "sharded": sharded, "naive": naive}
 
 
@@ -218,9 +235,11 @@ def analytic_bytes(kernel: str, method: str, batch: int, g: int, vocab: int, sha
 def hlo_bytes(jitted, args: tuple, **static: Any) -> tuple[int, int, int]:
     """(operand bytes, result bytes, executions) of the collectives of the compiled call, per device."""
     found = hlo_collectives(jitted.lower(*args, **static).compile().as_text())
-    return (sum(c["operand_bytes"] * c["count"] for c in found),
-            sum(c["result_bytes"] * c["count"] for c in found),
-            sum(c["count"] for c in found))
+    return (
+        sum(c["operand_bytes"] * c["count"] for c in found),
+        sum(c["result_bytes"] * c["count"] for c in found),
+        sum(c["count"] for c in found),
+    )
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -260,8 +279,10 @@ def bench(kernel: str, batch: int, g: int, vocab: int, mesh, *, budget_s: float,
     return rows
 
 
-HEADER = ("| kernel | B | G | V | sharded bytes (HLO) | analytic | naive bytes (HLO) | analytic | "
-          "naive/sharded bytes | sharded µs | naive µs | one device µs | naive/sharded time |")
+HEADER = (
+    "| kernel | B | G | V | sharded bytes (HLO) | analytic | naive bytes (HLO) | analytic | "
+    "naive/sharded bytes | sharded µs | naive µs | one device µs | naive/sharded time |"
+)
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -273,30 +294,42 @@ def table_line(rows: list[Row]) -> str:
     s, n, o = by["sharded"], by["naive"], by["one_device"]
     byte_ratio = n.hlo_bytes / s.hlo_bytes if n.hlo_bytes and s.hlo_bytes else None
     time_ratio = n.median_us / s.median_us if n.median_us and s.median_us else None
-    return (f"| {s.kernel} | {s.B} | {s.G} | {s.V} | {_fmt(s.hlo_bytes, ',')} | {_fmt(s.analytic_bytes, ',')} | "
-            f"{_fmt(n.hlo_bytes, ',')} | {_fmt(n.analytic_bytes, ',')} | {_fmt(byte_ratio, ',.0f')} | "
-            f"{_fmt(s.median_us, '.0f')} | {_fmt(n.median_us, '.0f')} | {_fmt(o.median_us, '.0f')} | "
-            f"{_fmt(time_ratio, '.2f')} |")
+    return (
+        f"| {s.kernel} | {s.B} | {s.G} | {s.V} | {_fmt(s.hlo_bytes, ',')} | {_fmt(s.analytic_bytes, ',')} | "
+        f"{_fmt(n.hlo_bytes, ',')} | {_fmt(n.analytic_bytes, ',')} | {_fmt(byte_ratio, ',.0f')} | "
+        f"{_fmt(s.median_us, '.0f')} | {_fmt(n.median_us, '.0f')} | {_fmt(o.median_us, '.0f')} | "
+        f"{_fmt(time_ratio, '.2f')} |"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="V = 32000 only, fewer repetitions")
     parser.add_argument("--jsonl", metavar="PATH", help="append result rows as JSON lines to PATH")
-    parser.add_argument("--max-naive-gb", type=float, default=6.0,
-                        help="skip the naive version above this many GB of gathered inputs (all devices)")
+    parser.add_argument(
+        "--max-naive-gb",
+        type=float,
+        default=6.0,
+        help="skip the naive version above this many GB of gathered inputs (all devices)",
+    )
     args = parser.parse_args(argv)
     if len(jax.devices()) < SHARDS:
-        print(f"need {SHARDS} devices, got {len(jax.devices())}: run this file as a script "
-              "(it sets XLA_FLAGS before JAX starts)", file=sys.stderr)
+        print(
+            f"need {SHARDS} devices, got {len(jax.devices())}: run this file as a script "
+            "(it sets XLA_FLAGS before JAX starts)",
+            file=sys.stderr,
+        )
         return 2
-    batches, drafts, vocabs = ((QUICK_BATCHES, QUICK_DRAFTS, QUICK_VOCABS) if args.quick
-                               else (FULL_BATCHES, FULL_DRAFTS, FULL_VOCABS))
+    batches, drafts, vocabs = (
+        (QUICK_BATCHES, QUICK_DRAFTS, QUICK_VOCABS) if args.quick else (FULL_BATCHES, FULL_DRAFTS, FULL_VOCABS)
+    )
     mesh = jax.make_mesh((1, SHARDS), ("b", "v"))
     start = time.perf_counter()
-    print(f"# jax {jax.__version__}, {len(jax.devices())} simulated {jax.devices()[0].platform} devices on "
-          f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); 1x{SHARDS} mesh, "
-          "vocabulary split; float32")
+    print(
+        f"# jax {jax.__version__}, {len(jax.devices())} simulated {jax.devices()[0].platform} devices on "
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); 1x{SHARDS} mesh, "
+        "vocabulary split; float32"
+    )
     print("# bytes: collective operand bytes per device per call (all-gather: the local slice)")
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
@@ -305,8 +338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for vocab in vocabs:
             for g in drafts:
                 for batch in batches:
-                    group = bench(kernel, batch, g, vocab, mesh, budget_s=0.5 if args.quick else 2.0,
-                                  max_naive_bytes=args.max_naive_gb * 1e9)
+                    group = bench(
+                        kernel,
+                        batch,
+                        g,
+                        vocab,
+                        mesh,
+                        budget_s=0.5 if args.quick else 2.0,
+                        max_naive_bytes=args.max_naive_gb * 1e9,
+                    )
                     rows.extend(group)
                     print(table_line(group), flush=True)
     for r in rows:

@@ -41,10 +41,19 @@ def write_model(path: Path, vocab: int, layers: int, hidden: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=max(hidden // 128, 1),
-                         max_position_embeddings=1024, initializer_range=0.1, bos_token_id=0,
-                         eos_token_id=vocab + 10, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(hidden // 128, 1),
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=vocab + 10,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # favour FAVOURED tokens, as text favours a few: n-gram lookups then find drafts
         model.lm_head.weight[:FAVOURED] *= 8
@@ -98,10 +107,22 @@ def main() -> None:
 
     model_dir = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     write_model(model_dir, args.vocab, args.layers, args.hidden)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 3,
-            "prompt_lookup_min": 1}
-    llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=512,
-              enforce_eager=True, enable_chunked_prefill=False, seed=0, speculative_config=spec)
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+    llm = LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        enable_chunked_prefill=False,
+        seed=0,
+        speculative_config=spec,
+    )
     if not plugin.is_registered():
         raise SystemExit("the specjax plugin is not registered: run with VLLM_PLUGINS=specjax (or unset)")
     rng = np.random.default_rng(0)
@@ -110,8 +131,12 @@ def main() -> None:
         return [TokensPrompt(prompt_token_ids=(rng.integers(1, FAVOURED, 24).tolist() * 3)) for _ in range(batch)]
 
     def params(temperature: float, batch: int) -> list:
-        return [SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i if temperature else None,
-                               ignore_eos=True) for i in range(batch)]
+        return [
+            SamplingParams(
+                max_tokens=args.max_tokens, temperature=temperature, seed=i if temperature else None, ignore_eos=True
+            )
+            for i in range(batch)
+        ]
 
     timer = StepTimer(rejection_sampler)
     timer.install()  # outermost: times whichever step is installed under it
@@ -133,8 +158,10 @@ def main() -> None:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         return tokens / elapsed, list(timer.times)
 
-    print(f"# bench_vllm: vocab {args.vocab}, {args.layers} layers, hidden {args.hidden}, n-gram k = "
-          f"{args.num_speculative_tokens}, {args.max_tokens} new tokens per request, {args.rounds} rounds")
+    print(
+        f"# bench_vllm: vocab {args.vocab}, {args.layers} layers, hidden {args.hidden}, n-gram k = "
+        f"{args.num_speculative_tokens}, {args.max_tokens} new tokens per request, {args.rounds} rounds"
+    )
     print(f"# load before: {load_average()}")
     rows = []
     for temperature in args.temperatures:
@@ -151,34 +178,49 @@ def main() -> None:
                     tps[kind].append(rate)
                     steps[kind].extend(times)
             row = {
-                "B": batch, "T": temperature,
+                "B": batch,
+                "T": temperature,
                 **{f"{k}_tps": statistics.median(v) for k, v in tps.items()},
                 # the step with drafts (T > 0 rows of logits); steps without any draft only splice bonus tokens
-                **{f"{k}_step_us": 1e6 * statistics.median([t for t, n in v if n > 0] or [0.0])
-                   for k, v in steps.items()},
-                **{f"{k}_step_share": sum(t for t, _ in v) / (args.rounds * batch * args.max_tokens / statistics.mean(
-                    tps[k])) for k, v in steps.items()},
+                **{
+                    f"{k}_step_us": 1e6 * statistics.median([t for t, n in v if n > 0] or [0.0])
+                    for k, v in steps.items()
+                },
+                **{
+                    f"{k}_step_share": sum(t for t, _ in v)
+                    / (args.rounds * batch * args.max_tokens / statistics.mean(tps[k]))
+                    for k, v in steps.items()
+                },
             }
             rows.append(row)
-            print(f"B={batch} T={temperature}: tok/s per round vLLM {[round(x, 1) for x in tps['vllm']]}, specjax "
-                  f"{[round(x, 1) for x in tps['specjax']]}; step with drafts (median) {row['vllm_step_us']:.0f} vs "
-                  f"{row['specjax_step_us']:.0f} µs; steps with drafts per run "
-                  f"{sum(n > 0 for _, n in steps['specjax']) // args.rounds}", flush=True)
+            print(
+                f"B={batch} T={temperature}: tok/s per round vLLM {[round(x, 1) for x in tps['vllm']]}, specjax "
+                f"{[round(x, 1) for x in tps['specjax']]}; step with drafts (median) {row['vllm_step_us']:.0f} vs "
+                f"{row['specjax_step_us']:.0f} µs; steps with drafts per run "
+                f"{sum(n > 0 for _, n in steps['specjax']) // args.rounds}",
+                flush=True,
+            )
     timer.uninstall()
     plugin.register()
     print(f"# load after: {load_average()}")
     print()
-    print("| B | T | vLLM's step: tok/s | specjax: tok/s | ratio | vLLM's step: µs | specjax's step: µs | step ratio "
-          "| share of wall time in the step: vLLM / specjax |")
+    print(
+        "| B | T | vLLM's step: tok/s | specjax: tok/s | ratio | vLLM's step: µs | specjax's step: µs | step ratio "
+        "| share of wall time in the step: vLLM / specjax |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['T']:g} | {r['vllm_tps']:.1f} | {r['specjax_tps']:.1f} | "
-              f"{r['specjax_tps'] / r['vllm_tps']:.3f}× | {r['vllm_step_us']:.0f} | {r['specjax_step_us']:.0f} | "
-              f"{r['vllm_step_us'] / max(r['specjax_step_us'], 1e-9):.2f}× | "
-              f"{100 * r['vllm_step_share']:.1f}% / {100 * r['specjax_step_share']:.1f}% |")
+        print(
+            f"| {r['B']} | {r['T']:g} | {r['vllm_tps']:.1f} | {r['specjax_tps']:.1f} | "
+            f"{r['specjax_tps'] / r['vllm_tps']:.3f}× | {r['vllm_step_us']:.0f} | {r['specjax_step_us']:.0f} | "
+            f"{r['vllm_step_us'] / max(r['specjax_step_us'], 1e-9):.2f}× | "
+            f"{100 * r['vllm_step_share']:.1f}% / {100 * r['specjax_step_share']:.1f}% |"
+        )
     print()
-    print("ratio: specjax's tokens/s over vLLM's (≥ 1 = specjax faster), medians over rounds. Step: median time of "
-          "vLLM's call of rejection_sample in steps with draft tokens; step ratio > 1 = specjax's faster.")
+    print(
+        "ratio: specjax's tokens/s over vLLM's (≥ 1 = specjax faster), medians over rounds. Step: median time of "
+        "vLLM's call of rejection_sample in steps with draft tokens; step ratio > 1 = specjax's faster."
+    )
 
 
 if __name__ == "__main__":

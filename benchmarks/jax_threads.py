@@ -9,9 +9,12 @@ from specjax.runtime import set_jax_cpu_threads, xla_cpu_pool_threads
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--jax-cpu-threads", type=int, metavar="N", default=None,
+        "--jax-cpu-threads",
+        type=int,
+        metavar="N",
+        default=None,
         help="start JAX with an XLA:CPU intra-op pool of N threads (specjax.set_jax_cpu_threads; "
-             "default: XLA's, one per CPU)",
+        "default: XLA's, one per CPU)",
     )
 
 

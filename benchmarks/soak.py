@@ -89,10 +89,19 @@ def tiny_pair(vocab: int, hidden: int) -> tuple[Any, Any]:
 
     def make(layers: int, seed: int) -> Any:
         torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=256, pad_token_id=0, bos_token_id=None, eos_token_id=None,
-                          tie_word_embeddings=False)
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+            tie_word_embeddings=False,
+        )
         model = LlamaForCausalLM(cfg).eval()
         model.generation_config.pad_token_id = 0
         model.generation_config.eos_token_id = None
@@ -107,19 +116,25 @@ def tiny_pair(vocab: int, hidden: int) -> tuple[Any, Any]:
     return target, draft
 
 
-def random_call(rng: random.Random, vocab: int, max_batch: int, sampler_names: list[str],
-                extra: dict[str, Any]) -> Call:
+def random_call(
+    rng: random.Random, vocab: int, max_batch: int, sampler_names: list[str], extra: dict[str, Any]
+) -> Call:
     b = rng.choice([n for n in (1, 2, 4, 8) if n <= max_batch] or [1])  # few batch sizes: the warm-up can see them
     lengths = [rng.randint(1, 16) for _ in range(b)]
     width = max(lengths)
     ids = torch.zeros((b, width), dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.long)
     for r, n in enumerate(lengths):
-        ids[r, width - n:] = torch.tensor([rng.randint(1, vocab - 1) for _ in range(n)])
-        mask[r, width - n:] = 1
+        ids[r, width - n :] = torch.tensor([rng.randint(1, vocab - 1) for _ in range(n)])
+        mask[r, width - n :] = 1
     mode = rng.choice(["greedy", "temperature", "top_k", "top_p", "both", "per_row"])
-    kwargs: dict[str, Any] = dict(max_new_tokens=rng.randint(1, 24), num_draft_tokens=rng.choice([2, 4]),
-                                  seed=rng.randint(0, 2**31), sampler=rng.choice(sampler_names), **extra)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=rng.randint(1, 24),
+        num_draft_tokens=rng.choice([2, 4]),
+        seed=rng.randint(0, 2**31),
+        sampler=rng.choice(sampler_names),
+        **extra,
+    )
     if mode == "greedy":
         kwargs["temperature"] = 0.0
     else:
@@ -146,7 +161,7 @@ def check_output(call: Call, out: Any, vocab: int) -> str | None:
     if int(new.min()) < 1 or int(new.max()) > max_new:
         return f"num_new_tokens {new.tolist()} outside [1, {max_new}]"
     for r in range(b):
-        row = seq[r, width: width + int(new[r])]
+        row = seq[r, width : width + int(new[r])]
         if not bool(((row >= 0) & (row < vocab)).all()):
             return f"row {r}: ids outside [0, {vocab})"
         eos = call.kwargs.get("eos_token_id")
@@ -178,29 +193,51 @@ def run(args: argparse.Namespace) -> Report:
             fn_counts[kw.get("fun_name", "?")] += 1
 
     monitoring.register_event_duration_secs_listener(on_event)
-    print(f"soak: {args.seconds:.0f} s ({args.warmup:.0f} s warm-up), vocab {args.vocab}, batch <= {args.max_batch}, "
-          f"samplers {samplers}", flush=True)
-    print(f"{'time s':>7} {'calls':>6} {'replays':>7} {'tokens':>7} {'errors':>6} {'rss MiB':>8} {'peak MiB':>8} "
-          f"{'compiles':>8} {'replay compiles':>15}", flush=True)
+    print(
+        f"soak: {args.seconds:.0f} s ({args.warmup:.0f} s warm-up), vocab {args.vocab}, batch <= {args.max_batch}, "
+        f"samplers {samplers}",
+        flush=True,
+    )
+    print(
+        f"{'time s':>7} {'calls':>6} {'replays':>7} {'tokens':>7} {'errors':>6} {'rss MiB':>8} {'peak MiB':>8} "
+        f"{'compiles':>8} {'replay compiles':>15}",
+        flush=True,
+    )
     while True:
         elapsed = time.perf_counter() - t0
         if elapsed >= next_report or elapsed >= args.seconds:
             gc.collect()
             cur, peak = rss_mb()
             total = report.warmup_compiles + report.replay_compiles + report.new_call_compiles
-            report.rss_timeline.append({"t": round(elapsed, 1), "rss_mb": round(cur, 1), "peak_mb": round(peak, 1),
-                                        "calls": report.calls, "warmup": not warmup_done})
-            print(f"{elapsed:7.0f} {report.calls:6d} {report.replays:7d} {report.new_tokens:7d} "
-                  f"{len(report.errors):6d} {cur:8.1f} {peak:8.1f} {total:8d} {report.replay_compiles:15d}",
-                  flush=True)
+            report.rss_timeline.append(
+                {
+                    "t": round(elapsed, 1),
+                    "rss_mb": round(cur, 1),
+                    "peak_mb": round(peak, 1),
+                    "calls": report.calls,
+                    "warmup": not warmup_done,
+                }
+            )
+            print(
+                f"{elapsed:7.0f} {report.calls:6d} {report.replays:7d} {report.new_tokens:7d} "
+                f"{len(report.errors):6d} {cur:8.1f} {peak:8.1f} {total:8d} {report.replay_compiles:15d}",
+                flush=True,
+            )
             next_report += args.report_every
         if elapsed >= args.seconds:
             break
         if not warmup_done and elapsed >= args.warmup:
             warmup_done = True
-            report.rss_timeline.append({"t": round(elapsed, 1), "rss_mb": round(rss_mb()[0], 1),
-                                        "peak_mb": round(rss_mb()[1], 1), "calls": report.calls, "warmup": False,
-                                        "mark": "end of warm-up"})
+            report.rss_timeline.append(
+                {
+                    "t": round(elapsed, 1),
+                    "rss_mb": round(rss_mb()[0], 1),
+                    "peak_mb": round(rss_mb()[1], 1),
+                    "calls": report.calls,
+                    "warmup": False,
+                    "mark": "end of warm-up",
+                }
+            )
         replay = warmup_done and seen and rng.random() < args.replay_fraction
         call = rng.choice(seen) if replay else random_call(rng, args.vocab, args.max_batch, samplers, extra)
         peak_before = rss_mb()[1]
@@ -249,12 +286,16 @@ def summarize(report: Report, args: argparse.Namespace) -> bool:
     print(f"errors: {len(report.errors)} (must be 0)")
     for e in report.errors[:20]:
         print(f"  {e}")
-    print(f"peak RSS after warm-up: {start['peak_mb'] if start else float('nan'):.1f} MiB -> {end['peak_mb']:.1f} MiB "
-          f"(+{growth:.1f} MiB): +{report.peak_growth_with_compiles_mb:.1f} MiB over the calls that compiled new "
-          f"shapes, +{report.peak_growth_without_compiles_mb:.1f} MiB over the {report.calls_without_compiles} calls "
-          f"that compiled nothing (flat: {'yes' if flat else 'NO'}, tolerance {args.rss_tolerance_mb:.0f} MiB)")
-    print(f"compilations: {report.warmup_compiles} in the warm-up, {report.replay_compiles} in replays of seen "
-          f"shapes (must be 0), {report.new_call_compiles} in new random calls after the warm-up")
+    print(
+        f"peak RSS after warm-up: {start['peak_mb'] if start else float('nan'):.1f} MiB -> {end['peak_mb']:.1f} MiB "
+        f"(+{growth:.1f} MiB): +{report.peak_growth_with_compiles_mb:.1f} MiB over the calls that compiled new "
+        f"shapes, +{report.peak_growth_without_compiles_mb:.1f} MiB over the {report.calls_without_compiles} calls "
+        f"that compiled nothing (flat: {'yes' if flat else 'NO'}, tolerance {args.rss_tolerance_mb:.0f} MiB)"
+    )
+    print(
+        f"compilations: {report.warmup_compiles} in the warm-up, {report.replay_compiles} in replays of seen "
+        f"shapes (must be 0), {report.new_call_compiles} in new random calls after the warm-up"
+    )
     if report.compiled_functions_after_warmup:
         top = ", ".join(f"{n} x{c}" for n, c in report.compiled_functions_after_warmup.most_common(6))
         print(f"  compiled after the warm-up (new shapes): {top}")
@@ -262,13 +303,24 @@ def summarize(report: Report, args: argparse.Namespace) -> bool:
     print(f"soak: {'PASS' if ok else 'FAIL'}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"calls": report.calls, "replays": report.replays, "new_tokens": report.new_tokens,
-                       "errors": report.errors, "warmup_compiles": report.warmup_compiles,
-                       "replay_compiles": report.replay_compiles, "new_call_compiles": report.new_call_compiles,
-                       "rss_timeline": report.rss_timeline, "rss_growth_after_warmup_mb": growth,
-                       "peak_growth_without_compiles_mb": report.peak_growth_without_compiles_mb,
-                       "peak_growth_with_compiles_mb": report.peak_growth_with_compiles_mb,
-                       "pass": ok}, fh, indent=1)
+            json.dump(
+                {
+                    "calls": report.calls,
+                    "replays": report.replays,
+                    "new_tokens": report.new_tokens,
+                    "errors": report.errors,
+                    "warmup_compiles": report.warmup_compiles,
+                    "replay_compiles": report.replay_compiles,
+                    "new_call_compiles": report.new_call_compiles,
+                    "rss_timeline": report.rss_timeline,
+                    "rss_growth_after_warmup_mb": growth,
+                    "peak_growth_without_compiles_mb": report.peak_growth_without_compiles_mb,
+                    "peak_growth_with_compiles_mb": report.peak_growth_with_compiles_mb,
+                    "pass": ok,
+                },
+                fh,
+                indent=1,
+            )
     return ok
 
 
@@ -283,8 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samplers", default="jax,jax,numpy,torch", help="comma-separated, repeated = more often")
     parser.add_argument("--replay-fraction", type=float, default=0.5)
     parser.add_argument("--report-every", type=float, default=30.0)
-    parser.add_argument("--rss-tolerance-mb", type=float, default=10.0,
-                        help="allowed peak-RSS growth over post-warm-up calls that compiled nothing")
+    parser.add_argument(
+        "--rss-tolerance-mb",
+        type=float,
+        default=10.0,
+        help="allowed peak-RSS growth over post-warm-up calls that compiled nothing",
+    )
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--verbose", action="store_true", help="print tracebacks of errors")
     args = parser.parse_args(argv)

@@ -42,13 +42,27 @@ def _config(arch: str, vocab_size: int, layers: int, hidden: int, init_range: fl
         tie_word_embeddings=False,
     )
     if arch == "gpt2":
-        cfg = dict(n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, n_inner=2 * hidden,
-                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = dict(
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=512,
+            n_inner=2 * hidden,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         cfg.update(common, tie_word_embeddings=True)
         cfg.update(extra)
         return tf.GPT2Config(**cfg)
-    cfg = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     cfg.update(common)
     if arch == "mistral":
         cfg["sliding_window"] = None

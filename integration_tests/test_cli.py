@@ -21,17 +21,28 @@ def _tokenizer(words: list[str]):
     vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
-def _model_dir(path: Path, *, layers: int, seed: int, words: list[str] | None, vocab: int = 64,
-               with_tokenizer: bool = True) -> Path:
+def _model_dir(
+    path: Path, *, layers: int, seed: int, words: list[str] | None, vocab: int = 64, with_tokenizer: bool = True
+) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     if with_tokenizer:
         _tokenizer(words or [f"w{i}" for i in range(vocab - 4)]).save_pretrained(path)
@@ -64,8 +75,20 @@ def test_generate_json_matches_target_greedy(models, tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "w1 w2 w3"}\n"w4 w5"\n{"prompt": "w7 w8 w9 w10 w11"}\n')
-    proc = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["draft"]),
-                   "--prompts-file", str(prompts), "--max-new-tokens", "6", "--batch-size", "2", "--json")
+    proc = run_cli(
+        "generate",
+        "--target",
+        str(models["target"]),
+        "--draft",
+        str(models["draft"]),
+        "--prompts-file",
+        str(prompts),
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "2",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     assert [r["prompt"] for r in records] == ["w1 w2 w3", "w4 w5", "w7 w8 w9 w10 w11"]
@@ -74,15 +97,31 @@ def test_generate_json_matches_target_greedy(models, tmp_path):
     for rec in records:
         ids = tok(rec["prompt"], return_tensors="pt")["input_ids"]
         ref = target.generate(ids, do_sample=False, max_new_tokens=6, pad_token_id=0)
-        assert rec["token_ids"] == ref[0, ids.shape[1]:].tolist()
+        assert rec["token_ids"] == ref[0, ids.shape[1] :].tolist()
         assert set(rec["stats"]) >= {"acceptance_rate", "tokens_per_s", "mean_accepted_length", "steps"}
         assert rec["text"] == tok.decode(rec["token_ids"], skip_special_tokens=True)
 
 
 def test_generate_streams_single_prompt(models):
-    proc = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["draft"]),
-                   "--prompt", "w1 w2", "--max-new-tokens", "5", "--temperature", "0.7", "--top-k", "10",
-                   "--top-p", "0.9", "--seed", "3")
+    proc = run_cli(
+        "generate",
+        "--target",
+        str(models["target"]),
+        "--draft",
+        str(models["draft"]),
+        "--prompt",
+        "w1 w2",
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "10",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "no text streamed"
     assert "tokens/s" in proc.stderr and "acceptance" in proc.stderr
@@ -91,8 +130,10 @@ def test_generate_streams_single_prompt(models):
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
-        (["generate", "--target", "/nonexistent/model", "--draft", "/nonexistent/d", "--prompt", "x"],
-         r"--target /nonexistent/model: no such model directory"),
+        (
+            ["generate", "--target", "/nonexistent/model", "--draft", "/nonexistent/d", "--prompt", "x"],
+            r"--target /nonexistent/model: no such model directory",
+        ),
         (["generate", "--prompt", "x", "--max-new-tokens", "0"], r"--max-new-tokens: .*expected an integer >= 1"),
         (["generate", "--prompt", "x", "--temperature", "-1"], r"--temperature: .*expected a finite number >= 0"),
         (["generate", "--prompt", "x", "--top-p", "1.5"], r"--top-p: .*expected a number in \(0, 1\]"),
@@ -100,8 +141,10 @@ def test_generate_streams_single_prompt(models):
         (["generate", "--prompt", "x", "--device", "tpu"], r"--device: invalid choice"),
         (["generate", "--max-new-tokens", "3"], r"give exactly one of --prompt TEXT or --prompts-file"),
         (["frobnicate"], r"invalid choice: 'frobnicate'"),
-        (["generate", "--prompt", "x", "--seed", "99999999999999999999"],
-         r"--seed: .*expected an integer in \[-2\*\*63, 2\*\*63 - 1\], got '99999999999999999999'"),
+        (
+            ["generate", "--prompt", "x", "--seed", "99999999999999999999"],
+            r"--seed: .*expected an integer in \[-2\*\*63, 2\*\*63 - 1\], got '99999999999999999999'",
+        ),
         (["demo", "--seed", "x"], r"--seed: .*expected an integer in .*, got 'x'"),
         (["bench", "--sections"], r"--sections: expected at least one argument"),
         (["bench", "--out", "/dev/null/x", "--sections", "kernel"], r"--out /dev/null/x: cannot create the output"),
@@ -126,8 +169,9 @@ def test_model_without_tokenizer(models):
 
 
 def test_incompatible_vocabularies(models):
-    same_size = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["other"]),
-                        "--prompt", "w1")
+    same_size = run_cli(
+        "generate", "--target", str(models["target"]), "--draft", str(models["other"]), "--prompt", "w1"
+    )
     assert same_size.returncode == 2, same_size.stderr
     assert "incompatible with the target" in same_size.stderr and "different strings" in same_size.stderr
     bigger = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["big"]), "--prompt", "w1")
@@ -149,8 +193,9 @@ def test_unreadable_prompts_file(models, tmp_path, content, pattern):
     path = tmp_path / "p.jsonl"
     if content is not None:
         path.write_text(content)
-    proc = run_cli("generate", "--target", str(models["target"]), "--draft", str(models["draft"]),
-                   "--prompts-file", str(path))
+    proc = run_cli(
+        "generate", "--target", str(models["target"]), "--draft", str(models["draft"]), "--prompts-file", str(path)
+    )
     assert proc.returncode == 2
     import re
 
@@ -168,10 +213,14 @@ def test_debug_shows_traceback():
     ("args", "pattern"),
     [
         (["--jax-cpu-threads", "0", "demo"], r"--jax-cpu-threads: .*expected an integer >= 1, got 0"),
-        (["--jax-cpu-threads", "100000", "demo", "--quick"],
-         r"--jax-cpu-threads: n: expected an integer in \[1, \d+\] \(the CPUs this process may use\)"),
-        (["--jax-cpu-threads", "1", "bench", "--sections", "sharded"],
-         r"--jax-cpu-threads: applies to sections kernel, logits, draft-sweep, generate, overheads, not to sharded"),
+        (
+            ["--jax-cpu-threads", "100000", "demo", "--quick"],
+            r"--jax-cpu-threads: n: expected an integer in \[1, \d+\] \(the CPUs this process may use\)",
+        ),
+        (
+            ["--jax-cpu-threads", "1", "bench", "--sections", "sharded"],
+            r"--jax-cpu-threads: applies to sections kernel, logits, draft-sweep, generate, overheads, not to sharded",
+        ),
     ],
 )
 def test_bad_jax_cpu_threads_one_line_exit_2(args, pattern):
@@ -180,8 +229,22 @@ def test_bad_jax_cpu_threads_one_line_exit_2(args, pattern):
 
 def test_generate_with_a_one_thread_jax_pool(models):
     """--jax-cpu-threads 1 gives the same tokens as XLA's default pool (and the run succeeds)."""
-    common = ["generate", "--target", str(models["target"]), "--draft", str(models["draft"]), "--prompt",
-              "w1 w2 w3", "--max-new-tokens", "6", "--temperature", "0.9", "--seed", "5", "--json"]
+    common = [
+        "generate",
+        "--target",
+        str(models["target"]),
+        "--draft",
+        str(models["draft"]),
+        "--prompt",
+        "w1 w2 w3",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "5",
+        "--json",
+    ]
     default, one = run_cli(*common), run_cli("--jax-cpu-threads", "1", *common)
     assert default.returncode == 0 and one.returncode == 0, (default.stderr, one.stderr)
     assert json.loads(one.stdout)["token_ids"] == json.loads(default.stdout)["token_ids"]

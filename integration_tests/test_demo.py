@@ -37,8 +37,11 @@ def test_demo_runs_and_prints_table():
         assert re.search(r"\d+\.\d\dx", greedy)
         assert re.search(r" (model|ngram|hybrid) ", greedy)
     # tokens/s exclude model load and JIT compilation, which are reported apart
-    assert re.search(r"one-time work, not in the figures above: loading the target \d+\.\d s and the draft "
-                     r"\d+\.\d s; JIT compilation \d+\.\d s \(\d+\.\d s of it in the warm-up\)", out), out
+    assert re.search(
+        r"one-time work, not in the figures above: loading the target \d+\.\d s and the draft "
+        r"\d+\.\d s; JIT compilation \d+\.\d s \(\d+\.\d s of it in the warm-up\)",
+        out,
+    ), out
 
 
 def _one_line(proc) -> str:

@@ -36,8 +36,7 @@ VOCAB = 96
 
 
 def hf_greedy(target, ids, mask, n, eos=None):
-    gen = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0,
-                          eos_token_id=eos)
+    gen = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, pad_token_id=0, eos_token_id=eos)
     width = ids.shape[1] + n
     if gen.shape[1] < width:
         gen = torch.nn.functional.pad(gen, (0, width - gen.shape[1]), value=0)
@@ -86,10 +85,10 @@ def test_ngram_index_matches_a_brute_force_search():
         k = int(rng.integers(1, 6))
         want: list[int] = []
         for n in range(min(5, len(ctx)), 1, -1):
-            suffix = ctx[len(ctx) - n:]
-            ends = [e for e in range(n - 1, len(ctx) - 1) if ctx[e - n + 1: e + 1] == suffix]
+            suffix = ctx[len(ctx) - n :]
+            ends = [e for e in range(n - 1, len(ctx) - 1) if ctx[e - n + 1 : e + 1] == suffix]
             if ends:
-                want = ctx[ends[-1] + 1: ends[-1] + 1 + k]
+                want = ctx[ends[-1] + 1 : ends[-1] + 1 + k]
                 break
         assert NgramIndex(ctx, 2, 5).lookup(k) == want, (ctx, k)
 
@@ -113,8 +112,9 @@ def test_greedy_identity_batch_of_one(models, kind, adaptive):
     ids = torch.tensor([repetitive_prompt(1, 20)])
     mask = torch.ones_like(ids)
     draft = "ngram" if kind == "ngram" else HybridDrafter(NgramDrafter(), ModelDrafter(models["draft"]))
-    out = specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=24, num_draft_tokens=5,
-                                       adaptive=adaptive)
+    out = specjax.speculative_generate(
+        target, draft, ids, mask, max_new_tokens=24, num_draft_tokens=5, adaptive=adaptive
+    )
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 24))
     if not adaptive:  # (the adaptive length decides from timings; the fixed one always drafts what matches)
         assert out.stats.draft_tokens_proposed > 0  # the repeated phrase matched
@@ -142,10 +142,9 @@ def test_eos_inside_a_proposed_ngram(models):
     target = models["target"]
     ids = torch.tensor([repetitive_prompt(3, 24)])
     mask = torch.ones_like(ids)
-    plain = hf_greedy(target, ids, mask, 20)[0, ids.shape[1]:]
+    plain = hf_greedy(target, ids, mask, 20)[0, ids.shape[1] :]
     eos = int(plain[5])  # a token the target emits after a few steps
-    out = specjax.speculative_generate(target, "ngram", ids, mask, max_new_tokens=20, eos_token_id=eos,
-                                       pad_token_id=0)
+    out = specjax.speculative_generate(target, "ngram", ids, mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
     ref = hf_greedy(target, ids, mask, 20, eos=eos)  # padded with 0 after EOS
     width = out.sequences.shape[1]
     assert torch.equal(out.sequences, ref[:, :width]) and not ref[:, width:].any()
@@ -191,8 +190,9 @@ def test_never_drafts_past_max_new_tokens(models, max_new_tokens, adaptive):
     target = models["target"]
     ids = torch.tensor([repetitive_prompt(4, 18), repetitive_prompt(5, 18)])
     rec = Recording(ModelDrafter(target), [18, 18])  # the target as its own draft: everything is accepted
-    out = specjax.speculative_generate(target, rec, ids, max_new_tokens=max_new_tokens, num_draft_tokens=4,
-                                       adaptive=adaptive)
+    out = specjax.speculative_generate(
+        target, rec, ids, max_new_tokens=max_new_tokens, num_draft_tokens=4, adaptive=adaptive
+    )
     assert out.num_new_tokens.tolist() == [max_new_tokens] * 2
     for want, generated in rec.requests:
         for k, done in zip(want, generated, strict=True):
@@ -265,8 +265,10 @@ class Broken:
     ("mode", "message"),
     [
         ("too-many", r"drafter 'broken-drafter' proposed 9 tokens for row 0, expected at most 4"),
-        ("bad-id",
-         r"drafter 'broken-drafter' returned draft token 101 at row 0, position 0, expected an id in \[0, V\)"),
+        (
+            "bad-id",
+            r"drafter 'broken-drafter' returned draft token 101 at row 0, position 0, expected an id in \[0, V\)",
+        ),
         ("bad-shape", r"drafter 'broken-drafter' returned tokens of shape \(3, 2\), expected \(2, G\)"),
         ("not-a-proposal", r"drafter 'broken-drafter' returned ndarray, expected a specjax.drafters.Proposal"),
     ],
@@ -274,11 +276,13 @@ class Broken:
 def test_bad_drafter_output_is_refused_naming_the_drafter(models, mode, message):
     ids = torch.tensor([repetitive_prompt(7, 8), repetitive_prompt(8, 8)])
     with pytest.raises(ValueError, match=message):
-        specjax.speculative_generate(models["target"], Broken(mode), ids, max_new_tokens=8, num_draft_tokens=4,
-                                     adaptive=False)
+        specjax.speculative_generate(
+            models["target"], Broken(mode), ids, max_new_tokens=8, num_draft_tokens=4, adaptive=False
+        )
     # negative control: the same drafter without the fault runs and keeps the target's output
-    out = specjax.speculative_generate(models["target"], Broken("ok"), ids, max_new_tokens=8, num_draft_tokens=4,
-                                       adaptive=False)
+    out = specjax.speculative_generate(
+        models["target"], Broken("ok"), ids, max_new_tokens=8, num_draft_tokens=4, adaptive=False
+    )
     assert torch.equal(out.sequences, hf_greedy(models["target"], ids, torch.ones_like(ids), 8))
 
 
@@ -361,25 +365,41 @@ def test_thirdparty_drafter_installed_with_pip_is_used_by_name(tmp_path):
     (src / f"{MODULE}.py").write_text(SOURCE, encoding="utf-8")
     site = tmp_path / "site"
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-index", "--no-build-isolation", "--no-deps",
-         "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--no-build-isolation",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--quiet",
+            "--target",
+            str(site),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     env = {k: v for k, v in os.environ.items() if k != "SPECJAX_PLUGINS"}
     env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
     env["HF_HUB_OFFLINE"] = "1"
     try:
-        run = subprocess.run([sys.executable, "-c", textwrap.dedent(RUN)], env=env, capture_output=True, text=True,
-                             timeout=600)
+        run = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(RUN)], env=env, capture_output=True, text=True, timeout=600
+        )
         assert run.returncode == 0, run.stderr[-4000:]
         result = json.loads(run.stdout.strip().splitlines()[-1])
         assert result["same"] and result["calls"] > 0 and result["drafter"] == "repeat_last"
         assert "repeat_last" in result["names"]
         # SPECJAX_PLUGINS filters drafters like samplers: excluded, the name is unknown
         env["SPECJAX_PLUGINS"] = "something_else"
-        run = subprocess.run([sys.executable, "-c", textwrap.dedent(RUN)], env=env, capture_output=True, text=True,
-                             timeout=600)
+        run = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(RUN)], env=env, capture_output=True, text=True, timeout=600
+        )
         assert run.returncode != 0 and "unknown drafter 'repeat_last'" in run.stderr
     finally:
         shutil.rmtree(site, ignore_errors=True)

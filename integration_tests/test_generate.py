@@ -45,6 +45,8 @@ def generate(*args, **kwargs):
     """
     kwargs.setdefault("adaptive", False)
     return specjax.speculative_generate(*args, **kwargs)
+
+
 LENGTHS = (5, 1, 7, 3)  # B=4, left-padded to 7
 
 
@@ -93,8 +95,9 @@ class StepRecorder:
 
 def hf_greedy(target, ids, mask, max_new_tokens, eos_token_id=None) -> torch.Tensor:
     kwargs = {} if eos_token_id is None else {"eos_token_id": eos_token_id}
-    return target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                           pad_token_id=0, **kwargs)
+    return target.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, **kwargs
+    )
 
 
 def row_sequence(ids, mask, out, row) -> list[int]:
@@ -117,12 +120,11 @@ def test_greedy_matches_target_generate(arch, draft_kind, batch, pairs, left_pad
     target, draft = models["target"], models[draft_kind]
     ids, mask = left_padded(LENGTHS[:batch] if batch > 1 else (6,), vocab_size=VOCAB, seed=11)
     rec = StepRecorder()
-    out = generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G,
-                                       on_tokens=rec)
+    out = generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G, on_tokens=rec)
     ref = hf_greedy(target, ids, mask, 12)
     assert out.sequences.dtype == torch.long
     assert out.sequences.shape == ref.shape
-    assert torch.equal(out.sequences, ref), f"\n{out.sequences[:, ids.shape[1]:]}\n{ref[:, ids.shape[1]:]}"
+    assert torch.equal(out.sequences, ref), f"\n{out.sequences[:, ids.shape[1] :]}\n{ref[:, ids.shape[1] :]}"
     assert out.num_new_tokens.tolist() == [12] * batch
     stats = out.stats
     if draft_kind == "same":
@@ -165,16 +167,25 @@ def test_eos_inside_accepted_draft_ends_that_row_there(pairs, left_padded):
     n_new = 12
     for seed in range(20):
         ids, mask = left_padded((4, 6), vocab_size=VOCAB, seed=seed)
-        plain = hf_greedy(target, ids, mask, n_new)[:, ids.shape[1]:]
+        plain = hf_greedy(target, ids, mask, n_new)[:, ids.shape[1] :]
         eos = _eos_mid_draft(plain, 2)
         if eos is not None:
             break
     else:
         pytest.fail("no prompt pair gives a usable EOS token")
     rec = StepRecorder()
-    out = generate(target, target, ids, mask, max_new_tokens=n_new, num_draft_tokens=G,
-                                       eos_token_id=eos, pad_token_id=0, on_tokens=rec)
-    new = out.sequences[:, ids.shape[1]:]
+    out = generate(
+        target,
+        target,
+        ids,
+        mask,
+        max_new_tokens=n_new,
+        num_draft_tokens=G,
+        eos_token_id=eos,
+        pad_token_id=0,
+        on_tokens=rec,
+    )
+    new = out.sequences[:, ids.shape[1] :]
     # row 0: the first step accepts the whole draft x_0..x_3; EOS is x_2, the row ends right after it
     assert rec.steps[0][0] == plain[0, :3].tolist()
     assert new[0, :3].tolist() == plain[0, :3].tolist()
@@ -192,10 +203,9 @@ def test_eos_matches_target_generate(draft_kind, pairs, left_padded):
     models = pairs("qwen2")
     target, draft = models["target"], models[draft_kind]
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=5)
-    plain = hf_greedy(target, ids, mask, 14)[:, ids.shape[1]:]
+    plain = hf_greedy(target, ids, mask, 14)[:, ids.shape[1] :]
     eos = [int(plain[0, 5]), int(plain[2, 9])]
-    out = generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G,
-                                       eos_token_id=eos, pad_token_id=0)
+    out = generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G, eos_token_id=eos, pad_token_id=0)
     ref = hf_greedy(target, ids, mask, 14, eos_token_id=eos)
     assert torch.equal(out.sequences, ref)
     assert int(out.num_new_tokens[0]) <= 6 and int(out.num_new_tokens[2]) <= 10
@@ -213,7 +223,7 @@ def test_the_loop_tells_the_caches_whether_every_new_slot_is_valid(draft_kind, p
     models = pairs("qwen2")
     target, draft = models["target"], models[draft_kind]
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=5)
-    plain = hf_greedy(target, ids, mask, 14)[:, ids.shape[1]:]
+    plain = hf_greedy(target, ids, mask, 14)[:, ids.shape[1] :]
     eos = [int(plain[0, 5]), int(plain[2, 9])]
     seen: list[tuple[bool | None, bool]] = []
     original = SlotCache.forward
@@ -223,8 +233,7 @@ def test_the_loop_tells_the_caches_whether_every_new_slot_is_valid(draft_kind, p
         return original(self, tokens, valid, last_only=last_only, all_valid=all_valid)
 
     monkeypatch.setattr(SlotCache, "forward", checked)
-    out = generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G,
-                                       eos_token_id=eos, pad_token_id=0)
+    out = generate(target, draft, ids, mask, max_new_tokens=14, num_draft_tokens=G, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 14, eos_token_id=eos))
     given = [(flag, truth) for flag, truth in seen if flag is not None]
     assert len(given) == len(seen) - 2  # only the two prefills read the mask
@@ -239,8 +248,7 @@ def test_max_new_tokens_is_never_exceeded(draft_kind, max_new_tokens, pairs, lef
     target, draft = models["target"], models[draft_kind]
     ids, mask = left_padded((3, 5), vocab_size=VOCAB, seed=2)
     rec = StepRecorder()
-    out = generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
-                                       num_draft_tokens=G, on_tokens=rec)
+    out = generate(target, draft, ids, mask, max_new_tokens=max_new_tokens, num_draft_tokens=G, on_tokens=rec)
     assert out.sequences.shape == (2, ids.shape[1] + max_new_tokens)
     assert out.num_new_tokens.tolist() == [max_new_tokens] * 2
     assert sum(len(s.get(0, [])) for s in rec.steps) == max_new_tokens
@@ -272,10 +280,19 @@ def test_caches_match_a_fresh_forward(arch, draft_kind, max_new_tokens, with_eos
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=7)
     eos = None
     if with_eos:
-        plain = hf_greedy(target, ids, mask, max_new_tokens)[:, ids.shape[1]:]
+        plain = hf_greedy(target, ids, mask, max_new_tokens)[:, ids.shape[1] :]
         eos = int(plain[1, 6])
-    out = generate(target, draft, ids, mask, max_new_tokens=max_new_tokens,
-                                       num_draft_tokens=G, eos_token_id=eos, pad_token_id=0, return_state=True)
+    out = generate(
+        target,
+        draft,
+        ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        num_draft_tokens=G,
+        eos_token_id=eos,
+        pad_token_id=0,
+        return_state=True,
+    )
     assert out.stats.steps >= (3 if draft_kind == "perturbed" else math.ceil(max_new_tokens / (G + 1)))
     state = out.state
     seqs = [row_sequence(ids, mask, out, i) for i in state.rows]
@@ -290,7 +307,7 @@ def test_caches_match_a_fresh_forward(arch, draft_kind, max_new_tokens, with_eos
     pend = state.draft_pending
     assert all(1 <= len(p) <= 3 for p in pend)
     assert [len(s) - len(p) for s, p in zip(seqs, pend, strict=True)] == d_cache.num_valid.tolist()
-    assert [s[len(s) - len(p):] for s, p in zip(seqs, pend, strict=True)] == pend
+    assert [s[len(s) - len(p) :] for s, p in zip(seqs, pend, strict=True)] == pend
     width = max(len(p) for p in pend)
     feed = torch.tensor([[0] * (width - len(p)) + p for p in pend])
     feed_valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in pend])
@@ -324,8 +341,7 @@ def test_slot_cache_skips_the_mask_only_while_every_slot_is_valid(arch, tiny_lm)
     cache.forward(torch.tensor([r[:4] for r in rows]), torch.ones((2, 4), dtype=torch.bool), last_only=True)
     assert cache.full and seen == [False]
     # Row 0 keeps 1 of 2 new slots, row 1 both: a hole in row 0, not cropped.
-    cache.forward(torch.tensor([[rows[0][4], 0], rows[1][4:6]]), torch.ones((2, 2), dtype=torch.bool),
-                  last_only=True)
+    cache.forward(torch.tensor([[rows[0][4], 0], rows[1][4:6]]), torch.ones((2, 2), dtype=torch.bool), last_only=True)
     cache.invalidate(4, torch.tensor([1, 2]))
     assert not cache.full
     nxt = torch.tensor([[7], [8]])
@@ -368,19 +384,32 @@ def test_tokenizers_that_do_not_match_are_refused(pairs):
     shuffled = words[:2] + sorted(words[2:], key=lambda w: int(w[1:]) * 7 % (VOCAB - 2))
     ids = torch.tensor([[5, 6, 7]])
     same = _word_tokenizer(words)
-    out = generate(models["target"], models["same"], ids, max_new_tokens=2,
-                                       target_tokenizer=same, draft_tokenizer=_word_tokenizer(list(words)))
+    out = generate(
+        models["target"],
+        models["same"],
+        ids,
+        max_new_tokens=2,
+        target_tokenizer=same,
+        draft_tokenizer=_word_tokenizer(list(words)),
+    )
     assert out.sequences.shape == (1, 5)
     with pytest.raises(ValueError, match=r"draft_tokenizer: \d+ of the first 96 token ids map to different"):
-        generate(models["target"], models["same"], ids, max_new_tokens=2,
-                                     target_tokenizer=same, draft_tokenizer=_word_tokenizer(shuffled))
+        generate(
+            models["target"],
+            models["same"],
+            ids,
+            max_new_tokens=2,
+            target_tokenizer=same,
+            draft_tokenizer=_word_tokenizer(shuffled),
+        )
 
 
 def test_vocabularies_of_different_sizes_are_refused(pairs, tiny_lm):
     big = tiny_lm("llama", vocab_size=1024, layers=1, hidden=16, seed=1)
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match="vocabulary has 96 entries and the draft's 1024; they differ by more "
-                                         "than padding"):
+    with pytest.raises(
+        ValueError, match="vocabulary has 96 entries and the draft's 1024; they differ by more than padding"
+    ):
         generate(pairs("llama")["target"], big, ids, max_new_tokens=2)
 
 
@@ -408,8 +437,19 @@ def test_models_on_different_devices_are_refused(pairs, tiny_lm):
         ({"max_new_tokens": 4, "eos_token_id": "2"}, r"eos_token_id: expected token ids \(integers >= 0\), got '2'"),
         ({"max_new_tokens": 4, "eos_token_id": [2, True]}, r"eos_token_id: expected token ids .*, got True"),
     ],
-    ids=["max_new_0", "max_new_negative", "max_new_float", "draft_0", "draft_negative", "seed_huge", "seed_float",
-         "pad_float", "pad_negative", "eos_string", "eos_bool"],
+    ids=[
+        "max_new_0",
+        "max_new_negative",
+        "max_new_float",
+        "draft_0",
+        "draft_negative",
+        "seed_huge",
+        "seed_float",
+        "pad_float",
+        "pad_negative",
+        "eos_string",
+        "eos_bool",
+    ],
 )
 def test_bad_lengths_are_refused(kwargs, message, pairs):
     models = pairs("llama")
@@ -422,8 +462,7 @@ def test_prompt_ids_outside_the_vocabulary_are_refused(bad, pairs):
     """Refused up front with the range, not an IndexError from inside the embedding."""
     models = pairs("llama")
     with pytest.raises(ValueError, match=rf"input_ids: expected token ids in \[0, {VOCAB}\) .*got values in "):
-        generate(models["target"], models["other"], torch.tensor([[5, bad, 7]]),
-                                     max_new_tokens=2)
+        generate(models["target"], models["other"], torch.tensor([[5, bad, 7]]), max_new_tokens=2)
 
 
 def test_padded_batch_without_attention_mask_is_refused(pairs, left_padded):
@@ -440,8 +479,9 @@ def test_unknown_sampler_name_is_refused(pairs):
     pytest.importorskip("specjax.plugin.registry")
     models = pairs("llama")
     with pytest.raises(ValueError, match="unknown sampler 'no-such-sampler'"):
-        generate(models["target"], models["other"], torch.tensor([[5, 6, 7]]),
-                                     max_new_tokens=2, sampler="no-such-sampler")
+        generate(
+            models["target"], models["other"], torch.tensor([[5, 6, 7]]), max_new_tokens=2, sampler="no-such-sampler"
+        )
 
 
 def test_sliding_window_too_short_is_refused(tiny_lm):
@@ -479,8 +519,9 @@ class RecordingSampler:
             self.max_draft_token = max(self.max_draft_token, int(x.max()))
             # the draft distribution gives the padding ids no mass
             assert float(np.asarray(draft_probs)[..., 128:].max(initial=0.0)) == 0.0
-        return specjax.rejection_sample(draft_tokens, draft_probs, target_probs, accept_uniforms,
-                                        sample_uniforms, validate=validate)
+        return specjax.rejection_sample(
+            draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate
+        )
 
 
 def _boost_padding_rows(model, vocab: int) -> None:
@@ -500,16 +541,24 @@ def test_target_vocabulary_padded_beyond_the_drafts(temperature, tiny_lm, pertur
             p.copy_(q[: p.shape[0]] if p.shape != q.shape else q)
     ids, mask = left_padded(LENGTHS, vocab_size=128, seed=3)
     sampler = RecordingSampler()
-    out = generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G,
-                                       temperature=temperature, sampler=sampler, seed=1)
-    new = out.sequences[:, ids.shape[1]:]
+    out = generate(
+        target,
+        draft,
+        ids,
+        mask,
+        max_new_tokens=16,
+        num_draft_tokens=G,
+        temperature=temperature,
+        sampler=sampler,
+        seed=1,
+    )
+    new = out.sequences[:, ids.shape[1] :]
     assert int(new.max()) >= 128, "the target never emitted a padding id: the test does not test"
     assert sampler.calls > 0 and 0 <= sampler.max_draft_token < 128
     assert out.stats.draft_tokens_accepted > 0
     if temperature == 0.0:
         assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 16))
-    fused = generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G,
-                                         temperature=temperature, seed=1)
+    fused = generate(target, draft, ids, mask, max_new_tokens=16, num_draft_tokens=G, temperature=temperature, seed=1)
     assert torch.equal(fused.sequences, out.sequences)
 
 
@@ -521,8 +570,7 @@ def test_draft_vocabulary_padded_beyond_the_targets(tiny_lm, left_padded):
     with torch.inference_mode():  # the draft alone would pick padding ids
         assert int(draft(ids, attention_mask=mask).logits.argmax(-1).max()) >= 128
     sampler = RecordingSampler()
-    out = generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G,
-                                       sampler=sampler)
+    out = generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G, sampler=sampler)
     assert sampler.calls > 0 and 0 <= sampler.max_draft_token < 128
     assert torch.equal(out.sequences, hf_greedy(target, ids, mask, 12))
     fused = generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=G)
@@ -581,13 +629,26 @@ def test_stats_are_consistent(draft_kind, batch, max_new_tokens, g, temperature,
     models = pairs("llama")
     ids, mask = left_padded(LENGTHS[:batch] if batch > 1 else (4,), vocab_size=VOCAB, seed=9)
     rec = StepRecorder()
-    out = generate(models["target"], models[draft_kind], ids, mask,
-                                       max_new_tokens=max_new_tokens, num_draft_tokens=g,
-                                       temperature=temperature, on_tokens=rec)
+    out = generate(
+        models["target"],
+        models[draft_kind],
+        ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        num_draft_tokens=g,
+        temperature=temperature,
+        on_tokens=rec,
+    )
     s = out.stats
     want = _expected_stats(rec, batch, max_new_tokens, g, ids.shape[1])
-    for name in ("steps", "target_forwards", "draft_forwards", "draft_tokens_proposed", "draft_tokens_accepted",
-                 "new_tokens"):
+    for name in (
+        "steps",
+        "target_forwards",
+        "draft_forwards",
+        "draft_tokens_proposed",
+        "draft_tokens_accepted",
+        "new_tokens",
+    ):
         assert getattr(s, name) == want[name], name
     assert s.acceptance_rate == pytest.approx(want["draft_tokens_accepted"] / want["draft_tokens_proposed"])
     assert s.mean_accepted_length == pytest.approx(want["new_tokens"] / want["row_steps"])
@@ -609,8 +670,7 @@ def test_sampler_callable_matches_the_fused_path(pairs, left_padded):
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=4)
     kwargs = dict(max_new_tokens=10, num_draft_tokens=G, temperature=0.8, top_k=20, seed=3)
     fused = generate(models["target"], models["perturbed"], ids, mask, **kwargs)
-    called = generate(models["target"], models["perturbed"], ids, mask,
-                                          sampler=specjax.rejection_sample, **kwargs)
+    called = generate(models["target"], models["perturbed"], ids, mask, sampler=specjax.rejection_sample, **kwargs)
     assert torch.equal(fused.sequences, called.sequences)
     assert fused.stats.draft_tokens_accepted == called.stats.draft_tokens_accepted
 
@@ -628,9 +688,13 @@ def test_a_sampled_row_does_not_depend_on_the_other_rows(seed, pairs):
     steps_differ = False
     for other in ([1, 2, 3, 4, 5], [40, 41, 42, 43, 44], [90, 3, 77, 5, 61]):
         recorder = StepRecorder()
-        batch = generate(models["target"], models["perturbed"],
-                                             torch.tensor([prompt[0].tolist(), other]),
-                                             on_tokens=recorder, **kwargs)
+        batch = generate(
+            models["target"],
+            models["perturbed"],
+            torch.tensor([prompt[0].tolist(), other]),
+            on_tokens=recorder,
+            **kwargs,
+        )
         assert torch.equal(batch.sequences[0], alone.sequences[0]), other
         steps_differ |= any(len(s.get(0, [])) != len(s.get(1, [])) for s in recorder.steps)
     # The case is not degenerate: somewhere the rows advanced by different amounts.

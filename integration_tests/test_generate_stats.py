@@ -99,17 +99,27 @@ def chi_square_p(observed: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
-def sample_counts(target, draft, *, length, num_draft_tokens, sampler="jax", mixed=True, prompt=PROMPT,
-                  **params) -> np.ndarray:
+def sample_counts(
+    target, draft, *, length, num_draft_tokens, sampler="jax", mixed=True, prompt=PROMPT, **params
+) -> np.ndarray:
     """Counts i64[V] * length of the first ``length`` tokens over N rows of ``prompt``."""
     ids = torch.tensor([list(prompt)] * N)
     t0 = time.perf_counter()
     # The fixed schedule: every step drafts, so both branches of the test carry weight.
-    out = specjax.speculative_generate(target, draft, ids, max_new_tokens=length, num_draft_tokens=num_draft_tokens,
-                                       seed=1234, sampler=sampler, adaptive=False, **params)
+    out = specjax.speculative_generate(
+        target,
+        draft,
+        ids,
+        max_new_tokens=length,
+        num_draft_tokens=num_draft_tokens,
+        seed=1234,
+        sampler=sampler,
+        adaptive=False,
+        **params,
+    )
     elapsed = time.perf_counter() - t0
     assert elapsed < MAX_SECONDS, f"{N} rows took {elapsed:.0f} s"
-    new = out.sequences[:, len(prompt):].numpy()
+    new = out.sequences[:, len(prompt) :].numpy()
     assert new.shape == (N, length) and out.num_new_tokens.tolist() == [length] * N
     if mixed:  # both the acceptance and the residual branch carry weight
         assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats
@@ -134,8 +144,9 @@ CASES = [
 def test_joint_distribution_matches_the_target(length, g, temperature, top_k, top_p, sampler, pair):
     target, draft = pair
     fn = specjax.rejection_sample if sampler == "callable" else sampler
-    counts = sample_counts(target, draft, length=length, num_draft_tokens=g, sampler=fn,
-                           temperature=temperature, top_k=top_k, top_p=top_p)
+    counts = sample_counts(
+        target, draft, length=length, num_draft_tokens=g, sampler=fn, temperature=temperature, top_k=top_k, top_p=top_p
+    )
     expected = exact_joint(target, length, temperature, top_k, top_p)
     assert expected.sum() == pytest.approx(1.0, abs=1e-9)
     p = chi_square_p(counts, expected)
@@ -171,8 +182,17 @@ def test_negative_control_with_point_mass_proposals(pair):
 
     target, _ = pair
     prompt = quoting_prompt(target)
-    counts = sample_counts(target, NgramDrafter(min_n=1), length=3, num_draft_tokens=3, sampler=always_accept,
-                           temperature=0.7, top_k=4, mixed=False, prompt=prompt)
+    counts = sample_counts(
+        target,
+        NgramDrafter(min_n=1),
+        length=3,
+        num_draft_tokens=3,
+        sampler=always_accept,
+        temperature=0.7,
+        top_k=4,
+        mixed=False,
+        prompt=prompt,
+    )
     expected = exact_joint(target, 3, 0.7, 4, None, prompt)
     outside = counts.reshape(-1)[expected.reshape(-1) <= 0].any()  # a broken sampler may emit impossible tokens
     p = 0.0 if outside else chi_square_p(counts, expected)
@@ -188,8 +208,14 @@ def test_negative_control_with_point_mass_proposals(pair):
 def _draw_from(probs, sample_uniforms):
     """i32[B]: a token from each row of ``probs`` f[B, V] (rejection_sample with G = 0)."""
     empty = np.zeros((probs.shape[0], 0), np.int32)
-    res = specjax.rejection_sample(empty, np.zeros((probs.shape[0], 0, V), np.float32), probs[:, None],
-                                   np.zeros((probs.shape[0], 0), np.float32), sample_uniforms, validate=False)
+    res = specjax.rejection_sample(
+        empty,
+        np.zeros((probs.shape[0], 0, V), np.float32),
+        probs[:, None],
+        np.zeros((probs.shape[0], 0), np.float32),
+        sample_uniforms,
+        validate=False,
+    )
     return np.asarray(res["tokens"])[:, 0]
 
 
@@ -204,8 +230,9 @@ def always_accept(draft_tokens, draft_probs, target_probs, accept_uniforms, samp
 
 def correction_from_p(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *, validate=True):
     """Broken: the right acceptance test, but the correction token drawn from p_n, not the residual."""
-    res = specjax.rejection_sample(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms,
-                                   validate=validate)
+    res = specjax.rejection_sample(
+        draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate
+    )
     n = np.asarray(res["num_accepted"])
     tokens = np.array(res["tokens"])
     p = np.asarray(target_probs)
@@ -217,8 +244,9 @@ def correction_from_p(draft_tokens, draft_probs, target_probs, accept_uniforms, 
 @pytest.mark.parametrize("broken", [always_accept, correction_from_p], ids=lambda f: f.__name__)
 def test_negative_control_catches_a_broken_sampler(broken, pair):
     target, draft = pair
-    counts = sample_counts(target, draft, length=2, num_draft_tokens=4, sampler=broken, temperature=1.0,
-                           mixed=broken is not always_accept)
+    counts = sample_counts(
+        target, draft, length=2, num_draft_tokens=4, sampler=broken, temperature=1.0, mixed=broken is not always_accept
+    )
     p = chi_square_p(counts, exact_joint(target, 2, 1.0, None, None))
     print(f"chi-square p = {p:.3g}")
     assert p < 1e-6, f"the broken sampler was not caught: p = {p:.2e}"

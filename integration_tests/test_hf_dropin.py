@@ -57,8 +57,9 @@ def prompt() -> torch.Tensor:
 def test_greedy_identity_batch_1(pair, prompt, route):
     target, draft = pair
     want = target.generate(prompt, max_new_tokens=12, do_sample=False)
-    got = target.generate(prompt, custom_generate=speculative_decoding, max_new_tokens=12, do_sample=False,
-                          **{route: draft})
+    got = target.generate(
+        prompt, custom_generate=speculative_decoding, max_new_tokens=12, do_sample=False, **{route: draft}
+    )
     assert got.dtype == torch.long
     assert torch.equal(got, want)
 
@@ -70,9 +71,17 @@ def test_greedy_identity_batch_3_left_padded_with_eos(pair, left_padded):
     # an EOS id that row 1 emits at its 4th new token: that row ends early and is padded
     eos = int(plain[1, ids.shape[1] + 3])
     want = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=eos)
-    assert (want[1, ids.shape[1] + 4:] == 0).all()  # the comparison covers padding after EOS
-    got = target.generate(ids, attention_mask=mask, assistant_model=draft, custom_generate=speculative_decoding,
-                          max_new_tokens=10, do_sample=False, eos_token_id=eos, return_dict_in_generate=True)
+    assert (want[1, ids.shape[1] + 4 :] == 0).all()  # the comparison covers padding after EOS
+    got = target.generate(
+        ids,
+        attention_mask=mask,
+        assistant_model=draft,
+        custom_generate=speculative_decoding,
+        max_new_tokens=10,
+        do_sample=False,
+        eos_token_id=eos,
+        return_dict_in_generate=True,
+    )
     assert isinstance(got, GenerateDecoderOnlyOutput)
     assert got.scores is None and got.logits is None
     assert torch.equal(got.sequences, want)
@@ -81,8 +90,13 @@ def test_greedy_identity_batch_3_left_padded_with_eos(pair, left_padded):
 def test_max_length_instead_of_max_new_tokens(pair, prompt):
     target, draft = pair
     want = target.generate(prompt, max_length=prompt.shape[1] + 6, do_sample=False)
-    got = target.generate(prompt, assistant_model=draft, custom_generate=speculative_decoding,
-                          max_length=prompt.shape[1] + 6, do_sample=False)
+    got = target.generate(
+        prompt,
+        assistant_model=draft,
+        custom_generate=speculative_decoding,
+        max_length=prompt.shape[1] + 6,
+        do_sample=False,
+    )
     assert got.shape[1] == prompt.shape[1] + 6
     assert torch.equal(got, want)
 
@@ -102,15 +116,19 @@ SETTINGS = [
     (dict(max_new_tokens=7), dict(temperature=0.0, top_k=None, top_p=None, max_new_tokens=7, seed=0)),
     # transformers' sampling default top_k = 50 is applied as generate itself would
     (dict(max_new_tokens=7, do_sample=True), dict(temperature=1.0, top_k=50, top_p=None)),
-    (dict(max_new_tokens=7, do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
-     dict(temperature=0.7, top_k=20, top_p=0.9)),
+    (
+        dict(max_new_tokens=7, do_sample=True, temperature=0.7, top_k=20, top_p=0.9),
+        dict(temperature=0.7, top_k=20, top_p=0.9),
+    ),
     (dict(max_new_tokens=7, do_sample=False, temperature=0.7, top_k=20), dict(temperature=0.0, top_k=None)),
     (dict(max_length=9), dict(max_new_tokens=4)),
     (dict(max_new_tokens=7, eos_token_id=[9, 3], pad_token_id=4), dict(eos_token_id=[3, 9], pad_token_id=4)),
     (dict(max_new_tokens=7, eos_token_id=9), dict(eos_token_id=[9], pad_token_id=0)),
     (dict(max_new_tokens=7), dict(eos_token_id=[], pad_token_id=0)),
-    (dict(max_new_tokens=7, num_draft_tokens=2, sampler="torch", seed=3),
-     dict(num_draft_tokens=2, sampler="torch", seed=3)),
+    (
+        dict(max_new_tokens=7, num_draft_tokens=2, sampler="torch", seed=3),
+        dict(num_draft_tokens=2, sampler="torch", seed=3),
+    ),
 ]
 
 
@@ -138,8 +156,14 @@ def test_generation_config_reaches_the_loop(pair, prompt, monkeypatch, options, 
 def test_sampling_is_reproducible_with_torch_manual_seed(pair, left_padded):
     target, draft = pair
     ids, mask = left_padded([5, 3, 7], vocab_size=V, seed=4)  # B = 3 like the greedy test: shared compilations
-    kwargs = dict(attention_mask=mask, assistant_model=draft, custom_generate=speculative_decoding,
-                  max_new_tokens=10, do_sample=True, temperature=1.3)
+    kwargs = dict(
+        attention_mask=mask,
+        assistant_model=draft,
+        custom_generate=speculative_decoding,
+        max_new_tokens=10,
+        do_sample=True,
+        temperature=1.3,
+    )
     torch.manual_seed(11)
     a = target.generate(ids, **kwargs)
     torch.manual_seed(11)
@@ -169,11 +193,17 @@ def test_streamer_receives_the_new_tokens(pair, prompt):
             self.ended = True
 
     streamer = Collect()
-    out = target.generate(prompt, assistant_model=draft, custom_generate=speculative_decoding, max_new_tokens=9,
-                          do_sample=False, streamer=streamer)
+    out = target.generate(
+        prompt,
+        assistant_model=draft,
+        custom_generate=speculative_decoding,
+        max_new_tokens=9,
+        do_sample=False,
+        streamer=streamer,
+    )
     assert streamer.ended
     assert streamer.chunks[0] == prompt[0].tolist()  # generate itself puts the prompt first
-    assert [t for chunk in streamer.chunks[1:] for t in chunk] == out[0, prompt.shape[1]:].tolist()
+    assert [t for chunk in streamer.chunks[1:] for t in chunk] == out[0, prompt.shape[1] :].tolist()
 
 
 class _Shift(LogitsProcessor):
@@ -192,8 +222,11 @@ UNSUPPORTED = [
     (dict(no_repeat_ngram_size=2), r"NoRepeatNGramLogitsProcessor \(no_repeat_ngram_size\)"),
     (dict(do_sample=True, typical_p=0.5), r"TypicalLogitsWarper \(typical_p\)"),
     (dict(bad_words_ids=[[7]]), r"NoBadWordsLogitsProcessor \(bad_words_ids\)"),
-    (dict(logits_processor=LogitsProcessorList([_Shift()])), r"unsupported generation options that change the "
-                                                              r"output distribution: _Shift"),
+    (
+        dict(logits_processor=LogitsProcessorList([_Shift()])),
+        r"unsupported generation options that change the "
+        r"output distribution: _Shift",
+    ),
     (dict(stopping_criteria=StoppingCriteriaList([_Never()])), r"unsupported stopping criteria: _Never"),
     (dict(max_time=30.0), r"MaxTimeCriteria \(max_time\)"),
     (dict(num_beams=2), r"unsupported generation options: num_beams=2"),
@@ -206,14 +239,18 @@ UNSUPPORTED = [
 def test_unsupported_options_raise(pair, prompt, options, message):
     target, draft = pair
     with pytest.raises(ValueError, match=message):
-        target.generate(prompt, assistant_model=draft, custom_generate=speculative_decoding, max_new_tokens=3,
-                        **options)
+        target.generate(
+            prompt, assistant_model=draft, custom_generate=speculative_decoding, max_new_tokens=3, **options
+        )
 
 
 def test_no_draft_model_raises(pair, prompt):
     target, _ = pair
-    with pytest.raises(ValueError, match=r"no draft model; pass assistant_model=draft \(to generate\) or "
-                                         r"draft_model=draft"):
+    with pytest.raises(
+        ValueError,
+        match=r"no draft model; pass assistant_model=draft \(to generate\) or "
+        r"draft_model=draft",
+    ):
         target.generate(prompt, custom_generate=speculative_decoding, max_new_tokens=3)
 
 
@@ -239,10 +276,11 @@ def test_patch_restored_on_exceptions(pair, prompt):
         _ = 1 / 0
     assert gu._speculative_sampling is original
     # an exception from inside generate (here: from the replacement itself)
-    with pytest.raises(ValueError, match=r"assistant_ensemble_weight=0.5: ensemble verification"), \
-            patch_speculative_sampling():
-        target.generate(prompt, assistant_model=draft, do_sample=True, max_new_tokens=4,
-                        assistant_ensemble_weight=0.5)
+    with (
+        pytest.raises(ValueError, match=r"assistant_ensemble_weight=0.5: ensemble verification"),
+        patch_speculative_sampling(),
+    ):
+        target.generate(prompt, assistant_model=draft, do_sample=True, max_new_tokens=4, assistant_ensemble_weight=0.5)
     assert gu._speculative_sampling is original
 
 
@@ -270,8 +308,11 @@ def test_patch_refuses_an_unknown_signature(monkeypatch):
         raise AssertionError("must not run")
 
     monkeypatch.setattr(gu, "_speculative_sampling", _speculative_sampling)
-    with pytest.raises(RuntimeError, match=r"transformers \S+: _speculative_sampling has parameters "
-                                           r"\('candidate_input_ids', 'candidate_logits', 'new_logits'\), expected"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"transformers \S+: _speculative_sampling has parameters "
+        r"\('candidate_input_ids', 'candidate_logits', 'new_logits'\), expected",
+    ):
         with patch_speculative_sampling():
             pass
     assert gu._speculative_sampling is _speculative_sampling  # left alone
@@ -310,7 +351,7 @@ def _first_tokens(target, draft, prompt, runs: int) -> np.ndarray:
     out = np.zeros((runs, 2), np.int64)
     for r in range(runs):
         seq = target.generate(prompt, assistant_model=draft, do_sample=True, max_new_tokens=2)
-        out[r] = seq[0, prompt.shape[1]:].numpy()
+        out[r] = seq[0, prompt.shape[1] :].numpy()
     return out
 
 
@@ -357,10 +398,10 @@ def test_patched_path_is_lossless_with_negative_control(tiny_lm, perturbed_copy)
         # Negative control: the same harness with an acceptance step that is given the target's
         # distribution as the draft's (the bug class of transformers #32867): every draft token is
         # accepted, so the first token follows the draft. The test must reject it.
-        def broken(candidate_input_ids, candidate_logits, candidate_length, new_logits,
-                   assistant_ensemble_weight=None):
-            return jax_speculative_sampling(candidate_input_ids, new_logits[:, :candidate_length],
-                                            candidate_length, new_logits, validate=False)
+        def broken(candidate_input_ids, candidate_logits, candidate_length, new_logits, assistant_ensemble_weight=None):
+            return jax_speculative_sampling(
+                candidate_input_ids, new_logits[:, :candidate_length], candidate_length, new_logits, validate=False
+            )
 
         control_runs = 250
         power = control_runs * float(np.sum((q1 - p1) ** 2 / p1))  # noncentrality of the chi-square

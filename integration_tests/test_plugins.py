@@ -97,8 +97,9 @@ def _run(code: str, site: Path | None, env_filter: str | None, timeout: float = 
     if env_filter is not None:
         env["SPECJAX_PLUGINS"] = env_filter
     env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -125,13 +126,28 @@ def thirdparty(tmp_path_factory):
     site = root / "site"
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--no-index", "--no-build-isolation", "--no-deps",
-             "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)],
-            capture_output=True, text=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-index",
+                "--no-build-isolation",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "--quiet",
+                "--target",
+                str(site),
+                str(src),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert any(p.name.startswith("specjax_thirdparty_demo-0.0.1") and p.suffix == ".dist-info"
-                   for p in site.iterdir())
+        assert any(
+            p.name.startswith("specjax_thirdparty_demo-0.0.1") and p.suffix == ".dist-info" for p in site.iterdir()
+        )
         yield site
     finally:
         shutil.rmtree(site, ignore_errors=True)  # uninstall
@@ -141,11 +157,14 @@ def thirdparty(tmp_path_factory):
 
 
 def test_thirdparty_sampler_used_by_name_in_the_loop(thirdparty):
-    code = f"""
+    code = (
+        f"""
     import importlib.metadata as md, json
     import specjax, {MODULE} as demo
     from specjax.plugin import load_plugins, plugin_status
-    """ + textwrap.indent(MODELS, "    ") + f"""
+    """
+        + textwrap.indent(MODELS, "    ")
+        + f"""
     groups = ("specjax.samplers", "specjax.plugins")
     dist = md.distribution({DIST!r})
     declared = {{g: sorted(ep.name for ep in dist.entry_points if ep.group == g) for g in groups}}
@@ -170,6 +189,7 @@ def test_thirdparty_sampler_used_by_name_in_the_loop(thirdparty):
         "identical": bool(torch.equal(got.sequences, want)) and bool(torch.equal(got2.sequences, want)),
     }}))
     """
+    )
     got = _run(code, thirdparty, None)
     assert got["declared"] == {"specjax.samplers": ["thirdparty"], "specjax.plugins": ["thirdparty_plugin"]}
     assert got["visible"] == got["declared"]
@@ -180,7 +200,8 @@ def test_thirdparty_sampler_used_by_name_in_the_loop(thirdparty):
     assert got["identical"]  # greedy: the same tokens as plain target.generate
 
 
-_FILTERED = f"""
+_FILTERED = (
+    f"""
 import json
 import specjax, {MODULE} as demo
 from specjax.plugin import load_plugins, plugin_status
@@ -195,7 +216,9 @@ for name in ("thirdparty", "thirdparty_registered"):
         errors[name] = str(err)
 loop_error = None
 if errors["thirdparty"] is not None:  # excluded: the loop must refuse the name too (before any compilation)
-""" + textwrap.indent(MODELS, "    ") + """
+"""
+    + textwrap.indent(MODELS, "    ")
+    + """
     try:
         specjax.speculative_generate(target, draft, ids, max_new_tokens=3, sampler="thirdparty")
     except ValueError as err:
@@ -203,6 +226,7 @@ if errors["thirdparty"] is not None:  # excluded: the loop must refuse the name 
 print(json.dumps({"status": plugin_status()["thirdparty_plugin"].status, "register_calls": demo.CALLS["register"],
                   "errors": errors, "loop_error": loop_error, "samplers": specjax.available_samplers()}))
 """
+)
 
 
 def test_filter_excludes_the_thirdparty_plugin(thirdparty):
@@ -210,8 +234,10 @@ def test_filter_excludes_the_thirdparty_plugin(thirdparty):
     assert got["status"] == "excluded"
     assert got["register_calls"] == 0
     assert got["samplers"] == ["jax", "numpy", "torch"]
-    expected = ("sampler: unknown sampler 'thirdparty'; installed samplers: jax, numpy, torch "
-                "(SPECJAX_PLUGINS='builtin_samplers,transformers' restricts which entry points load)")
+    expected = (
+        "sampler: unknown sampler 'thirdparty'; installed samplers: jax, numpy, torch "
+        "(SPECJAX_PLUGINS='builtin_samplers,transformers' restricts which entry points load)"
+    )
     assert got["errors"]["thirdparty"] == expected
     assert got["loop_error"] == expected
     assert got["errors"]["thirdparty_registered"].startswith("sampler: unknown sampler 'thirdparty_registered'")
@@ -222,8 +248,10 @@ def test_filter_by_sampler_name_allows_the_entry_point_only(thirdparty):
     assert got["status"] == "excluded" and got["register_calls"] == 0  # the plugin did not run ...
     assert got["samplers"] == ["jax", "thirdparty"]  # ... but its sampler entry point is allowed by name
     assert got["errors"]["thirdparty"] is None
-    assert "unknown sampler 'thirdparty_registered'; installed samplers: jax, thirdparty" in \
-        got["errors"]["thirdparty_registered"]
+    assert (
+        "unknown sampler 'thirdparty_registered'; installed samplers: jax, thirdparty"
+        in got["errors"]["thirdparty_registered"]
+    )
 
 
 # --------------------------------------------------------------------------- built-in samplers in the loop

@@ -36,15 +36,26 @@ PROMPT = torch.tensor([[5, 17, 42, 8, 23]])
 # --------------------------------------------------------------------------- arguments
 
 
-@pytest.mark.parametrize(("which", "value", "match"), [
-    ("target", None, r"target: expected a transformers causal LM \(a torch.nn.Module\), got NoneType"),
-    ("draft", None, r"draft: expected a transformers causal LM, a drafter object or a drafter name \(.*\), "
-                    r"got NoneType"),
-    ("target", "gpt2", r"target: expected a transformers causal LM \(a torch.nn.Module\), got str"),
-    ("draft", torch.nn.Sequential(), r"draft: expected a transformers causal LM with parameters, got a Sequential"),
-    ("target", torch.nn.Linear(2, 2), r"target: expected a transformers causal LM \(with a config and input "
-                                      r"embeddings\), got Linear"),
-])
+@pytest.mark.parametrize(
+    ("which", "value", "match"),
+    [
+        ("target", None, r"target: expected a transformers causal LM \(a torch.nn.Module\), got NoneType"),
+        (
+            "draft",
+            None,
+            r"draft: expected a transformers causal LM, a drafter object or a drafter name \(.*\), "
+            r"got NoneType",
+        ),
+        ("target", "gpt2", r"target: expected a transformers causal LM \(a torch.nn.Module\), got str"),
+        ("draft", torch.nn.Sequential(), r"draft: expected a transformers causal LM with parameters, got a Sequential"),
+        (
+            "target",
+            torch.nn.Linear(2, 2),
+            r"target: expected a transformers causal LM \(with a config and input "
+            r"embeddings\), got Linear",
+        ),
+    ],
+)
 def test_models_that_are_not_models_are_type_errors(pair, which, value, match):
     target, draft = pair
     args = {"target": target, "draft": draft, which: value}
@@ -83,8 +94,11 @@ def test_prompt_plus_max_new_tokens_beyond_the_position_limit_is_refused_before_
     mask = (ids != 0).long()
     counter = _ForwardCounter(target, draft)
     try:
-        with pytest.raises(ValueError, match=r"max_new_tokens: the longest prompt \(10 tokens\) plus max_new_tokens "
-                                             r"= 7 needs 17 positions, more than the target's limit of 16"):
+        with pytest.raises(
+            ValueError,
+            match=r"max_new_tokens: the longest prompt \(10 tokens\) plus max_new_tokens "
+            r"= 7 needs 17 positions, more than the target's limit of 16",
+        ):
             specjax.speculative_generate(target, draft, ids, mask, max_new_tokens=7, num_draft_tokens=3)
         assert counter.calls == 0
         # exactly at the limit it runs (positions count real tokens, not padding)
@@ -152,22 +166,36 @@ def returns_negative_count(*args, validate=True):
 NAME = __name__
 
 
-@pytest.mark.parametrize(("sampler", "match"), [
-    (returns_99, rf"sampler {NAME}.returns_99 returned num_accepted = 99 for row 0, expected a value in \[0, 4\]"),
-    (returns_negative_count, r"returns_negative_count returned num_accepted = -1 for row 0, expected a value in"),
-    (returns_out_of_vocabulary, rf"returns_out_of_vocabulary returned token {V + 5} at row 0, position 0, expected "
-                                rf"an id in \[0, V\) = \[0, {V}\)"),
-    (returns_minus_one, r"returns_minus_one returned token -1 at row 0, position 0"),
-    (returns_float_tokens, r"returns_float_tokens returned tokens of dtype float32, expected integers"),
-    (returns_short_tokens, r"returns_short_tokens returned tokens of shape \(1, 1\), expected \(1, 5\)"),
-    (returns_a_tuple, r"returns_a_tuple returned tuple, expected a dict with 'num_accepted' and 'tokens'"),
-])
+@pytest.mark.parametrize(
+    ("sampler", "match"),
+    [
+        (returns_99, rf"sampler {NAME}.returns_99 returned num_accepted = 99 for row 0, expected a value in \[0, 4\]"),
+        (returns_negative_count, r"returns_negative_count returned num_accepted = -1 for row 0, expected a value in"),
+        (
+            returns_out_of_vocabulary,
+            rf"returns_out_of_vocabulary returned token {V + 5} at row 0, position 0, expected "
+            rf"an id in \[0, V\) = \[0, {V}\)",
+        ),
+        (returns_minus_one, r"returns_minus_one returned token -1 at row 0, position 0"),
+        (returns_float_tokens, r"returns_float_tokens returned tokens of dtype float32, expected integers"),
+        (returns_short_tokens, r"returns_short_tokens returned tokens of shape \(1, 1\), expected \(1, 5\)"),
+        (returns_a_tuple, r"returns_a_tuple returned tuple, expected a dict with 'num_accepted' and 'tokens'"),
+    ],
+)
 def test_a_sampler_breaking_its_contract_is_named(pair, sampler, match):
     target, draft = pair
     with pytest.raises(PluginOutputError, match=match):
         # the fixed schedule: every step drafts 4 tokens (the messages name k_b = 4)
-        specjax.speculative_generate(target, draft, PROMPT, max_new_tokens=12, num_draft_tokens=4,
-                                     temperature=1.0, sampler=sampler, adaptive=False)
+        specjax.speculative_generate(
+            target,
+            draft,
+            PROMPT,
+            max_new_tokens=12,
+            num_draft_tokens=4,
+            temperature=1.0,
+            sampler=sampler,
+            adaptive=False,
+        )
 
 
 def test_a_registered_sampler_is_named_by_its_name(pair):
@@ -175,8 +203,9 @@ def test_a_registered_sampler_is_named_by_its_name(pair):
     registry.register_sampler("reliability_returns_99", returns_99)
     try:
         with pytest.raises(PluginOutputError, match=r"sampler 'reliability_returns_99' returned num_accepted = 99"):
-            specjax.speculative_generate(target, draft, PROMPT, max_new_tokens=12, temperature=1.0,
-                                         sampler="reliability_returns_99")
+            specjax.speculative_generate(
+                target, draft, PROMPT, max_new_tokens=12, temperature=1.0, sampler="reliability_returns_99"
+            )
     finally:
         registry._samplers.registered.pop("reliability_returns_99", None)
 

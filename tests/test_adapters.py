@@ -402,9 +402,7 @@ def test_counter_counts_each_copy_once_and_warns_once(caplog):
     with caplog.at_level(logging.WARNING, logger="specjax.adapters"):
         to_jax(torch.arange(3))
         to_jax(torch.arange(3))
-    assert [r.getMessage().split(")")[0] for r in caplog.records] == [
-        "specjax.adapters made a copy (int64_to_int32"
-    ]
+    assert [r.getMessage().split(")")[0] for r in caplog.records] == ["specjax.adapters made a copy (int64_to_int32"]
 
 
 def test_count_copies_nests_and_is_per_thread():
@@ -507,7 +505,7 @@ def test_jit_input_passes_aligned_cpu_floats_as_views_and_the_rest_through_to_ja
     assert jax.device_put(view).unsafe_buffer_pointer() == t.data_ptr()
     t[0, 0] = 123.0  # a view, not a snapshot
     assert view[0, 0] == 123.0
-    for other in (t.to(torch.bfloat16), t[:, ::2], t.view(-1)[1:1 + 64], torch.arange(8), t.to(torch.float64)):
+    for other in (t.to(torch.bfloat16), t[:, ::2], t.view(-1)[1 : 1 + 64], torch.arange(8), t.to(torch.float64)):
         out = jit_input(other)
         assert isinstance(out, jax.Array), other.dtype
         np.testing.assert_array_equal(np.asarray(out, np.float64), other.double().numpy())
@@ -586,8 +584,11 @@ def test_configure_jax_memory_already_matching_environment_is_fine_after_start()
         ({"memory_fraction": 1.5}, ValueError, r"memory_fraction: expected a value in \(0, 1\], got 1.5"),
         ({"memory_fraction": 0}, ValueError, "memory_fraction: expected a value in"),
         ({"memory_fraction": "0.5"}, TypeError, "memory_fraction: expected a float"),
-        ({"allocator": "cuda"}, ValueError,
-         "allocator: expected one of default, platform, bfc, cuda_async, vmm, got 'cuda'"),
+        (
+            {"allocator": "cuda"},
+            ValueError,
+            "allocator: expected one of default, platform, bfc, cuda_async, vmm, got 'cuda'",
+        ),
         ({"preallocate": "no"}, TypeError, "preallocate: expected a bool, got str"),
     ],
 )
@@ -608,7 +609,6 @@ def test_import_has_no_side_effects():
         """
     )
     assert proc.returncode == 0, proc.stderr
-
 
 
 def test_explicit_copy_realigns_when_the_allocator_returns_a_misaligned_buffer(monkeypatch):

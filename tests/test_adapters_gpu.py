@@ -64,8 +64,11 @@ def host(x) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", ZERO_COPY_DTYPES, ids=str)
 def test_cuda_zero_copy_every_dtype(cuda, dtype):
-    t = (torch.arange(4 * 64, device=cuda) % 2 == 1) if dtype == torch.bool else (
-        torch.arange(4 * 64, device=cuda) % 100).to(dtype)
+    t = (
+        (torch.arange(4 * 64, device=cuda) % 2 == 1)
+        if dtype == torch.bool
+        else (torch.arange(4 * 64, device=cuda) % 100).to(dtype)
+    )
     t = t.reshape(4, 64)
     with count_copies() as c:
         a = to_jax(t, copy=False)

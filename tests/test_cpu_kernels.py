@@ -86,7 +86,7 @@ def test_row_stats_argmax_and_max_for_every_row():
     x = logits((64, 3000), seed=1)
     where = np.random.default_rng(2).integers(0, 3000, 64)
     x[np.arange(64), where] = 100.0
-    x[5, where[5] + 1:] = 100.0  # ties after the first: still the first
+    x[5, where[5] + 1 :] = 100.0  # ties after the first: still the first
     ours, ref = stats_both_ways(x, np.zeros(64, np.float32))
     np.testing.assert_array_equal(ours.argmax, where)
     np.testing.assert_array_equal(ours.argmax, ref.argmax)
@@ -102,7 +102,7 @@ def test_rows_split_over_threads_equal_rows_one_at_a_time():
     whole = [np.asarray(a) for a in jax.jit(cpu_kernels.row_stats)(x, scale, cut)]
     one = jax.jit(cpu_kernels.row_stats)
     for r in range(0, 80, 7):
-        single = [np.asarray(a) for a in one(x[r:r + 1], scale[r:r + 1], cut[r:r + 1])]
+        single = [np.asarray(a) for a in one(x[r : r + 1], scale[r : r + 1], cut[r : r + 1])]
         for w, s in zip(whole, single, strict=True):
             assert w[r] == s[0]
 
@@ -133,6 +133,7 @@ def _draw(t, d, temperature, n, s):
 
 def _float64_draw(t, d, temperature, n, s):
     """The draw in float64 (NumPy), and whether ``s`` lies within 1e-5 of a CDF step."""
+
     def probs(x, c):
         z = (x - x.max()) / c
         e = np.exp(z)
@@ -203,8 +204,9 @@ def test_tiny_temperatures_give_normalised_distributions(path, temperature, requ
     for kwargs in ({}, {"top_k": 50, "top_p": 0.9}):
         # validate=False: T = 1e-45 is below the faithful range (a ValueError with validation); the
         # kernel's arithmetic must still give normalised rows
-        tokens, probs = specjax.sample_from_logits(x, key=jax.random.key(0), temperature=temperature,
-                                                   validate=False, **kwargs)
+        tokens, probs = specjax.sample_from_logits(
+            x, key=jax.random.key(0), temperature=temperature, validate=False, **kwargs
+        )
         probs = np.asarray(probs)
         np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
         assert np.all(np.isfinite(probs)) and np.all(probs >= 0)
@@ -213,8 +215,14 @@ def test_tiny_temperatures_give_normalised_distributions(path, temperature, requ
     g = 3
     draft = x[:, None, :].repeat(g, 1)
     target = np.concatenate([draft, x[:, None, :]], axis=1)
-    out = specjax.verify_from_logits(np.tile(x.argmax(-1)[:, None], (1, g)).astype(np.int32), draft, target,
-                                     key=jax.random.key(1), temperature=temperature, validate=False)
+    out = specjax.verify_from_logits(
+        np.tile(x.argmax(-1)[:, None], (1, g)).astype(np.int32),
+        draft,
+        target,
+        key=jax.random.key(1),
+        temperature=temperature,
+        validate=False,
+    )
     np.testing.assert_array_equal(np.asarray(out["num_accepted"]), g)
     np.testing.assert_array_equal(np.asarray(out["tokens"])[:, g], x.argmax(-1))
 
@@ -234,13 +242,23 @@ def test_public_functions_give_the_same_tokens_either_way(seed):
     for enabled in (True, False):
         cpu_kernels.set_enabled(enabled)
         try:
-            plain = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature,
-                                               num_draft_tokens=kb)
-            filtered = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature,
-                                                  num_draft_tokens=kb, top_k=40, top_p=0.9)
+            plain = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb)
+            filtered = specjax.verify_from_logits(
+                x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, top_k=40, top_p=0.9
+            )
             sampled = specjax.sample_from_logits(target[:, 0], key=key, temperature=temperature, top_k=40)
-            results.append([np.asarray(a) for a in (plain["num_accepted"], plain["tokens"],
-                                                     filtered["num_accepted"], filtered["tokens"], sampled[0])])
+            results.append(
+                [
+                    np.asarray(a)
+                    for a in (
+                        plain["num_accepted"],
+                        plain["tokens"],
+                        filtered["num_accepted"],
+                        filtered["tokens"],
+                        sampled[0],
+                    )
+                ]
+            )
         finally:
             cpu_kernels.set_enabled(True)
     for ours, ref in zip(*results, strict=True):
@@ -250,8 +268,14 @@ def test_public_functions_give_the_same_tokens_either_way(seed):
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+        check=False,
+    )
 
 
 PROBE = """
@@ -267,8 +291,9 @@ PROBE = """
 
 
 def test_a_failed_build_falls_back_to_the_jax_code_with_a_warning(tmp_path):
-    proc = _run(PROBE, CXX=str(tmp_path / "no-such-compiler"), PATH=str(tmp_path),
-                SPECJAX_CACHE_DIR=str(tmp_path / "cache"))
+    proc = _run(
+        PROBE, CXX=str(tmp_path / "no-such-compiler"), PATH=str(tmp_path), SPECJAX_CACHE_DIR=str(tmp_path / "cache")
+    )
     assert proc.returncode == 0, proc.stderr
     available, correct, warned, reason = proc.stdout.split(" ", 3)
     assert (available, correct, warned) == ("False", "True", "1")
@@ -337,7 +362,7 @@ def test_probability_kernel_same_acceptance_and_draws_but_at_ties():
         w = p[i, n[i]].astype(np.float64) - (q[i, n[i]].astype(np.float64) if n[i] < g else 0)
         cdf = np.cumsum(np.maximum(w, 0))
         cdf /= cdf[-1]
-        assert np.min(np.abs(cdf[min(y[i], y_ref[i]):max(y[i], y_ref[i])] - s[i])) < 1e-5, i
+        assert np.min(np.abs(cdf[min(y[i], y_ref[i]) : max(y[i], y_ref[i])] - s[i])) < 1e-5, i
     assert np.sum(y != y_ref) <= 3
     assert 0 < n.mean() < g  # accepts and rejects both happen
 
@@ -438,8 +463,9 @@ def test_out_of_range_ids_are_never_accepted_on_either_path(filtered):
     for enabled in (True, False):
         cpu_kernels.set_enabled(enabled)
         try:
-            out = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature, validate=False,
-                                             top_k=10 if filtered else None)
+            out = specjax.verify_from_logits(
+                x, draft, target, key=key, temperature=temperature, validate=False, top_k=10 if filtered else None
+            )
             results.append((np.asarray(out["num_accepted"]), np.asarray(out["tokens"])))
         finally:
             cpu_kernels.set_enabled(True)
@@ -479,8 +505,17 @@ def test_the_draft_draw_and_the_acceptance_test_see_the_same_q_bit_for_bit(top_k
 
     @jax.jit
     def num_accepted(x, draft, target, u, temperature, k_row):  # arguments, not constants XLA would fold
-        out = F.verify_core(x[:, None], draft, target, u[:, None], jnp.zeros(b, jnp.float32), temperature, k_row,
-                            None, jnp.ones(b, jnp.int32))
+        out = F.verify_core(
+            x[:, None],
+            draft,
+            target,
+            u[:, None],
+            jnp.zeros(b, jnp.float32),
+            temperature,
+            k_row,
+            None,
+            jnp.ones(b, jnp.int32),
+        )
         return out["num_accepted"]
 
     u_at = np.where(use, ratio, 0.5).astype(np.float32)
@@ -506,8 +541,9 @@ def test_num_draft_tokens_outside_0_g_mean_their_clamped_value_on_every_path():
         cpu_kernels.set_enabled(enabled)
         try:
             for k in (wild, clamped):
-                out = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature,
-                                                 num_draft_tokens=k, validate=False)
+                out = specjax.verify_from_logits(
+                    x, draft, target, key=key, temperature=temperature, num_draft_tokens=k, validate=False
+                )
                 results.append(np.asarray(out["tokens"]))
         finally:
             cpu_kernels.set_enabled(True)

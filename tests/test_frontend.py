@@ -147,13 +147,17 @@ def test_row_stats_on_verify_shapes_equal_transformers():
         stats = frontend.row_stats(logits, t[col], k[col], one_minus_p[col])
         return frontend.probs_from_stats(stats, logits, jnp.arange(vocab, dtype=jnp.int32))
 
-    probs = np.asarray(probs_of(jnp.asarray(target), jnp.asarray(ts, jnp.float32),
-                                jnp.asarray(ks, jnp.int32), jnp.asarray(1.0 - ps, jnp.float32)))
+    probs = np.asarray(
+        probs_of(
+            jnp.asarray(target),
+            jnp.asarray(ts, jnp.float32),
+            jnp.asarray(ks, jnp.int32),
+            jnp.asarray(1.0 - ps, jnp.float32),
+        )
+    )
     for i in range(batch):
         for j in range(g + 1):
-            np.testing.assert_allclose(
-                probs[i, j], hf_process(target[i, j], ts[i], ks[i], ps[i]), atol=1e-6, rtol=0
-            )
+            np.testing.assert_allclose(probs[i, j], hf_process(target[i, j], ts[i], ks[i], ps[i]), atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("greedy_rows", [0, 2, 4])
@@ -215,8 +219,9 @@ def test_greedy_verify_equals_argmax_decisions(num_draft):
     # Draft tokens equal the target argmax with probability 0.8, else random.
     x = np.where(rng.random((batch, g)) < 0.8, am[:, :g], rng.integers(0, vocab, (batch, g)))
     k = np.full(batch, g) if num_draft == "full" else rng.integers(0, g + 1, batch)
-    out = verify_from_logits(x, draft, target, key=jax.random.key(1), temperature=0.0,
-                             top_k=7, top_p=0.9, num_draft_tokens=k)
+    out = verify_from_logits(
+        x, draft, target, key=jax.random.key(1), temperature=0.0, top_k=7, top_p=0.9, num_draft_tokens=k
+    )
     tokens = np.asarray(out["tokens"])
     n_seen = np.asarray(out["num_accepted"])
     for b in range(batch):
@@ -234,6 +239,7 @@ def test_greedy_verify_equals_argmax_decisions(num_draft):
 # --------------------------------------------------------------------------- #
 # The whole verify step against the float64 reference
 # --------------------------------------------------------------------------- #
+
 
 @dataclasses.dataclass
 class VerifyCase:
@@ -255,12 +261,20 @@ def _mixed(batch, seed, values):
 VERIFY_CASES = [
     VerifyCase("T1-plain-one-key", MB, MG, 1.0, None, None, None, False),
     VerifyCase("T0.7-k20-p0.9-row-keys", MB, MG, 0.7, 20, 0.9, None, True),
-    VerifyCase("mixed-rows-ragged-row-keys", MB, MG, _mixed(MB, 1, [0.0, 0.5, 1.0, 1.3]),
-               _mixed(MB, 2, [0, 3, 10, 45]), _mixed(MB, 3, [1.0, 0.5, 0.9]), "random", True),
-    VerifyCase("mixed-ragged-one-key", MB, MG, _mixed(MB, 4, [0.0, 0.8]), 8,
-               _mixed(MB, 5, [1.0, 0.7]), "random", False),
-    VerifyCase("ragged-extremes", MB, MG, [0.0, 1.0, 0.7] * (MB // 3), 10, 0.9,
-               [0, MG] * (MB // 2), True),
+    VerifyCase(
+        "mixed-rows-ragged-row-keys",
+        MB,
+        MG,
+        _mixed(MB, 1, [0.0, 0.5, 1.0, 1.3]),
+        _mixed(MB, 2, [0, 3, 10, 45]),
+        _mixed(MB, 3, [1.0, 0.5, 0.9]),
+        "random",
+        True,
+    ),
+    VerifyCase(
+        "mixed-ragged-one-key", MB, MG, _mixed(MB, 4, [0.0, 0.8]), 8, _mixed(MB, 5, [1.0, 0.7]), "random", False
+    ),
+    VerifyCase("ragged-extremes", MB, MG, [0.0, 1.0, 0.7] * (MB // 3), 10, 0.9, [0, MG] * (MB // 2), True),
     VerifyCase("G=0-top-p-only", 8, 0, [0.0, 1.0] * 4, None, 0.8, None, True),
 ]
 
@@ -284,13 +298,17 @@ def _run_case(case: VerifyCase, key_seed: int):
     if case.per_row_keys:
         key = jax.random.split(key, b)
     out = verify_from_logits(
-        x, draft, target, key=key, temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
+        x,
+        draft,
+        target,
+        key=key,
+        temperature=case.temperature,
+        top_k=case.top_k,
+        top_p=case.top_p,
         num_draft_tokens=None if case.num_draft is None else kb,
     )
     u, s = kernel_uniforms(key, b, g)
-    refs = [
-        ref_verify_row(x[i], draft[i], target[i], u[i], s[i], ts[i], ks[i], ps[i], kb[i]) for i in range(b)
-    ]
+    refs = [ref_verify_row(x[i], draft[i], target[i], u[i], s[i], ts[i], ks[i], ps[i], kb[i]) for i in range(b)]
     return out, refs, kb
 
 
@@ -309,7 +327,7 @@ def test_verify_matches_float64_reference(case):
         for i, ref in enumerate(refs):
             # The layout holds for every row, at a float boundary or not.
             assert 0 <= n[i] <= kb[i]
-            assert np.all(tokens[i, n[i] + 1:] == -1) and 0 <= tokens[i, n[i]] < MV
+            assert np.all(tokens[i, n[i] + 1 :] == -1) and 0 <= tokens[i, n[i]] < MV
             if ref.near_boundary:
                 near += 1
                 continue
@@ -338,8 +356,15 @@ def test_cutoff_token_keeps_its_probability_in_the_acceptance_test():
     assert np.float32(3.0299606) / np.float32(0.7) != np.float32(3.0299606) * (np.float32(1) / np.float32(0.7))
     assert ref_process(row, 0.7, 2, 1.0).probs[1] > 0.05  # token 1 is in the support
     logits = np.broadcast_to(row, (1, MG + 1, MV))
-    out = verify_from_logits(np.ones((1, MG), np.int32), logits[:, :MG], logits,
-                             key=jax.random.split(jax.random.key(0), 1), temperature=0.7, top_k=2, top_p=1.0)
+    out = verify_from_logits(
+        np.ones((1, MG), np.int32),
+        logits[:, :MG],
+        logits,
+        key=jax.random.split(jax.random.key(0), 1),
+        temperature=0.7,
+        top_k=2,
+        top_p=1.0,
+    )
     assert int(out["num_accepted"][0]) == MG
 
 
@@ -362,7 +387,7 @@ def test_ragged_ignores_draft_tokens_past_k():
     n = np.asarray(a["num_accepted"])
     assert np.all(n <= kb)
     for i in range(batch):
-        assert np.all(tokens[i, n[i] + 1:] == -1)
+        assert np.all(tokens[i, n[i] + 1 :] == -1)
         assert tokens[i, n[i]] >= 0
     # The emitted token of a k_b = 0 row is a draw from p_0, whatever the draft says.
     assert np.all(n[kb == 0] == 0)
@@ -386,8 +411,9 @@ def test_position_by_position_path_equals_the_all_rows_path(seed):
     kb = np.array([g, g, 3, 0, 2, g], np.int32)
     key = jax.random.split(jax.random.key(seed), batch)
     lazy = verify_from_logits(x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb)
-    full = verify_from_logits(x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb,
-                              top_k=0, top_p=1.0)
+    full = verify_from_logits(
+        x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, top_k=0, top_p=1.0
+    )
     np.testing.assert_array_equal(np.asarray(lazy["num_accepted"]), np.asarray(full["num_accepted"]))
     np.testing.assert_array_equal(np.asarray(lazy["tokens"]), np.asarray(full["tokens"]))
     # The case is not degenerate: some row accepts its whole draft and some none.
@@ -410,27 +436,33 @@ def test_uniform_draws_are_the_documented_ones():
     ks, ps = np.zeros(batch, int), np.ones(batch)
     x = sample_draft_tokens(rng, draft, ts, ks, ps)
     q = np.stack([[ref_process(draft[i, j], ts[i], ks[i], ps[i]).probs for j in range(g)] for i in range(batch)])
-    p = np.stack([[ref_process(target[i, j], ts[i], ks[i], ps[i]).probs for j in range(g + 1)]
-                  for i in range(batch)])
+    p = np.stack([[ref_process(target[i, j], ts[i], ks[i], ps[i]).probs for j in range(g + 1)] for i in range(batch)])
     compared = 0
     for key in (jax.random.key(11), jax.random.split(jax.random.key(12), batch)):
         got = verify_from_logits(x, draft, target, key=key, temperature=ts, top_k=ks, top_p=ps)
         u, s = kernel_uniforms(key, batch, g)
-        want = rejection_sample(x, q.astype(np.float32), p.astype(np.float32), u.astype(np.float32),
-                                s.astype(np.float32))
+        want = rejection_sample(
+            x, q.astype(np.float32), p.astype(np.float32), u.astype(np.float32), s.astype(np.float32)
+        )
         for i in range(batch):
             ref = ref_verify_row(x[i], draft[i], target[i], u[i], s[i], ts[i], ks[i], ps[i], g)
             if ref.near_boundary:
                 continue
             compared += 1
-            np.testing.assert_array_equal(np.asarray(got["tokens"][i]), np.asarray(want["tokens"][i]),
-                                          err_msg=f"row {i}")
+            np.testing.assert_array_equal(
+                np.asarray(got["tokens"][i]), np.asarray(want["tokens"][i]), err_msg=f"row {i}"
+            )
     assert compared >= 0.8 * 2 * batch
 
 
 def test_empty_batch():
-    out = verify_from_logits(np.zeros((0, 2), np.int32), np.zeros((0, 2, 5), np.float32),
-                             np.zeros((0, 3, 5), np.float32), key=jax.random.key(0), temperature=1.0)
+    out = verify_from_logits(
+        np.zeros((0, 2), np.int32),
+        np.zeros((0, 2, 5), np.float32),
+        np.zeros((0, 3, 5), np.float32),
+        key=jax.random.key(0),
+        temperature=1.0,
+    )
     assert out["tokens"].shape == (0, 3) and out["num_accepted"].shape == (0,)
     tokens, probs = sample_from_logits(np.zeros((0, 5), np.float32), key=jax.random.key(0), temperature=1.0)
     assert tokens.shape == (0,) and probs.shape == (0, 5)
@@ -456,7 +488,10 @@ def verify_inputs(draw):
     if draw(st.booleans()):  # draft tokens at the target's argmax: long accepted prefixes
         x = np.argmax(target[:, :g], axis=2)
     return dict(
-        x=x, draft=draft, target=target, seed=seed,
+        x=x,
+        draft=draft,
+        target=target,
+        seed=seed,
         temperature=rows(st.sampled_from([0.0, 0.3, 1.0, 2.0])),
         top_k=rows(st.integers(0, vocab + 2)),
         top_p=rows(st.sampled_from([0.05, 0.5, 0.9, 1.0])),
@@ -468,17 +503,23 @@ def verify_inputs(draw):
 @given(verify_inputs())
 def test_verify_invariants(inp):
     b = inp["x"].shape[0]
-    out = verify_from_logits(inp["x"], inp["draft"], inp["target"],
-                             key=jax.random.split(jax.random.key(inp["seed"] % 1000), b),
-                             temperature=inp["temperature"], top_k=inp["top_k"], top_p=inp["top_p"],
-                             num_draft_tokens=inp["kb"])
+    out = verify_from_logits(
+        inp["x"],
+        inp["draft"],
+        inp["target"],
+        key=jax.random.split(jax.random.key(inp["seed"] % 1000), b),
+        temperature=inp["temperature"],
+        top_k=inp["top_k"],
+        top_p=inp["top_p"],
+        num_draft_tokens=inp["kb"],
+    )
     tokens = np.asarray(out["tokens"])
     n = np.asarray(out["num_accepted"])
     for i in range(b):
         t, k, p = inp["temperature"][i], inp["top_k"][i], inp["top_p"][i]
         assert 0 <= n[i] <= inp["kb"][i]
-        np.testing.assert_array_equal(tokens[i, :n[i]], inp["x"][i, :n[i]])
-        assert np.all(tokens[i, n[i] + 1:] == -1)
+        np.testing.assert_array_equal(tokens[i, : n[i]], inp["x"][i, : n[i]])
+        assert np.all(tokens[i, n[i] + 1 :] == -1)
         y = tokens[i, n[i]]
         # The emitted token lies in the processed target's support at position n.
         p_n = ref_process(inp["target"][i, n[i]], t, k, p)
@@ -492,13 +533,19 @@ def test_verify_invariants(inp):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2**32 - 1), st.sampled_from([0.0, 0.5, 1.0, 3.0]), st.integers(0, SV + 5),
-       st.sampled_from([0.01, 0.3, 0.9, 1.0]), st.sampled_from([0.01, 1.0, 30.0]))
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+    st.integers(0, SV + 5),
+    st.sampled_from([0.01, 0.3, 0.9, 1.0]),
+    st.sampled_from([0.01, 1.0, 30.0]),
+)
 def test_sample_invariants(seed, temperature, top_k, top_p, scale):
     rng = np.random.default_rng(seed)
     logits = (scale * rng.standard_normal((SB, SV))).astype(np.float32)
-    tokens, probs = sample_from_logits(logits, key=jax.random.key(seed % 1000), temperature=temperature,
-                                       top_k=top_k, top_p=top_p)
+    tokens, probs = sample_from_logits(
+        logits, key=jax.random.key(seed % 1000), temperature=temperature, top_k=top_k, top_p=top_p
+    )
     tokens, probs = np.asarray(tokens), np.asarray(probs)
     assert probs.dtype == np.float32 and tokens.dtype == np.int32
     assert np.all(probs >= 0)

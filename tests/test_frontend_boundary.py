@@ -56,8 +56,9 @@ def test_per_row_keys_make_rows_independent_of_their_batch():
     keys = jax.random.split(jax.random.key(5), MB)
     full = np.asarray(verify_from_logits(x, draft, target, key=keys, **params)["tokens"])
     for i in (0, 1, 7, MB - 1):
-        alone = verify_from_logits(x[i:i + 1], draft[i:i + 1], target[i:i + 1], key=keys[i:i + 1],
-                                   **_rows(params, slice(i, i + 1)))
+        alone = verify_from_logits(
+            x[i : i + 1], draft[i : i + 1], target[i : i + 1], key=keys[i : i + 1], **_rows(params, slice(i, i + 1))
+        )
         np.testing.assert_array_equal(np.asarray(alone["tokens"])[0], full[i], err_msg=f"row {i}")
     # In another batch order (other neighbours, same shapes) the rows move with their keys.
     perm = np.random.default_rng(0).permutation(MB)
@@ -67,8 +68,9 @@ def test_per_row_keys_make_rows_independent_of_their_batch():
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((SB, SV)).astype(np.float32)
     skeys = jax.random.split(jax.random.key(6), SB)
-    sp = dict(temperature=rng.choice([0.0, 0.7, 1.0], SB), top_k=rng.choice([0, 5], SB),
-              top_p=rng.choice([1.0, 0.8], SB))
+    sp = dict(
+        temperature=rng.choice([0.0, 0.7, 1.0], SB), top_k=rng.choice([0, 5], SB), top_p=rng.choice([1.0, 0.8], SB)
+    )
     t_full, _ = sample_from_logits(logits, key=skeys, **sp)
     sperm = np.array([3, 0, 5, 1, 4, 2])
     t_perm, _ = sample_from_logits(logits[sperm], key=skeys[sperm], **_rows(sp, sperm))
@@ -157,8 +159,11 @@ def test_changing_parameter_values_never_recompiles_sampling():
     logits = rng.standard_normal((SB, SV)).astype(np.float32)
     jax.block_until_ready(sample_from_logits(logits, key=jax.random.key(0), temperature=0.7, top_k=5, top_p=0.9))
     before = frontend._sample_jit._cache_size()
-    for t, k, p in [(0.0, 1, 0.1), ([0.0, 1.0, 2.0, 0.5, 1, 1], [0, 1, 2, 50, 3, 3], [1.0, 0.2, 0.5, 0.9, 1, 1]),
-                    (jnp.asarray(1.5), jnp.asarray(3), jnp.asarray(0.4))]:
+    for t, k, p in [
+        (0.0, 1, 0.1),
+        ([0.0, 1.0, 2.0, 0.5, 1, 1], [0, 1, 2, 50, 3, 3], [1.0, 0.2, 0.5, 0.9, 1, 1]),
+        (jnp.asarray(1.5), jnp.asarray(3), jnp.asarray(0.4)),
+    ]:
         jax.block_until_ready(sample_from_logits(logits, key=jax.random.key(3), temperature=t, top_k=k, top_p=p))
         assert frontend._sample_jit._cache_size() == before, (t, k, p)
 
@@ -189,59 +194,121 @@ def _with(**changes):
 
 
 VERIFY_ERRORS = [
-    ("draft_tokens-rank", _with(draft_tokens=np.zeros((VB,), np.int32)),
-     r"draft_tokens: expected rank 2 with shape \(B, G\), got shape \(1,\)"),
-    ("draft_logits-shape", _with(draft_logits=np.zeros((VB, VG + 1, MV), np.float32)),
-     r"draft_logits: expected shape \(B, G, V\) = \(1, 4, 40\), got \(1, 5, 40\)"),
-    ("target_logits-shape", _with(target_logits=np.zeros((VB, VG, MV), np.float32)),
-     r"target_logits: expected shape \(B, G\+1, V\) = \(1, 5, 40\), got \(1, 4, 40\)"),
-    ("target_logits-batch", _with(target_logits=np.zeros((VB + 2, VG + 1, MV), np.float32)),
-     r"target_logits: expected shape \(B, G\+1, V\) = \(1, 5, 40\), got \(3, 5, 40\)"),
-    ("draft_tokens-batch", _with(draft_tokens=np.zeros((VB + 1, VG), np.int32)),
-     r"draft_tokens: expected shape \(B, G\) = \(1, 4\) like the logits, got \(2, 4\)"),
-    ("draft_tokens-draft-length", _with(draft_tokens=np.zeros((VB, VG - 1), np.int32)),
-     r"draft_tokens: expected shape \(B, G\) = \(1, 4\) like the logits, got \(1, 3\)"),
-    ("vocab-mismatch", _with(draft_logits=np.zeros((VB, VG, MV - 8), np.float32)),
-     r"draft_logits: expected the target's vocabulary size V = 40, got 32"),
-    ("logits-int", _with(target_logits=np.zeros((VB, VG + 1, MV), np.int32)),
-     r"target_logits: expected a floating dtype .*, got int32"),
-    ("draft-token-range", _with(draft_tokens=np.full((VB, VG), MV)),
-     r"draft_tokens: expected token ids in \[0, V\) = \[0, 40\) .*got values in \[40, 40\]"),
-    ("draft-token-negative", _with(draft_tokens=np.full((VB, VG), -3)),
-     r"draft_tokens: expected token ids in \[0, V\) = \[0, 40\) .*got values in \[-3, -3\]"),
-    ("nan-logits", _with(target_logits=np.full((VB, VG + 1, MV), np.nan, np.float32)),
-     r"target_logits: expected no NaN or \+inf logits, got 200 NaN"),
-    ("inf-draft-logits", _with(draft_logits=np.full((VB, VG, MV), np.inf, np.float32)),
-     r"draft_logits: expected no NaN or \+inf logits, got 0 NaN and 160 \+inf"),
-    ("temperature-negative", _with(temperature=-0.5),
-     r"temperature: expected finite values >= 0 \(0 = greedy\), got \[-0.5\]"),
+    (
+        "draft_tokens-rank",
+        _with(draft_tokens=np.zeros((VB,), np.int32)),
+        r"draft_tokens: expected rank 2 with shape \(B, G\), got shape \(1,\)",
+    ),
+    (
+        "draft_logits-shape",
+        _with(draft_logits=np.zeros((VB, VG + 1, MV), np.float32)),
+        r"draft_logits: expected shape \(B, G, V\) = \(1, 4, 40\), got \(1, 5, 40\)",
+    ),
+    (
+        "target_logits-shape",
+        _with(target_logits=np.zeros((VB, VG, MV), np.float32)),
+        r"target_logits: expected shape \(B, G\+1, V\) = \(1, 5, 40\), got \(1, 4, 40\)",
+    ),
+    (
+        "target_logits-batch",
+        _with(target_logits=np.zeros((VB + 2, VG + 1, MV), np.float32)),
+        r"target_logits: expected shape \(B, G\+1, V\) = \(1, 5, 40\), got \(3, 5, 40\)",
+    ),
+    (
+        "draft_tokens-batch",
+        _with(draft_tokens=np.zeros((VB + 1, VG), np.int32)),
+        r"draft_tokens: expected shape \(B, G\) = \(1, 4\) like the logits, got \(2, 4\)",
+    ),
+    (
+        "draft_tokens-draft-length",
+        _with(draft_tokens=np.zeros((VB, VG - 1), np.int32)),
+        r"draft_tokens: expected shape \(B, G\) = \(1, 4\) like the logits, got \(1, 3\)",
+    ),
+    (
+        "vocab-mismatch",
+        _with(draft_logits=np.zeros((VB, VG, MV - 8), np.float32)),
+        r"draft_logits: expected the target's vocabulary size V = 40, got 32",
+    ),
+    (
+        "logits-int",
+        _with(target_logits=np.zeros((VB, VG + 1, MV), np.int32)),
+        r"target_logits: expected a floating dtype .*, got int32",
+    ),
+    (
+        "draft-token-range",
+        _with(draft_tokens=np.full((VB, VG), MV)),
+        r"draft_tokens: expected token ids in \[0, V\) = \[0, 40\) .*got values in \[40, 40\]",
+    ),
+    (
+        "draft-token-negative",
+        _with(draft_tokens=np.full((VB, VG), -3)),
+        r"draft_tokens: expected token ids in \[0, V\) = \[0, 40\) .*got values in \[-3, -3\]",
+    ),
+    (
+        "nan-logits",
+        _with(target_logits=np.full((VB, VG + 1, MV), np.nan, np.float32)),
+        r"target_logits: expected no NaN or \+inf logits, got 200 NaN",
+    ),
+    (
+        "inf-draft-logits",
+        _with(draft_logits=np.full((VB, VG, MV), np.inf, np.float32)),
+        r"draft_logits: expected no NaN or \+inf logits, got 0 NaN and 160 \+inf",
+    ),
+    (
+        "temperature-negative",
+        _with(temperature=-0.5),
+        r"temperature: expected finite values >= 0 \(0 = greedy\), got \[-0.5\]",
+    ),
     ("temperature-nan", _with(temperature=float("nan")), r"temperature: expected finite values >= 0"),
-    ("temperature-shape", _with(temperature=[0.5, 0.5]),
-     r"temperature: expected a scalar or shape \(B,\) = \(1,\), got shape \(2,\)"),
-    ("temperature-none", _with(temperature=None),
-     r"temperature: expected a number >= 0 or an array of shape \(B,\), got None"),
+    (
+        "temperature-shape",
+        _with(temperature=[0.5, 0.5]),
+        r"temperature: expected a scalar or shape \(B,\) = \(1,\), got shape \(2,\)",
+    ),
+    (
+        "temperature-none",
+        _with(temperature=None),
+        r"temperature: expected a number >= 0 or an array of shape \(B,\), got None",
+    ),
     ("top_p-zero", _with(top_p=0.0), r"top_p: expected values in \(0, 1\], got \[0.0\]"),
     ("top_p-above-one", _with(top_p=1.5), r"top_p: expected values in \(0, 1\], got \[1.5\]"),
     ("top_p-negative", _with(top_p=[-0.1]), r"top_p: expected values in \(0, 1\], got \[-0.1\]"),
-    ("top_p-shape", _with(top_p=np.full((VB, 1), 0.9)),
-     r"top_p: expected a scalar or shape \(B,\) = \(1,\), got shape \(1, 1\)"),
+    (
+        "top_p-shape",
+        _with(top_p=np.full((VB, 1), 0.9)),
+        r"top_p: expected a scalar or shape \(B,\) = \(1,\), got shape \(1, 1\)",
+    ),
     ("top_k-negative", _with(top_k=-1), r"top_k: expected integers >= 0 \(0 = no top-k\), got \[-1\]"),
     ("top_k-float", _with(top_k=2.5), r"top_k: expected integers, got dtype float64"),
-    ("top_k-shape", _with(top_k=[1, 2, 3]),
-     r"top_k: expected a scalar or shape \(B,\) = \(1,\), got shape \(3,\)"),
-    ("num_draft-too-big", _with(num_draft_tokens=[VG + 1]),
-     r"num_draft_tokens: expected values in \[0, G\] = \[0, 4\], got \[5\]"),
-    ("num_draft-negative", _with(num_draft_tokens=-1),
-     r"num_draft_tokens: expected values in \[0, G\] = \[0, 4\], got \[-1\]"),
-    ("num_draft-shape", _with(num_draft_tokens=[1, 2]),
-     r"num_draft_tokens: expected a scalar or shape \(B,\) = \(1,\), got shape \(2,\)"),
+    ("top_k-shape", _with(top_k=[1, 2, 3]), r"top_k: expected a scalar or shape \(B,\) = \(1,\), got shape \(3,\)"),
+    (
+        "num_draft-too-big",
+        _with(num_draft_tokens=[VG + 1]),
+        r"num_draft_tokens: expected values in \[0, G\] = \[0, 4\], got \[5\]",
+    ),
+    (
+        "num_draft-negative",
+        _with(num_draft_tokens=-1),
+        r"num_draft_tokens: expected values in \[0, G\] = \[0, 4\], got \[-1\]",
+    ),
+    (
+        "num_draft-shape",
+        _with(num_draft_tokens=[1, 2]),
+        r"num_draft_tokens: expected a scalar or shape \(B,\) = \(1,\), got shape \(2,\)",
+    ),
     ("num_draft-float", _with(num_draft_tokens=[1.0]), r"num_draft_tokens: expected integers, got dtype float64"),
     ("key-none", _with(key=None), r"key: expected a JAX PRNG key .*got None"),
     ("key-int", _with(key=0), r"key: expected a JAX PRNG key .*got int"),
-    ("key-shape", _with(key=jax.random.split(jax.random.key(0), VB + 2)),
-     r"key: expected one key \(shape \(\)\) or one per row \(shape \(1,\)\), got shape \(3,\)"),
-    ("key-float-array", _with(key=jnp.zeros((2,), jnp.float32)),
-     r"key: expected a JAX PRNG key .*got an array of dtype float32"),
+    (
+        "key-shape",
+        _with(key=jax.random.split(jax.random.key(0), VB + 2)),
+        r"key: expected one key \(shape \(\)\) or one per row \(shape \(1,\)\), got shape \(3,\)",
+    ),
+    (
+        "key-float-array",
+        _with(key=jnp.zeros((2,), jnp.float32)),
+        r"key: expected a JAX PRNG key .*got an array of dtype float32",
+    ),
 ]
 
 
@@ -272,22 +339,40 @@ def test_missing_key_argument():
 
 
 SAMPLE_ERRORS = [
-    ("logits-rank", _with(logits=np.zeros((SB, 3, SV), np.float32)),
-     r"logits: expected rank 2 with shape \(B, V\), got shape \(6, 3, 64\)"),
+    (
+        "logits-rank",
+        _with(logits=np.zeros((SB, 3, SV), np.float32)),
+        r"logits: expected rank 2 with shape \(B, V\), got shape \(6, 3, 64\)",
+    ),
     ("logits-int", _with(logits=np.zeros((SB, SV), np.int64)), r"logits: expected a floating dtype .*got int64"),
     ("logits-nan", _with(logits=np.full((SB, SV), np.nan, np.float32)), r"logits: expected no NaN or \+inf"),
-    ("logits-all-neg-inf", _with(logits=np.full((SB, SV), -np.inf, np.float32)),
-     r"logits: expected every row to have a finite logit, got 6 rows of all -inf"),
-    ("temperature-row-negative", _with(temperature=[1.0, 1.0, -1.0, 1.0, 1.0, 1.0]),
-     r"temperature: expected finite values >= 0 \(0 = greedy\), got \[1.0, 1.0, -1.0, 1.0, 1.0, 1.0\]"),
+    (
+        "logits-all-neg-inf",
+        _with(logits=np.full((SB, SV), -np.inf, np.float32)),
+        r"logits: expected every row to have a finite logit, got 6 rows of all -inf",
+    ),
+    (
+        "temperature-row-negative",
+        _with(temperature=[1.0, 1.0, -1.0, 1.0, 1.0, 1.0]),
+        r"temperature: expected finite values >= 0 \(0 = greedy\), got \[1.0, 1.0, -1.0, 1.0, 1.0, 1.0\]",
+    ),
     ("temperature-inf", _with(temperature=float("inf")), r"temperature: expected finite values >= 0"),
-    ("top_p-zero-row", _with(top_p=[0.9, 0.9, 0.9, 0.0, 0.9, 0.9]),
-     r"top_p: expected values in \(0, 1\], got \[0.9, 0.9, 0.9, 0.0, 0.9, 0.9\]"),
-    ("top_k-negative-row", _with(top_k=[3, 3, 3, 3, 3, -2]),
-     r"top_k: expected integers >= 0 \(0 = no top-k\), got \[3, 3, 3, 3, 3, -2\]"),
+    (
+        "top_p-zero-row",
+        _with(top_p=[0.9, 0.9, 0.9, 0.0, 0.9, 0.9]),
+        r"top_p: expected values in \(0, 1\], got \[0.9, 0.9, 0.9, 0.0, 0.9, 0.9\]",
+    ),
+    (
+        "top_k-negative-row",
+        _with(top_k=[3, 3, 3, 3, 3, -2]),
+        r"top_k: expected integers >= 0 \(0 = no top-k\), got \[3, 3, 3, 3, 3, -2\]",
+    ),
     ("key-none", _with(key=None), r"key: expected a JAX PRNG key"),
-    ("key-shape", _with(key=jax.random.split(jax.random.key(0), 3)),
-     r"key: expected one key \(shape \(\)\) or one per row \(shape \(6,\)\), got shape \(3,\)"),
+    (
+        "key-shape",
+        _with(key=jax.random.split(jax.random.key(0), 3)),
+        r"key: expected one key \(shape \(\)\) or one per row \(shape \(6,\)\), got shape \(3,\)",
+    ),
 ]
 
 
@@ -346,12 +431,15 @@ def _logits_jits():
         ("frontend._verify_jit", frontend._verify_jit.lower(tokens, d, t, key, f32, i32, f32, i32 + g, **static)),
         ("frontend._sample_jit", frontend._sample_jit.lower(t[:, 0], key, f32, i32, f32, **static)),
         ("steps.draft_draw", steps.draft_draw.lower(t[:, 0], keys, 0, 1, f32, i32, f32, vocab=v, **static)),
-        ("steps.verify_step", steps.verify_step.lower(tokens, tuple(d.transpose(1, 0, 2)), t, keys, 0,
-                                                      f32, i32, f32, i32 + g, **static)),
-        ("steps.probs_step", steps.probs_step.lower(tuple(d.transpose(1, 0, 2)), t, keys, 0, f32, i32, f32,
-                                                    **static)),
-        ("sharded._verify_mesh_jit", sharded._verify_mesh_jit.lower(tokens, d, t, key, f32, i32, f32, i32 + g,
-                                                                    layout=layout, **static)),
+        (
+            "steps.verify_step",
+            steps.verify_step.lower(tokens, tuple(d.transpose(1, 0, 2)), t, keys, 0, f32, i32, f32, i32 + g, **static),
+        ),
+        ("steps.probs_step", steps.probs_step.lower(tuple(d.transpose(1, 0, 2)), t, keys, 0, f32, i32, f32, **static)),
+        (
+            "sharded._verify_mesh_jit",
+            sharded._verify_mesh_jit.lower(tokens, d, t, key, f32, i32, f32, i32 + g, layout=layout, **static),
+        ),
     ]
 
 

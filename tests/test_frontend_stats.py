@@ -79,8 +79,9 @@ def test_sample_from_logits_tokens_follow_probs():
     temperature = np.where(np.arange(N) < half, T, 1.3)
     top_k = np.where(np.arange(N) < half, K, 0)
     top_p = np.where(np.arange(N) < half, P, 1.0)
-    tokens, probs = sample_from_logits(logits, key=jax.random.key(0), temperature=temperature,
-                                       top_k=top_k, top_p=top_p, validate=False)
+    tokens, probs = sample_from_logits(
+        logits, key=jax.random.key(0), temperature=temperature, top_k=top_k, top_p=top_p, validate=False
+    )
     tokens, probs = np.asarray(tokens), np.asarray(probs)
     first = ref_process(row, T, K, P)
     second = ref_process(row, 1.3, 0, 1.0)
@@ -97,11 +98,19 @@ def _position0_tokens(seed: int, draft_temperature: float) -> tuple[np.ndarray, 
     target_logits = np.broadcast_to(target, (N, 2, V))
     draft_logits = np.broadcast_to(draft, (N, 1, V))
     key_draft, key_verify = jax.random.split(jax.random.key(seed))
-    x, _ = sample_from_logits(draft_logits[:, 0], key=key_draft, temperature=draft_temperature,
-                              top_k=K, top_p=P, validate=False)
-    out = verify_from_logits(np.asarray(x)[:, None], draft_logits, target_logits,
-                             key=jax.random.split(key_verify, N), temperature=T, top_k=K, top_p=P,
-                             validate=False)
+    x, _ = sample_from_logits(
+        draft_logits[:, 0], key=key_draft, temperature=draft_temperature, top_k=K, top_p=P, validate=False
+    )
+    out = verify_from_logits(
+        np.asarray(x)[:, None],
+        draft_logits,
+        target_logits,
+        key=jax.random.split(key_verify, N),
+        temperature=T,
+        top_k=K,
+        top_p=P,
+        validate=False,
+    )
     return np.asarray(out["tokens"])[:, 0], ref_process(target[0], T, K, P)
 
 

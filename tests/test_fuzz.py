@@ -37,9 +37,12 @@ import specjax
 
 # --------------------------------------------------------------------------- profiles and the property
 
-settings.register_profile("specjax-fuzz", deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                 HealthCheck.filter_too_much])
+settings.register_profile(
+    "specjax-fuzz",
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
 LONG = os.environ.get("SPECJAX_FUZZ", "ci") == "long"
 
 
@@ -94,7 +97,7 @@ def check_layout(n: np.ndarray, tokens: np.ndarray, x: np.ndarray, k: np.ndarray
         assert 0 <= nr <= int(k[r]), (r, nr, k[r])
         assert tokens[r, :nr].tolist() == x[r, :nr].tolist()
         assert 0 <= tokens[r, nr] < vocab, tokens[r]
-        assert np.all(tokens[r, nr + 1:] == -1), tokens[r]
+        assert np.all(tokens[r, nr + 1 :] == -1), tokens[r]
 
 
 # --------------------------------------------------------------------------- rejection_sample
@@ -117,20 +120,44 @@ def kernel_case(draw):
     v = draw(st.sampled_from([1, 5, 8]))
     ints = st.integers(0, 12)
     q = np.array(draw(st.lists(ints, min_size=b * g * v, max_size=b * g * v)), np.float64).reshape(b, g, v) / 1024
-    p = np.array(draw(st.lists(ints, min_size=b * (g + 1) * v, max_size=b * (g + 1) * v)),
-                 np.float64).reshape(b, g + 1, v) / 1024
+    p = (
+        np.array(draw(st.lists(ints, min_size=b * (g + 1) * v, max_size=b * (g + 1) * v)), np.float64).reshape(
+            b, g + 1, v
+        )
+        / 1024
+    )
     p[..., draw(st.integers(0, v - 1))] += 1 / 1024  # every p_i has a positive sum
     x = np.array(draw(st.lists(st.integers(0, v - 1), min_size=b * g, max_size=b * g)), np.int64).reshape(b, g)
     u = np.array(draw(st.lists(st.integers(0, 1023), min_size=b * g, max_size=b * g)), np.float64).reshape(b, g)
     s = np.array(draw(st.lists(st.integers(0, 1023), min_size=b, max_size=b)), np.float64)
-    args = {"draft_tokens": x.astype(draw(st.sampled_from([np.int32, np.int64]))),
-            "draft_probs": _as_dtype(q, draw(st.sampled_from(PROB_DTYPES))),
-            "target_probs": _as_dtype(p, draw(st.sampled_from(PROB_DTYPES))),
-            "accept_uniforms": (u / 1024).astype(draw(st.sampled_from([np.float32, np.float64]))),
-            "sample_uniforms": (s / 1024).astype(draw(st.sampled_from([np.float32, np.float64])))}
-    defect = draw(st.sampled_from([None, None, "token_low", "token_high", "token_float", "probs_nan",
-                                   "probs_negative", "probs_inf", "target_zero_row", "uniform_one", "uniform_nan",
-                                   "shape", "rank", "none", "string"]))
+    args = {
+        "draft_tokens": x.astype(draw(st.sampled_from([np.int32, np.int64]))),
+        "draft_probs": _as_dtype(q, draw(st.sampled_from(PROB_DTYPES))),
+        "target_probs": _as_dtype(p, draw(st.sampled_from(PROB_DTYPES))),
+        "accept_uniforms": (u / 1024).astype(draw(st.sampled_from([np.float32, np.float64]))),
+        "sample_uniforms": (s / 1024).astype(draw(st.sampled_from([np.float32, np.float64]))),
+    }
+    defect = draw(
+        st.sampled_from(
+            [
+                None,
+                None,
+                "token_low",
+                "token_high",
+                "token_float",
+                "probs_nan",
+                "probs_negative",
+                "probs_inf",
+                "target_zero_row",
+                "uniform_one",
+                "uniform_nan",
+                "shape",
+                "rank",
+                "none",
+                "string",
+            ]
+        )
+    )
     blame = None
     if defect and b and g and defect.startswith("token"):
         blame = "draft_tokens"
@@ -138,8 +165,9 @@ def kernel_case(draw):
         if defect == "token_float":
             t = t.astype(np.float32)
         else:
-            t[draw(st.integers(0, b - 1)), draw(st.integers(0, g - 1))] = -1 if defect == "token_low" else \
-                draw(st.sampled_from([v, v + 7, 2**31 - 1]))
+            t[draw(st.integers(0, b - 1)), draw(st.integers(0, g - 1))] = (
+                -1 if defect == "token_low" else draw(st.sampled_from([v, v + 7, 2**31 - 1]))
+            )
         args["draft_tokens"] = t
     elif defect and b and defect.startswith("probs"):
         blame = draw(st.sampled_from(["target_probs", "draft_probs"] if g else ["target_probs"]))
@@ -169,8 +197,10 @@ def kernel_case(draw):
         defect = None
     container = draw(st.sampled_from(CONTAINERS if b and g else ("numpy", "torch", "jax")))  # a list loses (0, ...)
     if container != "numpy":
-        args = {k: (contain(a, container) if isinstance(a, np.ndarray) and a.dtype != jnp.bfloat16 else a)
-                for k, a in args.items()}
+        args = {
+            k: (contain(a, container) if isinstance(a, np.ndarray) and a.dtype != jnp.bfloat16 else a)
+            for k, a in args.items()
+        }
     return args, (b, g, v), defect, blame, draw(st.booleans())
 
 
@@ -188,12 +218,16 @@ def test_fuzz_rejection_sample(case, sampler):
         return
     assert not (validate and defect is not None and defect not in ("shape", "rank")), f"{defect} not caught"
     n, tokens = host(out["num_accepted"]), host(out["tokens"])
-    x = host(args["draft_tokens"]) if not isinstance(args["draft_tokens"], list) else np.asarray(
-        args["draft_tokens"]).reshape(b, g)
+    x = (
+        host(args["draft_tokens"])
+        if not isinstance(args["draft_tokens"], list)
+        else np.asarray(args["draft_tokens"]).reshape(b, g)
+    )
     check_layout(n, tokens, x.astype(np.int64), np.full(b, g), v)
     if defect is None:  # exact inputs: every sampler agrees with the float64 reference
-        ref = specjax.load_sampler("numpy")(**{k: host(a) if not isinstance(a, list) else a
-                                               for k, a in args.items()}, validate=True)
+        ref = specjax.load_sampler("numpy")(
+            **{k: host(a) if not isinstance(a, list) else a for k, a in args.items()}, validate=True
+        )
         np.testing.assert_array_equal(n, ref["num_accepted"])
         np.testing.assert_array_equal(tokens, ref["tokens"])
 
@@ -230,9 +264,20 @@ def _key(draw, b: int, valid: bool) -> Any:
     if valid:
         key = jax.random.key(draw(st.integers(0, 9)))
         return key if draw(st.booleans()) else jax.random.split(key, b)
-    return draw(st.sampled_from([None, 3, "key", np.zeros(2, np.uint32), jnp.zeros((3,), jnp.uint32),
-                                 jnp.zeros((b + 1, 2), jnp.uint32), jnp.zeros((2,), jnp.float32),
-                                 jax.random.split(jax.random.key(0), b + 2)]))
+    return draw(
+        st.sampled_from(
+            [
+                None,
+                3,
+                "key",
+                np.zeros(2, np.uint32),
+                jnp.zeros((3,), jnp.uint32),
+                jnp.zeros((b + 1, 2), jnp.uint32),
+                jnp.zeros((2,), jnp.float32),
+                jax.random.split(jax.random.key(0), b + 2),
+            ]
+        )
+    )
 
 
 @st.composite
@@ -281,8 +326,7 @@ def test_fuzz_sample_from_logits(case, container):
     _, logits, params, bad, validate, (b, _, v) = case
     container = container if b else "numpy"  # a list loses the shape (0, V)
     arg = contain(logits, container) if not (container == "list" and logits.dtype == jnp.bfloat16) else logits
-    out, err = call(specjax.sample_from_logits, arg, **params, validate=validate,
-                    names=("logits", *PARAM_ARGS))
+    out, err = call(specjax.sample_from_logits, arg, **params, validate=validate, names=("logits", *PARAM_ARGS))
     if bad is None:
         assert err is None, f"valid inputs refused: {err}"
     if err is not None:
@@ -300,8 +344,10 @@ def test_fuzz_sample_from_logits(case, container):
     for r in range(b):
         assert np.all(probs[r] >= 0) and abs(probs[r].sum() - 1) < 1e-4, probs[r]
         assert probs[r, tokens[r]] > 0
-        t, k, p = (float(_row(params[n], r)) if _row(params[n], r) is not None else None
-                   for n in ("temperature", "top_k", "top_p"))
+        t, k, p = (
+            float(_row(params[n], r)) if _row(params[n], r) is not None else None
+            for n in ("temperature", "top_k", "top_p")
+        )
         if t == 0:
             assert tokens[r] == int(np.argmax(x[r])) and probs[r, tokens[r]] == 1
         elif (k is None or k == 0 or k >= v) and (p is None or p == 1):
@@ -319,8 +365,9 @@ def test_fuzz_sample_from_logits(case, container):
 def test_fuzz_verify_from_logits(case, data):
     _, target, params, bad, validate, (b, g, v) = case
     draft = data.draw(st.sampled_from([target[:, :g] if target.ndim == 3 else target, np.zeros((b, g, v), np.float32)]))
-    x = np.array(data.draw(st.lists(st.integers(0, max(v - 1, 0)), min_size=b * g, max_size=b * g)),
-                 np.int64).reshape(b, g)
+    x = np.array(data.draw(st.lists(st.integers(0, max(v - 1, 0)), min_size=b * g, max_size=b * g)), np.int64).reshape(
+        b, g
+    )
     k = None
     if b and data.draw(st.booleans()):
         k = np.array(data.draw(st.lists(st.integers(0, g), min_size=b, max_size=b)), np.int32)
@@ -329,8 +376,16 @@ def test_fuzz_verify_from_logits(case, data):
         x[0, 0] = data.draw(st.sampled_from([-1, v, 2**31 - 1]))
         if k is not None:
             k[0] = max(k[0], 1)
-    out, err = call(specjax.verify_from_logits, x, draft, target, **params, num_draft_tokens=k, validate=validate,
-                    names=("draft_tokens", "draft_logits", "target_logits", "num_draft_tokens", *PARAM_ARGS))
+    out, err = call(
+        specjax.verify_from_logits,
+        x,
+        draft,
+        target,
+        **params,
+        num_draft_tokens=k,
+        validate=validate,
+        names=("draft_tokens", "draft_logits", "target_logits", "num_draft_tokens", *PARAM_ARGS),
+    )
     if bad is None and not tok_defect:
         assert err is None, f"valid inputs refused: {err}"
     if err is not None:
@@ -355,8 +410,21 @@ def test_fuzz_verify_from_logits(case, data):
 # --------------------------------------------------------------------------- speculative_generate on tiny models
 
 V = 48
-GEN_ARGS = ("target", "draft", "input_ids", "attention_mask", "max_new_tokens", "num_draft_tokens", "temperature",
-            "top_k", "top_p", "seed", "eos_token_id", "pad_token_id", "sampler")
+GEN_ARGS = (
+    "target",
+    "draft",
+    "input_ids",
+    "attention_mask",
+    "max_new_tokens",
+    "num_draft_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "eos_token_id",
+    "pad_token_id",
+    "sampler",
+)
 
 
 @pytest.fixture(scope="module")
@@ -365,9 +433,18 @@ def tiny_pair():
 
     def make(layers: int, seed: int) -> Any:
         torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                          pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        cfg = LlamaConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         model = LlamaForCausalLM(cfg).eval()
         model.generation_config.pad_token_id = 0
         model.generation_config.eos_token_id = None
@@ -384,16 +461,36 @@ def generate_case(draw):
     ids = torch.zeros((b, width), dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.long)
     for r, n in enumerate(lengths):
-        ids[r, width - n:] = torch.tensor(draw(st.lists(st.integers(1, V - 1), min_size=n, max_size=n)))
-        mask[r, width - n:] = 1
-    kwargs = dict(max_new_tokens=draw(st.integers(1, 6)), num_draft_tokens=draw(st.integers(1, 2)),
-                  temperature=draw(st.sampled_from([0.0, 0.0, 0.8])), seed=draw(st.integers(0, 3)),
-                  sampler=draw(st.sampled_from(["jax", "jax", "numpy"])))
+        ids[r, width - n :] = torch.tensor(draw(st.lists(st.integers(1, V - 1), min_size=n, max_size=n)))
+        mask[r, width - n :] = 1
+    kwargs = dict(
+        max_new_tokens=draw(st.integers(1, 6)),
+        num_draft_tokens=draw(st.integers(1, 2)),
+        temperature=draw(st.sampled_from([0.0, 0.0, 0.8])),
+        seed=draw(st.integers(0, 3)),
+        sampler=draw(st.sampled_from(["jax", "jax", "numpy"])),
+    )
     if draw(st.booleans()):
         kwargs["eos_token_id"] = draw(st.integers(1, V - 1))
-    bad = draw(st.sampled_from([None] * 8 + ["input_ids", "attention_mask", "max_new_tokens", "num_draft_tokens",
-                                             "temperature", "top_k", "top_p", "seed", "eos_token_id", "sampler",
-                                             "target", "positions"]))
+    bad = draw(
+        st.sampled_from(
+            [None] * 8
+            + [
+                "input_ids",
+                "attention_mask",
+                "max_new_tokens",
+                "num_draft_tokens",
+                "temperature",
+                "top_k",
+                "top_p",
+                "seed",
+                "eos_token_id",
+                "sampler",
+                "target",
+                "positions",
+            ]
+        )
+    )
     if bad == "input_ids":
         ids = draw(st.sampled_from([ids + V, ids - 100, ids.float(), ids[0], "text"]))
     elif bad == "attention_mask":
@@ -406,11 +503,20 @@ def generate_case(draw):
     elif bad == "target":
         kwargs["target"] = draw(st.sampled_from([None, "gpt2", torch.nn.Linear(2, 2)]))
     elif bad is not None:
-        kwargs[bad] = draw(st.sampled_from({
-            "max_new_tokens": [0, -1, 2.5, None, True], "num_draft_tokens": [0, 1.0, "4"],
-            "temperature": [-1.0, float("nan"), 1e39, "warm"], "top_k": [-3, 0.5], "top_p": [0.0, 2.0],
-            "seed": [2**64, 1.5, "s"], "eos_token_id": [-1, "eos", 1.5], "sampler": ["no-such-sampler", 42],
-        }[bad]))
+        kwargs[bad] = draw(
+            st.sampled_from(
+                {
+                    "max_new_tokens": [0, -1, 2.5, None, True],
+                    "num_draft_tokens": [0, 1.0, "4"],
+                    "temperature": [-1.0, float("nan"), 1e39, "warm"],
+                    "top_k": [-3, 0.5],
+                    "top_p": [0.0, 2.0],
+                    "seed": [2**64, 1.5, "s"],
+                    "eos_token_id": [-1, "eos", 1.5],
+                    "sampler": ["no-such-sampler", 42],
+                }[bad]
+            )
+        )
     return ids, mask, kwargs, bad
 
 
@@ -442,23 +548,78 @@ def test_fuzz_speculative_generate(tiny_pair, case):
         elif int(new[r]) != kwargs["max_new_tokens"]:
             raise AssertionError(f"row {r} stopped early at {int(new[r])} tokens without EOS")
     if kwargs["temperature"] == 0:  # greedy: exactly the target's own greedy output
-        want = target.generate(ids, attention_mask=mask, max_new_tokens=kwargs["max_new_tokens"], do_sample=False,
-                               pad_token_id=0, eos_token_id=kwargs.get("eos_token_id"))
+        want = target.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=kwargs["max_new_tokens"],
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=kwargs.get("eos_token_id"),
+        )
         assert torch.equal(seq[:, : want.shape[1]], want)
 
 
 # --------------------------------------------------------------------------- the CLI's argument parser
 
-FLAGS = ["--target", "--draft", "--gguf-file", "--prompt", "--prompts-file", "--max-new-tokens", "--num-draft-tokens",
-         "--temperature", "--top-k", "--top-p", "--seed", "--batch-size", "--device", "--sampler", "--chat", "--json",
-         "--debug", "--quick", "--out", "--sections", "--jax-cpu-threads", "--bogus", "-x"]
-VALUES = ["0", "1", "-1", "4", "0.5", "1e38", "1e400", "nan", "inf", "-inf", "", " ", "abc", "cuda", "cpu", "jax",
-          "9" * 30, "-9" * 20, "0x10", "1_000", "  7 ", "\u0661", "--", "=", "ü"]
+FLAGS = [
+    "--target",
+    "--draft",
+    "--gguf-file",
+    "--prompt",
+    "--prompts-file",
+    "--max-new-tokens",
+    "--num-draft-tokens",
+    "--temperature",
+    "--top-k",
+    "--top-p",
+    "--seed",
+    "--batch-size",
+    "--device",
+    "--sampler",
+    "--chat",
+    "--json",
+    "--debug",
+    "--quick",
+    "--out",
+    "--sections",
+    "--jax-cpu-threads",
+    "--bogus",
+    "-x",
+]
+VALUES = [
+    "0",
+    "1",
+    "-1",
+    "4",
+    "0.5",
+    "1e38",
+    "1e400",
+    "nan",
+    "inf",
+    "-inf",
+    "",
+    " ",
+    "abc",
+    "cuda",
+    "cpu",
+    "jax",
+    "9" * 30,
+    "-9" * 20,
+    "0x10",
+    "1_000",
+    "  7 ",
+    "\u0661",
+    "--",
+    "=",
+    "ü",
+]
 
 
 @examples(ci=200, long=3000)
-@given(st.lists(st.sampled_from(["generate", "demo", "bench", "nope"]), max_size=1),
-       st.lists(st.one_of(st.sampled_from(FLAGS), st.sampled_from(VALUES), st.text(max_size=6)), max_size=8))
+@given(
+    st.lists(st.sampled_from(["generate", "demo", "bench", "nope"]), max_size=1),
+    st.lists(st.one_of(st.sampled_from(FLAGS), st.sampled_from(VALUES), st.text(max_size=6)), max_size=8),
+)
 def test_fuzz_cli_argument_parser(command, rest):
     from specjax.cli import CLIError, build_parser
 

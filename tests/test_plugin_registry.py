@@ -82,10 +82,10 @@ def fake(monkeypatch: pytest.MonkeyPatch, clean_registry: None) -> types.SimpleN
     groups: dict[str, list[md.EntryPoint]] = {registry.PLUGINS_GROUP: [], registry.SAMPLERS_GROUP: []}
 
     def install(plugins: dict[str, str] | None = None, samplers: list[tuple[str, str]] | None = None) -> None:
-        groups[registry.PLUGINS_GROUP] = [md.EntryPoint(n, v, registry.PLUGINS_GROUP)
-                                         for n, v in (plugins or {}).items()]
-        groups[registry.SAMPLERS_GROUP] = [md.EntryPoint(n, v, registry.SAMPLERS_GROUP)
-                                          for n, v in (samplers or [])]
+        groups[registry.PLUGINS_GROUP] = [
+            md.EntryPoint(n, v, registry.PLUGINS_GROUP) for n, v in (plugins or {}).items()
+        ]
+        groups[registry.SAMPLERS_GROUP] = [md.EntryPoint(n, v, registry.SAMPLERS_GROUP) for n, v in (samplers or [])]
 
     monkeypatch.setattr(registry, "_entry_points", lambda group: list(groups.get(group, [])))
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
@@ -108,8 +108,7 @@ def test_installed_entry_points_load() -> None:
     from specjax.kernels.rejection import rejection_sample
     from specjax.plugin import hf, reference_samplers
 
-    loaded = {ep.name: ep.load() for ep in md.distribution("specjax").entry_points
-              if ep.group.startswith("specjax.")}
+    loaded = {ep.name: ep.load() for ep in md.distribution("specjax").entry_points if ep.group.startswith("specjax.")}
     assert loaded["jax"] is rejection_sample
     assert loaded["numpy"] is reference_samplers.numpy_rejection_sample
     assert loaded["torch"] is reference_samplers.torch_rejection_sample
@@ -190,10 +189,17 @@ def test_plugin_calling_the_registry_while_loading(fake: types.SimpleNamespace) 
     assert fake.mod.calls["good"] == 1
 
 
-def test_failing_plugins_are_logged_and_the_others_load(fake: types.SimpleNamespace,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    fake.install({"broken": f"{FAKE}:broken", "missing": "specjax_no_such_module:register",
-                  "notfn": f"{FAKE}:not_callable", "good": f"{FAKE}:good"})
+def test_failing_plugins_are_logged_and_the_others_load(
+    fake: types.SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.install(
+        {
+            "broken": f"{FAKE}:broken",
+            "missing": "specjax_no_such_module:register",
+            "notfn": f"{FAKE}:not_callable",
+            "good": f"{FAKE}:good",
+        }
+    )
     with caplog.at_level(logging.ERROR, logger="specjax.plugin"):
         status = registry.load_plugins()
     assert status["good"].status == "loaded"
@@ -201,13 +207,17 @@ def test_failing_plugins_are_logged_and_the_others_load(fake: types.SimpleNamesp
     assert status["missing"].status == "failed" and "ModuleNotFoundError" in status["missing"].error
     assert status["notfn"].status == "failed" and "not a callable register()" in status["notfn"].error
     assert sum("failed" in r.getMessage() for r in caplog.records) == 3
-    with pytest.raises(ValueError, match=r"unknown sampler 'x'; installed samplers: from_good, jax; plugins that "
-                                         r"failed to load: broken \(RuntimeError: boom\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown sampler 'x'; installed samplers: from_good, jax; plugins that "
+        r"failed to load: broken \(RuntimeError: boom\)",
+    ):
         registry.load_sampler("x")
 
 
-def test_load_plugins_by_group_imports_without_calling(fake: types.SimpleNamespace,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_load_plugins_by_group_imports_without_calling(
+    fake: types.SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
     fake.install({"good": f"{FAKE}:good", "missing": "specjax_no_such_module:register"})
     with caplog.at_level(logging.ERROR, logger="specjax.plugin"):
         loaded = registry.load_plugins_by_group(registry.PLUGINS_GROUP)
@@ -229,8 +239,13 @@ def test_load_plugins_by_group_imports_without_calling(fake: types.SimpleNamespa
         (",", set(), ["jax"]),
     ],
 )
-def test_filter_applies_to_both_groups(fake: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
-                                       env: str | None, plugins_run: set[str], samplers: list[str]) -> None:
+def test_filter_applies_to_both_groups(
+    fake: types.SimpleNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    env: str | None,
+    plugins_run: set[str],
+    samplers: list[str],
+) -> None:
     fake.install({"good": f"{FAKE}:good", "other": f"{FAKE}:other"}, [("ep_sampler", f"{FAKE}:sampler_b")])
     if env is not None:
         monkeypatch.setenv(registry.ENV_VAR, env)
@@ -240,8 +255,11 @@ def test_filter_applies_to_both_groups(fake: types.SimpleNamespace, monkeypatch:
     assert {n for n, c in fake.mod.calls.items() if c} == plugins_run
     assert registry.available_samplers() == samplers
     if "ep_sampler" not in samplers:
-        with pytest.raises(ValueError, match=rf"unknown sampler 'ep_sampler'; installed samplers: "
-                                             rf"{', '.join(samplers)} \({registry.ENV_VAR}="):
+        with pytest.raises(
+            ValueError,
+            match=rf"unknown sampler 'ep_sampler'; installed samplers: "
+            rf"{', '.join(samplers)} \({registry.ENV_VAR}=",
+        ):
             registry.load_sampler("ep_sampler")
 
 
@@ -314,8 +332,11 @@ def test_register_sampler_rules(fake: types.SimpleNamespace) -> None:
     registry.register_sampler("mine", fake.mod.sampler_a)  # the same object: no-op
     registry.register_sampler("mine", f"{FAKE}:sampler_a")  # the same target by name: no-op
     assert registry.load_sampler("mine") is fake.mod.sampler_a
-    with pytest.raises(ValueError, match=rf"sampler 'mine': already registered as {FAKE}:sampler_a .*refusing to "
-                                         rf"replace it with {FAKE}:sampler_b \(pass override=True"):
+    with pytest.raises(
+        ValueError,
+        match=rf"sampler 'mine': already registered as {FAKE}:sampler_a .*refusing to "
+        rf"replace it with {FAKE}:sampler_b \(pass override=True",
+    ):
         registry.register_sampler("mine", fake.mod.sampler_b)
     registry.register_sampler("mine", fake.mod.sampler_b, override=True)
     assert registry.load_sampler("mine") is fake.mod.sampler_b
@@ -325,8 +346,11 @@ def test_register_sampler_rules(fake: types.SimpleNamespace) -> None:
         registry.register_sampler("", fake.mod.sampler_a)
     with pytest.raises(TypeError, match=r"sampler 'x': expected a callable or a 'module:attribute' string, got int"):
         registry.register_sampler("x", 3)
-    with pytest.raises(ValueError, match=r"sampler 'x': expected a callable or a 'module:attribute' string, "
-                                         r"got 'no_colon'"):
+    with pytest.raises(
+        ValueError,
+        match=r"sampler 'x': expected a callable or a 'module:attribute' string, "
+        r"got 'no_colon'",
+    ):
         registry.register_sampler("x", "no_colon")
     with pytest.raises(ValueError, match=r"sampler 'jax': reserved for specjax.kernels.rejection:rejection_sample"):
         registry.register_sampler("jax", fake.mod.sampler_a)
@@ -345,11 +369,20 @@ def test_lazy_targets_fail_clearly_on_use(fake: types.SimpleNamespace) -> None:
 
 
 def test_clashing_entry_points_are_ambiguous(fake: types.SimpleNamespace) -> None:
-    fake.install(samplers=[("twice", f"{FAKE}:sampler_a"), ("twice", f"{FAKE}:sampler_b"),
-                           ("same", f"{FAKE}:sampler_a"), ("same", f"{FAKE}:sampler_a")])
+    fake.install(
+        samplers=[
+            ("twice", f"{FAKE}:sampler_a"),
+            ("twice", f"{FAKE}:sampler_b"),
+            ("same", f"{FAKE}:sampler_a"),
+            ("same", f"{FAKE}:sampler_a"),
+        ]
+    )
     assert registry.load_sampler("same") is fake.mod.sampler_a  # a duplicate, not a clash
-    with pytest.raises(ValueError, match=rf"sampler: 'twice' is ambiguous: declared as {FAKE}:sampler_a .* and as "
-                                         rf"{FAKE}:sampler_b"):
+    with pytest.raises(
+        ValueError,
+        match=rf"sampler: 'twice' is ambiguous: declared as {FAKE}:sampler_a .* and as "
+        rf"{FAKE}:sampler_b",
+    ):
         registry.load_sampler("twice")
     assert registry.sampler_origins()["twice"].startswith("ambiguous: ")
     registry.register_sampler("same", f"{FAKE}:sampler_b", override=True)  # a plugin may override on purpose
@@ -363,8 +396,9 @@ def test_plugin_registration_conflicting_with_an_entry_point(fake: types.SimpleN
         registry.load_sampler("dup")
 
 
-def test_entry_point_named_jax_cannot_replace_the_kernel(fake: types.SimpleNamespace,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_entry_point_named_jax_cannot_replace_the_kernel(
+    fake: types.SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
     from specjax.kernels.rejection import rejection_sample
 
     fake.install(samplers=[("jax", f"{FAKE}:sampler_a")])

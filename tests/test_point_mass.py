@@ -64,7 +64,7 @@ def test_point_masses_match_reference_with_explicit_one_hot(seed, b, g, vocab, d
         y = int(tokens[row, n[row]])
         assert y == ref.emitted[row] or is_tie(ref, row, y, float(s[row])), (row, y, ref.emitted[row])
         np.testing.assert_array_equal(tokens[row, : n[row]], x[row, : n[row]])
-        assert np.all(tokens[row, n[row] + 1:] == -1)
+        assert np.all(tokens[row, n[row] + 1 :] == -1)
     # The same tokens as the kernel fed the explicit one-hot q (which reads a (B, G, V) array).
     explicit = rejection_sample(x, np.asarray(jnp.asarray(_one_hot(x, vocab), dtype)), p, u, s)
     np.testing.assert_array_equal(np.asarray(explicit["num_accepted"]), n)
@@ -163,12 +163,16 @@ def test_verify_point_masses_ragged_rows_match_the_kernel_on_processed_probs():
         # the same row's uniforms, as verify draws them: u[:G] accept, u[G] sample
         uu = np.asarray(jax.random.uniform(keys[row], (g + 1,), jnp.float32))
         kb = int(k[row])
-        one = rejection_sample(x[row:row + 1, :kb], None, p[row:row + 1, : kb + 1], uu[None, :kb],
-                               uu[g:g + 1])
+        one = rejection_sample(x[row : row + 1, :kb], None, p[row : row + 1, : kb + 1], uu[None, :kb], uu[g : g + 1])
         assert int(one["num_accepted"][0]) == n[row]
         ref_y, y = int(one["tokens"][0, n[row]]), int(tokens[row, n[row]])
-        ref = reference_rejection_sample(x[row:row + 1, :kb], _one_hot(x[row:row + 1, :kb], vocab),
-                                         p[row:row + 1, : kb + 1], uu[None, :kb], uu[g:g + 1])
+        ref = reference_rejection_sample(
+            x[row : row + 1, :kb],
+            _one_hot(x[row : row + 1, :kb], vocab),
+            p[row : row + 1, : kb + 1],
+            uu[None, :kb],
+            uu[g : g + 1],
+        )
         assert y == ref_y or is_tie(ref, 0, y, float(uu[g]), tol=1e-4)
 
 
@@ -215,8 +219,9 @@ def _run(draft_logits):
     x = np.stack([choice, second], axis=1).astype(np.int32)
     logits = np.broadcast_to(target, (N, 3, V))
     d = None if draft_logits is None else np.broadcast_to(draft_logits, (N, 2, V))
-    out = verify_from_logits(x, d, logits, key=jax.random.split(jax.random.key(2), N), temperature=T, top_k=K,
-                             top_p=P, validate=False)
+    out = verify_from_logits(
+        x, d, logits, key=jax.random.split(jax.random.key(2), N), temperature=T, top_k=K, top_p=P, validate=False
+    )
     return np.asarray(out["tokens"]), np.asarray(out["num_accepted"]), x, p0, p1
 
 

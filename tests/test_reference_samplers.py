@@ -74,26 +74,91 @@ def _one_hot(v: int, i: int) -> list[float]:
 
 
 CASES = [
-    Case("all accepted, bonus from p_G", [[1, 2]], [[[0, 1, 0, 0], [0, 0, 1, 0]]],
-         [[[0, 1, 0, 0], [0, 0, 1, 0], [0.25] * 4]], [[0.5, 0.5]], [0.6], [2], [[1, 2, 2]]),
-    Case("rejection at 1, correction from the residual", [[1, 2]], [[[0, 1, 0, 0], [0, 0, 1, 0]]],
-         [[[0, 1, 0, 0], [0.5, 0, 0.25, 0.25], [0.25] * 4]], [[0.5, 0.25]], [0.5], [1], [[1, 0, -1]],
-         "u = 0.25 equals p/q = 0.25: strict < fails; residual (0.5, 0, 0, 0.25) has cdf 2/3 > 0.5 at 0"),
-    Case("q(x) = 0 and p(x) > 0 passes whatever u", [[0]], [[[0, 1]]], [[[0.5, 0.5], [1, 0]]], [[F32_BELOW_ONE]],
-         [0.5], [1], [[0, 0]]),
-    Case("p(x) = 0 fails even with u = 0", [[1]], [[[0.5, 0.5]]], [[[1, 0], [0.5, 0.5]]], [[0.0]], [0.0],
-         [0], [[0, -1]]),
-    Case("G = 0 draws from p_0", np.zeros((2, 0), np.int32), np.zeros((2, 0, 3), np.float32),
-         [[[0.5, 0.25, 0.25]], [[0, 0, 1]]], np.zeros((2, 0), np.float32), [0.5, 0.1], [0, 0], [[1], [2]]),
-    Case("empty residual (unnormalised q) draws from p_n", [[0]], [[[1, 1]]], [[[0.5, 0.5], [0, 1]]], [[0.75]],
-         [0.5], [0], [[1, -1]]),
-    Case("s on a cumulative boundary moves to the next positive token", [[0]], [[[1, 0, 0, 0]]],
-         [[[0.5, 0.25, 0, 0.25], [0.25, 0.25, 0.25, 0.25]]], [[0.5]], [0.5], [0], [[3, -1]],
-         "u = p/q = 0.5 fails; residual (0, 0.25, 0, 0.25): cdf 0, 0.5, 0.5, 1 and s = 0.5 -> 3"),
-    Case("second block of 128", [[200]], [[_one_hot(257, 200)]], [[_one_hot(257, 256), _one_hot(257, 5)]],
-         [[0.0]], [F32_BELOW_ONE], [0], [[256, -1]]),
-    Case("B = 0", np.zeros((0, 2), np.int32), np.zeros((0, 2, 3), np.float32), np.zeros((0, 3, 3), np.float32),
-         np.zeros((0, 2), np.float32), np.zeros((0,), np.float32), [], np.zeros((0, 3), np.int32).tolist()),
+    Case(
+        "all accepted, bonus from p_G",
+        [[1, 2]],
+        [[[0, 1, 0, 0], [0, 0, 1, 0]]],
+        [[[0, 1, 0, 0], [0, 0, 1, 0], [0.25] * 4]],
+        [[0.5, 0.5]],
+        [0.6],
+        [2],
+        [[1, 2, 2]],
+    ),
+    Case(
+        "rejection at 1, correction from the residual",
+        [[1, 2]],
+        [[[0, 1, 0, 0], [0, 0, 1, 0]]],
+        [[[0, 1, 0, 0], [0.5, 0, 0.25, 0.25], [0.25] * 4]],
+        [[0.5, 0.25]],
+        [0.5],
+        [1],
+        [[1, 0, -1]],
+        "u = 0.25 equals p/q = 0.25: strict < fails; residual (0.5, 0, 0, 0.25) has cdf 2/3 > 0.5 at 0",
+    ),
+    Case(
+        "q(x) = 0 and p(x) > 0 passes whatever u",
+        [[0]],
+        [[[0, 1]]],
+        [[[0.5, 0.5], [1, 0]]],
+        [[F32_BELOW_ONE]],
+        [0.5],
+        [1],
+        [[0, 0]],
+    ),
+    Case(
+        "p(x) = 0 fails even with u = 0", [[1]], [[[0.5, 0.5]]], [[[1, 0], [0.5, 0.5]]], [[0.0]], [0.0], [0], [[0, -1]]
+    ),
+    Case(
+        "G = 0 draws from p_0",
+        np.zeros((2, 0), np.int32),
+        np.zeros((2, 0, 3), np.float32),
+        [[[0.5, 0.25, 0.25]], [[0, 0, 1]]],
+        np.zeros((2, 0), np.float32),
+        [0.5, 0.1],
+        [0, 0],
+        [[1], [2]],
+    ),
+    Case(
+        "empty residual (unnormalised q) draws from p_n",
+        [[0]],
+        [[[1, 1]]],
+        [[[0.5, 0.5], [0, 1]]],
+        [[0.75]],
+        [0.5],
+        [0],
+        [[1, -1]],
+    ),
+    Case(
+        "s on a cumulative boundary moves to the next positive token",
+        [[0]],
+        [[[1, 0, 0, 0]]],
+        [[[0.5, 0.25, 0, 0.25], [0.25, 0.25, 0.25, 0.25]]],
+        [[0.5]],
+        [0.5],
+        [0],
+        [[3, -1]],
+        "u = p/q = 0.5 fails; residual (0, 0.25, 0, 0.25): cdf 0, 0.5, 0.5, 1 and s = 0.5 -> 3",
+    ),
+    Case(
+        "second block of 128",
+        [[200]],
+        [[_one_hot(257, 200)]],
+        [[_one_hot(257, 256), _one_hot(257, 5)]],
+        [[0.0]],
+        [F32_BELOW_ONE],
+        [0],
+        [[256, -1]],
+    ),
+    Case(
+        "B = 0",
+        np.zeros((0, 2), np.int32),
+        np.zeros((0, 2, 3), np.float32),
+        np.zeros((0, 3, 3), np.float32),
+        np.zeros((0, 2), np.float32),
+        np.zeros((0,), np.float32),
+        [],
+        np.zeros((0, 3), np.int32).tolist(),
+    ),
 ]
 
 
@@ -152,8 +217,13 @@ def test_three_samplers_agree_on_exact_inputs() -> None:
     for b, g, v in SHAPES:
         for _ in range(6):
             x, q, p, u, s = dyadic_inputs(rng, b, g, v)
-            n = assert_all_agree(x.astype(np.int32), q.astype(np.float32), p.astype(np.float32),
-                                 u.astype(np.float32), s.astype(np.float32))
+            n = assert_all_agree(
+                x.astype(np.int32),
+                q.astype(np.float32),
+                p.astype(np.float32),
+                u.astype(np.float32),
+                s.astype(np.float32),
+            )
             if g:
                 full += int(np.sum(n == g))
                 partial += int(np.sum(n < g))
@@ -164,8 +234,9 @@ def test_three_samplers_agree_on_exact_inputs() -> None:
 @given(seed=st.integers(0, 2**32 - 1), shape=st.sampled_from(SHAPES))
 def test_three_samplers_agree_property(seed: int, shape: tuple[int, int, int]) -> None:
     x, q, p, u, s = dyadic_inputs(np.random.default_rng(seed), *shape)
-    assert_all_agree(x.astype(np.int32), q.astype(np.float32), p.astype(np.float32), u.astype(np.float32),
-                     s.astype(np.float32))
+    assert_all_agree(
+        x.astype(np.int32), q.astype(np.float32), p.astype(np.float32), u.astype(np.float32), s.astype(np.float32)
+    )
 
 
 @pytest.mark.parametrize(("dtype", "unit"), [(torch.float16, 1024), (torch.bfloat16, 128), (torch.float64, 1024)])
@@ -236,8 +307,13 @@ def test_torch_sampler_accepts_every_input_kind() -> None:
         "numpy int64": (np.asarray(x, np.int64), f32(q), f32(p), f32(u), f32(s)),
         "torch": (torch.tensor(x), torch.tensor(q), torch.tensor(p), torch.tensor(u), torch.tensor(s)),
         "jax": (jnp.asarray(x, jnp.int32), jnp.asarray(q), jnp.asarray(p), jnp.asarray(u), jnp.asarray(s)),
-        "jax bfloat16": (jnp.asarray(x, jnp.int32), jnp.asarray(q, jnp.bfloat16), jnp.asarray(p, jnp.bfloat16),
-                         jnp.asarray(u), jnp.asarray(s)),
+        "jax bfloat16": (
+            jnp.asarray(x, jnp.int32),
+            jnp.asarray(q, jnp.bfloat16),
+            jnp.asarray(p, jnp.bfloat16),
+            jnp.asarray(u),
+            jnp.asarray(s),
+        ),
     }
     expected = run("numpy", *kinds["numpy"])
     assert expected[0].tolist() == [1] and expected[1].tolist() == [[1, 0, -1]]
@@ -251,9 +327,10 @@ def test_torch_sampler_accepts_every_input_kind() -> None:
 
 def test_numpy_sampler_accepts_torch_and_jax() -> None:
     x, q, p, u, s = _small()
-    for args in ((torch.tensor(x), torch.tensor(q, dtype=torch.bfloat16), torch.tensor(p), torch.tensor(u),
-                  torch.tensor(s)),
-                 (jnp.asarray(x), jnp.asarray(q), jnp.asarray(p), jnp.asarray(u), jnp.asarray(s))):
+    for args in (
+        (torch.tensor(x), torch.tensor(q, dtype=torch.bfloat16), torch.tensor(p), torch.tensor(u), torch.tensor(s)),
+        (jnp.asarray(x), jnp.asarray(q), jnp.asarray(p), jnp.asarray(u), jnp.asarray(s)),
+    ):
         out = numpy_rejection_sample(*args)
         assert isinstance(out["tokens"], np.ndarray) and out["tokens"].dtype == np.int32
         assert out["tokens"].tolist() == [[1, 0, -1]]
@@ -294,8 +371,13 @@ print("ok")
 def valid() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     x, q, p, u, s = dyadic_inputs(rng, 2, 3, 4)
-    return {"x": x.astype(np.int32), "q": q.astype(np.float32), "p": p.astype(np.float32),
-            "u": u.astype(np.float32), "s": s.astype(np.float32)}
+    return {
+        "x": x.astype(np.int32),
+        "q": q.astype(np.float32),
+        "p": p.astype(np.float32),
+        "u": u.astype(np.float32),
+        "s": s.astype(np.float32),
+    }
 
 
 def _with(**changes: Any) -> dict[str, Any]:
@@ -305,30 +387,48 @@ def _with(**changes: Any) -> dict[str, Any]:
 
 
 STRUCTURE_ERRORS = [
-    (dict(q=np.zeros((2, 4, 4), np.float32)),
-     r"^draft_probs: expected shape \(B, G, V\) = \(2, 3, 4\), got \(2, 4, 4\)$"),
-    (dict(p=np.zeros((2, 4), np.float32)),
-     r"^target_probs: expected rank 3 with shape \(B, G\+1, V\), got shape \(2, 4\)$"),
-    (dict(p=np.zeros((2, 3, 4), np.float32)),
-     r"^target_probs: expected shape \(B, G\+1, V\) = \(2, 4, 4\), got \(2, 3, 4\)$"),
+    (
+        dict(q=np.zeros((2, 4, 4), np.float32)),
+        r"^draft_probs: expected shape \(B, G, V\) = \(2, 3, 4\), got \(2, 4, 4\)$",
+    ),
+    (
+        dict(p=np.zeros((2, 4), np.float32)),
+        r"^target_probs: expected rank 3 with shape \(B, G\+1, V\), got shape \(2, 4\)$",
+    ),
+    (
+        dict(p=np.zeros((2, 3, 4), np.float32)),
+        r"^target_probs: expected shape \(B, G\+1, V\) = \(2, 4, 4\), got \(2, 3, 4\)$",
+    ),
     (dict(u=np.zeros((2, 2), np.float32)), r"^accept_uniforms: expected shape \(B, G\) = \(2, 3\), got \(2, 2\)$"),
     (dict(s=np.zeros((3,), np.float32)), r"^sample_uniforms: expected shape \(B\) = \(2,\), got \(3,\)$"),
-    (dict(x=np.zeros((2, 3), np.float32)),
-     r"^draft_tokens: expected integer token ids \(int32 or int64\), got float32$"),
+    (
+        dict(x=np.zeros((2, 3), np.float32)),
+        r"^draft_tokens: expected integer token ids \(int32 or int64\), got float32$",
+    ),
     (dict(q=np.zeros((2, 3, 4), np.int32)), r"^draft_probs: expected a floating dtype .* got int32$"),
 ]
 VALUE_ERRORS = [
-    (dict(x=np.full((2, 3), 4, np.int32)),
-     r"^draft_tokens: expected token ids in \[0, V\) = \[0, 4\), got values in \[4, 4\]$"),
-    (dict(q=np.full((2, 3, 4), -0.25, np.float32)),
-     r"^draft_probs: expected non-negative probabilities, got 24 negative values$"),
-    (dict(p=np.full((2, 4, 4), np.nan, np.float32)),
-     r"^target_probs: expected finite probabilities, got 32 NaN or infinite values$"),
+    (
+        dict(x=np.full((2, 3), 4, np.int32)),
+        r"^draft_tokens: expected token ids in \[0, V\) = \[0, 4\), got values in \[4, 4\]$",
+    ),
+    (
+        dict(q=np.full((2, 3, 4), -0.25, np.float32)),
+        r"^draft_probs: expected non-negative probabilities, got 24 negative values$",
+    ),
+    (
+        dict(p=np.full((2, 4, 4), np.nan, np.float32)),
+        r"^target_probs: expected finite probabilities, got 32 NaN or infinite values$",
+    ),
     (dict(p=np.zeros((2, 4, 4), np.float32)), r"^target_probs: expected every distribution p_i to have a positive sum"),
-    (dict(u=np.ones((2, 3), np.float32)),
-     r"^accept_uniforms: expected values in \[0, 1\), got values in \[1.0, 1.0\]$"),
-    (dict(s=np.array([0.5, -0.5], np.float32)),
-     r"^sample_uniforms: expected values in \[0, 1\), got values in \[-0.5, 0.5\]$"),
+    (
+        dict(u=np.ones((2, 3), np.float32)),
+        r"^accept_uniforms: expected values in \[0, 1\), got values in \[1.0, 1.0\]$",
+    ),
+    (
+        dict(s=np.array([0.5, -0.5], np.float32)),
+        r"^sample_uniforms: expected values in \[0, 1\), got values in \[-0.5, 0.5\]$",
+    ),
 ]
 
 
@@ -358,8 +458,9 @@ def test_torch_sampler_on_gpu_with_jax_arrays() -> None:
     except RuntimeError:
         pytest.skip("JAX has no GPU backend")
     rng = np.random.default_rng(5)
-    x, q, p, u, s = (a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int32)
-                     for a in dyadic_inputs(rng, 4, 3, 300))
+    x, q, p, u, s = (
+        a.astype(np.float32) if a.dtype.kind == "f" else a.astype(np.int32) for a in dyadic_inputs(rng, 4, 3, 300)
+    )
     on_gpu = [jax.device_put(a, gpu) for a in (x, q, p, u, s)]
     out = torch_rejection_sample(*on_gpu)
     assert out["tokens"].device.type == "cuda"

@@ -50,8 +50,7 @@ class Example:
     tokens: list
 
     def inputs(self) -> tuple[list, list, list, list, list]:
-        return (self.draft_tokens, self.draft_probs, self.target_probs, self.accept_uniforms,
-                self.sample_uniforms)
+        return (self.draft_tokens, self.draft_probs, self.target_probs, self.accept_uniforms, self.sample_uniforms)
 
 
 EXAMPLES = [
@@ -73,10 +72,8 @@ EXAMPLES = [
             [[0.01, 0.13, 0.49, 0.37], [0.26, 0.12, 0.37, 0.25], [0.05, 0.25, 0.67, 0.03]],
         ],
         target_probs=[
-            [[0.3, 0.4, 0.05, 0.25], [0.63, 0.1, 0.2, 0.07], [0.16, 0.05, 0.46, 0.33],
-             [0.14, 0.55, 0.18, 0.13]],
-            [[0.11, 0.71, 0.08, 0.1], [0.21, 0.45, 0.01, 0.33], [0.07, 0.02, 0.49, 0.42],
-             [0.22, 0.25, 0.28, 0.25]],
+            [[0.3, 0.4, 0.05, 0.25], [0.63, 0.1, 0.2, 0.07], [0.16, 0.05, 0.46, 0.33], [0.14, 0.55, 0.18, 0.13]],
+            [[0.11, 0.71, 0.08, 0.1], [0.21, 0.45, 0.01, 0.33], [0.07, 0.02, 0.49, 0.42], [0.22, 0.25, 0.28, 0.25]],
         ],
         accept_uniforms=[[0.83, 0.99, 0.77], [0.6, 0.08, 0.03]],
         sample_uniforms=[0.59, 0.73],
@@ -95,10 +92,8 @@ EXAMPLES = [
     ),
 ]
 
-NP_FLOAT = {"float16": np.float16, "bfloat16": jnp.bfloat16, "float32": np.float32,
-            "float64": np.float64}
-TORCH_FLOAT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-               "float64": torch.float64}
+NP_FLOAT = {"float16": np.float16, "bfloat16": jnp.bfloat16, "float32": np.float32, "float64": np.float64}
+TORCH_FLOAT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 NP_INT = {"int32": np.int32, "int64": np.int64}
 TORCH_INT = {"int32": torch.int32, "int64": torch.int64}
 
@@ -112,15 +107,18 @@ def convert_inputs(ex: Example, kind: str, float_dtype: str, int_dtype: str) -> 
     if kind == "list":
         return (tokens, *floats)
     if kind == "numpy":
-        return (np.asarray(tokens, NP_INT[int_dtype]),
-                *(np.asarray(v, NP_FLOAT[float_dtype]) for v in floats))
+        return (np.asarray(tokens, NP_INT[int_dtype]), *(np.asarray(v, NP_FLOAT[float_dtype]) for v in floats))
     if kind == "jax":
         # Without jax_enable_x64, JAX stores float64/int64 as float32/int32.
-        return (jnp.asarray(np.asarray(tokens, NP_INT[int_dtype])),
-                *(jnp.asarray(np.asarray(v, NP_FLOAT[float_dtype])) for v in floats))
+        return (
+            jnp.asarray(np.asarray(tokens, NP_INT[int_dtype])),
+            *(jnp.asarray(np.asarray(v, NP_FLOAT[float_dtype])) for v in floats),
+        )
     if kind == "torch":
-        return (torch.tensor(tokens, dtype=TORCH_INT[int_dtype]),
-                *(torch.tensor(v, dtype=TORCH_FLOAT[float_dtype]) for v in floats))
+        return (
+            torch.tensor(tokens, dtype=TORCH_INT[int_dtype]),
+            *(torch.tensor(v, dtype=TORCH_FLOAT[float_dtype]) for v in floats),
+        )
     raise AssertionError(kind)
 
 
@@ -152,11 +150,9 @@ def test_reference_reproduces_examples(ex: Example) -> None:
     assert ref.tokens.tolist() == ex.tokens
 
 
-@pytest.mark.parametrize("kind,float_dtype,int_dtype", EXAMPLE_VARIANTS,
-                         ids=["-".join(v) for v in EXAMPLE_VARIANTS])
+@pytest.mark.parametrize("kind,float_dtype,int_dtype", EXAMPLE_VARIANTS, ids=["-".join(v) for v in EXAMPLE_VARIANTS])
 @pytest.mark.parametrize("ex", EXAMPLES, ids=lambda e: e.name)
-def test_example_every_input_type_and_dtype(ex: Example, kind: str, float_dtype: str,
-                                            int_dtype: str) -> None:
+def test_example_every_input_type_and_dtype(ex: Example, kind: str, float_dtype: str, int_dtype: str) -> None:
     """Each example with lists, NumPy, JAX and torch inputs and every supported dtype.
 
     The examples' values survive rounding to float16/bfloat16 well enough to keep
@@ -193,8 +189,9 @@ def test_example_every_input_type_and_dtype(ex: Example, kind: str, float_dtype:
 # validation table (EDGE_B, EDGE_V): compiling dominates these tests' run time.
 
 
-def run_row(tokens: list, q: list, p: list, u: list, s: float, *, dtype: Any = np.float32,
-            validate: bool = True) -> tuple[int, list[int]]:
+def run_row(
+    tokens: list, q: list, p: list, u: list, s: float, *, dtype: Any = np.float32, validate: bool = True
+) -> tuple[int, list[int]]:
     """One row (x: [G], q: [G][V'], p: [G+1][V'], u: [G], s) through the public kernel.
 
     Returns ``(n, tokens)`` of the row, after checking both copies agree.
@@ -207,32 +204,35 @@ def run_row(tokens: list, q: list, p: list, u: list, s: float, *, dtype: Any = n
     p_arr = np.pad(p_arr, ((0, 0), (0, pad)))
     q_arr = np.pad(q_arr, ((0, 0), (0, pad)))
     rep = lambda a: np.repeat(np.asarray(a)[None], EDGE_B, axis=0)  # noqa: E731
-    out = run(rep(np.asarray(tokens, np.int32).reshape(num_draft)), rep(q_arr.astype(dtype)),
-              rep(p_arr.astype(dtype)), rep(np.asarray(u, np.float64).reshape(num_draft).astype(dtype)),
-              np.full(EDGE_B, s, dtype), validate=validate)
+    out = run(
+        rep(np.asarray(tokens, np.int32).reshape(num_draft)),
+        rep(q_arr.astype(dtype)),
+        rep(p_arr.astype(dtype)),
+        rep(np.asarray(u, np.float64).reshape(num_draft).astype(dtype)),
+        np.full(EDGE_B, s, dtype),
+        validate=validate,
+    )
     assert np.array_equal(out["tokens"][0], out["tokens"][1])
     return int(out["num_accepted"][0]), out["tokens"][0].tolist()
 
 
 def test_q_zero_with_p_positive_passes() -> None:
     # x = 1: q = 0, p = 0.25 > 0 passes, whatever u; the bonus comes from p_1 = [0, 0, 1].
-    assert run_row([1], [[1.0, 0.0, 0.0]], [[0.5, 0.25, 0.25], [0.0, 0.0, 1.0]],
-                   [F32_BELOW_ONE], 0.5) == (1, [1, 2])
+    assert run_row([1], [[1.0, 0.0, 0.0]], [[0.5, 0.25, 0.25], [0.0, 0.0, 1.0]], [F32_BELOW_ONE], 0.5) == (1, [1, 2])
 
 
 def test_q_zero_with_p_zero_fails() -> None:
     """x = 1 has q = p = 0: the test fails, even with u = 0."""
     # p_0 == q_0, so the residual is empty and y is drawn from p_0: s = 0 -> token 0.
-    assert run_row([1], [[0.25, 0.0, 0.75]], [[0.25, 0.0, 0.75], [1.0, 0.0, 0.0]],
-                   [0.0], 0.0) == (0, [0, -1])
+    assert run_row([1], [[0.25, 0.0, 0.75]], [[0.25, 0.0, 0.75], [1.0, 0.0, 0.0]], [0.0], 0.0) == (0, [0, -1])
 
 
 def test_u_zero_with_p_zero_fails() -> None:
     """p_i(x_i) = 0 < q_i(x_i): the ratio is 0 and u = 0 < 0 is false."""
     # Residual max(p_0 - q_0, 0) = [0, 0, 0.5]: the only possible correction is 2.
-    assert run_row([0, 1], [[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]],
-                   [[0.0, 0.5, 0.5], [0.5, 0.5, 0.0], [1.0, 0.0, 0.0]],
-                   [0.0, 0.0], 0.0) == (0, [2, -1, -1])
+    assert run_row(
+        [0, 1], [[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]], [[0.0, 0.5, 0.5], [0.5, 0.5, 0.0], [1.0, 0.0, 0.0]], [0.0, 0.0], 0.0
+    ) == (0, [2, -1, -1])
 
 
 def test_u_zero_with_p_positive_passes() -> None:
@@ -253,8 +253,7 @@ def test_tests_run_in_order_first_failure_stops() -> None:
     assert run_row([0, 0, 0], q, p, [0.1, 0.1, 0.1], 0.3) == (1, [0, 1, -1, -1])
 
 
-@pytest.mark.parametrize("s,y", [(0.0, 0), (0.2499, 0), (0.25, 1), (0.4999, 1), (0.5, 2),
-                                 (F32_BELOW_ONE, 2)])
+@pytest.mark.parametrize("s,y", [(0.0, 0), (0.2499, 0), (0.25, 1), (0.4999, 1), (0.5, 2), (F32_BELOW_ONE, 2)])
 def test_zero_sum_residual_unnormalized_draws_from_target(s: float, y: int) -> None:
     """q_n >= p_n everywhere (unnormalised q): the residual is empty, y is drawn from p_n."""
     q = [[0.5, 0.5, 0.5]]
@@ -265,12 +264,13 @@ def test_zero_sum_residual_unnormalized_draws_from_target(s: float, y: int) -> N
 def test_zero_sum_residual_normalized_p_equals_q() -> None:
     """p_n == q_n and x_n outside the support (p = q = 0 there) fails: residual empty -> p_n."""
     dist = [0.0, 0.25, 0.75]
-    assert run_row([0, 0], [[0.5, 0.5, 0.0], dist], [[0.5, 0.5, 0.0], dist, [1, 0, 0]],
-                   [0.3, 0.3], 0.2) == (1, [0, 1, -1])
+    assert run_row([0, 0], [[0.5, 0.5, 0.0], dist], [[0.5, 0.5, 0.0], dist, [1, 0, 0]], [0.3, 0.3], 0.2) == (
+        1,
+        [0, 1, -1],
+    )
 
 
-@pytest.mark.parametrize("s,y", [(0.0, 1), (0.2499, 1), (0.25, 3), (0.5, 3), (0.75, 5),
-                                 (F32_BELOW_ONE, 5)])
+@pytest.mark.parametrize("s,y", [(0.0, 1), (0.2499, 1), (0.25, 3), (0.5, 3), (0.75, 5), (F32_BELOW_ONE, 5)])
 def test_inverse_cdf_smallest_token_with_cdf_above_s(s: float, y: int) -> None:
     """y = smallest v with r(0)+…+r(v) > s (strict); zero-probability tokens never drawn."""
     p0 = [0.0, 0.25, 0.0, 0.5, 0.0, 0.25, 0.0]
@@ -312,7 +312,8 @@ def test_per_row_draw_equals_the_vectorised_draw(vocab: int) -> None:
     p32, q32, s32 = (jnp.asarray(a, jnp.float32) for a in (p, q, s))
     per_row = jax.jit(lambda p, q, s: rejection_module.draw_rows((p, q), lambda r: r, s))(p32, q32, s32)
     vectorised = jax.jit(lambda p, q, s: rejection_module.inverse_cdf(rejection_module.residual_weights(p, q), s))(
-        p32, q32, s32)
+        p32, q32, s32
+    )
     per_row, vectorised = np.asarray(per_row), np.asarray(vectorised)
     weights = np.maximum(np.asarray(p32, np.float64) - np.asarray(q32, np.float64), 0)
     weights[:8] = np.asarray(p32[:8], np.float64)
@@ -349,17 +350,21 @@ def test_g_zero_as_plain_python_lists() -> None:
 
 def test_all_accepted_emits_bonus_from_last_target() -> None:
     # Both tests pass (q = 0 at x with p > 0); y from p_2 = [0, 0, 1] regardless of p_0, p_1.
-    assert run_row([0, 1], [[0, 1, 0], [1, 0, 0]], [[1, 0, 0], [0, 1, 0], [0, 0, 1]],
-                   [0.9, 0.9], 0.0) == (2, [0, 1, 2])
+    assert run_row([0, 1], [[0, 1, 0], [1, 0, 0]], [[1, 0, 0], [0, 1, 0], [0, 0, 1]], [0.9, 0.9], 0.0) == (2, [0, 1, 2])
 
 
 @pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("num_draft", [0, 3])
 def test_b_zero_returns_empty(num_draft: int, validate: bool) -> None:
     vocab = 5
-    out = run(np.zeros((0, num_draft), np.int32), np.zeros((0, num_draft, vocab), np.float32),
-              np.zeros((0, num_draft + 1, vocab), np.float32), np.zeros((0, num_draft), np.float32),
-              np.zeros((0,), np.float32), validate=validate)
+    out = run(
+        np.zeros((0, num_draft), np.int32),
+        np.zeros((0, num_draft, vocab), np.float32),
+        np.zeros((0, num_draft + 1, vocab), np.float32),
+        np.zeros((0, num_draft), np.float32),
+        np.zeros((0,), np.float32),
+        validate=validate,
+    )
     assert out["num_accepted"].shape == (0,)
     assert out["tokens"].shape == (0, num_draft + 1)
 
@@ -368,8 +373,10 @@ def test_b_zero_returns_empty(num_draft: int, validate: bool) -> None:
 def test_unnormalized_inputs_any_dtype(dtype: str) -> None:
     """Unnormalised weights (above 1 too) in every dtype: r is normalised by its own sum."""
     # ratio 2/8 = 0.25 < u = 0.5: rejected; residual [0, 6].
-    assert run_row([0], [[8.0, 0.0]], [[2.0, 6.0], [4.0, 4.0]], [0.5], 0.0,
-                   dtype=NP_FLOAT[dtype], validate=False) == (0, [1, -1])
+    assert run_row([0], [[8.0, 0.0]], [[2.0, 6.0], [4.0, 4.0]], [0.5], 0.0, dtype=NP_FLOAT[dtype], validate=False) == (
+        0,
+        [1, -1],
+    )
 
 
 def test_rounding_fallback_is_last_positive_token() -> None:
@@ -415,13 +422,19 @@ def test_rounding_near_one_never_emits_zero_probability_token() -> None:
         tiny = rng.choice(vocab, size=rng.integers(1, 200), replace=False)
         mag = rng.choice([2.0**-25, 2.0**-24, 3 * 2.0**-25, 2.0**-23])
         w[b, tiny] = np.where(w[b, tiny] > 0, w[b, tiny], mag)
-        w[b, rng.integers(vocab // 2, vocab):] = 0
+        w[b, rng.integers(vocab // 2, vocab) :] = 0
         if not w[b].any():
             w[b, 0] = 1
-    s = np.where(rng.random(batch) < 0.7, F32_BELOW_ONE,
-                 1 - rng.choice([2, 3, 4, 8], size=batch) * 2.0**-24).astype(np.float32)
-    args = (np.zeros((batch, 0), np.int32), np.zeros((batch, 0, vocab), np.float32), w[:, None],
-            np.zeros((batch, 0), np.float32), s)
+    s = np.where(rng.random(batch) < 0.7, F32_BELOW_ONE, 1 - rng.choice([2, 3, 4, 8], size=batch) * 2.0**-24).astype(
+        np.float32
+    )
+    args = (
+        np.zeros((batch, 0), np.int32),
+        np.zeros((batch, 0, vocab), np.float32),
+        w[:, None],
+        np.zeros((batch, 0), np.float32),
+        s,
+    )
     out = run(*args, validate=False)
     ref = reference_rejection_sample(*args)
     y = out["tokens"][:, 0]
@@ -430,8 +443,9 @@ def test_rounding_near_one_never_emits_zero_probability_token() -> None:
     last = np.array([np.flatnonzero(row)[-1] for row in w])
     assert c.y_ties > 0 and np.sum(y == last) > 0  # the construction does reach the edge
     # Negative control: the straightforward version emits zero-probability tokens or V here.
-    wrong = np.asarray(rejection_module.straightforward_rejection_sample(
-        *[jnp.asarray(a) for a in args])["tokens"][:, 0])
+    wrong = np.asarray(
+        rejection_module.straightforward_rejection_sample(*[jnp.asarray(a) for a in args])["tokens"][:, 0]
+    )
     outside = (wrong >= vocab) | (wrong < 0)
     assert np.any(outside | (w[np.arange(batch), np.minimum(wrong, vocab - 1)] == 0))
 
@@ -440,8 +454,9 @@ def test_subnormal_probabilities_are_positive_in_the_reference() -> None:
     """A subnormal float32 probability is positive in the contract: q(x) = 0, p(x) = 1e-40 passes."""
     tiny = np.float32(1e-40)
     assert 0 < tiny < F32_TINY
-    ref = reference_rejection_sample(i32([[1]]), f32([[[1, 0]]]), f32([[[1, tiny], [0.5, 0.5]]]),
-                                     f32([[0.5]]), f32([0.5]))
+    ref = reference_rejection_sample(
+        i32([[1]]), f32([[[1, 0]]]), f32([[[1, tiny], [0.5, 0.5]]]), f32([[0.5]]), f32([0.5])
+    )
     assert ref.num_accepted.tolist() == [1]
 
 
@@ -466,8 +481,7 @@ def test_kernel_u_zero_with_subnormal_ratio_passes() -> None:
 def test_float64_uniform_just_below_one_with_p_equal_q_accepts() -> None:
     """float64 u = 1 - 1e-9 < 1 = p/q must pass although float32 would round u to 1.0."""
     dist = [[0.25, 0.25, 0.5, 0, 0, 0, 0, 0]] * 2
-    out = run([[0]] * EDGE_B, [dist[:1]] * EDGE_B, [dist] * EDGE_B, [[1 - 1e-9]] * EDGE_B,
-              [0.5] * EDGE_B)
+    out = run([[0]] * EDGE_B, [dist[:1]] * EDGE_B, [dist] * EDGE_B, [[1 - 1e-9]] * EDGE_B, [0.5] * EDGE_B)
     assert out["num_accepted"].tolist() == [1] * EDGE_B
 
 

@@ -79,17 +79,20 @@ def _check_random_group(batch: int, num_draft: int, vocab: int, calls: int) -> N
     assert total.n_near_ties + total.y_ties <= max(2, 0.05 * total.rows), total
 
 
-@pytest.mark.parametrize("batch,num_draft,vocab,calls", RANDOM_GROUPS,
-                         ids=[f"B{b}-G{g}-V{v}" for b, g, v, _ in RANDOM_GROUPS])
+@pytest.mark.parametrize(
+    "batch,num_draft,vocab,calls", RANDOM_GROUPS, ids=[f"B{b}-G{g}-V{v}" for b, g, v, _ in RANDOM_GROUPS]
+)
 def test_random_cases_match_reference(batch: int, num_draft: int, vocab: int, calls: int) -> None:
     _check_random_group(batch, num_draft, vocab, calls)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch,num_draft,vocab,calls", RANDOM_GROUPS_LARGE_V,
-                         ids=[f"B{b}-G{g}-V{v}" for b, g, v, _ in RANDOM_GROUPS_LARGE_V])
-def test_random_cases_match_reference_large_vocab(batch: int, num_draft: int, vocab: int,
-                                                  calls: int) -> None:
+@pytest.mark.parametrize(
+    "batch,num_draft,vocab,calls",
+    RANDOM_GROUPS_LARGE_V,
+    ids=[f"B{b}-G{g}-V{v}" for b, g, v, _ in RANDOM_GROUPS_LARGE_V],
+)
+def test_random_cases_match_reference_large_vocab(batch: int, num_draft: int, vocab: int, calls: int) -> None:
     _check_random_group(batch, num_draft, vocab, calls)
 
 
@@ -160,8 +163,10 @@ def kernel_inputs(draw: Callable, *, equal: bool | None = None) -> tuple:
         # Draft tokens from the draft's support, as a real draft model samples them.
         choice = draw(hnp.arrays(np.int64, (batch, num_draft), elements=st.integers(0, vocab - 1)))
         support = [[np.flatnonzero(q[b, i]) for i in range(num_draft)] for b in range(batch)]
-        tokens = np.array([[support[b][i][choice[b, i] % len(support[b][i])]
-                            for i in range(num_draft)] for b in range(batch)], np.int32)
+        tokens = np.array(
+            [[support[b][i][choice[b, i] % len(support[b][i])] for i in range(num_draft)] for b in range(batch)],
+            np.int32,
+        )
         tokens = tokens.reshape(batch, num_draft)
     else:
         tokens = draw(hnp.arrays(np.int32, (batch, num_draft), elements=st.integers(0, vocab - 1)))
@@ -171,8 +176,7 @@ def kernel_inputs(draw: Callable, *, equal: bool | None = None) -> tuple:
     return tokens, q, p, u, s
 
 
-PROPERTY_SETTINGS = settings(deadline=None, max_examples=100,
-                             suppress_health_check=[HealthCheck.too_slow])
+PROPERTY_SETTINGS = settings(deadline=None, max_examples=100, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROPERTY_SETTINGS
@@ -190,7 +194,7 @@ def test_property_output_invariants(args: tuple) -> None:
         assert 0 <= y < p.shape[2]
         if n[b] == ref.num_accepted[b]:
             assert ref.weights[b][y] > 0, "y has zero probability under r"
-        assert np.all(t[b, n[b] + 1:] == -1)
+        assert np.all(t[b, n[b] + 1 :] == -1)
 
 
 @PROPERTY_SETTINGS
@@ -234,11 +238,23 @@ def chi_square_run() -> dict[str, Any]:
     tokens = np.minimum((cq[None] / cq[None, :, -1:] <= r).sum(-1), vocab - 1).astype(np.int32)
     u = rng.random((n_rows, num_draft), dtype=np.float32)
     s = rng.random(n_rows, dtype=np.float32)
-    args = (tokens, np.broadcast_to(q, (n_rows, num_draft, vocab)).copy(),
-            np.broadcast_to(p, (n_rows, num_draft + 1, vocab)).copy(), u, s)
+    args = (
+        tokens,
+        np.broadcast_to(q, (n_rows, num_draft, vocab)).copy(),
+        np.broadcast_to(p, (n_rows, num_draft + 1, vocab)).copy(),
+        u,
+        s,
+    )
     out = run(*args)
-    return {"p": p.astype(np.float64), "q": q.astype(np.float64), "tokens": tokens, "u": u, "s": s,
-            "out": out, "n_rows": n_rows}
+    return {
+        "p": p.astype(np.float64),
+        "q": q.astype(np.float64),
+        "tokens": tokens,
+        "u": u,
+        "s": s,
+        "out": out,
+        "n_rows": n_rows,
+    }
 
 
 def _chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:

@@ -34,6 +34,7 @@ from specjax.kernels.rejection import rejection_sample
 def _set(name: str, value: Any) -> Callable[[dict], None]:
     def mutate(inputs: dict) -> None:
         inputs[name] = value(inputs[name]) if callable(value) else value
+
     return mutate
 
 
@@ -42,6 +43,7 @@ def _poke(name: str, value: float, index: tuple = (0, 0, 0)) -> Callable[[dict],
         arr = np.array(inputs[name])
         arr[index[: arr.ndim]] = value
         inputs[name] = arr
+
     return mutate
 
 
@@ -49,6 +51,7 @@ def _as_jax(name: str, inner: Callable[[dict], None]) -> Callable[[dict], None]:
     def mutate(inputs: dict) -> None:
         inner(inputs)
         inputs[name] = jnp.asarray(inputs[name])
+
     return mutate
 
 
@@ -62,49 +65,121 @@ class BadInput:
 
 BAD_INPUTS = [
     # rank
-    BadInput("rank-draft_tokens", _set("draft_tokens", lambda x: x[0]),
-             "draft_tokens: expected rank 2 with shape (B, G), got shape (3,)", True),
-    BadInput("rank-draft_probs", _set("draft_probs", lambda x: x[0]),
-             "draft_probs: expected rank 3 with shape (B, G, V), got shape (3, 8)", True),
-    BadInput("rank-target_probs", _set("target_probs", lambda x: x[None]),
-             "target_probs: expected rank 3 with shape (B, G+1, V), got shape (1, 2, 4, 8)", True),
-    BadInput("rank-accept_uniforms", _set("accept_uniforms", lambda x: x[..., None]),
-             "accept_uniforms: expected rank 2 with shape (B, G), got shape (2, 3, 1)", True),
-    BadInput("rank-sample_uniforms", _set("sample_uniforms", lambda x: x[:, None]),
-             "sample_uniforms: expected rank 1 with shape (B), got shape (2, 1)", True),
-    BadInput("rank-sample_uniforms-scalar", _set("sample_uniforms", np.float32(0.5)),
-             "sample_uniforms: expected rank 1 with shape (B), got shape ()", True),
+    BadInput(
+        "rank-draft_tokens",
+        _set("draft_tokens", lambda x: x[0]),
+        "draft_tokens: expected rank 2 with shape (B, G), got shape (3,)",
+        True,
+    ),
+    BadInput(
+        "rank-draft_probs",
+        _set("draft_probs", lambda x: x[0]),
+        "draft_probs: expected rank 3 with shape (B, G, V), got shape (3, 8)",
+        True,
+    ),
+    BadInput(
+        "rank-target_probs",
+        _set("target_probs", lambda x: x[None]),
+        "target_probs: expected rank 3 with shape (B, G+1, V), got shape (1, 2, 4, 8)",
+        True,
+    ),
+    BadInput(
+        "rank-accept_uniforms",
+        _set("accept_uniforms", lambda x: x[..., None]),
+        "accept_uniforms: expected rank 2 with shape (B, G), got shape (2, 3, 1)",
+        True,
+    ),
+    BadInput(
+        "rank-sample_uniforms",
+        _set("sample_uniforms", lambda x: x[:, None]),
+        "sample_uniforms: expected rank 1 with shape (B), got shape (2, 1)",
+        True,
+    ),
+    BadInput(
+        "rank-sample_uniforms-scalar",
+        _set("sample_uniforms", np.float32(0.5)),
+        "sample_uniforms: expected rank 1 with shape (B), got shape ()",
+        True,
+    ),
     # B disagreements
-    BadInput("B-target_probs", _set("target_probs", lambda x: np.concatenate([x, x])),
-             "target_probs: expected shape (B, G+1, V) = (2, 4, 8), got (4, 4, 8)", True),
-    BadInput("B-draft_probs", _set("draft_probs", lambda x: x[:1]),
-             "draft_probs: expected shape (B, G, V) = (2, 3, 8), got (1, 3, 8)", True),
-    BadInput("B-accept_uniforms", _set("accept_uniforms", lambda x: x[:1]),
-             "accept_uniforms: expected shape (B, G) = (2, 3), got (1, 3)", True),
-    BadInput("B-sample_uniforms", _set("sample_uniforms", lambda x: np.concatenate([x, x])),
-             "sample_uniforms: expected shape (B) = (2,), got (4,)", True),
+    BadInput(
+        "B-target_probs",
+        _set("target_probs", lambda x: np.concatenate([x, x])),
+        "target_probs: expected shape (B, G+1, V) = (2, 4, 8), got (4, 4, 8)",
+        True,
+    ),
+    BadInput(
+        "B-draft_probs",
+        _set("draft_probs", lambda x: x[:1]),
+        "draft_probs: expected shape (B, G, V) = (2, 3, 8), got (1, 3, 8)",
+        True,
+    ),
+    BadInput(
+        "B-accept_uniforms",
+        _set("accept_uniforms", lambda x: x[:1]),
+        "accept_uniforms: expected shape (B, G) = (2, 3), got (1, 3)",
+        True,
+    ),
+    BadInput(
+        "B-sample_uniforms",
+        _set("sample_uniforms", lambda x: np.concatenate([x, x])),
+        "sample_uniforms: expected shape (B) = (2,), got (4,)",
+        True,
+    ),
     # G disagreements (target_probs needs G+1 positions)
-    BadInput("G-target_probs-G-positions", _set("target_probs", lambda x: x[:, :3]),
-             "target_probs: expected shape (B, G+1, V) = (2, 4, 8), got (2, 3, 8)", True),
-    BadInput("G-draft_probs", _set("draft_probs", lambda x: x[:, :2]),
-             "draft_probs: expected shape (B, G, V) = (2, 3, 8), got (2, 2, 8)", True),
-    BadInput("G-accept_uniforms", _set("accept_uniforms", lambda x: x[:, :2]),
-             "accept_uniforms: expected shape (B, G) = (2, 3), got (2, 2)", True),
-    BadInput("G-draft_tokens", _set("draft_tokens", lambda x: x[:, :2]),
-             "target_probs: expected shape (B, G+1, V) = (2, 3, 8), got (2, 4, 8)", True),
+    BadInput(
+        "G-target_probs-G-positions",
+        _set("target_probs", lambda x: x[:, :3]),
+        "target_probs: expected shape (B, G+1, V) = (2, 4, 8), got (2, 3, 8)",
+        True,
+    ),
+    BadInput(
+        "G-draft_probs",
+        _set("draft_probs", lambda x: x[:, :2]),
+        "draft_probs: expected shape (B, G, V) = (2, 3, 8), got (2, 2, 8)",
+        True,
+    ),
+    BadInput(
+        "G-accept_uniforms",
+        _set("accept_uniforms", lambda x: x[:, :2]),
+        "accept_uniforms: expected shape (B, G) = (2, 3), got (2, 2)",
+        True,
+    ),
+    BadInput(
+        "G-draft_tokens",
+        _set("draft_tokens", lambda x: x[:, :2]),
+        "target_probs: expected shape (B, G+1, V) = (2, 3, 8), got (2, 4, 8)",
+        True,
+    ),
     # V disagreements
-    BadInput("V-draft_probs", _set("draft_probs", lambda x: x[..., :7]),
-             "draft_probs: expected shape (B, G, V) = (2, 3, 8), got (2, 3, 7)", True),
-    BadInput("V-zero", lambda d: d.update(draft_probs=d["draft_probs"][..., :0],
-                                          target_probs=d["target_probs"][..., :0]),
-             "target_probs: expected a vocabulary size V >= 1, got V = 0", True),
+    BadInput(
+        "V-draft_probs",
+        _set("draft_probs", lambda x: x[..., :7]),
+        "draft_probs: expected shape (B, G, V) = (2, 3, 8), got (2, 3, 7)",
+        True,
+    ),
+    BadInput(
+        "V-zero",
+        lambda d: d.update(draft_probs=d["draft_probs"][..., :0], target_probs=d["target_probs"][..., :0]),
+        "target_probs: expected a vocabulary size V >= 1, got V = 0",
+        True,
+    ),
     # token ids
-    BadInput("tokens-negative", _poke("draft_tokens", -1),
-             "draft_tokens: expected token ids in [0, V) = [0, 8), got values in [-1, "),
-    BadInput("tokens-equal-V", _poke("draft_tokens", 8),
-             "draft_tokens: expected token ids in [0, V) = [0, 8), got values in ["),
-    BadInput("tokens-int64-huge", _set("draft_tokens", lambda x: x.astype(np.int64) + 2**40),
-             "draft_tokens: token ids must fit in int32"),
+    BadInput(
+        "tokens-negative",
+        _poke("draft_tokens", -1),
+        "draft_tokens: expected token ids in [0, V) = [0, 8), got values in [-1, ",
+    ),
+    BadInput(
+        "tokens-equal-V",
+        _poke("draft_tokens", 8),
+        "draft_tokens: expected token ids in [0, V) = [0, 8), got values in [",
+    ),
+    BadInput(
+        "tokens-int64-huge",
+        _set("draft_tokens", lambda x: x.astype(np.int64) + 2**40),
+        "draft_tokens: token ids must fit in int32",
+    ),
     # probabilities
     *[
         BadInput(f"{name}-{label}", _poke(name, value), message)
@@ -116,20 +191,30 @@ BAD_INPUTS = [
             ("-inf", -np.inf, f"{name}: expected finite probabilities, got 1 NaN or infinite values"),
         ]
     ],
-    BadInput("target-row-sums-to-zero", _poke("target_probs", 0.0, (1, 2, slice(None))),
-             "target_probs: expected every distribution p_i to have a positive sum, got a row summing to 0"),
+    BadInput(
+        "target-row-sums-to-zero",
+        _poke("target_probs", 0.0, (1, 2, slice(None))),
+        "target_probs: expected every distribution p_i to have a positive sum, got a row summing to 0",
+    ),
     # uniforms, checked on the host (NumPy) and on the device (JAX)
     *[
-        BadInput(f"{name}-{label}-{where}", wrap(name, _poke(name, value)),
-                 f"{name}: expected values in [0, 1), got values in [")
+        BadInput(
+            f"{name}-{label}-{where}",
+            wrap(name, _poke(name, value)),
+            f"{name}: expected values in [0, 1), got values in [",
+        )
         for name in ("accept_uniforms", "sample_uniforms")
         for label, value in [("one", 1.0), ("negative", -0.25), ("nan", np.nan), ("above", 1.5)]
         for where, wrap in [("numpy", lambda n, m: m), ("jax", _as_jax)]
     ],
     # dtypes
     *[
-        BadInput(f"dtype-{name}-{label}", _set(name, conv), f"{name}: expected a floating dtype (float16, bfloat16, "
-                 f"float32 or float64), got {got}", True)
+        BadInput(
+            f"dtype-{name}-{label}",
+            _set(name, conv),
+            f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), got {got}",
+            True,
+        )
         for name in ("draft_probs", "target_probs", "accept_uniforms", "sample_uniforms")
         for label, conv, got in [
             ("str", lambda x: np.full(x.shape, "a"), "str32"),
@@ -138,18 +223,36 @@ BAD_INPUTS = [
             ("int", lambda x: (x * 10).astype(np.int32), "int32"),
         ]
     ],
-    BadInput("dtype-draft_tokens-float", _set("draft_tokens", lambda x: x.astype(np.float32)),
-             "draft_tokens: expected integer token ids (int32 or int64), got float32", True),
-    BadInput("dtype-draft_tokens-str", _set("draft_tokens", lambda x: np.full(x.shape, "a")),
-             "draft_tokens: expected integer token ids (int32 or int64), got str32", True),
-    BadInput("dtype-draft_tokens-bool", _set("draft_tokens", lambda x: x > 1),
-             "draft_tokens: expected integer token ids (int32 or int64), got bool", True),
+    BadInput(
+        "dtype-draft_tokens-float",
+        _set("draft_tokens", lambda x: x.astype(np.float32)),
+        "draft_tokens: expected integer token ids (int32 or int64), got float32",
+        True,
+    ),
+    BadInput(
+        "dtype-draft_tokens-str",
+        _set("draft_tokens", lambda x: np.full(x.shape, "a")),
+        "draft_tokens: expected integer token ids (int32 or int64), got str32",
+        True,
+    ),
+    BadInput(
+        "dtype-draft_tokens-bool",
+        _set("draft_tokens", lambda x: x > 1),
+        "draft_tokens: expected integer token ids (int32 or int64), got bool",
+        True,
+    ),
     BadInput("none-target_probs", _set("target_probs", None), "target_probs: expected an array, got None", True),
-    BadInput("ragged-target_probs", _set("target_probs", [[[0.5, 0.5]], [[1.0]]]),
-             "target_probs: expected a rectangular array, got a ragged nested list", True),
-    BadInput("torch-nan-target_probs", _set("target_probs", lambda x: torch.tensor(
-        np.where(np.arange(8) == 2, np.nan, x)).float()),
-             "target_probs: expected finite probabilities, got 8 NaN or infinite values"),
+    BadInput(
+        "ragged-target_probs",
+        _set("target_probs", [[[0.5, 0.5]], [[1.0]]]),
+        "target_probs: expected a rectangular array, got a ragged nested list",
+        True,
+    ),
+    BadInput(
+        "torch-nan-target_probs",
+        _set("target_probs", lambda x: torch.tensor(np.where(np.arange(8) == 2, np.nan, x)).float()),
+        "target_probs: expected finite probabilities, got 8 NaN or infinite values",
+    ),
 ]
 
 
@@ -161,8 +264,9 @@ def test_bad_input_raises_value_error(bad: BadInput) -> None:
         rejection_sample(**inputs)
 
 
-@pytest.mark.parametrize("bad", [b for b in BAD_INPUTS if b.shape_error],
-                         ids=[b.id for b in BAD_INPUTS if b.shape_error])
+@pytest.mark.parametrize(
+    "bad", [b for b in BAD_INPUTS if b.shape_error], ids=[b.id for b in BAD_INPUTS if b.shape_error]
+)
 def test_shape_and_dtype_errors_raise_without_validate(bad: BadInput) -> None:
     inputs = valid_inputs()
     bad.mutate(inputs)
@@ -170,8 +274,9 @@ def test_shape_and_dtype_errors_raise_without_validate(bad: BadInput) -> None:
         rejection_sample(**inputs, validate=False)
 
 
-@pytest.mark.parametrize("bad", [b for b in BAD_INPUTS if not b.shape_error],
-                         ids=[b.id for b in BAD_INPUTS if not b.shape_error])
+@pytest.mark.parametrize(
+    "bad", [b for b in BAD_INPUTS if not b.shape_error], ids=[b.id for b in BAD_INPUTS if not b.shape_error]
+)
 def test_validate_false_skips_value_checks(bad: BadInput) -> None:
     inputs = valid_inputs()
     bad.mutate(inputs)
@@ -253,12 +358,17 @@ def _temp_bytes(which: str, batch: int, num_draft: int, vocab: int, cpu_kernels_
     """
     from specjax.kernels import cpu_kernels
 
-    fn = {"kernel": rejection_module._rejection_sample_jit,
-          "straightforward": rejection_module._straightforward_jit}[which]
+    fn = {"kernel": rejection_module._rejection_sample_jit, "straightforward": rejection_module._straightforward_jit}[
+        which
+    ]
     spec = jax.ShapeDtypeStruct
-    shapes = (spec((batch, num_draft), jnp.int32), spec((batch, num_draft, vocab), jnp.float32),
-              spec((batch, num_draft + 1, vocab), jnp.float32), spec((batch, num_draft), jnp.float32),
-              spec((batch,), jnp.float32))
+    shapes = (
+        spec((batch, num_draft), jnp.int32),
+        spec((batch, num_draft, vocab), jnp.float32),
+        spec((batch, num_draft + 1, vocab), jnp.float32),
+        spec((batch, num_draft), jnp.float32),
+        spec((batch,), jnp.float32),
+    )
     was_on = cpu_kernels.available()
     if was_on != cpu_kernels_on:
         cpu_kernels.set_enabled(cpu_kernels_on)

@@ -41,17 +41,21 @@ def write_plugin_distribution(site: Path) -> None:
     """
     (site / f"{EXITS}.py").write_text("import sys\nsys.exit(3)\n", encoding="utf-8")
     (site / f"{RAISES}.py").write_text("raise GeneratorExit('plugin says goodbye')\n", encoding="utf-8")
-    (site / f"{GOOD}.py").write_text(textwrap.dedent(f"""
+    (site / f"{GOOD}.py").write_text(
+        textwrap.dedent(f"""
         from specjax.plugin.reference_samplers import numpy_rejection_sample as sampler
 
         def register():
             from specjax.plugin.registry import register_sampler
             register_sampler("rel_good_registered", "{GOOD}:sampler")
-    """), encoding="utf-8")
+    """),
+        encoding="utf-8",
+    )
     info = site / f"{DIST}-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0.1\n", encoding="utf-8")
-    (info / "entry_points.txt").write_text(textwrap.dedent(f"""
+    (info / "entry_points.txt").write_text(
+        textwrap.dedent(f"""
         [specjax.plugins]
         rel_exits = {EXITS}:register
         rel_raises = {RAISES}:register
@@ -59,7 +63,9 @@ def write_plugin_distribution(site: Path) -> None:
 
         [specjax.samplers]
         rel_exits_sampler = {EXITS}:sampler
-    """), encoding="utf-8")
+    """),
+        encoding="utf-8",
+    )
 
 
 @pytest.fixture
@@ -88,14 +94,20 @@ def test_plugins_exiting_or_raising_base_exceptions_are_reported_per_plugin(fail
     assert registry.load_plugins() == status
     assert {"numpy", "torch", "rel_good_registered"} <= set(registry.available_samplers())
     assert registry.load_sampler("rel_good_registered") is not None
-    with pytest.raises(ValueError, match=r"unknown sampler 'nope'.*plugins that failed to load: .*rel_exits "
-                                         r"\(SystemExit: 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown sampler 'nope'.*plugins that failed to load: .*rel_exits "
+        r"\(SystemExit: 3\)",
+    ):
         registry.load_sampler("nope")
 
 
 def test_sampler_module_exiting_on_import_is_an_import_error(failing_plugins: Path) -> None:
-    with pytest.raises(ImportError, match=rf"sampler 'rel_exits_sampler': cannot import {EXITS}:sampler .*"
-                                          r"SystemExit: 3"):
+    with pytest.raises(
+        ImportError,
+        match=rf"sampler 'rel_exits_sampler': cannot import {EXITS}:sampler .*"
+        r"SystemExit: 3",
+    ):
         registry.load_sampler("rel_exits_sampler")
     assert registry.load_sampler("numpy") is not None  # still usable
 
@@ -158,9 +170,12 @@ LOGITS = np.random.default_rng(0).normal(size=(2, 8)).astype(np.float32)
 
 @pytest.mark.parametrize("temperature", [1e38, 3e38, 3.4e38, [1.0, 1e38], 1e-39])
 def test_temperature_outside_the_faithful_range_is_refused(temperature) -> None:
-    with pytest.raises(ValueError, match=r"temperature: expected 0 \(greedy\) or a value in \[2\*\*-126, 2\*\*126\] "
-                                         r"= \[1.175494e-38, 8.507059e\+37\], the range where the processed "
-                                         r"distribution is computed faithfully"):
+    with pytest.raises(
+        ValueError,
+        match=r"temperature: expected 0 \(greedy\) or a value in \[2\*\*-126, 2\*\*126\] "
+        r"= \[1.175494e-38, 8.507059e\+37\], the range where the processed "
+        r"distribution is computed faithfully",
+    ):
         specjax.sample_from_logits(LOGITS, key=jax.random.key(0), temperature=temperature)
 
 
@@ -183,11 +198,17 @@ def test_huge_top_k_keeps_everything(top_k) -> None:
     assert np.all(np.asarray(probs) > 0)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(top_k=-(2**70)), r"top_k: expected integers >= 0 \(0 = no top-k\), got \[-1180591620717411303424, "),
-    (dict(temperature=10**400), r"temperature: expected a number that fits in a float, got an integer of 1329 bits"),
-    (dict(top_p=10**400), r"top_p: expected a number that fits in a float"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(top_k=-(2**70)), r"top_k: expected integers >= 0 \(0 = no top-k\), got \[-1180591620717411303424, "),
+        (
+            dict(temperature=10**400),
+            r"temperature: expected a number that fits in a float, got an integer of 1329 bits",
+        ),
+        (dict(top_p=10**400), r"top_p: expected a number that fits in a float"),
+    ],
+)
 def test_out_of_range_python_integers_are_value_errors(kwargs, match) -> None:
     args = dict(key=jax.random.key(0), temperature=1.0)
     args.update(kwargs)
@@ -195,14 +216,16 @@ def test_out_of_range_python_integers_are_value_errors(kwargs, match) -> None:
         specjax.sample_from_logits(LOGITS, **args)
 
 
-@pytest.mark.parametrize("key", [jnp.zeros((3,), jnp.uint32), jnp.zeros((2, 3), jnp.uint32),
-                                 jnp.zeros((2, 5), jnp.uint32)])
+@pytest.mark.parametrize(
+    "key", [jnp.zeros((3,), jnp.uint32), jnp.zeros((2, 3), jnp.uint32), jnp.zeros((2, 5), jnp.uint32)]
+)
 def test_malformed_raw_key_data_is_a_value_error(key) -> None:
     with pytest.raises(ValueError, match=r"key: expected a JAX PRNG key .*got a uint32 array of shape"):
         specjax.sample_from_logits(LOGITS, key=key, temperature=1.0)
     with pytest.raises(ValueError, match=r"key: expected a JAX PRNG key"):
-        specjax.verify_from_logits([[1], [2]], np.zeros((2, 1, 8), np.float32), np.zeros((2, 2, 8), np.float32),
-                                   key=key, temperature=1.0)
+        specjax.verify_from_logits(
+            [[1], [2]], np.zeros((2, 1, 8), np.float32), np.zeros((2, 2, 8), np.float32), key=key, temperature=1.0
+        )
 
 
 # --------------------------------------------------------------------------- validate=False, ids outside [0, V)
@@ -221,16 +244,19 @@ def _uniform_case(ids):
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
-@pytest.mark.parametrize("ids", [
-    np.array([[-1, 2]], np.int32),
-    np.array([[2, -1]], np.int32),
-    np.array([[V, 1]], np.int32),
-    np.array([[1, 2**31 - 1]], np.int32),
-    np.array([[-(2**31), 0]], np.int32),
-    torch.tensor([[2**32 + 3, 1]]),  # int64 that narrowing to int32 would wrap to 3
-    torch.tensor([[2**31, 1]]),  # int64 that narrowing would wrap to -2**31
-    torch.tensor([[1, -(2**32) + 5]]),  # wraps to 5
-])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        np.array([[-1, 2]], np.int32),
+        np.array([[2, -1]], np.int32),
+        np.array([[V, 1]], np.int32),
+        np.array([[1, 2**31 - 1]], np.int32),
+        np.array([[-(2**31), 0]], np.int32),
+        torch.tensor([[2**32 + 3, 1]]),  # int64 that narrowing to int32 would wrap to 3
+        torch.tensor([[2**31, 1]]),  # int64 that narrowing would wrap to -2**31
+        torch.tensor([[1, -(2**32) + 5]]),  # wraps to 5
+    ],
+)
 def test_unvalidated_ids_outside_the_vocabulary_are_never_accepted(sampler, ids) -> None:
     q, p, u, s = _uniform_case(ids.tolist())
     fn = specjax.load_sampler(sampler)
@@ -240,7 +266,7 @@ def test_unvalidated_ids_outside_the_vocabulary_are_never_accepted(sampler, ids)
     first_bad = next(i for i, x in enumerate(ids[0].tolist()) if not 0 <= x < V)
     assert n.tolist() == [first_bad]  # accepted up to the first out-of-range id, never it
     assert np.all((tokens[0, : first_bad + 1] >= 0) & (tokens[0, : first_bad + 1] < V))
-    assert np.all(tokens[0, first_bad + 1:] == -1)
+    assert np.all(tokens[0, first_bad + 1 :] == -1)
 
 
 def test_the_three_samplers_agree_on_unvalidated_random_ids() -> None:

@@ -43,8 +43,13 @@ _PROBE = textwrap.dedent(
 
 
 def _probe(threads: int) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _PROBE, str(threads)], capture_output=True, text=True,
-                          timeout=300, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -12,8 +12,9 @@ import pytest
 from specjax.generate.schedule import EXPLORE_EVERY, DraftSchedule, expected_tokens
 
 
-def schedule(verify_ms: dict[int, float], draft_ms: float = 0.0, overhead_ms: float = 1.0, batch: int = 1,
-             g: int = 6) -> DraftSchedule:
+def schedule(
+    verify_ms: dict[int, float], draft_ms: float = 0.0, overhead_ms: float = 1.0, batch: int = 1, g: int = 6
+) -> DraftSchedule:
     s = DraftSchedule(batch, g, adaptive=True, draft_cost_hint=draft_ms / 1000)
     for q, ms in verify_ms.items():
         for _ in range(3):  # the first time of each cost counts as warm-up

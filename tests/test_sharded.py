@@ -61,12 +61,15 @@ def test_mesh_layout_ignores_unsharded_inputs() -> None:
     assert sharded.mesh_layout(jax.device_put(x, NamedSharding(mesh, P()))) is None
 
 
-@pytest.mark.parametrize("spec,batch,vocab", [
-    (P("b", None, "v"), "b", "v"),
-    (P("b"), "b", None),
-    (P(None, None, "v"), None, "v"),
-    (P(("b", "v")), ("b", "v"), None),
-])
+@pytest.mark.parametrize(
+    "spec,batch,vocab",
+    [
+        (P("b", None, "v"), "b", "v"),
+        (P("b"), "b", None),
+        (P(None, None, "v"), None, "v"),
+        (P(("b", "v")), ("b", "v"), None),
+    ],
+)
 def test_mesh_layout_reads_the_batch_and_vocab_axes(spec: P, batch, vocab) -> None:
     mesh = one_device_mesh()
     x = jax.device_put(np.zeros((2, 3, 5), np.float32), NamedSharding(mesh, spec))
@@ -81,26 +84,34 @@ def test_mesh_layout_rejects_a_split_draft_axis() -> None:
         sharded.mesh_layout(x, "target_probs")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"batch_axis": "x"}, r"batch_axis: expected an axis of the mesh .*got 'x'"),
-    ({"vocab_axis": "model"}, r"vocab_axis: expected an axis of the mesh .*got 'model'"),
-    ({"batch_axis": "v", "vocab_axis": "v"}, r"batch_axis and vocab_axis: expected different mesh axes"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"batch_axis": "x"}, r"batch_axis: expected an axis of the mesh .*got 'x'"),
+        ({"vocab_axis": "model"}, r"vocab_axis: expected an axis of the mesh .*got 'model'"),
+        ({"batch_axis": "v", "vocab_axis": "v"}, r"batch_axis and vocab_axis: expected different mesh axes"),
+    ],
+)
 def test_explicit_functions_check_their_axes(kwargs: dict, match: str) -> None:
     mesh = one_device_mesh()
     with pytest.raises(ValueError, match=match):
         sharded.rejection_sample_sharded([[0]], [[[1.0]]], [[[1.0], [1.0]]], [[0.5]], [0.5], mesh=mesh, **kwargs)
     with pytest.raises(ValueError, match=match):
-        sharded.verify_from_logits_sharded([[0]], [[[1.0]]], [[[1.0], [1.0]]], key=jax.random.key(0),
-                                           temperature=1.0, mesh=mesh, **kwargs)
+        sharded.verify_from_logits_sharded(
+            [[0]], [[[1.0]]], [[[1.0], [1.0]]], key=jax.random.key(0), temperature=1.0, mesh=mesh, **kwargs
+        )
 
 
 def test_sharded_path_on_a_one_device_mesh_equals_the_plain_kernel() -> None:
     """The whole sharded code path (shard_map, collectives over size-1 axes) in this process."""
     x, q, p, u, s = sharded_inputs.probs_inputs(8, 3, 300, seed=1)
     mesh = one_device_mesh()
-    placed = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in zip(
-        (x, q, p, u, s), (P("b", None), P("b", None, "v"), P("b", None, "v"), P("b", None), P("b")), strict=True)]
+    placed = [
+        jax.device_put(a, NamedSharding(mesh, spec))
+        for a, spec in zip(
+            (x, q, p, u, s), (P("b", None), P("b", None, "v"), P("b", None, "v"), P("b", None), P("b")), strict=True
+        )
+    ]
     got = rejection_sample(*placed)
     ref = rejection_sample(x, q, p, u, s)
     assert isinstance(got["tokens"].sharding, NamedSharding)  # it did take the mesh path
@@ -134,10 +145,18 @@ def test_sharded_cutoff_keeps_what_the_sort_based_cutoff_keeps() -> None:
     omp = rng.choice([0.0, 0.05, 0.3, 0.5, 0.8, 0.95, 0.999], rows).astype(np.float32)
     mesh = one_device_mesh()
     specs = (P(None, "v"), P(), P())
-    fn = jax.jit(jax.shard_map(lambda a, k, o: sharded.sharded_cutoff(a, k, o, "v"), mesh=mesh,
-                               in_specs=specs, out_specs=P(), check_vma=False))
-    got = np.asarray(fn(*(jax.device_put(a, NamedSharding(mesh, sp))
-                          for a, sp in zip((scaled, top_k, omp), specs, strict=True))))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda a, k, o: sharded.sharded_cutoff(a, k, o, "v"),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    got = np.asarray(
+        fn(*(jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip((scaled, top_k, omp), specs, strict=True)))
+    )
     ref = np.asarray(jax.jit(_cutoff)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(omp)))
     np.testing.assert_array_equal(scaled >= got[:, None], scaled >= ref[:, None])
     only_k = (omp == 0) & (top_k > 0) & (top_k <= vocab)

@@ -26,8 +26,9 @@ V = 50
 
 def metadata(temperature, generators=None):
     t = None if temperature is None else torch.tensor(temperature, dtype=torch.float32)
-    return SimpleNamespace(temperature=t, all_greedy=temperature is None or all(x == 0 for x in temperature),
-                           generators=generators or {})
+    return SimpleNamespace(
+        temperature=t, all_greedy=temperature is None or all(x == 0 for x in temperature), generators=generators or {}
+    )
 
 
 def flat_inputs(ks, seed=0):
@@ -84,9 +85,9 @@ def test_sampled_rows_keep_a_draft_prefix_and_splice_the_bonus(given_probs):
         for b, k in enumerate(ks):
             row = out[b]
             emitted = [int(x) for x in row if x != -1]
-            assert 1 <= len(emitted) <= k + 1 and all(x == -1 for x in row[len(emitted):])
+            assert 1 <= len(emitted) <= k + 1 and all(x == -1 for x in row[len(emitted) :])
             accepted = emitted[:-1]
-            assert accepted == draft[starts[b]: starts[b] + len(accepted)].tolist()
+            assert accepted == draft[starts[b] : starts[b] + len(accepted)].tolist()
             last = emitted[-1]
             if len(accepted) == k:
                 assert last == int(bonus[b, 0])
@@ -109,8 +110,15 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     for b in range(3):
         s = sum(ks[:b])
         g = torch.Generator().manual_seed(7 + b)
-        alone = plugin._step(draft[s: s + ks[b]], ks[b:b + 1], ks[b], None, logits[s: s + ks[b]], bonus[b:b + 1],
-                             metadata(temperature[b:b + 1], {0: g}))
+        alone = plugin._step(
+            draft[s : s + ks[b]],
+            ks[b : b + 1],
+            ks[b],
+            None,
+            logits[s : s + ks[b]],
+            bonus[b : b + 1],
+            metadata(temperature[b : b + 1], {0: g}),
+        )
         assert alone[0].tolist() == batch[b, : ks[b] + 1].tolist()
 
 
@@ -120,15 +128,18 @@ def test_calls_names_a_bad_mode():
 
 
 def test_expansion_in_torch():
-    got = plugin._expand_batch_to_tokens_torch(torch.tensor([0.5, 0.0, 2.0]), torch.tensor([2, 2, 5]), 5,
-                                               replace_from=0, replace_to=1)
+    got = plugin._expand_batch_to_tokens_torch(
+        torch.tensor([0.5, 0.0, 2.0]), torch.tensor([2, 2, 5]), 5, replace_from=0, replace_to=1
+    )
     assert got.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
     assert plugin._expansion_is_wrong(plugin._expand_batch_to_tokens_torch) is False
 
 
 def test_import_is_light_and_register_without_vllm_warns(caplog):
-    code = ("import sys, specjax.plugin.vllm; "
-            "print(sorted(m for m in ('torch', 'jax', 'vllm', 'numpy') if m in sys.modules))")
+    code = (
+        "import sys, specjax.plugin.vllm; "
+        "print(sorted(m for m in ('torch', 'jax', 'vllm', 'numpy') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     try:
@@ -136,6 +147,5 @@ def test_import_is_light_and_register_without_vllm_warns(caplog):
     except ImportError:
         with caplog.at_level(logging.WARNING, logger="vllm.specjax"):
             assert plugin.register() is False
-        assert [r.getMessage() for r in caplog.records if r.name == "vllm.specjax"] == [
-            caplog.records[0].getMessage()]
+        assert [r.getMessage() for r in caplog.records if r.name == "vllm.specjax"] == [caplog.records[0].getMessage()]
         assert "vLLM is not importable" in caplog.records[0].getMessage()

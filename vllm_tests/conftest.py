@@ -24,8 +24,14 @@ import pytest
 VOCAB = 64
 # No chunked prefill: vLLM 0.32 on CPU crashes when it discards the token of a partly prefilled
 # seeded request (a CPU torch.Generator has no offset to rewind).
-LLM_ARGS = dict(skip_tokenizer_init=True, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
-                enable_chunked_prefill=False)
+LLM_ARGS = dict(
+    skip_tokenizer_init=True,
+    dtype="float32",
+    max_model_len=256,
+    enforce_eager=True,
+    seed=0,
+    enable_chunked_prefill=False,
+)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -35,9 +41,19 @@ def write_llama(path: Path, layers: int, seed: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         initializer_range=0.2, bos_token_id=0, eos_token_id=VOCAB + 10, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=VOCAB + 10,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -45,8 +61,10 @@ def write_llama(path: Path, layers: int, seed: int) -> Path:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
-    return {"target": write_llama(root / "target", layers=2, seed=0),
-            "draft": write_llama(root / "draft", layers=1, seed=1)}
+    return {
+        "target": write_llama(root / "target", layers=2, seed=0),
+        "draft": write_llama(root / "draft", layers=1, seed=1),
+    }
 
 
 @contextlib.contextmanager

@@ -25,8 +25,10 @@ ALPHA = 1e-3
 def law_params(temperature: float = 0.7) -> list:
     from vllm import SamplingParams
 
-    return [SamplingParams(max_tokens=3, temperature=temperature, top_k=50, top_p=0.95, seed=i, ignore_eos=True)
-            for i in range(LAW_REQUESTS)]
+    return [
+        SamplingParams(max_tokens=3, temperature=temperature, top_k=50, top_p=0.95, seed=i, ignore_eos=True)
+        for i in range(LAW_REQUESTS)
+    ]
 
 
 def greedy(max_tokens: int = 16):
@@ -46,8 +48,12 @@ def reference(checkpoints):
 
 @pytest.fixture(scope="module")
 def llm(reference, checkpoints):
-    spec = {"method": "draft_model", "model": str(checkpoints["draft"]), "num_speculative_tokens": 3,
-            "draft_sample_method": "probabilistic"}
+    spec = {
+        "method": "draft_model",
+        "model": str(checkpoints["draft"]),
+        "num_speculative_tokens": 3,
+        "draft_sample_method": "probabilistic",
+    }
     with running_llm(checkpoints["target"], speculative_config=spec) as engine:
         yield engine
 
@@ -64,11 +70,9 @@ def test_sampled_tokens_follow_the_law_of_vllm_without_speculation(llm, referenc
     law = sampled_columns(llm.generate(prompts(LAW_PROMPT) * LAW_REQUESTS, law_params()), LAW_POSITIONS)
     assert plugin.calls("draft_probs") > calls, "no step had the draft's probabilities"
     assert plugin.fallbacks() == fallbacks, "some steps fell back to vLLM's function"
-    control = sampled_columns(llm.generate(prompts(LAW_PROMPT) * LAW_REQUESTS, law_params(0.7 * 0.7)),
-                              LAW_POSITIONS)
+    control = sampled_columns(llm.generate(prompts(LAW_PROMPT) * LAW_REQUESTS, law_params(0.7 * 0.7)), LAW_POSITIONS)
     p_values = {i: chi_square_p(reference["law"][i], law[i]) for i in LAW_POSITIONS}
     control_p = {i: chi_square_p(reference["law"][i], control[i]) for i in LAW_POSITIONS}
     print("draft model: p-values", p_values, "control", control_p)
     assert all(p > ALPHA for p in p_values.values()), p_values
     assert all(p < ALPHA for p in control_p.values()), f"the test cannot see a doubled temperature: {control_p}"
-

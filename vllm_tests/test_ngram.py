@@ -35,8 +35,10 @@ ALPHA = 1e-3
 def law_params(temperature: float = 0.7) -> list:
     from vllm import SamplingParams
 
-    return [SamplingParams(max_tokens=3, temperature=temperature, top_k=50, top_p=0.95, seed=i, ignore_eos=True)
-            for i in range(LAW_REQUESTS)]
+    return [
+        SamplingParams(max_tokens=3, temperature=temperature, top_k=50, top_p=0.95, seed=i, ignore_eos=True)
+        for i in range(LAW_REQUESTS)
+    ]
 
 
 def greedy(max_tokens: int = 16):
@@ -100,21 +102,24 @@ def test_greedy_rows_unchanged_in_a_batch_with_sampled_rows(llm, reference):
     out = token_ids(llm.generate(batch, params))
     assert plugin.calls() > calls
     assert out[: len(GREEDY_PROMPTS)] == reference["greedy"]
-    assert out[len(GREEDY_PROMPTS):] != reference["greedy"]  # the sampled rows did sample
+    assert out[len(GREEDY_PROMPTS) :] != reference["greedy"]  # the sampled rows did sample
 
 
 def test_seeded_request_reproducible_and_independent_of_its_batch(llm):
     from vllm import SamplingParams
 
-    params = [SamplingParams(max_tokens=20, temperature=0.9, top_k=30, seed=100 + i, ignore_eos=True)
-              for i in range(len(GREEDY_PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.9, top_k=30, seed=100 + i, ignore_eos=True)
+        for i in range(len(GREEDY_PROMPTS))
+    ]
     first = token_ids(llm.generate(prompts(*GREEDY_PROMPTS), params))
     again = token_ids(llm.generate(prompts(*GREEDY_PROMPTS), params))
     alone = [token_ids(llm.generate(prompts(p), q))[0] for p, q in zip(GREEDY_PROMPTS, params, strict=True)]
     # in a bigger batch, with unseeded sampled requests around it
     others = [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)] * 6
-    mixed = token_ids(llm.generate(prompts(*GREEDY_PROMPTS, *GREEDY_PROMPTS[:3], *GREEDY_PROMPTS[:3]),
-                                   [*params, *others]))[: len(GREEDY_PROMPTS)]
+    mixed = token_ids(
+        llm.generate(prompts(*GREEDY_PROMPTS, *GREEDY_PROMPTS[:3], *GREEDY_PROMPTS[:3]), [*params, *others])
+    )[: len(GREEDY_PROMPTS)]
     assert first == again
     assert first == alone
     assert first == mixed
@@ -127,8 +132,7 @@ def test_sampled_tokens_follow_the_law_of_vllm_without_speculation(llm, referenc
     law = sampled_columns(llm.generate(prompts(LAW_PROMPT) * LAW_REQUESTS, law_params()), LAW_POSITIONS)
     assert plugin.calls("point_mass") > calls
     assert plugin.fallbacks() == fallbacks, "some steps fell back to vLLM's function"
-    control = sampled_columns(llm.generate(prompts(LAW_PROMPT) * LAW_REQUESTS, law_params(0.7 * 0.7)),
-                              LAW_POSITIONS)
+    control = sampled_columns(llm.generate(prompts(LAW_PROMPT) * LAW_REQUESTS, law_params(0.7 * 0.7)), LAW_POSITIONS)
     p_values = {i: chi_square_p(reference["law"][i], law[i]) for i in LAW_POSITIONS}
     control_p = {i: chi_square_p(reference["law"][i], control[i]) for i in LAW_POSITIONS}
     print("n-gram: p-values", p_values, "control", control_p)
@@ -174,9 +178,9 @@ def test_repairs_of_vllm_processing(llm):
     from vllm.v1.sample import rejection_sampler
 
     assert "empty_drafts" in plugin.repairs()
-    expanded = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.5, 0.0, 2.0]),
-                                                        torch.tensor([2, 2, 5], dtype=torch.int32), 5,
-                                                        replace_from=0, replace_to=1)
+    expanded = rejection_sampler.expand_batch_to_tokens(
+        torch.tensor([0.5, 0.0, 2.0]), torch.tensor([2, 2, 5], dtype=torch.int32), 5, replace_from=0, replace_to=1
+    )
     assert expanded.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
 
 
@@ -200,6 +204,7 @@ def test_register_leaves_vllm_alone_with_one_warning(case, monkeypatch):
     if case == "unsupported version":
         monkeypatch.setattr(vllm, "__version__", "0.99.0")
     else:
+
         def rejection_sample(draft_token_ids, num_draft_tokens, cu_num_draft_tokens, target_logits):
             raise AssertionError("not called")
 
@@ -216,7 +221,8 @@ def test_register_leaves_vllm_alone_with_one_warning(case, monkeypatch):
         assert plugin.register()
     assert left is vllm_step  # vLLM's (or the changed) function stayed in place
     assert len(handler.messages) == 1, handler.messages
-    assert ("0.99.0 is not a supported version" if case == "unsupported version" else "expected them to start with") \
-        in handler.messages[0]
+    assert (
+        "0.99.0 is not a supported version" if case == "unsupported version" else "expected them to start with"
+    ) in handler.messages[0]
     assert "vLLM's own rejection sampler stays in place" in handler.messages[0]
     assert rejection_sampler.rejection_sample is plugin.rejection_sample  # registered again after undo

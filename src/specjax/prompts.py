@@ -50,7 +50,7 @@ _RECORD = (
     "shipped on 2026-03-16."
 )
 
-_CODE = '''def average(values):
+_CODE = """def average(values):
     total = 0
     for v in values:
         total = total + v
@@ -63,7 +63,7 @@ def median(values):
     if len(ordered) % 2 == 1:
         return ordered[middle]
     return (ordered[middle - 1] + ordered[middle]) / 2
-'''
+"""
 
 _DOCUMENT = (
     "Section 4. Returns. Items may be returned within 30 days of delivery if they are unused and in their "
@@ -74,23 +74,45 @@ _DOCUMENT = (
 
 GROUNDED: dict[str, list[Message]] = {
     "summarise": [{"role": "user", "content": f"Summarise this passage in three sentences.\n\n{_PASSAGE}"}],
-    "rewrite-email": [{"role": "user", "content": "Rewrite this email with correct capitalisation and "
-                                                  f"punctuation, keeping every detail:\n\n{_EMAIL}"}],
-    "extract": [{"role": "user", "content": "Extract the order number, customer name, customer id, email, "
-                                            "items with prices, address and status from this record, one "
-                                            f"field per line as 'field: value'.\n\n{_RECORD}"}],
-    "edit-code": [{"role": "user", "content": "Add a docstring to each function and make average return 0 "
-                                              "for an empty list. Show the whole file.\n\n```python\n"
-                                              f"{_CODE}```"}],
-    "answer-from-doc": [{"role": "user", "content": f"{_DOCUMENT}\n\nQuoting the policy above, answer: can I "
-                                                    "get a refund for a sale item, and who pays the return "
-                                                    "postage for a damaged item?"}],
+    "rewrite-email": [
+        {
+            "role": "user",
+            "content": "Rewrite this email with correct capitalisation and "
+            f"punctuation, keeping every detail:\n\n{_EMAIL}",
+        }
+    ],
+    "extract": [
+        {
+            "role": "user",
+            "content": "Extract the order number, customer name, customer id, email, "
+            "items with prices, address and status from this record, one "
+            f"field per line as 'field: value'.\n\n{_RECORD}",
+        }
+    ],
+    "edit-code": [
+        {
+            "role": "user",
+            "content": "Add a docstring to each function and make average return 0 "
+            "for an empty list. Show the whole file.\n\n```python\n"
+            f"{_CODE}```",
+        }
+    ],
+    "answer-from-doc": [
+        {
+            "role": "user",
+            "content": f"{_DOCUMENT}\n\nQuoting the policy above, answer: can I "
+            "get a refund for a sale item, and who pays the return "
+            "postage for a damaged item?",
+        }
+    ],
     "multi-turn": [
         {"role": "user", "content": "My shopping list is: eggs, flour, milk, butter, apples, cinnamon, sugar."},
-        {"role": "assistant", "content": "Got it. Your list is: eggs, flour, milk, butter, apples, cinnamon, "
-                                         "sugar."},
-        {"role": "user", "content": "I already have milk and sugar. Repeat my list without them, then say what "
-                                    "I could bake with it."},
+        {"role": "assistant", "content": "Got it. Your list is: eggs, flour, milk, butter, apples, cinnamon, sugar."},
+        {
+            "role": "user",
+            "content": "I already have milk and sugar. Repeat my list without them, then say what "
+            "I could bake with it.",
+        },
     ],
 }
 

@@ -57,8 +57,15 @@ class SlotCache:
     def length(self) -> int:
         return self.mask.shape[1]
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor, *, last_only: bool,
-                all_valid: bool | None = None, hidden: bool = False) -> Any:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        valid: torch.Tensor,
+        *,
+        last_only: bool,
+        all_valid: bool | None = None,
+        hidden: bool = False,
+    ) -> Any:
         """Append W slots and run the model on them.
 
         Args:

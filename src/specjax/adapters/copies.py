@@ -47,8 +47,7 @@ COPY_REASONS: Mapping[str, str] = MappingProxyType(
         "requested": "the caller passed copy=True",
         "int64_to_int32": "int64 token ids are narrowed to int32 (JAX's default integer width)",
         "float64_to_float32": (
-            "float64 is narrowed to float32 because jax_enable_x64 is off "
-            "(enable it to keep float64 zero-copy)"
+            "float64 is narrowed to float32 because jax_enable_x64 is off (enable it to keep float64 zero-copy)"
         ),
         "non_contiguous": (
             "the tensor is a strided view (not C-contiguous); JAX accepts only "

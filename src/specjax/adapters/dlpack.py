@@ -277,8 +277,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, check_range: bool 
         raise TypeError(f"tensor: expected a dense (torch.strided) tensor, got layout {tensor.layout}")
     if tensor.dtype not in TORCH_TO_JAX:
         raise TypeError(
-            f"tensor: expected one of the dtypes {_TORCH_NAMES}, "
-            f"got {str(tensor.dtype).removeprefix('torch.')}"
+            f"tensor: expected one of the dtypes {_TORCH_NAMES}, got {str(tensor.dtype).removeprefix('torch.')}"
         )
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"tensor: expected a tensor on cpu or cuda, got one on {tensor.device}")
@@ -316,8 +315,7 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, check_range: bool 
         # JAX copied although the buffer met every condition we know of.
         if copy is False:
             raise ValueError(
-                f"tensor: copy=False but JAX copied the buffer during the DLPack import; "
-                f"got {_describe(src)}"
+                f"tensor: copy=False but JAX copied the buffer during the DLPack import; got {_describe(src)}"
             )
         record_copy("dlpack_copy", src.numel() * src.element_size(), detail=_describe(src))
     return array
@@ -379,4 +377,3 @@ def to_torch(array: jax.Array, *, copy: bool | None = None) -> torch.Tensor:
         tensor = tensor.clone(memory_format=torch.contiguous_format)
         record_copy("requested", nbytes, requested=True)
     return tensor
-

@@ -56,8 +56,10 @@ def _model(model: Any = None, **_: Any) -> ModelDrafter:
 
 def _hybrid(model: Any = None, fallback: Any = None, min_n: int = 2, max_n: int = 5) -> HybridDrafter:
     if fallback is None and model is None:
-        raise ValueError("draft: the 'hybrid' drafter needs a fallback: load_drafter('hybrid', model=draft_model) "
-                         "or HybridDrafter(NgramDrafter(), ModelDrafter(draft_model))")
+        raise ValueError(
+            "draft: the 'hybrid' drafter needs a fallback: load_drafter('hybrid', model=draft_model) "
+            "or HybridDrafter(NgramDrafter(), ModelDrafter(draft_model))"
+        )
     fb = fallback if fallback is not None else ModelDrafter(model)
     return HybridDrafter(NgramDrafter(min_n, max_n), fb)
 
@@ -77,8 +79,9 @@ def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     for ep in importlib.metadata.entry_points(group=DRAFTERS_GROUP):
         if ep.name in _BUILTIN:
             if not ep.value.startswith("specjax."):
-                logger.warning("%s: ignoring %s = %s: the name %r is built in", DRAFTERS_GROUP, ep.name, ep.value,
-                               ep.name)
+                logger.warning(
+                    "%s: ignoring %s = %s: the name %r is built in", DRAFTERS_GROUP, ep.name, ep.value, ep.name
+                )
             continue
         if allowed is not None and ep.name not in allowed:
             continue
@@ -112,13 +115,13 @@ def load_drafter(name: str, **options: Any) -> Any:
     except BaseException as err:  # also SystemExit from the plugin's import; an interrupt goes on
         if isinstance(err, KeyboardInterrupt):
             raise
-        raise ValueError(f"draft: drafter {name!r} ({ep.value}) failed to import: {type(err).__name__}: {err}") \
-            from err
+        raise ValueError(f"draft: drafter {name!r} ({ep.value}) failed to import: {type(err).__name__}: {err}") from err
     drafter = factory(**options)
     missing = [m for m in ("start", "propose", "commit", "select_rows") if not callable(getattr(drafter, m, None))]
     if missing:
-        raise ValueError(f"draft: drafter {name!r} ({ep.value}) returned a {type(drafter).__name__} without "
-                         f"{', '.join(missing)}()")
+        raise ValueError(
+            f"draft: drafter {name!r} ({ep.value}) returned a {type(drafter).__name__} without {', '.join(missing)}()"
+        )
     return drafter
 
 
@@ -137,5 +140,7 @@ def resolve_drafter(draft: Any) -> Any:
 
     if isinstance(draft, torch.nn.Module):
         return ModelDrafter(draft)
-    raise TypeError(f"draft: expected a transformers causal LM, a drafter object or a drafter name "
-                    f"({', '.join(available_drafters())}), got {type(draft).__name__}")
+    raise TypeError(
+        f"draft: expected a transformers causal LM, a drafter object or a drafter name "
+        f"({', '.join(available_drafters())}), got {type(draft).__name__}"
+    )

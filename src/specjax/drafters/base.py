@@ -56,8 +56,14 @@ class SamplingState:
 
     def select(self, rows: Any) -> SamplingState:
         """The state of ``rows`` (i32[B''] indices into the current rows)."""
-        return SamplingState(self.temperature[rows], self.top_k[rows], self.one_minus_top_p[rows], self.use_top_k,
-                             self.use_top_p, self.keys[rows])
+        return SamplingState(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.one_minus_top_p[rows],
+            self.use_top_k,
+            self.use_top_p,
+            self.keys[rows],
+        )
 
 
 @dataclass

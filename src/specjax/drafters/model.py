@@ -80,8 +80,8 @@ class ModelDrafter:
         feed_h = np.zeros((b, width), np.int64)
         valid_h = np.zeros((b, width), bool)
         for j, p in enumerate(self.pending):
-            feed_h[j, width - len(p):] = p
-            valid_h[j, width - len(p):] = active[j]
+            feed_h[j, width - len(p) :] = p
+            valid_h[j, width - len(p) :] = active[j]
         feed = torch.as_tensor(feed_h, device=device)
         feed_valid = torch.as_tensor(valid_h, device=device)
         all_valid = bool(valid_h.all())
@@ -97,8 +97,18 @@ class ModelDrafter:
             self._held.append(logits)
             lj = jit_input(logits)
             logits_out.append(lj)
-            x = steps.draft_draw(lj, s.keys, request.step, i + 1, s.temperature, s.top_k, s.one_minus_top_p,
-                                 vocab=self.vocab, use_top_k=s.use_top_k, use_top_p=s.use_top_p)
+            x = steps.draft_draw(
+                lj,
+                s.keys,
+                request.step,
+                i + 1,
+                s.temperature,
+                s.top_k,
+                s.one_minus_top_p,
+                vocab=self.vocab,
+                use_top_k=s.use_top_k,
+                use_top_p=s.use_top_p,
+            )
             draws.append(x)
             if i < g - 1:
                 feed = to_torch(x).to(torch.long)[:, None]

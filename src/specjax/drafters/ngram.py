@@ -45,7 +45,7 @@ class NgramIndex:
             if end < 0:
                 continue
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                self.tables[n][tuple(ctx[end - n + 1: end + 1])] = end
+                self.tables[n][tuple(ctx[end - n + 1 : end + 1])] = end
 
     def lookup(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest earlier occurrence of the context's suffix."""
@@ -54,9 +54,9 @@ class NgramIndex:
         if k <= 0:
             return []
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
-            end = self.tables[n].get(tuple(ctx[size - n:]))
+            end = self.tables[n].get(tuple(ctx[size - n :]))
             if end is not None:
-                return ctx[end + 1: end + 1 + k]
+                return ctx[end + 1 : end + 1 + k]
         return []
 
 

@@ -108,8 +108,11 @@ _SEED_RANGE = (-(2**63), 2**63 - 1)
 
 def check_seed(seed: Any) -> int:
     """The seed as an int, or a ValueError naming ``seed``."""
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not (
-            _SEED_RANGE[0] <= int(seed) <= _SEED_RANGE[1]):
+    if (
+        isinstance(seed, bool)
+        or not isinstance(seed, int | np.integer)
+        or not (_SEED_RANGE[0] <= int(seed) <= _SEED_RANGE[1])
+    ):
         raise ValueError(f"seed: expected an integer in [-2**63, 2**63 - 1], got {seed!r}")
     return int(seed)
 
@@ -179,7 +182,10 @@ def speculative_generate(
         row's acceptance, down to 0 (a plain decoding step) when drafting does
         not pay (:mod:`specjax.generate.schedule`); False drafts G tokens every
         step (fewer only near ``max_new_tokens``). Outputs follow the target's
-        distribution either way; greedy outputs are identical.
+        distribution either way; greedy outputs are identical. Sampled outputs
+        are reproducible from ``seed`` with ``adaptive=False``; with True the
+        schedule's choices come from measured times, so two runs may draw
+        differently (each still exactly from the target's distribution).
 
     Returns:
       :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``.
@@ -237,8 +243,12 @@ def speculative_generate(
     pad_token_id = _token_id("pad_token_id", pad_token_id)
 
     if attention_mask is None:
-        if batch > 1 and pad_token_id is not None and bool((input_ids[:, 0] == pad_token_id).any()) and \
-                not bool((input_ids == pad_token_id).all()):
+        if (
+            batch > 1
+            and pad_token_id is not None
+            and bool((input_ids[:, 0] == pad_token_id).any())
+            and not bool((input_ids == pad_token_id).all())
+        ):
             raise ValueError(
                 "attention_mask: the batch looks left-padded (pad_token_id in the first column) but no "
                 "attention_mask was given; pass the tokenizer's attention_mask"
@@ -262,8 +272,9 @@ def speculative_generate(
     vocab_limit = min(_input_vocab_size(m) for m in (target, *draft_models))
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= vocab_limit:
-        raise ValueError(f"input_ids: expected token ids in [0, {vocab_limit}) (the models' vocabulary), "
-                         f"got values in [{lo}, {hi}]")
+        raise ValueError(
+            f"input_ids: expected token ids in [0, {vocab_limit}) (the models' vocabulary), got values in [{lo}, {hi}]"
+        )
     longest = int(attention_mask.bool().sum(dim=1).max())  # positions count real tokens only
     checks.check_position_limit("target", target, longest, int(max_new_tokens))
     for m in draft_models:

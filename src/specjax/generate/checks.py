@@ -45,19 +45,24 @@ def check_model(name: str, model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{name}: expected a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
     if next(model.parameters(), None) is None:
-        raise TypeError(f"{name}: expected a transformers causal LM with parameters, got a "
-                        f"{type(model).__name__} without any")
+        raise TypeError(
+            f"{name}: expected a transformers causal LM with parameters, got a {type(model).__name__} without any"
+        )
     if not callable(getattr(model, "get_input_embeddings", None)) or getattr(model, "config", None) is None:
-        raise TypeError(f"{name}: expected a transformers causal LM (with a config and input embeddings), "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"{name}: expected a transformers causal LM (with a config and input embeddings), "
+            f"got {type(model).__name__}"
+        )
 
 
 def check_all_rows_have_tokens(attention_mask: torch.Tensor) -> None:
     """Raise ``ValueError`` for a row whose attention mask is all zeros."""
     empty = torch.nonzero(~attention_mask.bool().any(dim=1)).flatten().tolist()
     if empty:
-        raise ValueError(f"attention_mask: row{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
-                         "of the batch is all padding (no real token); every row needs at least one prompt token")
+        raise ValueError(
+            f"attention_mask: row{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
+            "of the batch is all padding (no real token); every row needs at least one prompt token"
+        )
 
 
 def position_limit(model: Any) -> int | None:
@@ -127,20 +132,25 @@ def check_step_output(who: str, num_accepted: Any, tokens: Any, num_draft_tokens
     n = _int_array(who, "num_accepted", num_accepted, (b,)).astype(np.int64)
     tok = _host(tokens)
     if tok.ndim != 2 or tok.shape[0] != b or (b and tok.shape[1] <= int(k.max())):
-        raise PluginOutputError(f"{who} returned tokens of shape {tuple(tok.shape)}, expected ({b}, G+1) with "
-                                f"G >= {int(k.max()) if b else 0}")
+        raise PluginOutputError(
+            f"{who} returned tokens of shape {tuple(tok.shape)}, expected ({b}, G+1) with "
+            f"G >= {int(k.max()) if b else 0}"
+        )
     tok = _int_array(who, "tokens", tok, tuple(tok.shape)).astype(np.int64)
     bad = np.nonzero((n < 0) | (n > k))[0]
     if bad.size:
         r = int(bad[0])
-        raise PluginOutputError(f"{who} returned num_accepted = {int(n[r])} for row {r}, expected a value in "
-                                f"[0, {int(k[r])}] (the row's number of draft tokens)")
+        raise PluginOutputError(
+            f"{who} returned num_accepted = {int(n[r])} for row {r}, expected a value in "
+            f"[0, {int(k[r])}] (the row's number of draft tokens)"
+        )
     emitted = np.arange(tok.shape[1])[None, :] <= n[:, None]
     out = emitted & ((tok < 0) | (tok >= vocab))
     if out.any():
         r, i = (int(v) for v in np.argwhere(out)[0])
-        raise PluginOutputError(f"{who} returned token {int(tok[r, i])} at row {r}, position {i}, expected an id "
-                                f"in [0, V) = [0, {vocab})")
+        raise PluginOutputError(
+            f"{who} returned token {int(tok[r, i])} at row {r}, position {i}, expected an id in [0, V) = [0, {vocab})"
+        )
 
 
 def checked_sampler(sampler: Callable[..., Any], who: str) -> Callable[..., dict[str, np.ndarray]]:
@@ -149,8 +159,9 @@ def checked_sampler(sampler: Callable[..., Any], who: str) -> Callable[..., dict
     def run(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *, validate=True):
         res = sampler(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate)
         if not isinstance(res, Mapping) or "num_accepted" not in res or "tokens" not in res:
-            raise PluginOutputError(f"{who} returned {type(res).__name__}, expected a dict with 'num_accepted' "
-                                    "and 'tokens'")
+            raise PluginOutputError(
+                f"{who} returned {type(res).__name__}, expected a dict with 'num_accepted' and 'tokens'"
+            )
         b, g = draft_tokens.shape
         n = _int_array(who, "num_accepted", res["num_accepted"], (b,))
         tokens = _int_array(who, "tokens", res["tokens"], (b, g + 1))
@@ -163,8 +174,9 @@ def checked_sampler(sampler: Callable[..., Any], who: str) -> Callable[..., dict
     return run
 
 
-def check_draft_output(who: str, tokens: Any, batch: int, max_tokens: int, vocab: int,
-                       lengths: Any = None) -> np.ndarray:
+def check_draft_output(
+    who: str, tokens: Any, batch: int, max_tokens: int, vocab: int, lengths: Any = None
+) -> np.ndarray:
     """Check a drafter's proposal: i[B, G'] with G' <= ``max_tokens``, ids in [0, V) where used.
 
     ``lengths`` (optional, i[B]): each row's number of proposed tokens, in [0, G'];
@@ -172,8 +184,9 @@ def check_draft_output(who: str, tokens: Any, batch: int, max_tokens: int, vocab
     """
     tok = _host(tokens)
     if tok.ndim != 2 or tok.shape[0] != batch or tok.shape[1] > max_tokens:
-        raise PluginOutputError(f"{who} returned draft tokens of shape {tuple(tok.shape)}, expected "
-                                f"({batch}, G) with G <= {max_tokens}")
+        raise PluginOutputError(
+            f"{who} returned draft tokens of shape {tuple(tok.shape)}, expected ({batch}, G) with G <= {max_tokens}"
+        )
     tok = _int_array(who, "draft tokens", tok, tuple(tok.shape)).astype(np.int64)
     width = tok.shape[1]
     if lengths is None:
@@ -183,12 +196,15 @@ def check_draft_output(who: str, tokens: Any, batch: int, max_tokens: int, vocab
         bad = np.nonzero((k < 0) | (k > width))[0]
         if bad.size:
             r = int(bad[0])
-            raise PluginOutputError(f"{who} returned a draft length of {int(k[r])} for row {r}, expected a "
-                                    f"value in [0, {width}]")
+            raise PluginOutputError(
+                f"{who} returned a draft length of {int(k[r])} for row {r}, expected a value in [0, {width}]"
+            )
         used = np.arange(width)[None, :] < k[:, None]
     out = used & ((tok < 0) | (tok >= vocab))
     if out.any():
         r, i = (int(v) for v in np.argwhere(out)[0])
-        raise PluginOutputError(f"{who} returned draft token {int(tok[r, i])} at row {r}, position {i}, expected "
-                                f"an id in [0, V) = [0, {vocab})")
+        raise PluginOutputError(
+            f"{who} returned draft token {int(tok[r, i])} at row {r}, position {i}, expected "
+            f"an id in [0, V) = [0, {vocab})"
+        )
     return tok

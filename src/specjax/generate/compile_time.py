@@ -19,11 +19,13 @@ from dataclasses import dataclass
 __all__ = ["CompileClock", "measure_compiles"]
 
 _BACKEND = "/jax/core/compile/backend_compile_duration"
-_EVENTS = frozenset({
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    _BACKEND,
-})
+_EVENTS = frozenset(
+    {
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        _BACKEND,
+    }
+)
 
 _lock = threading.Lock()
 _registered = False

@@ -205,17 +205,26 @@ def run_loop(
         mask_h = attention_mask.bool().cpu().numpy()
         ids_h = input_ids.cpu().numpy()
         contexts = [ids_h[b][mask_h[b]].tolist() for b in range(batch)]
-        drafter.start(DraftSetup(target, input_ids, attention_mask, [list(c) for c in contexts], target_vocab,
-                                 num_draft_tokens, sampling))
-        schedule = DraftSchedule(batch, num_draft_tokens, adaptive=adaptive,
-                                 draft_cost_hint=float(getattr(drafter, "cost_per_token_hint", 0.003)),
-                                 model=target, drafter_key=stats.drafter)
+        drafter.start(
+            DraftSetup(
+                target, input_ids, attention_mask, [list(c) for c in contexts], target_vocab, num_draft_tokens, sampling
+            )
+        )
+        schedule = DraftSchedule(
+            batch,
+            num_draft_tokens,
+            adaptive=adaptive,
+            draft_cost_hint=float(getattr(drafter, "cost_per_token_hint", 0.003)),
+            model=target,
+            drafter_key=stats.drafter,
+        )
         last_h = ids_h[:, -1].astype(np.int64).copy()  # i64[B']: last committed token, not in the target cache
 
         hidden_kw = bool(getattr(drafter, "needs_target_hidden", False))
         # Drafters whose proposals cost nothing (lookups) are asked every step.
-        free_proposals = float(getattr(drafter, "cost_per_token_hint", 1.0)) == 0.0 or \
-            isinstance(drafter, HybridDrafter)
+        free_proposals = float(getattr(drafter, "cost_per_token_hint", 1.0)) == 0.0 or isinstance(
+            drafter, HybridDrafter
+        )
         step = 0
         while not all(r.done for r in rows):
             t_step = time.perf_counter()
@@ -235,7 +244,8 @@ def run_loop(
             t_draft = time.perf_counter()
             if caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or free_proposals):
                 proposal = drafter.propose(
-                    DraftRequest(step, [contexts[i] for i in cache_rows], want, active_h, sampling, caps))
+                    DraftRequest(step, [contexts[i] for i in cache_rows], want, active_h, sampling, caps)
+                )
                 _check_proposal(who, proposal, caps, b_now, target_vocab, check_ids=not trusted)
                 paid = int(want.max()) if proposal.paid_tokens is None else int(proposal.paid_tokens)
                 schedule.record_draft(paid, time.perf_counter() - t_draft)
@@ -256,9 +266,11 @@ def run_loop(
             t_start_slot = t_cache.length
             t_in = torch.cat([last[:, None], x_t], dim=1)
             t_fwd = time.perf_counter()
-            target_logits, hidden = t_cache.forward(t_in, active.expand(t_in.shape), last_only=False,
-                                                    all_valid=all_active, hidden=True) if hidden_kw else \
-                (t_cache.forward(t_in, active.expand(t_in.shape), last_only=False, all_valid=all_active), None)
+            target_logits, hidden = (
+                t_cache.forward(t_in, active.expand(t_in.shape), last_only=False, all_valid=all_active, hidden=True)
+                if hidden_kw
+                else (t_cache.forward(t_in, active.expand(t_in.shape), last_only=False, all_valid=all_active), None)
+            )
             forward_s = time.perf_counter() - t_fwd
             schedule.record_verify(width + 1, forward_s)
             tj = jit_input(target_logits)
@@ -266,9 +278,19 @@ def run_loop(
             # 3. Verify.
             s = sampling
             if sampler is None:
-                result = steps.verify_step(x_j, d_logits, tj, s.keys, step, s.temperature, s.top_k,
-                                           s.one_minus_top_p, k_rows.astype(np.int32),
-                                           use_top_k=s.use_top_k, use_top_p=s.use_top_p)
+                result = steps.verify_step(
+                    x_j,
+                    d_logits,
+                    tj,
+                    s.keys,
+                    step,
+                    s.temperature,
+                    s.top_k,
+                    s.one_minus_top_p,
+                    k_rows.astype(np.int32),
+                    use_top_k=s.use_top_k,
+                    use_top_p=s.use_top_p,
+                )
                 n_j, tok_j = result["num_accepted"], result["tokens"]
             else:
                 n_j, tok_j = _run_sampler(sampler, x_j, d_logits, tj, s, step, k_rows)
@@ -337,43 +359,55 @@ def run_loop(
     out = _build_output(input_ids, rows, pad_token_id, stats)
     if return_state:
         pending = getattr(drafter, "pending", None)
-        out.state = LoopState(t_cache, d_cache, cache_rows, torch.as_tensor(last_h, device=device),
-                              [list(p) for p in pending] if pending is not None else [])
+        out.state = LoopState(
+            t_cache,
+            d_cache,
+            cache_rows,
+            torch.as_tensor(last_h, device=device),
+            [list(p) for p in pending] if pending is not None else [],
+        )
     return out
 
 
 def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab: int, *, check_ids: bool) -> None:
     """A drafter's proposal: shapes, ``0 <= k_b <= max_tokens[b]``, and (third-party drafters) ids in [0, V)."""
     if not isinstance(proposal, Proposal):
-        raise checks.PluginOutputError(f"{who} returned {type(proposal).__name__}, expected a "
-                                       "specjax.drafters.Proposal")
+        raise checks.PluginOutputError(
+            f"{who} returned {type(proposal).__name__}, expected a specjax.drafters.Proposal"
+        )
     k = np.asarray(proposal.num_tokens)
     if k.shape != (batch,) or not np.issubdtype(k.dtype, np.integer):
-        raise checks.PluginOutputError(f"{who} returned num_tokens of shape {k.shape} and dtype {k.dtype}, "
-                                       f"expected integers of shape ({batch},)")
+        raise checks.PluginOutputError(
+            f"{who} returned num_tokens of shape {k.shape} and dtype {k.dtype}, expected integers of shape ({batch},)"
+        )
     over = np.nonzero((k < 0) | (k > want))[0]
     if over.size:
         r = int(over[0])
-        raise checks.PluginOutputError(f"{who} proposed {int(k[r])} tokens for row {r}, expected at most "
-                                       f"{int(want[r])} (and at least 0)")
+        raise checks.PluginOutputError(
+            f"{who} proposed {int(k[r])} tokens for row {r}, expected at most {int(want[r])} (and at least 0)"
+        )
     shape = tuple(getattr(proposal.tokens, "shape", ()))
     if len(shape) != 2 or shape[0] != batch or shape[1] < int(k.max(initial=0)):
-        raise checks.PluginOutputError(f"{who} returned tokens of shape {shape}, expected ({batch}, G) with "
-                                       f"G >= {int(k.max(initial=0))}")
+        raise checks.PluginOutputError(
+            f"{who} returned tokens of shape {shape}, expected ({batch}, G) with G >= {int(k.max(initial=0))}"
+        )
     if proposal.logits is not None:
         if len(proposal.logits) < int(k.max(initial=0)):
-            raise checks.PluginOutputError(f"{who} returned {len(proposal.logits)} logits arrays for "
-                                           f"{int(k.max(initial=0))} draft positions")
+            raise checks.PluginOutputError(
+                f"{who} returned {len(proposal.logits)} logits arrays for {int(k.max(initial=0))} draft positions"
+            )
         for lg in proposal.logits:
             if tuple(lg.shape)[:1] != (batch,) or len(lg.shape) != 2:
-                raise checks.PluginOutputError(f"{who} returned draft logits of shape {tuple(lg.shape)}, expected "
-                                               f"({batch}, V)")
+                raise checks.PluginOutputError(
+                    f"{who} returned draft logits of shape {tuple(lg.shape)}, expected ({batch}, V)"
+                )
     if check_ids:
         checks.check_draft_output(who, proposal.tokens, batch, shape[1], vocab, k)
 
 
-def _draft_columns(tokens: Any, k_rows: np.ndarray, g: int, width: int, last: torch.Tensor, to_torch: Any,
-                   jnp: Any) -> tuple[torch.Tensor, Any]:
+def _draft_columns(
+    tokens: Any, k_rows: np.ndarray, g: int, width: int, last: torch.Tensor, to_torch: Any, jnp: Any
+) -> tuple[torch.Tensor, Any]:
     """The draft columns as torch i64[B', width] (target input) and JAX i32[B', width] (verify input).
 
     Row b's entries at positions >= k_b (and the filler columns past g) are its
@@ -408,8 +442,17 @@ def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):
 
     from specjax.kernels import steps
 
-    q, p, u = steps.probs_step(draft_logits, tj, s.keys, step, s.temperature, s.top_k, s.one_minus_top_p,
-                               use_top_k=s.use_top_k, use_top_p=s.use_top_p)
+    q, p, u = steps.probs_step(
+        draft_logits,
+        tj,
+        s.keys,
+        step,
+        s.temperature,
+        s.top_k,
+        s.one_minus_top_p,
+        use_top_k=s.use_top_k,
+        use_top_p=s.use_top_p,
+    )
     b, g = xj.shape
     n_out = np.zeros((b,), np.int32)
     tok_out = np.full((b, g + 1), -1, np.int32)

@@ -75,8 +75,16 @@ class DraftSchedule:
         and batch size).
     """
 
-    def __init__(self, batch: int, max_draft: int, *, adaptive: bool, draft_cost_hint: float,
-                 model: Any = None, drafter_key: str = "") -> None:
+    def __init__(
+        self,
+        batch: int,
+        max_draft: int,
+        *,
+        adaptive: bool,
+        draft_cost_hint: float,
+        model: Any = None,
+        drafter_key: str = "",
+    ) -> None:
         self.max_draft = max_draft
         self.adaptive = adaptive
         self.passes = np.zeros(batch)

@@ -58,16 +58,38 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-__all__ = ["available", "build_error", "draw_probs", "draw_rows_index", "library_path", "probs", "row_stats",
-           "set_enabled", "verify"]
+__all__ = [
+    "available",
+    "build_error",
+    "draw_probs",
+    "draw_rows_index",
+    "library_path",
+    "probs",
+    "row_stats",
+    "set_enabled",
+    "verify",
+]
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _FLAGS = (
-    "-O3", "-std=c++17", "-shared", "-fPIC", "-march=native", "-mprefer-vector-width=512",
-    "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-fno-exceptions", "-ffp-contract=off",
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-exceptions",
+    "-ffp-contract=off",
 )
-_TARGETS = {"specjax_row_stats": "SpecjaxRowStats", "specjax_probs": "SpecjaxProbs",
-            "specjax_draw_probs": "SpecjaxDrawProbs", "specjax_verify": "SpecjaxVerify"}
+_TARGETS = {
+    "specjax_row_stats": "SpecjaxRowStats",
+    "specjax_probs": "SpecjaxProbs",
+    "specjax_draw_probs": "SpecjaxDrawProbs",
+    "specjax_verify": "SpecjaxVerify",
+}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -140,8 +162,10 @@ def _load() -> None:
     # the single-device paths do too. No warning: nothing is missing.
     cpu_devices = jax.device_count("cpu")
     if cpu_devices != 1:
-        _state["error"] = (f"{cpu_devices} CPU devices: the mesh paths and the single-device paths both run "
-                           "the JAX code, so that they agree exactly")
+        _state["error"] = (
+            f"{cpu_devices} CPU devices: the mesh paths and the single-device paths both run "
+            "the JAX code, so that they agree exactly"
+        )
         return
     compiler = _compiler()
     if compiler is None:
@@ -206,8 +230,7 @@ def library_path() -> Path | None:
     return _state.get("path")  # type: ignore[return-value]
 
 
-def row_stats(logits: jax.Array, scale: jax.Array, cutoff: jax.Array
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def row_stats(logits: jax.Array, scale: jax.Array, cutoff: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-row max, normaliser and first argmax (inside jit; CPU only).
 
     Args:
@@ -277,9 +300,17 @@ def draw_probs(target: jax.Array, draft: jax.Array, rows: jax.Array, sample_unif
     return call(target, draft, rows, sample_uniforms)
 
 
-def verify(target: jax.Array, draft: jax.Array, draft_tokens: jax.Array, num_draft_tokens: jax.Array,
-           accept_uniforms: jax.Array, sample_uniforms: jax.Array, scale: jax.Array, target_cutoff: jax.Array,
-           draft_cutoff: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify(
+    target: jax.Array,
+    draft: jax.Array,
+    draft_tokens: jax.Array,
+    num_draft_tokens: jax.Array,
+    accept_uniforms: jax.Array,
+    sample_uniforms: jax.Array,
+    scale: jax.Array,
+    target_cutoff: jax.Array,
+    draft_cutoff: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     """The whole acceptance step from logits, one batch row per task (inside jit; CPU only).
 
     Position ``i`` of a row is summarised (:func:`row_stats`) only if its tests
@@ -305,6 +336,15 @@ def verify(target: jax.Array, draft: jax.Array, draft_tokens: jax.Array, num_dra
     b = target.shape[0]
     i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
     call = jax.ffi.ffi_call("specjax_verify", (i32, i32))
-    num_accepted, emitted = call(target, draft, draft_tokens, num_draft_tokens, accept_uniforms, sample_uniforms,
-                                 scale, target_cutoff, draft_cutoff)
+    num_accepted, emitted = call(
+        target,
+        draft,
+        draft_tokens,
+        num_draft_tokens,
+        accept_uniforms,
+        sample_uniforms,
+        scale,
+        target_cutoff,
+        draft_cutoff,
+    )
     return num_accepted, emitted

@@ -231,8 +231,11 @@ def _inverse_temperature(temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
     ``validate=False``, must not flush 1 / T to 0 and so turn a sampling row greedy).
     """
     greedy = temperature <= 0
-    inv_t = jnp.where(greedy, jnp.float32(1),
-                      jnp.clip(1 / jnp.where(greedy, jnp.float32(1), temperature), TEMPERATURE_RANGE[0], _F32_MAX))
+    inv_t = jnp.where(
+        greedy,
+        jnp.float32(1),
+        jnp.clip(1 / jnp.where(greedy, jnp.float32(1), temperature), TEMPERATURE_RANGE[0], _F32_MAX),
+    )
     return inv_t, greedy
 
 
@@ -288,6 +291,7 @@ def row_stats(
       axis_name: the mesh axis the vocabulary is split over, inside shard_map.
       offset: the global index of this shard's first vocabulary entry.
     """
+
     def read() -> jax.Array:
         return (logits() if callable(logits) else logits).astype(jnp.float32)
 
@@ -383,10 +387,13 @@ def row_probs(stats: RowStats, logits: jax.Array) -> jax.Array:
         return probs_from_stats(stats, logits, lax.iota(jnp.int32, vocab))
 
     def cpu_probs() -> jax.Array:
-        params = jnp.stack([jnp.where(stats.greedy, jnp.float32(0), stats.inv_temperature), stats.max,
-                            stats.normaliser, stats.cutoff], axis=-1)
-        out = cpu_kernels.probs(logits.astype(jnp.float32).reshape(-1, vocab), params.reshape(-1, 4),
-                                stats.argmax.reshape(-1))
+        params = jnp.stack(
+            [jnp.where(stats.greedy, jnp.float32(0), stats.inv_temperature), stats.max, stats.normaliser, stats.cutoff],
+            axis=-1,
+        )
+        out = cpu_kernels.probs(
+            logits.astype(jnp.float32).reshape(-1, vocab), params.reshape(-1, 4), stats.argmax.reshape(-1)
+        )
         return out.reshape(*rows, vocab)
 
     if cpu_kernels.available():
@@ -442,9 +449,14 @@ def verify_core(
     x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
 
     def stats(logits: jax.Array) -> RowStats:  # the same processing for both sides
-        return row_stats(logits, temperature[row], None if top_k is None else top_k[row],
-                         None if one_minus_top_p is None else one_minus_top_p[row],
-                         axis_name=axis_name, offset=offset)
+        return row_stats(
+            logits,
+            temperature[row],
+            None if top_k is None else top_k[row],
+            None if one_minus_top_p is None else one_minus_top_p[row],
+            axis_name=axis_name,
+            offset=offset,
+        )
 
     def summarise_all_rows() -> tuple[RowStats, RowStats | None, jax.Array]:
         t_stats = stats(target_logits)
@@ -453,8 +465,7 @@ def verify_core(
         t_first = RowStats(*(f[:, :g] for f in t_stats))
         p_x = probs_from_stats(t_first, vocab_gather(target_logits[:, :g], x, axis_name, offset), x)
         if point_masses:  # q_i(x_i) = 1
-            return t_stats, None, num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms,
-                                                           num_draft_tokens)
+            return t_stats, None, num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms, num_draft_tokens)
         assert draft_logits is not None
         d_stats = stats(draft_logits)
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
@@ -470,8 +481,9 @@ def verify_core(
         return draw_one_device(n, _take_rows(t_stats, n), d_sel)
 
     def lazily_one_device() -> dict[str, jax.Array]:
-        return draw_one_device(*_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
-                                               num_draft_tokens))
+        return draw_one_device(
+            *_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens)
+        )
 
     def fused_cpu() -> dict[str, jax.Array]:
         # The whole step in one C++ call (cpu_kernels.verify): per batch row,
@@ -481,13 +493,24 @@ def verify_core(
         inv_t, greedy = _inverse_temperature(temperature)
 
         def cutoffs(logits: jax.Array) -> jax.Array:
-            return _row_cutoffs(logits.astype(jnp.float32), inv_t[row], None if top_k is None else top_k[row],
-                                None if one_minus_top_p is None else one_minus_top_p[row])
+            return _row_cutoffs(
+                logits.astype(jnp.float32),
+                inv_t[row],
+                None if top_k is None else top_k[row],
+                None if one_minus_top_p is None else one_minus_top_p[row],
+            )
 
         n, y = cpu_kernels.verify(
-            target_logits.astype(jnp.float32), draft_logits.astype(jnp.float32), x, num_draft_tokens,
-            accept_uniforms.astype(jnp.float32), sample_uniforms.astype(jnp.float32),
-            jnp.where(greedy, jnp.float32(0), inv_t), cutoffs(target_logits), cutoffs(draft_logits))
+            target_logits.astype(jnp.float32),
+            draft_logits.astype(jnp.float32),
+            x,
+            num_draft_tokens,
+            accept_uniforms.astype(jnp.float32),
+            sample_uniforms.astype(jnp.float32),
+            jnp.where(greedy, jnp.float32(0), inv_t),
+            cutoffs(target_logits),
+            cutoffs(draft_logits),
+        )
         return {"num_accepted": n, "tokens": assemble_tokens(x, n, y, None if axis_name else vocab_local)}
 
     if not axis_name:
@@ -555,8 +578,14 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
         return lax.dynamic_index_in_dim(logits, i, axis=1, keepdims=False)
 
     def placeholder():
-        return RowStats(jnp.ones((b,), jnp.float32), jnp.zeros((b,), bool), jnp.full((b,), _NEG_INF, jnp.float32),
-                        jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.float32), jnp.zeros((b,), jnp.int32))
+        return RowStats(
+            jnp.ones((b,), jnp.float32),
+            jnp.zeros((b,), bool),
+            jnp.full((b,), _NEG_INF, jnp.float32),
+            jnp.zeros((b,), jnp.float32),
+            jnp.ones((b,), jnp.float32),
+            jnp.zeros((b,), jnp.int32),
+        )
 
     def select(mask, new, old):
         return RowStats(*(jnp.where(mask, a, c) for a, c in zip(new, old, strict=True)))
@@ -565,6 +594,7 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
     t_sel = placeholder()
     d_sel = None
     if g > 0:
+
         def cond(carry):
             i, alive = carry[0], carry[1]
             return (i < g) & jnp.any(alive)
@@ -637,8 +667,19 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
 # per row), or when top_k / top_p switch between None and given. Never for values.
 @partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
-def _verify_jit(draft_tokens, draft_logits, target_logits, key, temperature, top_k, one_minus_top_p,
-                num_draft_tokens, *, use_top_k, use_top_p):
+def _verify_jit(
+    draft_tokens,
+    draft_logits,
+    target_logits,
+    key,
+    temperature,
+    top_k,
+    one_minus_top_p,
+    num_draft_tokens,
+    *,
+    use_top_k,
+    use_top_p,
+):
     b, g = draft_tokens.shape
     u = _uniforms(key, b, g + 1)
     return verify_core(
@@ -678,9 +719,7 @@ def _sample_jit(logits, key, temperature, top_k, one_minus_top_p, *, use_top_k, 
 def as_key(key: Any, batch: int) -> jax.Array:
     """A typed JAX PRNG key of shape () or (B,); raw uint32 keys are wrapped."""
     if key is None:
-        raise ValueError(
-            "key: expected a JAX PRNG key (jax.random.key(seed)), or one per row of shape (B,), got None"
-        )
+        raise ValueError("key: expected a JAX PRNG key (jax.random.key(seed)), or one per row of shape (B,), got None")
     if not isinstance(key, jax.Array):
         raise ValueError(f"key: expected a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
     if _is_key_dtype(key.dtype):
@@ -694,9 +733,7 @@ def as_key(key: Any, batch: int) -> jax.Array:
                 f"implementation's shape, got a uint32 array of shape {tuple(key.shape)} ({_first_line(err)})"
             ) from None
     else:
-        raise ValueError(
-            f"key: expected a JAX PRNG key (jax.random.key(seed)), got an array of dtype {key.dtype}"
-        )
+        raise ValueError(f"key: expected a JAX PRNG key (jax.random.key(seed)), got an array of dtype {key.dtype}")
     if typed.shape not in ((), (batch,)):
         raise ValueError(f"key: expected one key (shape ()) or one per row (shape ({batch},)), got shape {typed.shape}")
     return typed
@@ -736,8 +773,7 @@ def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
     if kind == "int":
         if dt == np.bool_ or not np.issubdtype(dt, np.integer):
             raise ValueError(f"{name}: expected integers, got dtype {dt}")
-    elif dt == np.bool_ or not (np.issubdtype(dt, np.floating) or np.issubdtype(dt, np.integer)
-                                or dt == jnp.bfloat16):
+    elif dt == np.bool_ or not (np.issubdtype(dt, np.floating) or np.issubdtype(dt, np.integer) or dt == jnp.bfloat16):
         raise ValueError(f"{name}: expected real numbers, got dtype {dt}")
     return arr
 
@@ -756,8 +792,9 @@ def _scalar_float(name: str, value: int | float) -> float:
     try:
         return float(value)
     except OverflowError:
-        raise ValueError(f"{name}: expected a number that fits in a float, got an integer of "
-                         f"{int(value).bit_length()} bits") from None
+        raise ValueError(
+            f"{name}: expected a number that fits in a float, got an integer of {int(value).bit_length()} bits"
+        ) from None
 
 
 def _check_params(temperature, top_k, top_p, validate: bool) -> None:
@@ -791,8 +828,11 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
     """
     if temperature is None:
         raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
-    scalars = (type(temperature) in (float, int) and (top_k is None or type(top_k) is int)
-               and (top_p is None or type(top_p) in (float, int)))
+    scalars = (
+        type(temperature) in (float, int)
+        and (top_k is None or type(top_k) is int)
+        and (top_p is None or type(top_p) in (float, int))
+    )
     if scalars:  # the common case: Python numbers, prepared once per value and batch size
         temperature = _scalar_float("temperature", temperature)
         top_p = None if top_p is None else _scalar_float("top_p", top_p)
@@ -800,12 +840,17 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
             rows = max(batch, 1)
             if top_k is not None and top_k < 0:  # before int64 arithmetic: -2**70 is an int too
                 raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {[top_k] * rows}")
-            _check_params(np.full(rows, temperature, np.float64),
-                          None if top_k is None else np.full(rows, min(top_k, _INT32_MAX), np.int64),
-                          None if top_p is None else np.full(rows, top_p, np.float64), validate)
-        return (_scalar_row(temperature, batch, np.float32),
-                None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
-                None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32))
+            _check_params(
+                np.full(rows, temperature, np.float64),
+                None if top_k is None else np.full(rows, min(top_k, _INT32_MAX), np.int64),
+                None if top_p is None else np.full(rows, top_p, np.float64),
+                validate,
+            )
+        return (
+            _scalar_row(temperature, batch, np.float32),
+            None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
+            None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32),
+        )
     temperature = _row_param("temperature", temperature, batch, "float")
     top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
     top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")

@@ -216,8 +216,9 @@ def inverse_cdf(weights: jax.Array, sample_uniforms: jax.Array) -> jax.Array:
     return y.astype(jnp.int32)
 
 
-def assemble_tokens(draft_tokens: jax.Array, num_accepted: jax.Array, emitted: jax.Array,
-                    vocab: int | None = None) -> jax.Array:
+def assemble_tokens(
+    draft_tokens: jax.Array, num_accepted: jax.Array, emitted: jax.Array, vocab: int | None = None
+) -> jax.Array:
     """i32[B, G+1]: the accepted draft tokens, then ``emitted``, then -1.
 
     With ``vocab``, ``emitted`` is clipped to [0, V): the draws never leave it on
@@ -363,8 +364,9 @@ def point_mass(token: jax.Array, ids: jax.Array, dtype: Any) -> jax.Array:
     return (ids == token[..., None]).astype(dtype)
 
 
-def _gather_draft_probs(target_probs: jax.Array, draft_probs: jax.Array | None,
-                        draft_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _gather_draft_probs(
+    target_probs: jax.Array, draft_probs: jax.Array | None, draft_tokens: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """``(p_i(x_i), q_i(x_i))``: f[B, G] each, in the inputs' dtypes; B·G scalars, never (B, G, V).
 
     ``draft_probs=None`` means point masses: ``q_i(x_i) = 1``. An id outside
@@ -429,12 +431,16 @@ def _rejection_sample_jit(
         # The same draw in one C++ pass per row (specjax.kernels.cpu_kernels.draw_probs).
         assert draft_probs is not None  # point masses take the JAX draw
         rows = cpu_kernels.draw_rows_index(n, g)
-        return cpu_kernels.draw_probs(target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), rows,
-                                      sample_uniforms.astype(ct))
+        return cpu_kernels.draw_probs(
+            target_probs.reshape(-1, vocab), draft_probs.reshape(-1, vocab), rows, sample_uniforms.astype(ct)
+        )
 
     # float32 inputs only: others would need a converted copy of the whole inputs.
-    if (draft_probs is not None and target_probs.dtype == draft_probs.dtype == ct == jnp.float32
-            and cpu_kernels.available()):
+    if (
+        draft_probs is not None
+        and target_probs.dtype == draft_probs.dtype == ct == jnp.float32
+        and cpu_kernels.available()
+    ):
         y = lax.platform_dependent(cpu=cpu_draw, default=jax_draw)
     else:
         y = jax_draw()

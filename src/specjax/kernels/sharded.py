@@ -444,8 +444,9 @@ def _psum_owned(values: tuple[jax.Array, ...], axis_name: AxisName) -> tuple[jax
     return tuple(lax.bitcast_convert_type(b, v.dtype) for b, v in zip(bits, values, strict=True))
 
 
-def _rejection_body(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *,
-                    vocab_axis: AxisName, per_shard: bool):
+def _rejection_body(
+    draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *, vocab_axis: AxisName, per_shard: bool
+):
     """One shard's step: rows of its batch slice, columns of its vocabulary slice.
 
     ``draft_probs=None``: point masses at the draft tokens (``q_i(x_i) = 1``).
@@ -518,8 +519,16 @@ def _trim(out: dict[str, jax.Array], batch: int, mesh: Mesh, per_shard: bool) ->
 # Recompiles when the shapes or dtypes of the five inputs change, or the layout
 # (mesh, axis names) changes. Never for new values.
 @partial(jax.jit, static_argnames=("layout", "per_shard"))
-def _rejection_sample_mesh_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms,
-                               *, layout: MeshLayout, per_shard: bool = False):
+def _rejection_sample_mesh_jit(
+    draft_tokens,
+    draft_probs,
+    target_probs,
+    accept_uniforms,
+    sample_uniforms,
+    *,
+    layout: MeshLayout,
+    per_shard: bool = False,
+):
     mesh, ba, va = layout.mesh, layout.batch_axis, layout.vocab_axis
     b = draft_tokens.shape[0]
     vocab = target_probs.shape[2]
@@ -529,8 +538,11 @@ def _rejection_sample_mesh_jit(draft_tokens, draft_probs, target_probs, accept_u
     point_masses = draft_probs is None
     args = (
         _constrain(_pad_to(draft_tokens, 0, b_pad), mesh, P(ba, None)),
-        *(() if point_masses else
-          (_constrain(_pad_to(_pad_to(draft_probs, 0, b_pad), 2, v_pad), mesh, P(ba, None, va)),)),
+        *(
+            ()
+            if point_masses
+            else (_constrain(_pad_to(_pad_to(draft_probs, 0, b_pad), 2, v_pad), mesh, P(ba, None, va)),)
+        ),
         _constrain(_pad_to(_pad_to(target_probs, 0, b_pad), 2, v_pad), mesh, P(ba, None, va)),
         _constrain(_pad_to(accept_uniforms, 0, b_pad), mesh, P(ba, None)),
         _constrain(_pad_to(sample_uniforms, 0, b_pad), mesh, P(ba)),
@@ -541,8 +553,7 @@ def _rejection_sample_mesh_jit(draft_tokens, draft_probs, target_probs, accept_u
     out = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(ba, None), *(() if point_masses else (P(ba, None, va),)), P(ba, None, va), P(ba, None),
-                  P(ba)),
+        in_specs=(P(ba, None), *(() if point_masses else (P(ba, None, va),)), P(ba, None, va), P(ba, None), P(ba)),
         out_specs=_out_specs(layout, per_shard),
         # all_gather results count as varying, so replication can't be inferred;
         # it holds by construction and tests check it with per_shard=True.
@@ -622,9 +633,21 @@ def rejection_sample_sharded(
 # --------------------------------------------------------------------------- #
 
 
-def _verify_body(draft_tokens, draft_logits, target_logits, u, temperature, top_k, one_minus_top_p,
-                 num_draft_tokens, *, vocab_axis: AxisName, use_top_k: bool, use_top_p: bool,
-                 per_shard: bool):
+def _verify_body(
+    draft_tokens,
+    draft_logits,
+    target_logits,
+    u,
+    temperature,
+    top_k,
+    one_minus_top_p,
+    num_draft_tokens,
+    *,
+    vocab_axis: AxisName,
+    use_top_k: bool,
+    use_top_p: bool,
+    per_shard: bool,
+):
     from specjax.kernels.frontend import verify_core
 
     g = draft_tokens.shape[1]
@@ -649,10 +672,22 @@ def _verify_body(draft_tokens, draft_logits, target_logits, u, temperature, top_
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
 # per row), when top_k / top_p switch between None and given, or the layout changes.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p", "layout", "per_shard"),
-         compiler_options=VECTOR_OPTIONS)
-def _verify_mesh_jit(draft_tokens, draft_logits, target_logits, key, temperature, top_k, one_minus_top_p,
-                     num_draft_tokens, *, use_top_k, use_top_p, layout: MeshLayout, per_shard: bool = False):
+@partial(jax.jit, static_argnames=("use_top_k", "use_top_p", "layout", "per_shard"), compiler_options=VECTOR_OPTIONS)
+def _verify_mesh_jit(
+    draft_tokens,
+    draft_logits,
+    target_logits,
+    key,
+    temperature,
+    top_k,
+    one_minus_top_p,
+    num_draft_tokens,
+    *,
+    use_top_k,
+    use_top_p,
+    layout: MeshLayout,
+    per_shard: bool = False,
+):
     from specjax.kernels.frontend import _uniforms
 
     mesh, ba, va = layout.mesh, layout.batch_axis, layout.vocab_axis
@@ -666,8 +701,11 @@ def _verify_mesh_jit(draft_tokens, draft_logits, target_logits, key, temperature
     point_masses = draft_logits is None
     args = (
         _constrain(_pad_to(draft_tokens, 0, b_pad), mesh, P(ba, None)),
-        *(() if point_masses else
-          (_constrain(_pad_to(_pad_to(draft_logits, 0, b_pad), 2, v_pad, -jnp.inf), mesh, P(ba, None, va)),)),
+        *(
+            ()
+            if point_masses
+            else (_constrain(_pad_to(_pad_to(draft_logits, 0, b_pad), 2, v_pad, -jnp.inf), mesh, P(ba, None, va)),)
+        ),
         _constrain(_pad_to(_pad_to(target_logits, 0, b_pad), 2, v_pad, -jnp.inf), mesh, P(ba, None, va)),
         _constrain(_pad_to(u, 0, b_pad), mesh, P(ba, None)),
         _constrain(_pad_to(temperature, 0, b_pad, 1), mesh, row),
@@ -683,8 +721,16 @@ def _verify_mesh_jit(draft_tokens, draft_logits, target_logits, key, temperature
     out = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(ba, None), *(() if point_masses else (P(ba, None, va),)), P(ba, None, va), P(ba, None),
-                  row, row, row, row),
+        in_specs=(
+            P(ba, None),
+            *(() if point_masses else (P(ba, None, va),)),
+            P(ba, None, va),
+            P(ba, None),
+            row,
+            row,
+            row,
+            row,
+        ),
         out_specs=_out_specs(layout, per_shard),
         # all_gather results count as varying, so replication can't be inferred;
         # it holds by construction and tests check it with per_shard=True.
@@ -693,9 +739,21 @@ def _verify_mesh_jit(draft_tokens, draft_logits, target_logits, key, temperature
     return _trim(out, b, mesh, per_shard)
 
 
-def verify_on_mesh(draft_tokens, draft_logits, target_logits, key, temperature, top_k, one_minus_top_p,
-                   num_draft_tokens, *, use_top_k: bool, use_top_p: bool, layout: MeshLayout,
-                   per_shard: bool = False) -> dict[str, jax.Array]:
+def verify_on_mesh(
+    draft_tokens,
+    draft_logits,
+    target_logits,
+    key,
+    temperature,
+    top_k,
+    one_minus_top_p,
+    num_draft_tokens,
+    *,
+    use_top_k: bool,
+    use_top_p: bool,
+    layout: MeshLayout,
+    per_shard: bool = False,
+) -> dict[str, jax.Array]:
     """The logits front end on ``layout``, for the arguments of ``frontend._verify_jit``."""
     ba, va = layout.batch_axis, layout.vocab_axis
     row = P(ba)
@@ -751,8 +809,13 @@ def verify_from_logits_sharded(
 # --------------------------------------------------------------------------- #
 
 _COLLECTIVE_OPS = (
-    "all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter",
-    "collective-broadcast", "ragged-all-to-all",
+    "all-reduce",
+    "all-gather",
+    "collective-permute",
+    "all-to-all",
+    "reduce-scatter",
+    "collective-broadcast",
+    "ragged-all-to-all",
 )
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _OPCODE = re.compile(r"(?:^|[\s)}])(?P<op>[a-z][\w\-]*)\((?P<args>[^()]*)\)")
@@ -847,17 +910,19 @@ def hlo_collectives(hlo_text: str) -> list[dict[str, Any]]:
         results = _shapes(result_text)
         if is_async:  # "-start" results repeat the operands and add u32[] context scalars
             if results[: len(operands)] == operands and len(results) > len(operands):
-                results = results[len(operands):]
+                results = results[len(operands) :]
             results = [r for r in results if r[1]] or results
         dims = [d for _, shape in operands + results for d in shape]
-        found.append({
-            "op": name,
-            "operands": operands,
-            "results": results,
-            "operand_bytes": sum(_nbytes(dt, s) for dt, s in operands),
-            "result_bytes": sum(_nbytes(dt, s) for dt, s in results),
-            "count": count.get(comp, 1),
-            "max_dim": max(dims, default=0),
-            "line": line,
-        })
+        found.append(
+            {
+                "op": name,
+                "operands": operands,
+                "results": results,
+                "operand_bytes": sum(_nbytes(dt, s) for dt, s in operands),
+                "result_bytes": sum(_nbytes(dt, s) for dt, s in results),
+                "count": count.get(comp, 1),
+                "max_dim": max(dims, default=0),
+                "line": line,
+            }
+        )
     return found

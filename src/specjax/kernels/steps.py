@@ -43,8 +43,7 @@ def step_keys(row_keys: jax.Array, step: jax.Array | int, purpose: int) -> jax.A
 
 # Recompiles when B, the draft vocabulary, `vocab` or the use of top-k/top-p change.
 @partial(jax.jit, static_argnames=("vocab", "use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
-def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_top_p, *, vocab,
-               use_top_k, use_top_p):
+def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_top_p, *, vocab, use_top_k, use_top_p):
     """Draw one draft token per row.
 
     Args:
@@ -58,8 +57,7 @@ def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_to
       :func:`specjax.verify_from_logits` will recompute from the same logits.
     """
     x = fit_vocab(logits, vocab)
-    stats = row_stats(x, temperature, top_k if use_top_k else None,
-                      one_minus_top_p if use_top_p else None)
+    stats = row_stats(x, temperature, top_k if use_top_k else None, one_minus_top_p if use_top_p else None)
 
     def draw() -> jax.Array:
         probs = row_probs(stats, x)
@@ -93,8 +91,20 @@ def _stack_draft(draft_logits, b: int, vocab: int):
 # Recompiles when B, G, the vocabularies, the use of top-k/top-p or point masses
 # (draft_logits None) versus logits change.
 @partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
-def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, temperature, top_k,
-                one_minus_top_p, num_draft_tokens, *, use_top_k, use_top_p):
+def verify_step(
+    draft_tokens,
+    draft_logits,
+    target_logits,
+    row_keys,
+    step,
+    temperature,
+    top_k,
+    one_minus_top_p,
+    num_draft_tokens,
+    *,
+    use_top_k,
+    use_top_p,
+):
     """The acceptance step of the loop (the fused JAX sampler).
 
     Args:
@@ -106,15 +116,23 @@ def verify_step(draft_tokens, draft_logits, target_logits, row_keys, step, tempe
     d = _stack_draft(draft_logits, b, vocab)
     u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)
     return verify_core(
-        draft_tokens, d, target_logits, u[:, :g], sampling_uniform(u, num_draft_tokens), temperature,
-        top_k if use_top_k else None, one_minus_top_p if use_top_p else None, num_draft_tokens,
+        draft_tokens,
+        d,
+        target_logits,
+        u[:, :g],
+        sampling_uniform(u, num_draft_tokens),
+        temperature,
+        top_k if use_top_k else None,
+        one_minus_top_p if use_top_p else None,
+        num_draft_tokens,
     )
 
 
 # Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
 @partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
-def probs_step(draft_logits, target_logits, row_keys, step, temperature, top_k, one_minus_top_p,
-               *, use_top_k, use_top_p):
+def probs_step(
+    draft_logits, target_logits, row_keys, step, temperature, top_k, one_minus_top_p, *, use_top_k, use_top_p
+):
     """Processed probabilities and uniforms for a sampler with the probabilities contract.
 
     Returns ``(draft_probs f32[B, G, V] (None for point masses), target_probs f32[B, G+1, V],
@@ -128,8 +146,12 @@ def probs_step(draft_logits, target_logits, row_keys, step, temperature, top_k, 
     g = g1 - 1
 
     def probs(x):
-        stats = row_stats(x, temperature[:, None], top_k[:, None] if use_top_k else None,
-                          one_minus_top_p[:, None] if use_top_p else None)
+        stats = row_stats(
+            x,
+            temperature[:, None],
+            top_k[:, None] if use_top_k else None,
+            one_minus_top_p[:, None] if use_top_p else None,
+        )
         return row_probs(stats, x)
 
     d = _stack_draft(draft_logits, b, vocab)

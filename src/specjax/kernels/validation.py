@@ -65,9 +65,7 @@ def as_array(name: str, x: Any) -> Any:
             raise ValueError(f"{name}: expected a rectangular array, got a ragged nested list") from err
     if hasattr(x, "__array__"):
         return np.asarray(x)
-    raise ValueError(
-        f"{name}: expected a list, NumPy array, JAX array or torch tensor, got {type(x).__name__}"
-    )
+    raise ValueError(f"{name}: expected a list, NumPy array, JAX array or torch tensor, got {type(x).__name__}")
 
 
 @functools.cache
@@ -119,8 +117,13 @@ def token_ids_unchecked(x: Any, validate: bool) -> Any:
     >= 2**31 into [0, V), where it could be accepted; clamped, it stays outside
     [0, V) and has probability 0. Anything else is returned as it is.
     """
-    if (not validate and _is_torch(x) and x.is_cpu and x.element_size() == 8
-            and not (x.is_floating_point() or x.is_complex())):
+    if (
+        not validate
+        and _is_torch(x)
+        and x.is_cpu
+        and x.element_size() == 8
+        and not (x.is_floating_point() or x.is_complex())
+    ):
         return x.long().clamp(-1, _INT32_MAX).int()
     return x
 
@@ -139,9 +142,7 @@ def _dtype_name(dt: Any) -> str:
 def check_float(name: str, x: Any) -> None:
     dt = dtype_name(x)
     if dt not in FLOAT_DTYPES:
-        raise ValueError(
-            f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), got {dt}"
-        )
+        raise ValueError(f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), got {dt}")
 
 
 @functools.lru_cache(maxsize=128)
@@ -158,9 +159,7 @@ def as_token_ids(name: str, x: Any) -> Any:
         raise ValueError(f"{name}: expected integer token ids (int32 or int64), got {dtype_name(x)}")
     if isinstance(x, np.ndarray) and x.dtype != np.int32:
         if x.size and (x.max() > _INT32_MAX or x.min() < _INT32_MIN):
-            raise ValueError(
-                f"{name}: token ids must fit in int32, got values in [{x.min()}, {x.max()}]"
-            )
+            raise ValueError(f"{name}: token ids must fit in int32, got values in [{x.min()}, {x.max()}]")
         return x.astype(np.int32)
     if x.dtype != jnp.int32:
         return x.astype(jnp.int32)
@@ -169,16 +168,12 @@ def as_token_ids(name: str, x: Any) -> Any:
 
 def check_rank(name: str, x: Any, rank: int, letters: Sequence[str]) -> None:
     if x.ndim != rank:
-        raise ValueError(
-            f"{name}: expected rank {rank} with shape ({', '.join(letters)}), got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"{name}: expected rank {rank} with shape ({', '.join(letters)}), got shape {tuple(x.shape)}")
 
 
 def check_shape(name: str, x: Any, expected: tuple[int, ...], letters: Sequence[str]) -> None:
     if tuple(x.shape) != tuple(expected):
-        raise ValueError(
-            f"{name}: expected shape ({', '.join(letters)}) = {tuple(expected)}, got {tuple(x.shape)}"
-        )
+        raise ValueError(f"{name}: expected shape ({', '.join(letters)}) = {tuple(expected)}, got {tuple(x.shape)}")
 
 
 @jax.jit
@@ -315,7 +310,8 @@ def convert_kernel_inputs(
 
     return tuple(  # type: ignore[return-value]
         None if x is None else for_jit(x)
-        for x in (draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms))
+        for x in (draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms)
+    )
 
 
 def for_jit(x: Any) -> Any:

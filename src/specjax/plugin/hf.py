@@ -165,22 +165,27 @@ def _sampling_settings(generation_config: Any, logits_processor: Any) -> tuple[f
         )
     if not generation_config.do_sample:
         if processors:
-            raise ValueError("speculative_decoding: greedy decoding got logits processors "
-                             f"{[k.__name__ for k in kinds]}")
+            raise ValueError(
+                f"speculative_decoding: greedy decoding got logits processors {[k.__name__ for k in kinds]}"
+            )
         return 0.0, None, None
     temperature, top_k, top_p = 1.0, None, None
     for p in processors:
         if hasattr(p, "filter_value") and not (isinstance(p.filter_value, float) and p.filter_value == -math.inf):
-            raise ValueError(f"speculative_decoding: {type(p).__name__} with filter_value={p.filter_value!r} is not "
-                             "supported (only -inf)")
+            raise ValueError(
+                f"speculative_decoding: {type(p).__name__} with filter_value={p.filter_value!r} is not "
+                "supported (only -inf)"
+            )
         if isinstance(p, TemperatureLogitsWarper):
             temperature = float(p.temperature)
         elif isinstance(p, TopKLogitsWarper):
             top_k = int(p.top_k)
         else:
             if int(getattr(p, "min_tokens_to_keep", 1)) != 1:
-                raise ValueError(f"speculative_decoding: top_p with min_tokens_to_keep={p.min_tokens_to_keep} is not "
-                                 "supported (only 1)")
+                raise ValueError(
+                    f"speculative_decoding: top_p with min_tokens_to_keep={p.min_tokens_to_keep} is not "
+                    "supported (only 1)"
+                )
             top_p = float(p.top_p)
     return temperature, top_k, top_p
 
@@ -204,8 +209,10 @@ def _stopping_settings(generation_config: Any, stopping_criteria: Any, prompt_le
         raise ValueError("speculative_decoding: no max_length / max_new_tokens in the generation config")
     max_new_tokens = min(lengths) - prompt_len
     if max_new_tokens < 1:
-        raise ValueError(f"speculative_decoding: max_length {min(lengths)} leaves no room for new tokens after a "
-                         f"prompt of {prompt_len}; set max_new_tokens")
+        raise ValueError(
+            f"speculative_decoding: max_length {min(lengths)} leaves no room for new tokens after a "
+            f"prompt of {prompt_len}; set max_new_tokens"
+        )
     eos: list[int] = []
     for c in criteria:
         if isinstance(c, EosTokenCriteria):
@@ -236,14 +243,19 @@ def _check_model_kwargs(model_kwargs: dict[str, Any]) -> None:
     for name in ("cache", "past_key_values"):
         cache = model_kwargs.get(name)
         if cache is not None and int(cache.get_seq_length() if hasattr(cache, "get_seq_length") else 1) > 0:
-            raise ValueError(f"speculative_decoding: {name}: continuing from a filled cache is not supported "
-                             "(specjax keeps its own caches); pass the whole prompt instead")
-    unknown = sorted(k for k, v in model_kwargs.items()
-                     if k not in (*_IGNORED_MODEL_KWARGS, "attention_mask", "cache", "past_key_values")
-                     and v is not None)
+            raise ValueError(
+                f"speculative_decoding: {name}: continuing from a filled cache is not supported "
+                "(specjax keeps its own caches); pass the whole prompt instead"
+            )
+    unknown = sorted(
+        k
+        for k, v in model_kwargs.items()
+        if k not in (*_IGNORED_MODEL_KWARGS, "attention_mask", "cache", "past_key_values") and v is not None
+    )
     if unknown:
-        raise ValueError(f"speculative_decoding: unsupported model inputs {unknown}; specjax takes input_ids and "
-                         "attention_mask only")
+        raise ValueError(
+            f"speculative_decoding: unsupported model inputs {unknown}; specjax takes input_ids and attention_mask only"
+        )
 
 
 def speculative_decoding(
@@ -351,6 +363,10 @@ def speculative_decoding(
         pad_token_id=pad_id,
         sampler=sampler,
         on_tokens=on_tokens,
+        # Sampling keeps generate's contract that a torch seed reproduces the output:
+        # the adaptive draft length decides from measured times, which would change
+        # which draws a run makes. Greedy output is the same either way.
+        adaptive=not temperature > 0,
     )
     if streamer is not None:
         streamer.end()
@@ -382,8 +398,10 @@ def check_transformers_compatibility() -> None:
 
     fn = getattr(gu, "_speculative_sampling", None)
     if fn is None:
-        raise RuntimeError(f"transformers {transformers.__version__}: transformers.generation.utils has no "
-                           "_speculative_sampling; patch_speculative_sampling supports transformers 5.x")
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: transformers.generation.utils has no "
+            "_speculative_sampling; patch_speculative_sampling supports transformers 5.x"
+        )
     names = tuple(inspect.signature(fn).parameters)
     if names not in _KNOWN_SIGNATURES:
         raise RuntimeError(
@@ -443,8 +461,10 @@ def jax_speculative_sampling(
         )
     g = int(candidate_length)
     if candidate_input_ids.ndim != 2 or candidate_input_ids.shape[0] != 1 or candidate_input_ids.shape[1] < g:
-        raise ValueError(f"candidate_input_ids: expected shape (1, L) with L >= candidate_length = {g}, got "
-                         f"{tuple(candidate_input_ids.shape)}")
+        raise ValueError(
+            f"candidate_input_ids: expected shape (1, L) with L >= candidate_length = {g}, got "
+            f"{tuple(candidate_input_ids.shape)}"
+        )
     vocab = int(new_logits.shape[-1])
     if tuple(new_logits.shape) != (1, g + 1, vocab):
         raise ValueError(f"new_logits: expected shape (1, G+1, V) = {(1, g + 1, vocab)}, got {tuple(new_logits.shape)}")
@@ -521,10 +541,15 @@ def patch_speculative_sampling(*, validate: bool = True) -> Iterator[PatchStats]
     check_transformers_compatibility()
     stats = PatchStats()
 
-    def _speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, new_logits,
-                              assistant_ensemble_weight=None):
+    def _speculative_sampling(
+        candidate_input_ids, candidate_logits, candidate_length, new_logits, assistant_ensemble_weight=None
+    ):
         valid_tokens, n_matches = jax_speculative_sampling(
-            candidate_input_ids, candidate_logits, candidate_length, new_logits, assistant_ensemble_weight,
+            candidate_input_ids,
+            candidate_logits,
+            candidate_length,
+            new_logits,
+            assistant_ensemble_weight,
             validate=validate,
         )
         stats.calls += 1
@@ -548,7 +573,9 @@ def patch_speculative_sampling(*, validate: bool = True) -> Iterator[PatchStats]
             if ours:
                 gu._speculative_sampling = _patches[-1] if _patches else _unpatched[0]
             else:
-                logger.warning("patch_speculative_sampling: _speculative_sampling was replaced again inside the "
-                               "block; leaving the newer replacement in place")
+                logger.warning(
+                    "patch_speculative_sampling: _speculative_sampling was replaced again inside the "
+                    "block; leaving the newer replacement in place"
+                )
             if not _patches:
                 _unpatched.clear()

@@ -68,8 +68,7 @@ def _dtype_name(x: Any) -> str:
 
 def _check_rank(name: str, x: Any, rank: int, letters: tuple[str, ...]) -> None:
     if x.ndim != rank:
-        raise ValueError(f"{name}: expected rank {rank} with shape ({', '.join(letters)}), "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: expected rank {rank} with shape ({', '.join(letters)}), got shape {tuple(x.shape)}")
 
 
 def _check_shape(name: str, x: Any, expected: tuple[int, ...], letters: tuple[str, ...]) -> None:
@@ -99,17 +98,18 @@ def _check_structure(x: Any, q: Any, p: Any, u: Any, s: Any) -> tuple[int, int, 
         raise ValueError(f"draft_tokens: expected integer token ids (int32 or int64), got {dt}")
     for name, arr in (("draft_probs", q), ("target_probs", p), ("accept_uniforms", u), ("sample_uniforms", s)):
         if arr is not None and _dtype_name(arr) not in _FLOAT_NAMES:
-            raise ValueError(f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), "
-                             f"got {_dtype_name(arr)}")
+            raise ValueError(
+                f"{name}: expected a floating dtype (float16, bfloat16, float32 or float64), got {_dtype_name(arr)}"
+            )
     return b, g, vocab
 
 
-def _check_values(vocab: int, x: np.ndarray, q: np.ndarray | None, p: np.ndarray, u: np.ndarray,
-                  s: np.ndarray) -> None:
+def _check_values(vocab: int, x: np.ndarray, q: np.ndarray | None, p: np.ndarray, u: np.ndarray, s: np.ndarray) -> None:
     """Value checks on host arrays (float arrays in float64)."""
     if x.size and (x.min() < 0 or x.max() >= vocab):
-        raise ValueError(f"draft_tokens: expected token ids in [0, V) = [0, {vocab}), "
-                         f"got values in [{x.min()}, {x.max()}]")
+        raise ValueError(
+            f"draft_tokens: expected token ids in [0, V) = [0, {vocab}), got values in [{x.min()}, {x.max()}]"
+        )
     for name, arr in (("draft_probs", q), ("target_probs", p)):
         if arr is None:
             continue
@@ -123,8 +123,10 @@ def _check_values(vocab: int, x: np.ndarray, q: np.ndarray | None, p: np.ndarray
         raise ValueError("target_probs: expected every distribution p_i to have a positive sum, got a row summing to 0")
     for name, arr in (("accept_uniforms", u), ("sample_uniforms", s)):
         if arr.size and not np.all((arr >= 0) & (arr < 1)):
-            raise ValueError(f"{name}: expected values in [0, 1), got values in [{np.nanmin(arr)}, {np.nanmax(arr)}]"
-                             + (" including NaN" if np.any(np.isnan(arr)) else ""))
+            raise ValueError(
+                f"{name}: expected values in [0, 1), got values in [{np.nanmin(arr)}, {np.nanmax(arr)}]"
+                + (" including NaN" if np.any(np.isnan(arr)) else "")
+            )
 
 
 # --------------------------------------------------------------------------- #
@@ -214,8 +216,10 @@ def numpy_rejection_sample(
         if not w.sum() > 0:
             w = p[b, n].copy()
         if not w.sum() > 0:
-            raise ValueError(f"target_probs: expected every distribution p_i to have a positive sum, got row {b}, "
-                             f"position {n} summing to 0")
+            raise ValueError(
+                f"target_probs: expected every distribution p_i to have a positive sum, got row {b}, "
+                f"position {n} summing to 0"
+            )
         cdf = np.cumsum(w)
         above = np.flatnonzero(cdf / cdf[-1] > s[b])
         y = int(above[0]) if above.size else int(np.flatnonzero(w > 0)[-1])
@@ -243,8 +247,10 @@ def _as_torch(name: str, x: Any) -> Any:
     if arr.dtype.name == "bfloat16":  # ml_dtypes
         arr = arr.astype(np.float32)
     if arr.dtype.kind not in "biuf":
-        raise ValueError(f"{name}: expected numbers (a list, NumPy array, JAX array or torch tensor), "
-                         f"got {type(x).__name__} of dtype {arr.dtype}")
+        raise ValueError(
+            f"{name}: expected numbers (a list, NumPy array, JAX array or torch tensor), "
+            f"got {type(x).__name__} of dtype {arr.dtype}"
+        )
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
@@ -297,8 +303,14 @@ def torch_rejection_sample(
         q = q.to(device)
     ct = torch.promote_types(torch.promote_types(q.dtype, p.dtype), torch.float32)
     if validate:
-        _check_values(vocab, x.cpu().to(torch.int64).numpy(), q.cpu().double().numpy(), p.cpu().double().numpy(),
-                      u.cpu().double().numpy(), s.cpu().double().numpy())
+        _check_values(
+            vocab,
+            x.cpu().to(torch.int64).numpy(),
+            q.cpu().double().numpy(),
+            p.cpu().double().numpy(),
+            u.cpu().double().numpy(),
+            s.cpu().double().numpy(),
+        )
 
     x = x.to(torch.int64)
     rows = torch.arange(batch, device=device)
@@ -331,6 +343,7 @@ def torch_rejection_sample(
 
     positions = torch.arange(num_draft + 1, device=device)[None, :]
     padded = torch.cat([x, torch.full((batch, 1), -1, dtype=torch.int64, device=device)], dim=1)
-    tokens = torch.where(positions < n[:, None], padded,
-                         torch.where(positions == n[:, None], y[:, None], torch.full_like(padded, -1)))
+    tokens = torch.where(
+        positions < n[:, None], padded, torch.where(positions == n[:, None], y[:, None], torch.full_like(padded, -1))
+    )
     return {"num_accepted": n.to(torch.int32), "tokens": tokens.to(torch.int32)}

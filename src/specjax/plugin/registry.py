@@ -207,8 +207,7 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
         except BaseException as err:  # also SystemExit; an interrupt is re-raised
             if isinstance(err, KeyboardInterrupt):
                 raise
-            logger.error("%s: failed to load %s = %s: %s", group, ep.name, ep.value, _describe(err),
-                         exc_info=err)
+            logger.error("%s: failed to load %s = %s: %s", group, ep.name, ep.value, _describe(err), exc_info=err)
     return loaded
 
 
@@ -244,8 +243,9 @@ def load_plugins() -> dict[str, PluginInfo]:
                 prev = _plugin_info[ep.name]
                 if prev.value == ep.value:
                     continue
-                logger.warning("%s: two plugins named %r (%s and %s); both run", PLUGINS_GROUP, ep.name,
-                               prev.value, ep.value)
+                logger.warning(
+                    "%s: two plugins named %r (%s and %s); both run", PLUGINS_GROUP, ep.name, prev.value, ep.value
+                )
             try:
                 register = ep.load()
                 if not callable(register):
@@ -257,8 +257,9 @@ def load_plugins() -> dict[str, PluginInfo]:
                 # plugin has a status, so Ctrl-C still stops the process.
                 if isinstance(err, KeyboardInterrupt) and interrupted is None:
                     interrupted = err
-                logger.error("%s: plugin %s = %s failed: %s", PLUGINS_GROUP, ep.name, ep.value, _describe(err),
-                             exc_info=err)
+                logger.error(
+                    "%s: plugin %s = %s failed: %s", PLUGINS_GROUP, ep.name, ep.value, _describe(err), exc_info=err
+                )
                 _plugin_info[ep.name] = PluginInfo(ep.name, ep.value, label, "failed", _describe(err))
             else:
                 _plugin_info[ep.name] = PluginInfo(ep.name, ep.value, label, "loaded")
@@ -314,8 +315,9 @@ def _make_target(kind: str, name: str, target: Any, origin: str, override: bool 
             raise ValueError(f"{kind} {name!r}: expected a callable or a 'module:attribute' string, got {target!r}")
         return _Target(f"{module.strip()}:{attr.strip()}", None, origin, override)
     if not callable(target):
-        raise TypeError(f"{kind} {name!r}: expected a callable or a 'module:attribute' string, "
-                        f"got {type(target).__name__}")
+        raise TypeError(
+            f"{kind} {name!r}: expected a callable or a 'module:attribute' string, got {type(target).__name__}"
+        )
     return _Target(_spec_of(target), target, origin, override)
 
 
@@ -355,15 +357,20 @@ def register_custom_generate(name: str, fn: Callable[..., Any] | str, *, overrid
 def _sampler_table() -> tuple[dict[str, _Target], dict[str, list[str]]]:
     """Visible samplers ``{name: target}`` and ambiguous names ``{name: [origins]}``."""
     allowed = _allowed_for_process()
-    table: dict[str, _Target] = {
-        _BUILTIN_SAMPLER[0]: _Target(_BUILTIN_SAMPLER[1], None, "built in (always available)")
-    }
+    table: dict[str, _Target] = {_BUILTIN_SAMPLER[0]: _Target(_BUILTIN_SAMPLER[1], None, "built in (always available)")}
     clashes: dict[str, list[str]] = {}
     for ep in _entry_points(SAMPLERS_GROUP):
         if ep.name == _BUILTIN_SAMPLER[0]:
             if ep.value.replace(" ", "") != _BUILTIN_SAMPLER[1]:
-                logger.warning("%s: ignoring %s = %s from %s: the name %r is reserved for %s", SAMPLERS_GROUP,
-                               ep.name, ep.value, _dist_label(ep), ep.name, _BUILTIN_SAMPLER[1])
+                logger.warning(
+                    "%s: ignoring %s = %s from %s: the name %r is reserved for %s",
+                    SAMPLERS_GROUP,
+                    ep.name,
+                    ep.value,
+                    _dist_label(ep),
+                    ep.name,
+                    _BUILTIN_SAMPLER[1],
+                )
             continue
         if allowed is not None and ep.name not in allowed:
             continue
@@ -414,8 +421,9 @@ def _resolve(kind: str, name: str, target: _Target) -> Callable[..., Any]:
     except BaseException as err:  # also SystemExit from the module's import; an interrupt goes on
         if isinstance(err, KeyboardInterrupt):
             raise
-        raise ImportError(f"{kind} {name!r}: cannot import {target.spec} ({target.origin}): "
-                          f"{type(err).__name__}: {err}") from err
+        raise ImportError(
+            f"{kind} {name!r}: cannot import {target.spec} ({target.origin}): {type(err).__name__}: {err}"
+        ) from err
     if not callable(obj):
         raise TypeError(f"{kind} {name!r}: {target.spec} is a {type(obj).__name__}, not a callable")
     return obj
@@ -446,13 +454,17 @@ def load_sampler(name: str) -> Callable[..., Any]:
         raise TypeError(f"sampler: expected a sampler name (str), got {type(name).__name__}")
     table, clashes = _sampler_table()
     if name in clashes:
-        raise ValueError(f"sampler: {name!r} is ambiguous: declared as " + " and as ".join(clashes[name])
-                         + f"; uninstall one, or choose one with {ENV_VAR}")
+        raise ValueError(
+            f"sampler: {name!r} is ambiguous: declared as "
+            + " and as ".join(clashes[name])
+            + f"; uninstall one, or choose one with {ENV_VAR}"
+        )
     target = table.get(name)
     if target is None:
         raise ValueError(
             f"sampler: unknown sampler {name!r}; installed samplers: {', '.join(sorted(table))}"
-            + _filter_note() + _failed_note()
+            + _filter_note()
+            + _failed_note()
         )
     return _resolve("sampler", name, target)
 
@@ -477,6 +489,7 @@ def load_custom_generate(name: str) -> Callable[..., Any]:
     if target is None:
         raise ValueError(
             f"custom_generate: unknown name {name!r}; registered: {', '.join(names) or 'none'}"
-            + _filter_note() + _failed_note()
+            + _filter_note()
+            + _failed_note()
         )
     return _resolve("custom_generate", name, target)

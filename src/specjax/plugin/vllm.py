@@ -140,8 +140,10 @@ def _signature_problem(fn: Any) -> str | None:
     except (TypeError, ValueError) as e:
         return f"{_TARGET_MODULE}.{_TARGET_NAME} has no readable signature ({e})"
     if names[: len(_EXPECTED_PARAMETERS)] != _EXPECTED_PARAMETERS:
-        return (f"{_TARGET_MODULE}.{_TARGET_NAME} has parameters {names}, expected them to start with "
-                f"{_EXPECTED_PARAMETERS}")
+        return (
+            f"{_TARGET_MODULE}.{_TARGET_NAME} has parameters {names}, expected them to start with "
+            f"{_EXPECTED_PARAMETERS}"
+        )
     return None
 
 
@@ -163,7 +165,10 @@ def register() -> bool:
     if not _version_supported(version):
         logger.warning(
             "specjax vLLM plugin: vLLM %s is not a supported version (supported: %s.x); "
-            "vLLM's own rejection sampler stays in place", version, ".x, ".join(SUPPORTED_VLLM_VERSIONS))
+            "vLLM's own rejection sampler stays in place",
+            version,
+            ".x, ".join(SUPPORTED_VLLM_VERSIONS),
+        )
         return False
     import importlib
     import os
@@ -254,31 +259,53 @@ def rejection_sample(
       draft tokens, then the correction or bonus token, then -1.
     """
     global _fallbacks, _failure_logged
-    args = (draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
-            target_logits, bonus_token_ids, sampling_metadata)
-    options = dict(synthetic_mode=synthetic_mode, synthetic_conditional_rates=synthetic_conditional_rates,
-                   use_fp64_gumbel=use_fp64_gumbel, **kwargs)
+    args = (
+        draft_token_ids,
+        num_draft_tokens,
+        max_spec_len,
+        cu_num_draft_tokens,
+        draft_probs,
+        target_logits,
+        bonus_token_ids,
+        sampling_metadata,
+    )
+    options = dict(
+        synthetic_mode=synthetic_mode,
+        synthetic_conditional_rates=synthetic_conditional_rates,
+        use_fp64_gumbel=use_fp64_gumbel,
+        **kwargs,
+    )
     if synthetic_mode or kwargs:
         return _vllm_rejection_sample()(*args, **options)
     try:
-        out = _step(draft_token_ids, list(num_draft_tokens), int(max_spec_len), draft_probs, target_logits,
-                    bonus_token_ids, sampling_metadata)
+        out = _step(
+            draft_token_ids,
+            list(num_draft_tokens),
+            int(max_spec_len),
+            draft_probs,
+            target_logits,
+            bonus_token_ids,
+            sampling_metadata,
+        )
     except Exception:
         with _lock:
             _fallbacks += 1
             first = not _failure_logged
             _failure_logged = True
         if first:
-            logger.exception("specjax vLLM plugin: the kernel raised; this step and any later failing step "
-                             "run vLLM's own rejection sampler (logged once per process)")
+            logger.exception(
+                "specjax vLLM plugin: the kernel raised; this step and any later failing step "
+                "run vLLM's own rejection sampler (logged once per process)"
+            )
         return _vllm_rejection_sample()(*args, **options)
     mode = "point_mass" if draft_probs is None else "draft_probs"
     with _lock:
         first = _calls[mode] == 0
         _calls[mode] += 1
     if first:
-        logger.info("specjax vLLM plugin: first acceptance step (%s drafts) ran in specjax's kernel",
-                    mode.replace("_", " "))
+        logger.info(
+            "specjax vLLM plugin: first acceptance step (%s drafts) ran in specjax's kernel", mode.replace("_", " ")
+        )
     return out
 
 
@@ -309,8 +336,9 @@ def repairs() -> list[str]:
     return list(_repairs)
 
 
-def _expand_batch_to_tokens_torch(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: Any = 0,
-                                  replace_to: Any = 0) -> Any:
+def _expand_batch_to_tokens_torch(
+    x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: Any = 0, replace_to: Any = 0
+) -> Any:
     """vLLM's ``expand_batch_to_tokens`` contract in torch: row b's value repeated ``k_b`` times."""
     import torch
 
@@ -348,9 +376,11 @@ def _install_constraints_guard(module: Any) -> None:
             if expand is not None and _expansion_is_wrong(expand):
                 module.expand_batch_to_tokens = _expand_batch_to_tokens_torch
                 _repairs.append("expand_batch_to_tokens")
-                logger.warning("specjax vLLM plugin: vLLM's expand_batch_to_tokens returned wrong values on this "
-                               "platform (per-request temperature/top-k/top-p of sampled requests under speculative "
-                               "decoding); replaced with a torch version")
+                logger.warning(
+                    "specjax vLLM plugin: vLLM's expand_batch_to_tokens returned wrong values on this "
+                    "platform (per-request temperature/top-k/top-p of sampled requests under speculative "
+                    "decoding); replaced with a torch version"
+                )
         return original(logits, cu_num_draft_tokens, sampling_metadata)
 
     apply_sampling_constraints._specjax_guard = True  # type: ignore[attr-defined]
@@ -476,8 +506,14 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
     k_t = torch.from_numpy(k).to(device, non_blocking=True)
 
     if draft_probs is None:
-        tokens = _point_mass_step()(_to_kernel(draft), _to_kernel(target), _to_kernel(keys),
-                                    _to_kernel(temperature), _to_kernel(k_t), _to_kernel(bonus_p))
+        tokens = _point_mass_step()(
+            _to_kernel(draft),
+            _to_kernel(target),
+            _to_kernel(keys),
+            _to_kernel(temperature),
+            _to_kernel(k_t),
+            _to_kernel(bonus_p),
+        )
     else:
         if draft_probs.dtype != torch.float32:
             draft_probs = draft_probs.float()
@@ -540,8 +576,9 @@ def _point_mass_step() -> Callable[..., Any]:
     def step(draft_tokens, target_logits, key_words, temperature, num_draft_tokens, bonus):
         g = draft_tokens.shape[1]
         u = _uniforms(key_words, g + 1)
-        out = verify_core(draft_tokens, None, target_logits, u[:, :g], u[:, g], temperature, None, None,
-                          num_draft_tokens)
+        out = verify_core(
+            draft_tokens, None, target_logits, u[:, :g], u[:, g], temperature, None, None, num_draft_tokens
+        )
         return _splice_bonus(jnp, out["tokens"], out["num_accepted"], num_draft_tokens, bonus)
 
     return step
@@ -596,5 +633,10 @@ def _given_probs_step(draft, q, target, keys, temperature, k_t, bonus_p):
 
     p, u, s = _target_probs_fn()(_to_kernel(target), _to_kernel(keys), _to_kernel(temperature), _to_kernel(k_t))
     out = kernel(_to_kernel(draft), _to_kernel(q), p, u, s, validate=False)
-    return _splice_bonus(np, np.asarray(out["tokens"]), np.asarray(out["num_accepted"]),
-                         np.asarray(_to_kernel(k_t)), np.asarray(_to_kernel(bonus_p)))
+    return _splice_bonus(
+        np,
+        np.asarray(out["tokens"]),
+        np.asarray(out["num_accepted"]),
+        np.asarray(_to_kernel(k_t)),
+        np.asarray(_to_kernel(bonus_p)),
+    )
