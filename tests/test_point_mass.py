@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from reference import is_tie, reference_rejection_sample
 from scipy import stats
+from test_frontend_stats import ref_process
 
 from specjax import rejection_sample, verify_from_logits
 from specjax.plugin.reference_samplers import numpy_rejection_sample, torch_rejection_sample
@@ -186,17 +187,8 @@ T, K, P = 0.7, 16, 0.9
 
 
 def _processed(logits: np.ndarray) -> np.ndarray:
-    """Float64 temperature -> top-k -> top-p -> softmax (transformers semantics)."""
-    s = (logits.astype(np.float32) / np.float32(T)).astype(np.float64)
-    keep = s >= np.sort(s)[::-1][K - 1]
-    masked = np.where(keep, s, -np.inf)
-    order = np.argsort(masked, kind="stable")
-    e = np.exp(masked[order] - masked[order][-1])
-    remove = np.cumsum(e / e.sum()) <= 1 - P
-    remove[-1] = False
-    keep[order[remove]] = False
-    e = np.where(keep, np.exp(s - s[keep].max()), 0.0)
-    return e / e.sum()
+    """Float64 temperature -> top-k -> top-p -> softmax (transformers semantics), as the front end's tests."""
+    return ref_process(logits, T, K, P)
 
 
 def _pvalue(tokens: np.ndarray, probs: np.ndarray) -> float:
