@@ -233,3 +233,24 @@ def test_point_mass_statistics_catch_a_wrong_draft_distribution():
     flat = np.zeros((2, V), np.float32)  # q = the processed uniform distribution (top-k keeps 16 of them)
     tokens, *_, p0, _ = _run(flat)
     assert _pvalue(tokens[:, 0], p0) < 1e-6
+
+
+def test_all_greedy_point_masses_match_the_sampled_path_on_their_rows():
+    """The all-greedy shortcut (argmax from the statistics, no draw) against the general path: a sampled row
+    added to the batch sends the greedy rows through the draw, and their tokens must not change."""
+    rng = np.random.default_rng(8)
+    b, g, vocab = 6, 4, 300
+    t = np.round(rng.normal(size=(b, g + 1, vocab)) * 2).astype(np.float32)  # rounded: ties in the argmax
+    am = t.argmax(-1)
+    x = np.where(rng.random((b, g)) < 0.7, am[:, :g], rng.integers(0, vocab, (b, g))).astype(np.int32)
+    k = np.array([4, 3, 0, 2, 4, 1], np.int32)
+    keys = jax.random.split(jax.random.key(3), b)
+    greedy = verify_from_logits(x, None, t, key=keys, temperature=0.0, num_draft_tokens=k)
+    mixed = verify_from_logits(x, None, t, key=keys, temperature=[0.0] * (b - 1) + [0.7], num_draft_tokens=k)
+    np.testing.assert_array_equal(np.asarray(greedy["tokens"])[:-1], np.asarray(mixed["tokens"])[:-1])
+    n = np.asarray(greedy["num_accepted"])
+    for row in range(b):
+        m = 0
+        while m < k[row] and x[row, m] == am[row, m]:
+            m += 1
+        assert n[row] == m and np.asarray(greedy["tokens"])[row, m] == am[row, m]

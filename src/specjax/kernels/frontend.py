@@ -478,7 +478,17 @@ def verify_core(
     def all_rows_one_device() -> dict[str, jax.Array]:
         t_stats, d_stats, n = summarise_all_rows()
         d_sel = None if d_stats is None else _take_rows(d_stats, jnp.minimum(n, g - 1))
-        return draw_one_device(n, _take_rows(t_stats, n), d_sel)
+        t_sel = _take_rows(t_stats, n)
+        if not point_masses:
+            return draw_one_device(n, t_sel, d_sel)
+
+        # Point masses, every row greedy: p_n is the point mass at argmax p_n, which a
+        # rejected x_n (p_n(x_n) = 0) cannot be, so the residual and the bonus draw
+        # both give argmax p_n: the statistics already hold it; no draw, no pass over V.
+        def greedy_rows() -> dict[str, jax.Array]:
+            return {"num_accepted": n, "tokens": assemble_tokens(x, n, t_sel.argmax)}
+
+        return lax.cond(jnp.all(t_sel.greedy), greedy_rows, lambda: draw_one_device(n, t_sel, None))
 
     def lazily_one_device() -> dict[str, jax.Array]:
         return draw_one_device(
