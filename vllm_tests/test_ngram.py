@@ -151,11 +151,11 @@ def test_kernel_failure_is_logged_once_and_the_step_falls_back(llm, reference, m
         def step(*args):
             raise RuntimeError("injected kernel failure")
 
-        return step
+        return step, step, step
 
     handler = Collect(level=logging.WARNING)
     logging.getLogger("vllm.specjax").addHandler(handler)
-    monkeypatch.setattr(plugin, "_point_mass_step", failing_step)
+    monkeypatch.setattr(plugin, "_point_mass_fns", failing_step)
     try:
         fallbacks = plugin.fallbacks()
         out = token_ids(llm.generate(prompts(*GREEDY_PROMPTS), greedy()))

@@ -13,27 +13,28 @@ vLLM, before the step), the bonus token (sampled by vLLM's sampler from the
 position after the last draft token) and the logprobs. What specjax does: given
 the processed target logits of the draft positions, decide how many draft
 tokens each request keeps and draw the correction token (Leviathan et al. 2023,
-arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318), in one jitted JAX call:
+arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318), in jitted JAX calls:
 
 * ``draft_probs=None`` (n-gram, EAGLE, suffix and greedy draft-model proposals):
   each ``q_i`` is the point mass at the draft token; the step is
-  :func:`specjax.kernels.frontend.verify_core` with ``draft_logits=None``.
+  :mod:`specjax.kernels.flat`, the front end's primitives composed on vLLM's
+  flattened layout (T = Σ k_b rows of ``target_logits``): the rows are read in
+  place, in zero-copy slices of power-of-two lengths (so JAX compiles once per
+  length, not per T), and only the sampled rows that reject a token are
+  gathered for the residual draw.
 * given ``draft_probs`` (``draft_sample_method="probabilistic"``): the target's
   probabilities come from the front end's :func:`~specjax.kernels.frontend.row_stats`
-  and the step is :func:`specjax.rejection_sample` with those ``q``.
+  and the step is :func:`specjax.rejection_sample` with those ``q``, on the
+  kernel's (B', G+1, V) layout: the step copies the rows once, on their device,
+  into a reused buffer with B' the batch size rounded up to a power of two,
+  and that buffer crosses to JAX without a copy
+  (:func:`specjax.adapters.jit_input`).
 
 Rows whose temperature is 0 are greedy (accept iff the draft token is the
 argmax, emit the argmax); the other rows' logits are already processed, so
 the kernel runs them at temperature 1: processing is applied exactly once.
-
-Layout: vLLM flattens the drafts of a batch (T = Σ k_b rows of ``target_logits``,
-``cu_num_draft_tokens``); the kernel takes (B, G+1, V). The step copies the rows
-once, on their device, into a reused buffer of (B', G+1, V) with B' the batch
-size rounded up to a power of two (so that JAX compiles once per B' and G, not
-per T), and that buffer crosses to JAX without a copy
-(:func:`specjax.adapters.jit_input`). The tokens come back as vLLM expects them:
-i32[B, max_spec_len + 1], -1 after the emitted token, vLLM's bonus token where
-every draft token was accepted.
+The tokens come back as vLLM expects them: i32[B, max_spec_len + 1], -1 after
+the emitted token, vLLM's bonus token where every draft token was accepted.
 
 Randomness: one JAX key per row. A request with a seed
 (``SamplingParams(seed=...)``) takes its key from its own ``torch.Generator``
@@ -450,8 +451,12 @@ def _to_kernel(tensor: Any) -> Any:
     place, and the small per-row arrays whatever their alignment); on a GPU,
     DLPack.
     """
+    import numpy as np
+
     from specjax.adapters import jit_input
 
+    if isinstance(tensor, np.ndarray):
+        return tensor
     if tensor.is_cpu and (not tensor.is_floating_point() or tensor.numel() <= 4096):
         return tensor.numpy()
     return jit_input(tensor)
@@ -476,73 +481,69 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
     bp = _bucket(batch)
     width = _draft_width(g)
 
-    # Each of the T flattened rows goes to its (request, position) slot once; the other
-    # slots (positions >= k_b, padding requests) keep whatever the buffer holds (stale
-    # logits): tests there count as failures, the token emitted at k_b is replaced by
-    # vLLM's bonus, padding results are dropped, and no row's arithmetic reads another.
+    # Kernel temperature per request: 0 = greedy (vLLM's temperature 0), 1 = the logits
+    # are already processed by vLLM. Padding requests are greedy (the cheapest).
+    temperature = np.zeros(bp, np.float32)
+    if sampling_metadata.temperature is None:  # every row greedy
+        all_greedy = True
+    else:
+        temperature[:batch] = (sampling_metadata.temperature[:batch] != 0).cpu().numpy()
+        all_greedy = bool(sampling_metadata.all_greedy)
     k = np.zeros(bp, np.int32)
     k[:batch] = num_draft_tokens
     starts = np.cumsum(k, dtype=np.int64) - k
     request = np.repeat(np.arange(batch), k[:batch])
     position = np.arange(num_tokens) - starts[request]
-    slots = torch.from_numpy(request * (width + 1) + position).to(device, non_blocking=True)
-    target = _buffers.get("target", (bp, width + 1, vocab), torch.float32, device)
-    target.view(-1, vocab).index_copy_(0, slots, target_logits)
-    draft = torch.zeros((bp * (width + 1),), dtype=torch.int32, device=device)
-    draft.index_copy_(0, slots, draft_token_ids.to(torch.int32))
-    draft = draft.view(bp, width + 1)[:, :width].contiguous()
-
-    # Kernel temperature per row: 0 = greedy (vLLM's temperature 0), 1 = the logits are
-    # already processed by vLLM. Padding rows are greedy (the cheapest).
-    temperature = torch.zeros(bp, dtype=torch.float32, device=device)
-    if sampling_metadata.temperature is None:  # every row greedy
-        all_greedy = True
-    else:
-        temperature[:batch] = (sampling_metadata.temperature[:batch] != 0).to(torch.float32)
-        all_greedy = bool(sampling_metadata.all_greedy)
-    bonus_p = torch.full((bp,), -1, dtype=torch.int32, device=device)
-    bonus_p[:batch] = bonus
+    bonus_p = np.full(bp, -1, np.int32)
+    bonus_p[:batch] = bonus.cpu().numpy()
     keys = _row_keys(batch, bp, num_draft_tokens, sampling_metadata.generators, device, all_greedy)
-    k_t = torch.from_numpy(k).to(device, non_blocking=True)
 
     if draft_probs is None:
-        tokens = _point_mass_step()(
-            _to_kernel(draft),
-            _to_kernel(target),
-            _to_kernel(keys),
-            _to_kernel(temperature),
-            _to_kernel(k_t),
-            _to_kernel(bonus_p),
+        tokens = _point_mass_flat(
+            draft_token_ids, target_logits, width, k, starts, request, position, temperature, keys, bonus_p
         )
     else:
+        # The given-probabilities step takes the (B', G+1, V) layout: each of the T
+        # flattened rows goes to its (request, position) slot once; the other slots
+        # (positions >= k_b, padding requests) keep whatever the buffer holds (stale
+        # logits): tests there count as failures (their p is zeroed), the token
+        # emitted at k_b is replaced by vLLM's bonus, padding results are dropped,
+        # and no row's arithmetic reads another.
+        slots = torch.from_numpy(request * (width + 1) + position).to(device, non_blocking=True)
+        target = _buffers.get("target", (bp, width + 1, vocab), torch.float32, device)
+        target.view(-1, vocab).index_copy_(0, slots, target_logits)
+        draft = torch.zeros((bp * (width + 1),), dtype=torch.int32, device=device)
+        draft.index_copy_(0, slots, draft_token_ids.to(torch.int32))
+        draft = draft.view(bp, width + 1)[:, :width].contiguous()
         if draft_probs.dtype != torch.float32:
             draft_probs = draft_probs.float()
         q = _buffers.get("draft", (bp, width, vocab), torch.float32, device)
         q_slots = torch.from_numpy(request * width + position).to(device, non_blocking=True)
         q.view(-1, vocab).index_copy_(0, q_slots, draft_probs)
-        tokens = _given_probs_step(draft, q, target, keys, temperature, k_t, bonus_p)
+        tokens = _given_probs_step(draft, q, target, keys, temperature, k, bonus_p)
     out.copy_(_from_kernel(tokens, device)[:batch, : g + 1])
     return out
 
 
 def _row_keys(batch, bp, num_draft_tokens, generators, device, all_greedy) -> Any:
-    """i32[B', 2]: each row's key data (a threefry2x32 key's two words, as int32).
+    """i32[B', 2] (host): each row's key data (a threefry2x32 key's two words, as int32).
 
     A seeded request's words come from its own generator (so its draws do not
     depend on the batch), and only in steps where it has draft tokens, as
     vLLM's own step consumes its generators; other rows share one draw from
     torch's default generator. An all-greedy batch draws nothing.
     """
+    import numpy as np
     import torch
 
-    keys = torch.zeros((bp, 2), dtype=torch.int32, device=device)
+    keys = np.zeros((bp, 2), dtype=np.int32)
     if all_greedy:
         return keys
     lo, hi = -(2**31), 2**31
-    keys[:batch] = torch.randint(lo, hi, (batch, 2), dtype=torch.int32, device=device)
+    keys[:batch] = torch.randint(lo, hi, (batch, 2), dtype=torch.int32, device=device).cpu().numpy()
     for row, gen in generators.items():
         if row < batch and num_draft_tokens[row] > 0:
-            keys[row] = torch.randint(lo, hi, (2,), dtype=torch.int32, generator=gen, device=gen.device).to(device)
+            keys[row] = torch.randint(lo, hi, (2,), dtype=torch.int32, generator=gen, device=gen.device).cpu().numpy()
     return keys
 
 
@@ -558,30 +559,102 @@ def _from_kernel(array: Any, device: Any) -> Any:
     return to_torch(array).to(device)
 
 
-@functools.cache
-def _point_mass_step() -> Callable[..., Any]:
-    """The jitted step for point-mass drafts (built on first use: importing JAX is not free).
+def _point_mass_flat(draft_token_ids, target_logits, width, k, starts, request, position, temperature, keys, bonus):
+    """Point-mass drafts on vLLM's flattened rows (:mod:`specjax.kernels.flat`): no copy of the logits.
 
-    Recompiles when B', G or V change (B' is a power of two), never for values.
+    The T rows are summarised in zero-copy slices whose lengths are the powers of
+    two in T's binary expansion (at most log2(T) + 1 calls, each compiled once per
+    length and V); the accepted prefixes and every token but the sampled
+    corrections come from one call on the (B', G) grid; the sampled rows that
+    rejected a token are gathered (R rows, padded to a power of two) and drawn in
+    one more call.
+
+    Returns:
+      i32[B', G+1] on the host.
+    """
+    import numpy as np
+    import torch
+
+    summarise, accept, draw = _point_mass_fns()
+    bp = k.shape[0]
+    num_tokens = int(draft_token_ids.shape[0])
+    draft = draft_token_ids.to(torch.int32).cpu().numpy()
+    slots = (request * width + position).astype(np.int32)
+    row_temperature = temperature[request]
+    grid_p = np.zeros(bp * width, np.float32)
+    grid_argmax = np.zeros(bp * width, np.int32)
+    start = 0
+    for bit in reversed(range(num_tokens.bit_length())):
+        size = 1 << bit
+        if num_tokens & size:
+            end = start + size
+            grid_p, grid_argmax = summarise(
+                grid_p,
+                grid_argmax,
+                _to_kernel(target_logits[start:end]),
+                row_temperature[start:end],
+                draft[start:end],
+                slots[start:end],
+            )
+            start = end
+    grid_draft = np.zeros(bp * width, np.int32)
+    grid_draft[slots] = draft
+    tokens, num_accepted, needs_draw, sample_uniforms = accept(
+        grid_p, grid_argmax, grid_draft, keys, temperature, k, bonus
+    )
+    tokens = np.array(tokens)
+    needs_draw = np.asarray(needs_draw)
+    if needs_draw.any():
+        rows = np.flatnonzero(needs_draw)
+        n = np.asarray(num_accepted)[rows]
+        index = np.full(_bucket(len(rows)), starts[rows[0]] + n[0], np.int64)
+        index[: len(rows)] = starts[rows] + n
+        picked = target_logits.index_select(0, torch.from_numpy(index).to(target_logits.device))
+        u = np.asarray(sample_uniforms)[rows]
+        y = draw(
+            _to_kernel(picked),
+            np.ones(len(index), np.float32),
+            draft[index],
+            np.concatenate([u, np.zeros(len(index) - len(rows), np.float32)]),
+        )
+        tokens[rows, n] = np.asarray(y)[: len(rows)]
+    return tokens
+
+
+@functools.cache
+def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """The jitted stages of :func:`_point_mass_flat` (built on first use: importing JAX is not free).
+
+    ``summarise`` recompiles per slice length (a power of two), V and B'·G;
+    ``accept`` per B' and G; ``draw`` per R' (a power of two) and V. Never for values.
     """
     from functools import partial
 
     import jax
-    import jax.numpy as jnp
 
+    from specjax.kernels import flat
     from specjax.kernels.compile_options import VECTOR_OPTIONS
-    from specjax.kernels.frontend import verify_core
+
+    summarise = jax.jit(flat.summarise_rows, compiler_options=VECTOR_OPTIONS)
 
     @partial(jax.jit, compiler_options=VECTOR_OPTIONS)
-    def step(draft_tokens, target_logits, key_words, temperature, num_draft_tokens, bonus):
-        g = draft_tokens.shape[1]
+    def accept(grid_p, grid_argmax, grid_draft, key_words, temperature, num_draft_tokens, bonus):
+        b = num_draft_tokens.shape[0]
+        g = grid_p.shape[0] // b
         u = _uniforms(key_words, g + 1)
-        out = verify_core(
-            draft_tokens, None, target_logits, u[:, :g], u[:, g], temperature, None, None, num_draft_tokens
+        tokens, n, needs_draw = flat.accept(
+            grid_p.reshape(b, g),
+            grid_argmax.reshape(b, g),
+            grid_draft.reshape(b, g),
+            num_draft_tokens,
+            u[:, :g],
+            temperature == 0,
+            bonus,
         )
-        return _splice_bonus(jnp, out["tokens"], out["num_accepted"], num_draft_tokens, bonus)
+        return tokens, n, needs_draw, u[:, g]
 
-    return step
+    draw = jax.jit(flat.residual_draw, compiler_options=VECTOR_OPTIONS)
+    return summarise, accept, draw
 
 
 def _uniforms(key_words: Any, count: int) -> Any:
