@@ -10,8 +10,10 @@ Inputs:
   file-name order. A fragment may contain placeholders, replaced by what the
   results say:
 
-  - ``{{table NAME}}``: the table of the results file ``NAME.jsonl``, in the
-    layout its benchmark prints (a renderer below), or
+  - ``{{table NAME}}``: the table of the results file ``NAME.jsonl`` (a
+    renderer below); ``{{table NAME: field=a|b, field=c}}`` shows only the rows
+    matching every condition, says so under the table, and leaves the
+    verdicts to read all rows;
   - ``{{columns NAME: field, field, ...}}``: any results file as a plain table
     of the named fields (for sections without a dedicated renderer);
   - ``{{verdict NAME}}``: the targets of that benchmark and whether the table
@@ -126,117 +128,144 @@ def table_kernel(rows: list[Row]) -> str:
     )
 
 
+_LOGITS_VARIANTS = ("every draft token accepted", "blocks of 20 calls")
+_LOGITS_COLUMNS = {
+    "transformers _speculative_sampling": "peer",
+    "transformers warpers + _speculative_sampling": "peer",
+    "transformers _speculative_sampling (torch 1 thread)": "peer_1_thread",
+    "specjax _verify_jit": "jit",
+    "specjax _verify_jit (JAX code)": "jax_code",
+    "specjax verify_from_logits(validate=False)": "public",
+    "specjax verify_from_logits(validate=True)": "validated",
+}
+
+
 def table_logits(rows: list[Row]) -> str:
-    lines = [
-        [
-            r["method"],
-            r["processing"],
-            str(r["B"]),
-            _f(r.get("mean_accepted"), ".2f"),
-            _us(r["median_us"]),
-            _us(r["per_row_us"]),
-            _f(r.get("speedup"), ".1f", "×"),
-            _f(r.get("speedup_1_thread"), ".1f", "×"),
-            r.get("note", ""),
-        ]
-        for r in rows
-    ]
+    """One line per (processing, B, variant), one column per method: time and speed-up over the peer."""
+    cells: dict[tuple[str, int, str], dict[str, Row]] = {}
+    for r in rows:
+        method, variant = r["method"], ""
+        for v in _LOGITS_VARIANTS:
+            if method.endswith(f" ({v})"):
+                method, variant = method[: -len(v) - 3], v
+        if method not in _LOGITS_COLUMNS:
+            raise SystemExit(f"render_benchmarks: logits method {r['method']!r} has no column")
+        cell = cells.setdefault((r["processing"], r["B"], variant), {})
+        if _LOGITS_COLUMNS[method] in cell:
+            raise SystemExit(
+                f"render_benchmarks: two logits rows for {r['method']!r} at {r['processing']}, B = {r['B']}"
+            )
+        cell[_LOGITS_COLUMNS[method]] = r
+
+    def ours(r: Row | None) -> str:
+        return "" if r is None else f"{_us(r['median_us'])} ({_f(r.get('speedup'), '.1f', '×')})"
+
+    lines = []
+    for (processing, b, variant), by in cells.items():
+        peer, mean_n = by.get("peer"), next((c["mean_accepted"] for c in by.values() if c.get("mean_accepted")), None)
+        lines.append(
+            [
+                processing + (f", {variant}" if variant else ""),
+                str(b),
+                _f(mean_n, ".2f"),
+                _us(peer and peer["median_us"]),
+                _us(by["peer_1_thread"]["median_us"]) if "peer_1_thread" in by else "",
+                *(ours(by.get(c)) for c in ("jit", "jax_code", "public", "validated")),
+            ]
+        )
     return _table(
         [
-            "method",
             "processing",
             "B",
             "mean n",
-            "median",
-            "per row",
-            "speed-up (torch 2 threads)",
+            "transformers",
             "(torch 1 thread)",
-            "note",
+            "`_verify_jit`",
+            "(JAX code)",
+            "`verify_from_logits`",
+            "(`validate=True`)",
         ],
-        list("llrrrrrrl"),
+        list("lrrrrrrrr"),
         lines,
     )
 
 
 def table_generate(rows: list[Row]) -> str:
-    lines = []
+    """One line per (B, T): target-only tokens/s, then each method's speed-up (and tokens per step)."""
+    methods: list[tuple[str, int | None]] = []
     for r in rows:
-        same = r.get("same_as_target")
-        lines.append(
-            [
-                r["method"],
-                str(r["batch_size"]),
-                str(r["temperature"]),
-                str(r.get("num_draft_tokens") or ""),
-                f"{r['tokens_per_s']:.1f}",
-                _f(r["speedup"], ".2f", "×"),
-                _f(r.get("speedup_cpu_time"), ".2f", "×"),
-                _f(r.get("acceptance_rate"), ".2f"),
-                _f(r.get("acceptance_first_position"), ".2f"),
-                _f(r.get("mean_accepted_length"), ".2f"),
-                _f(r.get("speedup_vs_assisted"), ".2f", "×"),
-                "" if same is None else ("yes" if same else "NO"),
-            ]
-        )
+        m = (r["method"], r.get("num_draft_tokens") or None)
+        if r["method"] != "target" and m not in methods:
+            methods.append(m)
+    lines = []
+    for b, t in dict.fromkeys((r["batch_size"], r["temperature"]) for r in rows):
+        target = _gen(rows, "target", b, t, None)
+        cells = []
+        for m, g in methods:
+            r = _gen(rows, m, b, t, g)
+            tail = f" ({r['mean_accepted_length']:.2f})" if r and r.get("mean_accepted_length") else ""
+            cells.append("" if r is None else _f(r["speedup"], ".2f", "×") + tail)
+        lines.append([str(b), str(t), _f(target and target["tokens_per_s"], ".1f"), *cells])
     return _table(
-        [
-            "method",
-            "B",
-            "T",
-            "G",
-            "tokens/s",
-            "vs target",
-            "(by CPU time)",
-            "acceptance",
-            "first position",
-            "mean accepted length",
-            "vs assisted",
-            "same output",
-        ],
-        list("lrrrrrrrrrrl"),
+        ["B", "T", "target tokens/s", *(m if g is None else f"{m}, G = {g}" for m, g in methods)],
+        list("rr" + "r" * (1 + len(methods))),
         lines,
     )
 
 
 def table_forward(rows: list[Row]) -> str:
+    """Columns q = new tokens per row: the target forward's cost and the GEMM ratio at M = B·q rows."""
     fwd = [r for r in rows if r["what"] == "target forward"]
-    lin = [r for r in rows if r["what"] == "linear"]
-    a = _table(
-        ["target forward, B = 8", "new tokens per row q", "median", "vs q = 1"],
-        list("lrrr"),
-        [[r.get("model", ""), str(r["q"]), _us(r["median_us"]), _f(r["relative_to_q1"], ".2f", "×")] for r in fwd],
-    )
-    b = _table(
-        ["linear (M, 512) × (512, 1376)", "`nn.Linear` weight (transposed GEMM)", "weight stored transposed", "ratio"],
-        list("rrrr"),
+    lin = {r["M"]: r for r in rows if r["what"] == "linear"}
+    return _table(
+        ["q (B·q rows)", *(f"{r['q']} ({r['B'] * r['q']})" for r in fwd)],
+        list("l" + "r" * len(fwd)),
         [
-            [
-                f"M = {r['M']}",
-                _us(r["nn_linear_us"]),
-                _us(r["pretransposed_us"]),
-                f"{r['nn_linear_us'] / r['pretransposed_us']:.1f}×",
-            ]
-            for r in lin
+            [f"target forward ({fwd[0].get('model', '')}, B = {fwd[0]['B']}) / q = 1"]
+            + [_f(r["relative_to_q1"], ".2f", "×") for r in fwd],
+            ["GEMM (B·q, 512) × (512, 1376): `nn.Linear` / weight stored transposed"]
+            + [
+                f"{lin[m]['nn_linear_us'] / lin[m]['pretransposed_us']:.1f}×" if m in lin else ""
+                for m in (r["B"] * r["q"] for r in fwd)
+            ],
         ],
     )
-    return a + "\n\n" + b
 
 
 def table_draft_sweep(rows: list[Row]) -> str:
-    lines = [
-        [
-            r["method"],
-            str(r["temperature"]),
-            str(r["num_draft_tokens"]),
-            f"{r['tokens_per_s']:.1f}",
-            _f(r.get("acceptance_rate"), ".2f"),
-            _f(r.get("mean_accepted_length"), ".2f"),
-            _f(r["speedup"], ".2f", "×"),
-        ]
-        for r in rows
-    ]
+    """One line per temperature, one column per G: speed-up over target-only (tokens per step)."""
+    gs = sorted({r["num_draft_tokens"] for r in rows if r["method"] == "specjax"})
+    lines = []
+    for t in sorted({r["temperature"] for r in rows}):
+        at = {r["num_draft_tokens"]: r for r in rows if r["temperature"] == t and r["method"] == "specjax"}
+        target = next((r for r in rows if r["temperature"] == t and r["method"] != "specjax"), None)
+        lines.append(
+            [str(t), _f(target and target["tokens_per_s"], ".1f")]
+            + [f"{at[g]['speedup']:.2f}× ({at[g]['mean_accepted_length']:.2f})" if g in at else "" for g in gs]
+        )
+    return _table(["T", "target tokens/s", *(f"G = {g}" for g in gs)], list("rr" + "r" * len(gs)), lines)
+
+
+def table_generate_drafters(rows: list[Row]) -> str:
+    """One line per method and drafter, one column per prompt category."""
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    kinds = list(dict.fromkeys((r["method"], r.get("drafter")) for r in rows))
+
+    def cell(r: Row) -> str:
+        if r["method"] == "target":
+            return f"{r['tokens_per_s']:.1f} tokens/s"
+        if r.get("mean_accepted_length") is None:
+            return _f(r["speedup"], ".2f", "×")
+        return f"{r['speedup']:.2f}× ({r['mean_accepted_length']:.2f}, {r['draft_step_fraction']:.0%})"
+
+    by = {(r["method"], r.get("drafter"), r["category"]): r for r in rows}
     return _table(
-        ["method", "T", "G", "tokens/s", "acceptance", "mean accepted length", "speed-up"], list("lrrrrrr"), lines
+        ["method", *cats],
+        list("l" + "r" * len(cats)),
+        [
+            [m if d is None else f"{m} `{d}`", *(cell(by[(m, d, c)]) if (m, d, c) in by else "" for c in cats)]
+            for m, d in kinds
+        ],
     )
 
 
@@ -296,6 +325,7 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "generate-synthetic": table_generate,
     "generate-default": table_generate,
     "forward": table_forward,
+    "generate-drafters": table_generate_drafters,
     "draft-sweep": table_draft_sweep,
     "sharded": table_sharded,
 }
@@ -338,7 +368,7 @@ def _gen(rows: list[Row], method: str, b: int, t: float, g: int | None) -> Row |
         (
             r
             for r in rows
-            if (r["method"], r["batch_size"], r["temperature"], r.get("num_draft_tokens")) == (method, b, t, g)
+            if (r["method"], r["batch_size"], r["temperature"], r.get("num_draft_tokens") or None) == (method, b, t, g)
         ),
         None,
     )
@@ -388,6 +418,30 @@ def verdict_generate_default(rows: list[Row]) -> str:
     return _verdict_b1(rows) + f"\n* greedy output identical to target-only `generate`: {_met(same)}."
 
 
+def verdict_generate_drafters(rows: list[Row]) -> str:
+    ours = [r for r in rows if r["method"] == "specjax"]
+
+    def best(category: str) -> Row:
+        return max(
+            (r for r in ours if r["category"] == category and r["drafter"] in ("ngram", "hybrid")),
+            key=lambda r: r["speedup"],
+        )
+
+    g, o = best("grounded"), best("open")
+    slow = [r for r in ours if r["speedup"] < 0.95]
+    same = all(r["same_as_target"] for r in rows if r.get("same_as_target") is not None)
+    below = ", ".join(f"{r['category']} `{r['drafter']}` {r['speedup']:.2f}×" for r in slow)
+    return (
+        f"* `ngram` or `hybrid` ≥ 1.6× target-only on grounded prompts: {_met(g['speedup'] >= 1.6)} "
+        f"(best `{g['drafter']}` {g['speedup']:.2f}×).\n"
+        f"* `ngram` or `hybrid` ≥ 1.0× on open chat: {_met(o['speedup'] >= 1.0)} "
+        f"(best `{o['drafter']}` {o['speedup']:.2f}×).\n"
+        f"* every drafter ≥ 0.95× target-only: {_met(not slow)}"
+        + (f" (below: {below}).\n" if slow else ".\n")
+        + f"* greedy output identical to target-only `generate`: {_met(same)}."
+    )
+
+
 def verdict_draft_sweep(rows: list[Row]) -> str:
     out = []
     for t in sorted({r["temperature"] for r in rows}):
@@ -421,6 +475,7 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "logits": verdict_logits,
     "generate-synthetic": verdict_generate_synthetic,
     "generate-default": verdict_generate_default,
+    "generate-drafters": verdict_generate_drafters,
     "draft-sweep": verdict_draft_sweep,
     "sharded": verdict_sharded,
 }
@@ -431,7 +486,7 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
 
 def run_line(rows: list[Row]) -> str:
     run = rows[-1].get("run") or {}
-    parts = [f"`{run.get('command', '?')}`"]
+    parts = []
     if run.get("commit"):
         parts.append(f"commit {run['commit']}")
     if run.get("time"):
@@ -440,7 +495,7 @@ def run_line(rows: list[Row]) -> str:
         parts.append(f"load average {run['loadavg']}")
     if run.get("note"):
         parts.append(run["note"])
-    text = "Rows: " + ", ".join(parts) + "."
+    text = f"Reproduce: `{run.get('command', '?')}`" + (f" (rows: {', '.join(parts)})." if parts else ".")
     if run.get("source"):
         text += f" {run['source'][0].upper()}{run['source'][1:]} ({run.get('reported_in', '')})."
     return text
@@ -461,6 +516,42 @@ def columns(rows: list[Row], fields: list[str]) -> str:
     )
 
 
+def _matches(value: Any, wanted: str) -> bool:
+    if str(value) == wanted:
+        return True
+    try:
+        return isinstance(value, int | float) and float(value) == float(wanted)
+    except ValueError:
+        return False
+
+
+def select(rows: list[Row], conditions: str) -> list[Row]:
+    """The rows matching every ``field=a|b`` condition of a comma-separated list."""
+    out = rows
+    for cond in (c.strip() for c in conditions.split(",") if c.strip()):
+        field, sep, values = cond.partition("=")
+        if not sep or not values:
+            raise SystemExit(f"render_benchmarks: row filter {cond!r}: expected field=value|value")
+        wanted = [v.strip() for v in values.split("|")]
+        if not any(field.strip() in r for r in rows):
+            raise SystemExit(f"render_benchmarks: row filter {cond!r}: no row has the field {field.strip()!r}")
+        out = [r for r in out if any(_matches(r.get(field.strip()), w) for w in wanted)]
+    if not out:
+        raise SystemExit(f"render_benchmarks: row filter {conditions!r} matches no row")
+    return out
+
+
+def shown_table(name: str, rows: list[Row], conditions: str | None) -> str:
+    """The table of ``rows``, or of those matching ``conditions`` with a line that says how many are shown."""
+    full = TABLES[name](rows)
+    if not conditions:
+        return full
+    shown = TABLES[name](select(rows, conditions))
+    n_shown, n_all = shown.count("\n") - 1, full.count("\n") - 1
+    where = ", ".join(c.strip().replace("=", " = ").replace("|", " or ") for c in conditions.split(",") if c.strip())
+    return f"{shown}\n\nShown: {where} ({n_shown} of {n_all} table rows; verdicts read all `{name}.jsonl` rows)."
+
+
 # --------------------------------------------------------------------------- rendering
 
 PLACEHOLDER = re.compile(r"\{\{(table|verdict|run|columns) ([\w-]+)(?:: *([^}]*))?\}\}")
@@ -473,7 +564,7 @@ def render(fragments: Path = FRAGMENTS, results: Path = RESULTS) -> str:
         if kind == "table":
             if name not in TABLES:
                 raise SystemExit(f"render_benchmarks: no table renderer for {name!r}; use {{{{columns {name}: ...}}}}")
-            return TABLES[name](rows)
+            return shown_table(name, rows, rest)
         if kind == "verdict":
             return VERDICTS[name](rows)
         if kind == "run":

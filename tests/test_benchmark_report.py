@@ -68,3 +68,64 @@ def test_the_last_run_of_a_file_is_rendered(tmp_path: Path) -> None:
 def test_a_missing_results_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"no results file .*nothing\.jsonl"):
         render_benchmarks.load("nothing", tmp_path)
+
+
+def test_a_row_filter_shows_a_subset_and_the_verdict_still_reads_every_row(tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    path = results / "kernel.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    shown = render_benchmarks.shown_table("kernel", render_benchmarks.load("kernel", results), "G=4, V=32000")
+    table_lines = [line for line in shown.splitlines() if line.startswith("| ")][1:]
+    assert [line.split(" | ")[:3] for line in table_lines] == [
+        ["| 1", "4", "32000"],
+        ["| 8", "4", "32000"],
+        ["| 64", "4", "32000"],
+        ["| 256", "4", "32000"],
+    ]
+    assert "Shown: G = 4, V = 32000 (4 of 16 table rows; verdicts read all `kernel.jsonl` rows)." in shown
+    # A row the filter hides still decides the verdict.
+    for r in rows:
+        if (r["method"], r["B"], r["G"], r["V"]) == ("kernel", 256, 8, 128256):
+            r["ratio_to_floor"] = 5.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = render_benchmarks.render(results=results)
+    assert "within 3× of the memory floor for B ≥ 8: **not met** (worst 5.00× at B = 256, G = 8, V = 128256)" in text
+    assert shown in text
+
+
+@pytest.mark.parametrize(
+    ("conditions", "message"),
+    [
+        ("G=3", r"'G=3' matches no row"),
+        ("Q=4", r"'Q=4': no row has the field 'Q'"),
+        ("G", r"'G': expected field=value\|value"),
+    ],
+)
+def test_a_bad_row_filter_is_named(conditions: str, message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        render_benchmarks.select(render_benchmarks.load("kernel"), conditions)
+
+
+def test_the_pivoted_tables_show_every_row() -> None:
+    logits = render_benchmarks.table_logits(render_benchmarks.load("logits"))
+    for r in render_benchmarks.load("logits"):
+        assert render_benchmarks._us(r["median_us"]) in logits, r["method"]
+    for name in ("generate-synthetic", "generate-default", "generate-drafters"):
+        rows = render_benchmarks.load(name)
+        table = render_benchmarks.TABLES[name](rows)
+        for r in rows:
+            cell = f"{r['tokens_per_s']:.1f}" if r["method"] == "target" else f"{r['speedup']:.2f}×"
+            assert cell in table, (name, r["method"], r.get("num_draft_tokens"))
+    sweep = render_benchmarks.table_draft_sweep(render_benchmarks.load("draft-sweep"))
+    for r in render_benchmarks.load("draft-sweep"):
+        assert (
+            f"{r['speedup']:.2f}× ({r['mean_accepted_length']:.2f})"
+            if r["method"] == "specjax"
+            else f"{r['tokens_per_s']:.1f}"
+        ) in sweep
+
+
+def test_a_logits_method_without_a_column_is_named() -> None:
+    rows = render_benchmarks.load("logits")
+    with pytest.raises(SystemExit, match=r"logits method 'flashinfer' has no column"):
+        render_benchmarks.table_logits([*rows, {**rows[0], "method": "flashinfer"}])
