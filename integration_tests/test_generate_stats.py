@@ -200,6 +200,56 @@ def test_negative_control_with_point_mass_proposals(pair):
     assert p < 1e-6, f"the broken sampler was not caught: p = {p:.2e}"
 
 
+def eagle_head_for(target, seed: int = 0):
+    """An untrained EAGLE head for ``target`` scoring 6 of its V tokens (q = 0 for the other two).
+
+    Exactness holds for any head; its fusion layer starts near the identity, so
+    its proposals follow the current distribution and are accepted often enough
+    that both branches of the test carry weight.
+    """
+    from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
+
+    head = EagleHead(EagleConfig(target.config.hidden_size, 4, 2, 32, V, 6))
+    init_weights(head, seed)
+    head.token_ids.copy_(torch.tensor([0, 1, 2, 3, 5, 6]))
+    return head.eval()
+
+
+def test_eagle_drafter_keeps_the_joint_distribution(pair):
+    """The head's sampled proposals (their logits -inf outside its 6 tokens) at T = 0.7 with top-k."""
+    from specjax.drafters import EagleDrafter
+
+    target, _ = pair
+    counts = sample_counts(
+        target, EagleDrafter(eagle_head_for(target)), length=3, num_draft_tokens=3, temperature=0.7, top_k=4
+    )
+    p = chi_square_p(counts, exact_joint(target, 3, 0.7, 4, None))
+    print(f"chi-square p = {p:.3g}")
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_negative_control_with_eagle_proposals(pair):
+    """A sampler that keeps every proposal of the head must be caught."""
+    from specjax.drafters import EagleDrafter
+
+    target, _ = pair
+    counts = sample_counts(
+        target,
+        EagleDrafter(eagle_head_for(target)),
+        length=3,
+        num_draft_tokens=3,
+        sampler=always_accept,
+        temperature=0.7,
+        top_k=4,
+        mixed=False,
+    )
+    expected = exact_joint(target, 3, 0.7, 4, None)
+    outside = counts.reshape(-1)[expected.reshape(-1) <= 0].any()
+    p = 0.0 if outside else chi_square_p(counts, expected)
+    print(f"chi-square p = {p:.3g}")
+    assert p < 1e-6, f"the broken sampler was not caught: p = {p:.2e}"
+
+
 # --------------------------------------------------------------------------- #
 # Negative controls: broken samplers must be caught
 # --------------------------------------------------------------------------- #

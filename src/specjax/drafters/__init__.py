@@ -7,7 +7,9 @@ Built in:
 * ``ngram`` — :class:`NgramDrafter`, prompt lookup: no model, no training;
   strong on input-grounded tasks (summaries, edits, extraction, quoting);
 * ``hybrid`` — :class:`HybridDrafter`, n-gram where it matches, a fallback
-  drafter (a model) elsewhere.
+  drafter (a model) elsewhere;
+* ``eagle`` — :class:`EagleDrafter`, a draft head over the target's own hidden
+  states (EAGLE; ``load_drafter("eagle", head=DIRECTORY)``).
 
 Third-party drafters are installed as entry points of the group
 ``specjax.drafters`` (``name = "module:factory"``; ``factory(**options)``
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specjax.drafters.base import CommitInfo, Drafter, DraftRequest, DraftSetup, Proposal, SamplingState
+from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
@@ -34,6 +37,7 @@ __all__ = [
     "DraftRequest",
     "DraftSetup",
     "Drafter",
+    "EagleDrafter",
     "HybridDrafter",
     "ModelDrafter",
     "NgramDrafter",
@@ -68,7 +72,16 @@ def _ngram(min_n: int = 2, max_n: int = 5, **_: Any) -> NgramDrafter:
     return NgramDrafter(min_n, max_n)
 
 
-_BUILTIN: dict[str, Callable[..., Any]] = {"model": _model, "ngram": _ngram, "hybrid": _hybrid}
+def _eagle(head: Any = None, **_: Any) -> EagleDrafter:
+    if head is None:
+        raise ValueError(
+            "draft: the 'eagle' drafter needs a trained head: load_drafter('eagle', head=DIRECTORY) "
+            "(a directory written by specjax.drafters.eagle_head.save_head, e.g. by scripts/train_eagle.py)"
+        )
+    return EagleDrafter(head)
+
+
+_BUILTIN: dict[str, Callable[..., Any]] = {"model": _model, "ngram": _ngram, "hybrid": _hybrid, "eagle": _eagle}
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:

@@ -78,6 +78,10 @@ class DraftSetup:
       target_vocab: V, the target's vocabulary size (proposals must lie in [0, V)).
       max_draft_tokens: G, the most tokens a row is ever asked for in one step.
       sampling: :class:`SamplingState` of all B rows.
+      target_hidden: for drafters with ``needs_target_hidden``: f[B, P-1, d],
+        the target's final hidden states at the prompt's first P-1 positions,
+        from the loop's prefill forward (the last prompt token is scored with
+        the first proposals); None for prompts of one token or other drafters.
     """
 
     target: Any
@@ -87,6 +91,7 @@ class DraftSetup:
     target_vocab: int
     max_draft_tokens: int
     sampling: SamplingState
+    target_hidden: Any = None
 
 
 @dataclass

@@ -198,18 +198,31 @@ def run_loop(
 
     with count_copies() as copies, measure_compiles() as compiles:
         t_cache = SlotCache(target, batch, device)
+        hidden_kw = bool(getattr(drafter, "needs_target_hidden", False))
+        prompt_hidden = None
         if prompt_len > 1:
             # Prefill all but the last prompt token: the target scores that one
             # with the first proposals.
-            t_cache.forward(input_ids[:, :-1], attention_mask[:, :-1].bool(), last_only=True)
+            prefill = t_cache.forward(
+                input_ids[:, :-1], attention_mask[:, :-1].bool(), last_only=True, hidden=hidden_kw
+            )
+            prompt_hidden = prefill[1] if hidden_kw else None
         mask_h = attention_mask.bool().cpu().numpy()
         ids_h = input_ids.cpu().numpy()
         contexts = [ids_h[b][mask_h[b]].tolist() for b in range(batch)]
         drafter.start(
             DraftSetup(
-                target, input_ids, attention_mask, [list(c) for c in contexts], target_vocab, num_draft_tokens, sampling
+                target,
+                input_ids,
+                attention_mask,
+                [list(c) for c in contexts],
+                target_vocab,
+                num_draft_tokens,
+                sampling,
+                prompt_hidden,
             )
         )
+        del prompt_hidden
         schedule = DraftSchedule(
             batch,
             num_draft_tokens,
@@ -220,7 +233,6 @@ def run_loop(
         )
         last_h = ids_h[:, -1].astype(np.int64).copy()  # i64[B']: last committed token, not in the target cache
 
-        hidden_kw = bool(getattr(drafter, "needs_target_hidden", False))
         # Drafters whose proposals cost nothing (lookups) are asked every step.
         free_proposals = float(getattr(drafter, "cost_per_token_hint", 1.0)) == 0.0 or isinstance(
             drafter, HybridDrafter

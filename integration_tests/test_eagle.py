@@ -1,0 +1,179 @@
+"""The ``eagle`` drafter on a tiny random target: greedy identity, a trained head drafts, errors.
+
+A head is trained for a few seconds on the target's own greedy continuations
+(:mod:`specjax.drafters.eagle_train`), so its proposals are accepted often
+enough that the identity tests exercise accepted draft tokens, not only
+corrections. The distribution test at T = 0.7 is in test_generate_stats.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specjax
+from specjax.drafters import load_drafter
+from specjax.drafters.eagle import EagleDrafter
+from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
+from specjax.drafters.eagle_train import LossWeights, frequent_tokens, head_loss, target_features, teacher_agreement
+
+V = 48
+
+
+PROMPT = [5, 9, 2, 30, 7]
+RAGGED = ([6, 1, 3, 8], 4)  # the ragged batch: lengths, seed of make_left_padded
+
+
+def train_tiny_head(target, prompts, *, num_tokens: int, steps: int = 100, seed: int = 0):
+    """A head for ``target`` trained on its greedy continuations of ``prompts``; agreement before/after.
+
+    A random target's next token is an arbitrary function of its context, which
+    a few thousand pairs cannot teach in general: the head learns the
+    continuations of these prompts, which the tests then use, so that its
+    proposals are often accepted.
+    """
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    with torch.inference_mode():
+        seqs = target.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0
+        )
+    seqs = seqs.clone()  # a normal tensor (not an inference one) for the training graph
+    mask = torch.cat([mask, torch.ones((len(prompts), 24), dtype=torch.long)], dim=1)
+    z = target_features(target, seqs, mask).clone()
+    valid = mask.bool()
+    d = target.config.hidden_size
+    head = EagleHead(EagleConfig(d, 4, 2, 2 * d, V, num_tokens))
+    init_weights(head, seed)
+    head.token_ids.copy_(frequent_tokens([s[m].tolist() for s, m in zip(seqs, valid, strict=True)], num_tokens, V))
+    embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
+    before = teacher_agreement(head, embed, w, z, seqs, valid)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = head_loss(head, embed, w, z, seqs, valid, LossWeights(distill=1.0, unroll=0.5))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval()
+    return head, before, teacher_agreement(head, embed, w, z, seqs, valid)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_lm):
+    return tiny_lm("llama", vocab_size=V, layers=2, hidden=32, seed=3, init_range=0.3)
+
+
+@pytest.fixture(scope="module")
+def trained(target, left_padded):
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    ragged = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    gen = torch.Generator().manual_seed(0)
+    others = torch.randint(1, V, (16, 5), generator=gen).tolist()
+    return train_tiny_head(target, [PROMPT, *ragged, *others], num_tokens=40)
+
+
+def test_training_raises_agreement(trained):
+    _, before, after = trained
+    assert after > before + 0.2 and after > 0.5, (before, after)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_identity_batch_of_one(target, trained, adaptive):
+    head, _, _ = trained
+    ids = torch.tensor([PROMPT])
+    ref = target.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    out = specjax.speculative_generate(
+        target, EagleDrafter(head), ids, max_new_tokens=24, num_draft_tokens=4, adaptive=adaptive, pad_token_id=0
+    )
+    assert torch.equal(out.sequences, ref)
+    if not adaptive:
+        assert out.stats.draft_tokens_accepted > 0, out.stats  # accepted proposals carried the identity too
+
+
+def test_greedy_identity_ragged_left_padded_batch(target, trained, left_padded):
+    head, _, _ = trained
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=17, pad_token_id=0)
+    out = specjax.speculative_generate(
+        target,
+        EagleDrafter(head),
+        ids,
+        attention_mask=mask,
+        max_new_tokens=17,
+        num_draft_tokens=3,
+        adaptive=False,
+        pad_token_id=0,
+    )
+    assert torch.equal(out.sequences, ref)
+    assert out.stats.draft_tokens_accepted > 0
+
+
+def test_never_drafts_past_max_new_tokens(target, trained):
+    head, _, _ = trained
+    ids = torch.tensor([PROMPT])
+    for n in (1, 2, 5):
+        out = specjax.speculative_generate(
+            target, EagleDrafter(head), ids, max_new_tokens=n, num_draft_tokens=4, adaptive=False, pad_token_id=0
+        )
+        assert out.sequences.shape[1] == ids.shape[1] + n
+
+
+def test_saved_head_loads_and_drafts_the_same(target, trained, tmp_path):
+    from specjax.drafters.eagle_head import load_head, save_head
+
+    head, _, _ = trained
+    save_head(head, tmp_path / "head")
+    loaded = load_head(tmp_path / "head")
+    assert torch.equal(loaded.token_ids, head.token_ids)
+    ids = torch.tensor([PROMPT])
+    kw = dict(max_new_tokens=12, num_draft_tokens=3, adaptive=False, pad_token_id=0)
+    a = specjax.speculative_generate(target, load_drafter("eagle", head=tmp_path / "head"), ids, **kw)
+    b = specjax.speculative_generate(target, EagleDrafter(head), ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert a.stats.drafter == "eagle"
+
+
+def test_a_head_for_another_target_is_refused(target):
+    head = EagleHead(EagleConfig(64, 4, 2, 64, V, V))
+    with pytest.raises(ValueError, match="hidden size 64"):
+        specjax.speculative_generate(target, EagleDrafter(head), torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+    head = EagleHead(EagleConfig(32, 4, 2, 64, V + 1, V))
+    with pytest.raises(ValueError, match=f"vocabulary of {V + 1}"):
+        specjax.speculative_generate(target, EagleDrafter(head), torch.tensor([[1, 2, 3]]), max_new_tokens=2)
+
+
+def test_sampled_proposals_come_with_their_logits(target, trained):
+    """At T > 0 the head returns full-vocabulary logits, -inf outside its N tokens (q = 0 there)."""
+    head, _, _ = trained
+    seen = []
+
+    class Spy(EagleDrafter):
+        def propose(self, request):
+            proposal = super().propose(request)
+            seen.append(proposal)
+            return proposal
+
+    ids = torch.tensor([PROMPT])
+    out = specjax.speculative_generate(
+        target, Spy(head), ids, max_new_tokens=8, num_draft_tokens=3, temperature=0.8, seed=0, pad_token_id=0
+    )
+    assert out.sequences.shape == (1, 13)
+    outside = np.setdiff1d(np.arange(V), head.token_ids.numpy())
+    drafted = [p for p in seen if int(p.num_tokens.max()) > 0]
+    assert drafted and all(p.logits is not None for p in drafted)
+    for p in drafted:
+        tokens = np.asarray(p.tokens)
+        assert np.isin(tokens[:, : int(p.num_tokens[0])], head.token_ids.numpy()).all()
+        for lg in p.logits:
+            lg = np.asarray(lg)
+            assert np.isneginf(lg[:, outside]).all() and np.isfinite(lg[:, head.token_ids.numpy()]).all()
+
+
+def test_unknown_head_directory_is_one_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no such directory"):
+        load_drafter("eagle", head=tmp_path / "missing")

@@ -1,0 +1,189 @@
+"""The ``eagle`` drafter: a draft head over the target's own hidden states (EAGLE, arXiv 2401.15077).
+
+Each step the loop hands the drafter the target's final hidden states from the
+verification forward it ran anyway (:attr:`CommitInfo.target_hidden`; never a
+second target forward). For every committed token the drafter appends one pair
+``(z_t, E x_{t+1})`` to its head's cache (:mod:`specjax.drafters.eagle_head`),
+slot ``j`` of the verification holding ``z`` of the token before
+``emitted[j]``; the head's output at a row's last pair is the predicted feature
+of the token just committed, whose scores under the target's LM head give the
+first draft token. Drafting token ``i + 1`` runs the head once more on
+``(predicted feature, E x_i)``. The drafted pairs are dropped at the next
+commit and replaced by the target's real features.
+
+Proposals: when every row is greedy, the argmax of the head's scores as point
+masses (no logits, nothing to process); otherwise the head's logits over the
+target vocabulary (−inf outside the head's N tokens), drawn through
+:func:`specjax.kernels.steps.draft_draw` with the target's sampling
+parameters, so ``q`` is exactly the distribution each token came from.
+
+The prompt's pairs come from the loop's prefill forward
+(:attr:`DraftSetup.target_hidden`), so the first step drafts too (not for a
+prompt of one token: there is no pair before the target scores it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal
+from specjax.drafters.eagle_head import EagleHead, FeatureCache, load_head
+
+__all__ = ["EagleDrafter"]
+
+
+class EagleDrafter:
+    """Draft with an :class:`~specjax.drafters.eagle_head.EagleHead` over the target's features.
+
+    Args:
+      head: the head, or the directory it was saved in
+        (:func:`~specjax.drafters.eagle_head.save_head`).
+    """
+
+    needs_target_hidden = True
+    cost_per_token_hint = 0.001  # seconds; replaced by the loop's measurements
+
+    def __init__(self, head: EagleHead | str | os.PathLike[str]) -> None:
+        self.head = head if isinstance(head, EagleHead) else load_head(head)
+        self.name = "eagle"
+        self.cache: FeatureCache | None = None
+        self._feature: torch.Tensor | None = None  # f[B', d]: the predicted feature at each row's last pair
+        self._has_feature = np.zeros(0, bool)
+        self._committed_length = 0
+
+    # ------------------------------------------------------------------ #
+    def start(self, setup: DraftSetup) -> None:
+        target = setup.target
+        embed = target.get_input_embeddings()
+        out = target.get_output_embeddings()
+        cfg = self.head.config
+        if embed.weight.shape[1] != cfg.hidden_size:
+            raise ValueError(
+                f"draft: the eagle head expects the target's hidden size {cfg.hidden_size}, "
+                f"the target has {embed.weight.shape[1]}"
+            )
+        if setup.target_vocab != cfg.target_vocab_size:
+            raise ValueError(
+                f"draft: the eagle head was made for a vocabulary of {cfg.target_vocab_size}, "
+                f"the target's is {setup.target_vocab}"
+            )
+        device = setup.input_ids.device
+        dtype = embed.weight.dtype
+        self.head.to(device=device, dtype=dtype).eval()
+        self._embed = embed
+        self._lm_head = out.weight
+        self._head_weight = out.weight[self.head.token_ids]  # f[N, d]: rows of the target's LM head
+        self.vocab = setup.target_vocab
+        batch = setup.input_ids.shape[0]
+        self.cache = FeatureCache(batch, cfg, device, dtype)
+        self._feature = torch.zeros((batch, cfg.hidden_size), device=device, dtype=dtype)
+        self._has_feature = np.zeros(batch, bool)
+        self._committed_length = 0
+        # every row greedy (fixed for the generation): point-mass proposals, no logits
+        self._greedy = bool(np.all(np.asarray(setup.sampling.temperature) == 0))
+        hidden = setup.target_hidden
+        if hidden is not None and hidden.shape[1] > 0:
+            # The prompt's pairs (z_t, E x_{t+1}), t < P - 1, from the loop's prefill; the
+            # head's output at the last one predicts z of the last prompt token.
+            mask = setup.attention_mask.bool()
+            valid = mask[:, :-1] & mask[:, 1:]
+            with torch.inference_mode():
+                out = self.head(hidden.to(dtype), self._embed(setup.input_ids[:, 1:]), valid, self.cache)
+            self._feature = out[:, -1]
+            self._has_feature = valid[:, -1].cpu().numpy().copy()
+        self._committed_length = self.cache.length
+
+    def _scores(self, feature: torch.Tensor) -> torch.Tensor:
+        return feature @ self._head_weight.T  # f[B', N]
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        import jax.numpy as jnp
+
+        from specjax.adapters import jit_input, to_torch
+        from specjax.kernels import steps
+
+        assert self.cache is not None and self._feature is not None, "start() first"
+        b = len(self._has_feature)
+        want = np.where(self._has_feature & request.active, request.max_tokens, 0).astype(np.int64)
+        g = int(want.max(initial=0))
+        if g == 0:
+            return Proposal(np.zeros((b, 0), np.int32), np.zeros(b, np.int64), None, paid_tokens=0)
+        s = request.sampling
+        greedy = self._greedy
+        device = self._feature.device
+        rows = torch.as_tensor(want > 0, device=device)[:, None]  # bool[B', 1]
+        ids = self.head.token_ids
+        feature = self._feature
+        tokens: list[Any] = []
+        logits_out: list[Any] = []
+        self._held: list[torch.Tensor] = []
+        with torch.inference_mode():
+            for i in range(g):
+                scores = self._scores(feature)
+                if greedy:
+                    x = ids[scores.argmax(dim=-1)]
+                    tokens.append(x)
+                else:
+                    full = torch.full((b, self.vocab), float("-inf"), device=device, dtype=scores.dtype)
+                    full[:, ids] = scores
+                    self._held.append(full)
+                    lj = jit_input(full)
+                    logits_out.append(lj)
+                    xj = steps.draft_draw(
+                        lj,
+                        s.keys,
+                        request.step,
+                        i + 1,
+                        s.temperature,
+                        s.top_k,
+                        s.one_minus_top_p,
+                        vocab=self.vocab,
+                        use_top_k=s.use_top_k,
+                        use_top_p=s.use_top_p,
+                    )
+                    tokens.append(xj)
+                    x = to_torch(xj).to(device=device, dtype=torch.long)
+                if i < g - 1:
+                    feature = self.head(feature[:, None], self._embed(x)[:, None], rows, self.cache)[:, 0]
+        if greedy:
+            stacked: Any = torch.stack(tokens, dim=1).to(torch.int32).cpu().numpy()
+            return Proposal(stacked, want, None, paid_tokens=g)
+        return Proposal(jnp.stack(tokens, axis=1), want, tuple(logits_out), paid_tokens=g)
+
+    def commit(self, info: CommitInfo) -> None:
+        assert self.cache is not None and self._feature is not None
+        self._held = []
+        self.cache.truncate(self._committed_length)  # the drafted pairs go; the target's real ones come
+        hidden = info.target_hidden
+        if hidden is None:
+            raise ValueError("draft: the eagle drafter needs the target's hidden states (needs_target_hidden)")
+        counts = np.array([len(e) for e in info.emitted], np.int64)
+        w = int(counts.max(initial=0))
+        if w == 0:
+            return
+        device = self._feature.device
+        b = len(counts)
+        ids = np.zeros((b, w), np.int64)
+        for j, e in enumerate(info.emitted):
+            ids[j, : len(e)] = e
+        valid = torch.as_tensor(np.arange(w)[None, :] < counts[:, None], device=device)
+        with torch.inference_mode():
+            features = hidden[:, :w].to(self._feature.dtype)
+            out = self.head(features, self._embed(torch.as_tensor(ids, device=device)), valid, self.cache)
+            last = torch.as_tensor(np.maximum(counts - 1, 0), device=device)
+            picked = out[torch.arange(b, device=device), last]
+            has = torch.as_tensor(counts > 0, device=device)[:, None]
+            self._feature = torch.where(has, picked, self._feature)
+        self._has_feature |= counts > 0
+        self._committed_length = self.cache.length
+
+    def select_rows(self, rows: list[int]) -> None:
+        assert self.cache is not None and self._feature is not None
+        index = torch.as_tensor(rows, device=self._feature.device)
+        self.cache.select_rows(index)
+        self._feature = self._feature[index]
+        self._has_feature = self._has_feature[rows]

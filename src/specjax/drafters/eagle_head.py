@@ -1,0 +1,294 @@
+"""The EAGLE-style draft head: one decoder layer over the target's own features.
+
+EAGLE (Li et al. 2024, arXiv 2401.15077) drafts at the feature level. At a
+committed position t the target's final normed hidden state ``z_t`` (its LM head
+gives the logits of token t+1: ``logits = W z_t``) and the embedding of the
+token that followed, ``E x_{t+1}``, are fused, ``fc([z_t, E x_{t+1}])``, and one
+decoder layer, attending over the fused inputs of the earlier positions,
+predicts ``z_{t+1}``; the target's LM head on that prediction gives the draft
+distribution of ``x_{t+2}``. Drafting further feeds the predicted feature back
+with the embedding of the drafted token.
+
+The head stores only its fusion layer, its decoder layer and its norms, and the
+ids of the N target tokens its output scores (the most frequent ones, or all
+V); the embedding and the LM head are the target's (passed in, never copied).
+A token outside those N gets draft probability 0, which keeps the acceptance
+step exact (the target may still emit it).
+
+Files: a directory with ``config.json`` (:class:`EagleConfig`'s fields and
+``"model_type": "specjax-eagle"``) and ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["EagleConfig", "EagleHead", "FeatureCache", "init_weights", "load_head", "save_head"]
+
+MODEL_TYPE = "specjax-eagle"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The head's shape (the target's hidden size ``hidden_size``; N = ``num_tokens``)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    target_vocab_size: int
+    num_tokens: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if int(getattr(self, f)) <= 0:
+                raise ValueError(f"{f}: expected a positive integer, got {getattr(self, f)!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size: expected a multiple of num_attention_heads={self.num_attention_heads}, "
+                f"got {self.hidden_size}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: expected a divisor of num_attention_heads={self.num_attention_heads}, "
+                f"got {self.num_key_value_heads}"
+            )
+        if not 0 < self.num_tokens <= self.target_vocab_size:
+            raise ValueError(
+                f"num_tokens: expected 1..target_vocab_size={self.target_vocab_size}, got {self.num_tokens}"
+            )
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (Llama's half-split layout) of x: f[B, H, W, hd] at i64[B, W] positions."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    ang = positions[:, None, :, None].float() * inv  # [B, 1, W, hd/2]
+    cos, sin = torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class FeatureCache:
+    """The head's keys and values, slot by slot, for B rows that advance raggedly.
+
+    Slot s of row b is valid or not (``valid``: bool[B, L]); a row's position
+    for RoPE is the number of its valid slots before it, so invalid slots
+    (padding, rows that committed fewer pairs) leave no gap.
+    """
+
+    def __init__(self, batch: int, config: EagleConfig, device: Any, dtype: torch.dtype) -> None:
+        h, hd = config.num_key_value_heads, config.head_dim
+        self.keys = torch.zeros((batch, h, 0, hd), device=device, dtype=dtype)
+        self.values = torch.zeros((batch, h, 0, hd), device=device, dtype=dtype)
+        self.valid = torch.zeros((batch, 0), device=device, dtype=torch.bool)
+        self.num_valid = torch.zeros(batch, device=device, dtype=torch.long)
+
+    @property
+    def length(self) -> int:
+        return int(self.valid.shape[1])
+
+    def truncate(self, length: int) -> None:
+        """Drop slots ``length`` and after (the drafted pairs of the last proposal)."""
+        if length >= self.length:
+            return
+        self.num_valid = self.num_valid - self.valid[:, length:].sum(dim=1)
+        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.valid = self.valid[:, :length]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[rows], self.values[rows]
+        self.valid, self.num_valid = self.valid[rows], self.num_valid[rows]
+
+
+class EagleHead(nn.Module):
+    """fc(2d -> d) over ``[z_t, E x_{t+1}]``, one Llama-style decoder layer, a final RMSNorm.
+
+    ``token_ids`` (i64[N] buffer): the target tokens the head scores, in the
+    order of its output columns.
+    """
+
+    token_ids: torch.Tensor
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        d, hd = config.hidden_size, config.head_dim
+        nh, nkv = config.num_attention_heads, config.num_key_value_heads
+        self.fc = nn.Linear(2 * d, d, bias=True)
+        self.input_norm = _RMSNorm(d, config.rms_norm_eps)
+        self.q_proj = nn.Linear(d, nh * hd, bias=False)
+        self.k_proj = nn.Linear(d, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(d, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, d, bias=False)
+        self.post_norm = _RMSNorm(d, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
+        self.out_norm = _RMSNorm(d, config.rms_norm_eps)
+        self.register_buffer("token_ids", torch.arange(config.num_tokens, dtype=torch.long))
+
+    def forward(
+        self,
+        features: torch.Tensor,
+        token_embeds: torch.Tensor,
+        valid: torch.Tensor,
+        cache: FeatureCache | None = None,
+    ) -> torch.Tensor:
+        """Predict the next feature at each new slot.
+
+        Args:
+          features: f[B, W, d], ``z_t`` (the target's, or the head's own prediction).
+          token_embeds: f[B, W, d], ``E x_{t+1}``.
+          valid: bool[B, W], the slots that hold real pairs.
+          cache: the earlier slots (appended to); None: the W slots alone,
+            causal (training).
+
+        Returns:
+          f[B, W, d]: the predicted ``z_{t+1}`` (after the head's final norm,
+          like the target's features).
+        """
+        cfg = self.config
+        b, w, _ = features.shape
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        v_long = valid.long()
+        start = cache.num_valid if cache is not None else torch.zeros(b, dtype=torch.long, device=features.device)
+        positions = start[:, None] + torch.cumsum(v_long, dim=1) - v_long
+        x = self.fc(torch.cat([features, token_embeds], dim=-1))
+        h = self.input_norm(x)
+        q = _rope(self.q_proj(h).view(b, w, nh, hd).transpose(1, 2), positions, cfg.rope_theta)
+        k = _rope(self.k_proj(h).view(b, w, nkv, hd).transpose(1, 2), positions, cfg.rope_theta)
+        v = self.v_proj(h).view(b, w, nkv, hd).transpose(1, 2)
+        causal = torch.ones((w, w), dtype=torch.bool, device=x.device).tril()
+        new_mask = causal[None] & valid[:, None, :]  # [B, W(query), W(key)]
+        new_mask = new_mask | torch.eye(w, dtype=torch.bool, device=x.device)[None]  # never an empty row
+        if cache is not None:
+            k = torch.cat([cache.keys, k], dim=2)
+            v = torch.cat([cache.values, v], dim=2)
+            old_mask = cache.valid[:, None, :].expand(b, w, cache.length)
+            mask = torch.cat([old_mask, new_mask], dim=2)
+            cache.keys, cache.values = k, v
+            cache.valid = torch.cat([cache.valid, valid], dim=1)
+            cache.num_valid = cache.num_valid + v_long.sum(dim=1)
+        else:
+            mask = new_mask
+        if nkv != nh:
+            k = k.repeat_interleave(nh // nkv, dim=1)
+            v = v.repeat_interleave(nh // nkv, dim=1)
+        att = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        x = x + self.o_proj(att.transpose(1, 2).reshape(b, w, nh * hd))
+        h = self.post_norm(x)
+        x = x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self.out_norm(x)
+
+    def scores(self, features: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """f[..., N]: the target's LM head on ``features``, for the head's N tokens only."""
+        return features @ lm_head_weight[self.token_ids].T
+
+
+def save_head(head: EagleHead, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (float16) into ``directory``."""
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": MODEL_TYPE, **asdict(head.config), **(extra or {})}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {
+        k: (v.detach().to(torch.float16) if v.is_floating_point() else v.detach()).contiguous().cpu()
+        for k, v in head.state_dict().items()
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def load_head(directory: str | os.PathLike[str]) -> EagleHead:
+    """The head saved in ``directory`` (float32), or ``ValueError`` naming the file and what is wrong."""
+    path = Path(directory)
+    config_file, weights_file = path / "config.json", path / "model.safetensors"
+    if not path.is_dir():
+        raise ValueError(f"eagle head: {path}: no such directory (expected config.json and model.safetensors)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"eagle head: {config_file}: missing") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"eagle head: {config_file}: not readable JSON ({err})") from None
+    if not isinstance(raw, dict) or raw.get("model_type") != MODEL_TYPE:
+        got = raw.get("model_type") if isinstance(raw, dict) else type(raw).__name__
+        raise ValueError(f"eagle head: {config_file}: expected model_type {MODEL_TYPE!r}, got {got!r}")
+    names = {f.name for f in fields(EagleConfig)}
+    try:
+        config = EagleConfig(**{k: v for k, v in raw.items() if k in names})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"eagle head: {config_file}: {err}") from None
+    if not weights_file.is_file():
+        raise ValueError(f"eagle head: {weights_file}: missing")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError, RuntimeError) as err:
+        raise ValueError(f"eagle head: {weights_file}: not a readable safetensors file ({err})") from None
+    head = EagleHead(config)
+    want = head.state_dict()
+    problems = sorted(set(want) ^ set(tensors))
+    if problems:
+        raise ValueError(f"eagle head: {weights_file}: missing or unexpected tensors {problems[:5]}")
+    for k, v in tensors.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise ValueError(
+                f"eagle head: {weights_file}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(want[k].shape)}"
+            )
+    ids = tensors["token_ids"]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.target_vocab_size):
+        raise ValueError(f"eagle head: {weights_file}: token_ids outside [0, {config.target_vocab_size})")
+    head.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()})
+    return head.eval()
+
+
+def init_weights(head: EagleHead, seed: int = 0) -> None:
+    """A starting point for training: small random weights, the decoder layer's norms at 1.
+
+    The fusion layer starts as ``[I, 0]`` (the predicted feature starts near
+    ``z_t``: a head that repeats the current distribution).
+    """
+    g = torch.Generator().manual_seed(seed)
+    d = head.config.hidden_size
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]) * 0.5)
+            else:
+                p.zero_()
+        head.fc.weight.zero_()
+        head.fc.weight[:, :d].copy_(torch.eye(d))
+        head.o_proj.weight.mul_(0.1)
+        head.down_proj.weight.mul_(0.1)

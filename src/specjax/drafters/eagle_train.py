@@ -1,0 +1,137 @@
+"""Training an EAGLE head on the target's own features (used by ``scripts/train_eagle.py`` and the tests).
+
+Data: sequences the target generated (prompt + continuation) and, at every
+position, the target's final normed hidden state ``z_t``
+(:func:`target_features`). A training pair at position t is
+``(z_t, E x_{t+1}) -> z_{t+1}``; the loss (:func:`head_loss`) is
+
+* a feature regression, smooth L1 between the predicted and the real ``z_{t+1}``;
+* a distillation term, the cross-entropy between the target's distribution of
+  ``x_{t+2}`` (its LM head on the real ``z_{t+1}``) and the head's (the LM head
+  on the prediction), both over the head's N tokens;
+
+optionally with Gaussian noise on the input features (robustness to the head's
+own, imperfect features when it drafts several tokens) and a second, unrolled
+pass that feeds the first pass's predictions back as input features (the
+"training-time test" of later EAGLE versions), weighted by ``unroll_weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specjax.drafters.eagle_head import EagleHead
+
+__all__ = ["LossWeights", "frequent_tokens", "head_loss", "target_features", "teacher_agreement"]
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    regression: float = 1.0
+    distill: float = 0.1
+    unroll: float = 0.0  # weight of the unrolled second pass (0: off)
+    noise: float = 0.0  # std of the Gaussian noise on input features, relative to their RMS
+
+
+def target_features(target: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """f32[B, L, d]: the target's final normed hidden state at every position (``logits = W z``).
+
+    Args:
+      input_ids: i64[B, L] (right- or left-padded; padding positions give garbage rows).
+      attention_mask: i64[B, L], 1 for real tokens.
+    """
+    with torch.inference_mode():
+        positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+        out = target.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
+        return out.last_hidden_state.float().clone()
+
+
+def frequent_tokens(sequences: list[list[int]], n: int, vocab: int) -> torch.Tensor:
+    """i64[n]: the n most frequent ids in ``sequences`` (ties by id), sorted; all ids if n >= vocab."""
+    if n >= vocab:
+        return torch.arange(vocab, dtype=torch.long)
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in sequences:
+        counts += torch.bincount(torch.as_tensor(s, dtype=torch.long), minlength=vocab)[:vocab]
+    order = torch.argsort(-counts * (vocab + 1) + torch.arange(vocab))  # count desc, then id asc
+    return order[:n].sort().values
+
+
+def head_loss(
+    head: EagleHead,
+    embed: nn.Module,
+    lm_head_weight: torch.Tensor,
+    z: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    weights: LossWeights = LossWeights(),
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training loss over one batch of sequences.
+
+    Args:
+      z: f32[B, L, d], the target's features (:func:`target_features`).
+      tokens: i64[B, L], the sequences.
+      valid: bool[B, L], real tokens (the pairs at t use positions t, t+1 and,
+        for the distillation term, t+2... through z_{t+1}).
+
+    Returns:
+      (loss, parts): the scalar loss and its parts as floats.
+    """
+    feats_in, target_out = z[:, :-1], z[:, 1:]
+    pair_valid = valid[:, :-1] & valid[:, 1:]
+    with torch.no_grad():  # the target's embedding and head stay frozen
+        emb = embed(tokens[:, 1:]).float()
+        w_sub = lm_head_weight[head.token_ids].float()
+    if weights.noise > 0:
+        rms = feats_in.pow(2).mean(-1, keepdim=True).sqrt()
+        noise = torch.randn(feats_in.shape, generator=generator, device=feats_in.device) * weights.noise * rms
+        feats_in = feats_in + noise
+    with torch.no_grad():
+        teacher = torch.softmax(target_out @ w_sub.T, dim=-1)
+    m = pair_valid.float()
+    count = m.sum().clamp(min=1)
+
+    def terms(pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        reg = nn.functional.smooth_l1_loss(pred, target_out, reduction="none").mean(-1)
+        ce = -(teacher * torch.log_softmax(pred @ w_sub.T, dim=-1)).sum(-1)
+        return (reg * m).sum() / count, (ce * m).sum() / count
+
+    pred = head(feats_in, emb, pair_valid)
+    reg, ce = terms(pred)
+    loss = weights.regression * reg + weights.distill * ce
+    parts = {"regression": float(reg.detach()), "distill": float(ce.detach())}
+    if weights.unroll > 0:
+        # the input feature at t+1 becomes the first pass's prediction of it
+        fed = torch.cat([feats_in[:, :1], pred[:, :-1]], dim=1)
+        reg2, ce2 = terms(head(fed, emb, pair_valid))
+        loss = loss + weights.unroll * (weights.regression * reg2 + weights.distill * ce2)
+        parts.update(unrolled_regression=float(reg2.detach()), unrolled_distill=float(ce2.detach()))
+    return loss, parts
+
+
+def teacher_agreement(
+    head: EagleHead,
+    embed: nn.Module,
+    lm_head_weight: torch.Tensor,
+    z: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+) -> float:
+    """Teacher-forced top-1 agreement of the head with the target's greedy choice (first draft position).
+
+    At each pair, whether the argmax of the head's scores equals the argmax of
+    the target's full logits at ``z_{t+1}`` (over all V, so a token outside the
+    head's N counts as a miss).
+    """
+    with torch.inference_mode():
+        pair_valid = valid[:, :-1] & valid[:, 1:]
+        pred = head(z[:, :-1], embed(tokens[:, 1:]).float(), pair_valid)
+        mine = head.token_ids[(pred @ lm_head_weight[head.token_ids].float().T).argmax(-1)]
+        theirs = (z[:, 1:] @ lm_head_weight.float().T).argmax(-1)
+        hits = ((mine == theirs) & pair_valid).sum()
+        return float(hits) / max(int(pair_valid.sum()), 1)
