@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--jsonl", metavar="PATH", help="append one JSON row per configuration to PATH")
     args = parser.parse_args()
 
     import numpy as np
@@ -172,14 +173,16 @@ def main() -> None:
                 run(kind, prompts, sp)
             tps = {"vllm": [], "specjax": []}
             steps = {"vllm": [], "specjax": []}
-            for _ in range(args.rounds):
-                for kind in ("vllm", "specjax"):
+            for r in range(args.rounds):
+                # alternate which goes first, so that neither always runs right after the other
+                for kind in ("vllm", "specjax") if r % 2 == 0 else ("specjax", "vllm"):
                     rate, times = run(kind, prompts, sp)
                     tps[kind].append(rate)
                     steps[kind].extend(times)
             row = {
                 "B": batch,
                 "T": temperature,
+                "ratio": statistics.median(s / v for s, v in zip(tps["specjax"], tps["vllm"], strict=True)),
                 **{f"{k}_tps": statistics.median(v) for k, v in tps.items()},
                 # the step with drafts (T > 0 rows of logits); steps without any draft only splice bonus tokens
                 **{
@@ -212,15 +215,22 @@ def main() -> None:
     for r in rows:
         print(
             f"| {r['B']} | {r['T']:g} | {r['vllm_tps']:.1f} | {r['specjax_tps']:.1f} | "
-            f"{r['specjax_tps'] / r['vllm_tps']:.3f}× | {r['vllm_step_us']:.0f} | {r['specjax_step_us']:.0f} | "
+            f"{r['ratio']:.3f}× | {r['vllm_step_us']:.0f} | {r['specjax_step_us']:.0f} | "
             f"{r['vllm_step_us'] / max(r['specjax_step_us'], 1e-9):.2f}× | "
             f"{100 * r['vllm_step_share']:.1f}% / {100 * r['specjax_step_share']:.1f}% |"
         )
     print()
     print(
-        "ratio: specjax's tokens/s over vLLM's (≥ 1 = specjax faster), medians over rounds. Step: median time of "
+        "ratio: specjax's tokens/s over vLLM's (≥ 1 = specjax faster), median of the rounds' ratios. Step: median of "
         "vLLM's call of rejection_sample in steps with draft tokens; step ratio > 1 = specjax's faster."
     )
+    if args.jsonl:
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from results_io import append_jsonl
+
+        append_jsonl(args.jsonl, [{**r, "rounds": args.rounds, "vocab": args.vocab} for r in rows])
 
 
 if __name__ == "__main__":

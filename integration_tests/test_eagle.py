@@ -177,3 +177,54 @@ def test_sampled_proposals_come_with_their_logits(target, trained):
 def test_unknown_head_directory_is_one_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no such directory"):
         load_drafter("eagle", head=tmp_path / "missing")
+
+
+# --------------------------------------------------------------------------- #
+# The command line: --drafter DIR (an EAGLE head's directory)
+# --------------------------------------------------------------------------- #
+
+
+def test_cli_drafts_with_a_head_directory(tmp_path, capsys):
+    import json
+
+    from test_cli import _model_dir
+    from transformers import AutoModelForCausalLM
+
+    from specjax.cli import main
+    from specjax.drafters.eagle_head import save_head
+
+    target_dir = _model_dir(tmp_path / "target", layers=2, seed=0, words=None)
+    cfg = AutoModelForCausalLM.from_pretrained(target_dir).config
+    head = EagleHead(EagleConfig(cfg.hidden_size, 4, 2, 64, cfg.vocab_size, cfg.vocab_size))
+    init_weights(head, 0)
+    save_head(head, tmp_path / "head")
+    argv = ["generate", "--target", str(target_dir), "--prompt", "w1 w2 w3", "--max-new-tokens", "6", "--json"]
+    assert main([*argv, "--drafter", str(tmp_path / "head")]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["stats"]["drafter"] == "eagle" and len(record["token_ids"]) == 6
+    assert main([*argv, "--drafter", "ngram"]) == 0  # the same greedy tokens, whatever drafts
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"] == record["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("setup", "match"),
+    [
+        (None, "--drafter eagle: give the head's directory"),
+        (lambda p: (p / "model.safetensors").unlink(), "model.safetensors: missing"),
+        (lambda p: (p / "model.safetensors").write_bytes(b"junk"), "not a readable safetensors"),
+    ],
+)
+def test_cli_head_errors_are_one_line_exit_2(tmp_path, capsys, setup, match):
+    from specjax.cli import main
+    from specjax.drafters.eagle_head import save_head
+
+    drafter = "eagle"
+    if setup is not None:
+        head = EagleHead(EagleConfig(32, 4, 2, 64, V, V))
+        save_head(head, tmp_path / "head")
+        setup(tmp_path / "head")
+        drafter = str(tmp_path / "head")
+    code = main(["generate", "--target", str(tmp_path / "no-model"), "--prompt", "hi", "--drafter", drafter])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert match in err[0]

@@ -302,7 +302,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids, mask = encode(tok, chunk, chat=args.chat, device=device)
         stream = TextStream(tok) if single else None
         try:
-            drafter = _make_drafter(drafter_name, draft)
+            drafter = _make_drafter(drafter_name, draft, args.eagle_head)
             out = speculative_generate(
                 target,
                 drafter,
@@ -351,6 +351,20 @@ def _check_drafter(args: argparse.Namespace) -> str:
     from specjax.drafters import available_drafters
 
     name = args.drafter
+    args.eagle_head = None
+    if name == "eagle":
+        raise CLIError(
+            "--drafter eagle: give the head's directory instead, --drafter DIR "
+            "(config.json and model.safetensors, e.g. written by scripts/train_eagle.py)"
+        )
+    if name not in ("model", "hybrid") and _is_eagle_head(Path(name)):
+        from specjax.drafters.eagle_head import load_head
+
+        try:  # before the slow model load: a damaged head is one line, exit 2
+            args.eagle_head = load_head(name)
+        except ValueError as err:
+            raise CLIError(f"--drafter {name}: {_first_line(err)}") from err
+        return "eagle"
     if name not in ("model", "hybrid") and Path(name).exists():
         if args.draft is not None and args.draft != name:
             raise CLIError(f"--drafter {name}: a model path, but --draft {args.draft} names another model")
@@ -367,9 +381,24 @@ def _check_drafter(args: argparse.Namespace) -> str:
     return name
 
 
-def _make_drafter(name: str, draft: Any) -> Any:
-    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, load_drafter
+def _is_eagle_head(path: Path) -> bool:
+    """Whether ``path`` is a directory whose config.json declares an EAGLE head (even a damaged one)."""
+    from specjax.drafters.eagle_head import MODEL_TYPE
 
+    config = path / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return MODEL_TYPE in config.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _make_drafter(name: str, draft: Any, eagle_head: Any = None) -> Any:
+    from specjax.drafters import EagleDrafter, HybridDrafter, ModelDrafter, NgramDrafter, load_drafter
+
+    if name == "eagle":
+        return EagleDrafter(eagle_head)
     if name == "model":
         return draft
     if name == "hybrid":
@@ -467,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME_OR_PATH",
         help="what drafts: model (the --draft model, the default), ngram (prompt lookup, no draft "
         "model needed), hybrid (ngram where it matches, else the draft model), a draft model "
-        "path, or an installed drafter's name",
+        "path, an EAGLE head's directory, or an installed drafter's name",
     )
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")

