@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
 .PHONY: install install-vllm test-vllm test test-fast test-mesh test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
-	clean train-draft fuzz soak
+	clean train-draft train-eagle fuzz soak
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -124,6 +124,10 @@ gpu-check:
 
 train-draft: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) scripts/train_draft.py
+
+# The EAGLE head for the default target (docs/drafters.md); shares train-draft's data cache.
+train-eagle: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) scripts/train_eagle.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info
