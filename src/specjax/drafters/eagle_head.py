@@ -197,10 +197,8 @@ class EagleHead(nn.Module):
             cache.num_valid = cache.num_valid + v_long.sum(dim=1)
         else:
             mask = new_mask
-        if nkv != nh:
-            k = k.repeat_interleave(nh // nkv, dim=1)
-            v = v.repeat_interleave(nh // nkv, dim=1)
-        att = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        # grouped-query attention without materialising repeated keys and values
+        att = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=nkv != nh)
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, w, nh * hd))
         h = self.post_norm(x)
         x = x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
