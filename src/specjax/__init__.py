@@ -17,9 +17,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "rejection_sample": "specjax.kernels.rejection",
-    "sample_from_logits": "specjax.kernels.frontend",
-    "verify_from_logits": "specjax.kernels.frontend",
+    "rejection_sample": "specjax.boundary.api",
+    "sample_from_logits": "specjax.boundary.api",
+    "verify_from_logits": "specjax.boundary.api",
     "speculative_generate": "specjax.generate",
     "SpeculativeOutput": "specjax.generate",
     "load_sampler": "specjax.plugin.registry",

@@ -211,7 +211,7 @@ def speculative_generate(
         _share_gpu_with_torch()
     import jax
 
-    from specjax.kernels.frontend import _prepare_params
+    from specjax.boundary.validation import _prepare_params
 
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         shape = tuple(input_ids.shape) if hasattr(input_ids, "shape") else type(input_ids).__name__

@@ -452,7 +452,7 @@ def jax_speculative_sampling(
     import torch
 
     from specjax.adapters import to_torch
-    from specjax.kernels.rejection import rejection_sample
+    from specjax.boundary.api import rejection_sample
 
     if assistant_ensemble_weight is not None:
         raise ValueError(
