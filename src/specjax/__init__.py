@@ -22,9 +22,9 @@ _EXPORTS = {
     "verify_from_logits": "specjax.boundary.api",
     "speculative_generate": "specjax.generate",
     "SpeculativeOutput": "specjax.generate",
-    "load_sampler": "specjax.plugin.registry",
+    "load_sampler": "specjax.registry",
     "set_jax_cpu_threads": "specjax.runtime",
-    "available_samplers": "specjax.plugin.registry",
+    "available_samplers": "specjax.registry",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -392,7 +392,7 @@ def _check_sampler(name: str) -> None:
     """Load a sampler plugin by name now: a missing or broken plugin is one line, exit 2."""
     if name == "jax":
         return
-    from specjax.plugin.registry import load_sampler
+    from specjax.registry import load_sampler
 
     try:
         load_sampler(name)

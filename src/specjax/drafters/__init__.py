@@ -72,7 +72,7 @@ _BUILTIN: dict[str, Callable[..., Any]] = {"model": _model, "ngram": _ngram, "hy
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    from specjax.plugin.registry import allowed_names
+    from specjax.registry import allowed_names
 
     allowed = allowed_names()
     found: dict[str, importlib.metadata.EntryPoint] = {}

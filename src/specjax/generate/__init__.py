@@ -352,6 +352,6 @@ def _resolve_sampler(sampler: str | Any) -> Any:
         raise ValueError(f"sampler: expected a sampler name or a callable, got {type(sampler).__name__}")
     if sampler == "jax":
         return None
-    from specjax.plugin.registry import load_sampler
+    from specjax.registry import load_sampler
 
     return checks.checked_sampler(load_sampler(sampler), checks.plugin_name("sampler", None, sampler))

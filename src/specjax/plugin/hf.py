@@ -108,7 +108,7 @@ _IGNORED_MODEL_KWARGS = ("position_ids", "logits_to_keep", "use_cache", "cache_p
 
 def register() -> None:
     """The ``transformers`` plugin: register ``custom_generate`` ``"specjax"`` (imports nothing)."""
-    from specjax.plugin.registry import register_custom_generate
+    from specjax.registry import register_custom_generate
 
     register_custom_generate("specjax", "specjax.plugin.hf:speculative_decoding")
 
