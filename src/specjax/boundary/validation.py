@@ -23,7 +23,7 @@ import numpy as np
 from specjax.adapters.host import host_view, jax_on_cpu
 from specjax.kernels.frontend import TEMPERATURE_RANGE
 
-if TYPE_CHECKING:  # the kernels never import torch; a tensor is recognised by its module
+if TYPE_CHECKING:  # torch is not imported here; a tensor is recognised by its module
     import torch
 
 # What the public functions take as an array argument: JAX and NumPy arrays,
@@ -296,7 +296,9 @@ def for_jit(x: Any) -> Any:
     return jnp.asarray(x)
 
 
+# --------------------------------------------------------------------------- #
 # Keys and per-row sampling parameters (the logits front end's boundary)
+# --------------------------------------------------------------------------- #
 
 
 def as_key(key: Any, batch: int) -> jax.Array:
