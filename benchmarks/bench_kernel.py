@@ -48,14 +48,11 @@ import jax
 import jax.numpy as jnp
 import jax_threads
 import numpy as np
+from _straightforward import _straightforward_jit, straightforward_rejection_sample
 from results_io import append_jsonl, flat_record
 
-from specjax.kernels.rejection import (
-    _rejection_sample_jit,
-    _straightforward_jit,
-    rejection_sample,
-    straightforward_rejection_sample,
-)
+from specjax import rejection_sample
+from specjax.kernels.rejection import _rejection_sample_jit
 
 FULL_BATCHES = (1, 8, 64, 256)
 FULL_DRAFTS = (4, 8)

@@ -76,8 +76,9 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import _speculative_sampling
 
+from specjax import verify_from_logits
 from specjax.kernels import cpu_kernels
-from specjax.kernels.frontend import _verify_jit, verify_from_logits
+from specjax.kernels.frontend import _verify_jit
 
 G = 4
 V = 49152

@@ -52,6 +52,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from _hlo import hlo_collectives
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -64,7 +65,6 @@ from specjax.kernels.sharded import (
     _rejection_body,
     _rejection_sample_mesh_jit,
     _verify_mesh_jit,
-    hlo_collectives,
 )
 
 FULL_BATCHES = (8, 64)

@@ -28,7 +28,7 @@ from transformers.generation import utils as gu
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from specjax.plugin import hf, load_custom_generate
+from specjax.plugin import hf, load_custom_generate, sampling_patch
 from specjax.plugin.hf import (
     jax_speculative_sampling,
     patch_speculative_sampling,
@@ -320,7 +320,9 @@ def test_patch_refuses_an_unknown_signature(monkeypatch):
 
 def test_compatibility_check_passes_on_this_transformers():
     hf.check_transformers_compatibility()
-    assert tuple(__import__("inspect").signature(gu._speculative_sampling).parameters) in hf._KNOWN_SIGNATURES
+    assert (
+        tuple(__import__("inspect").signature(gu._speculative_sampling).parameters) in sampling_patch._KNOWN_SIGNATURES
+    )
 
 
 def test_jax_speculative_sampling_direct():

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import specjax
+from specjax import registry
 from specjax.generate.checks import PluginOutputError
-from specjax.plugin import registry
 
 V = 96  # shared with the other integration tests: the loop's compilations are shared
 

@@ -305,7 +305,8 @@ def hlo_inputs(mesh, kernel: str, filters: bool = False) -> tuple[tuple, dict, A
     """(arguments of the jitted mesh kernel placed on ``mesh``, its static kwargs, the reference)."""
     from jax.sharding import PartitionSpec as P
 
-    from specjax.kernels.frontend import _prepare_params, verify_from_logits
+    from specjax.boundary.validation import _prepare_params
+    from specjax.kernels.frontend import verify_from_logits
     from specjax.kernels.rejection import rejection_sample
     from specjax.kernels.sharded import MeshLayout
 
@@ -370,7 +371,6 @@ def hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
     from specjax.kernels.sharded import (
         _rejection_sample_mesh_jit,
         _verify_mesh_jit,
-        hlo_collectives,
     )
 
     mesh = make_mesh(mesh_name)
@@ -378,6 +378,8 @@ def hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
     args, static, ref = hlo_inputs(mesh, kernel, filters)
     jitted = _rejection_sample_mesh_jit if kernel == "probs" else _verify_mesh_jit
     compiled = jitted.lower(*args, **static).compile()
+    from _hlo import hlo_collectives
+
     found = hlo_collectives(compiled.as_text())
     assert found, "no collectives at all: is the vocabulary really split?"
     offenders = vocab_sized(found, vocab_local)
@@ -386,7 +388,7 @@ def hlo_check(mesh_name: str, kernel: str, filters: bool = False) -> str:
     )
     # A collective inside a loop reuses one rendezvous key per iteration on XLA:CPU,
     # and a device running ahead can join the wrong iteration's rendezvous (a crash
-    # under load); see sharded._smallest_float.
+    # under load); see collectives._smallest_float.
     in_loops = [c for c in found if c["count"] != 1]
     assert not in_loops, "collectives inside loops:\n" + "\n".join(c["line"][:300] for c in in_loops)
     assert_equal(ref, compiled(*args), f"{kernel} on {mesh_name}")

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from specjax.plugin import builtin, registry
+from specjax import registry
+from specjax.plugin import builtin
 
 EXPECTED = {
     "specjax.plugins": {
@@ -311,7 +312,7 @@ def test_importing_the_plugin_modules_has_no_side_effects() -> None:
 import sys
 import specjax, specjax.plugin, specjax.plugin.hf, specjax.plugin.builtin, specjax.plugin.registry
 import specjax.plugin.reference_samplers
-from specjax.plugin import registry
+from specjax import registry
 heavy = sorted(m for m in ("jax", "torch", "transformers") if m in sys.modules)
 assert heavy == [], heavy
 assert registry.plugin_status() == {} and not registry._samplers.registered, "registered at import"

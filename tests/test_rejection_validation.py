@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import _straightforward
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +25,8 @@ from rejection_helpers import (
     valid_inputs,
 )
 
+from specjax.boundary import validation as validation_module
 from specjax.kernels import rejection as rejection_module
-from specjax.kernels import validation as validation_module
 from specjax.kernels.rejection import rejection_sample
 
 # --------------------------------------------------------------------------- validation
@@ -358,7 +359,7 @@ def _temp_bytes(which: str, batch: int, num_draft: int, vocab: int, cpu_kernels_
     """
     from specjax.kernels import cpu_kernels
 
-    fn = {"kernel": rejection_module._rejection_sample_jit, "straightforward": rejection_module._straightforward_jit}[
+    fn = {"kernel": rejection_module._rejection_sample_jit, "straightforward": _straightforward._straightforward_jit}[
         which
     ]
     spec = jax.ShapeDtypeStruct

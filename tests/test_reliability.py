@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import specjax
-from specjax.plugin import registry
+from specjax import registry
 
 # --------------------------------------------------------------------------- plugins failing on import
 

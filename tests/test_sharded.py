@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import sharded_inputs
+from _hlo import hlo_collectives
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax.kernels import sharded
+from specjax.kernels import collectives, sharded
 from specjax.kernels.frontend import _cutoff
 from specjax.kernels.rejection import rejection_sample
 
@@ -125,12 +126,12 @@ def test_float_keys_sort_like_floats_and_invert() -> None:
     rng = np.random.default_rng(0)
     spread = rng.standard_normal(200) * 10.0 ** rng.integers(-30, 30, 200)
     values = np.concatenate([values, spread.astype(np.float32)])
-    keys = np.asarray(sharded._float_key(jnp.asarray(values)))
+    keys = np.asarray(collectives._float_key(jnp.asarray(values)))
     order = np.argsort(values, kind="stable")
     assert np.all(np.diff(keys[order].astype(np.int64)) >= 0)
-    back = np.asarray(sharded._key_float(jnp.asarray(keys)))
+    back = np.asarray(collectives._key_float(jnp.asarray(keys)))
     np.testing.assert_array_equal(back.view(np.uint32), values.view(np.uint32))
-    assert keys[0] == sharded._KEY_NEG_INF and keys[11] == sharded._KEY_POS_INF
+    assert keys[0] == collectives._KEY_NEG_INF and keys[11] == collectives._KEY_POS_INF
 
 
 def test_sharded_cutoff_keeps_what_the_sort_based_cutoff_keeps() -> None:
@@ -199,7 +200,7 @@ ENTRY %main (x: f32[8,4], y: f32[8,1000]) -> f32[8,8000] {
 
 
 def test_hlo_collectives_reads_sizes_loops_and_async_pairs() -> None:
-    found = sharded.hlo_collectives(SYNTHETIC_HLO)
+    found = hlo_collectives(SYNTHETIC_HLO)
     assert [c["op"] for c in found] == ["all-reduce", "all-reduce", "all-gather"]
     in_loop, pair, gather = found
     assert in_loop["count"] == 32 and in_loop["operands"] == [("f32", (8, 4))]

@@ -17,14 +17,14 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "rejection_sample": "specjax.kernels.rejection",
-    "sample_from_logits": "specjax.kernels.frontend",
-    "verify_from_logits": "specjax.kernels.frontend",
+    "rejection_sample": "specjax.boundary.api",
+    "sample_from_logits": "specjax.boundary.api",
+    "verify_from_logits": "specjax.boundary.api",
     "speculative_generate": "specjax.generate",
     "SpeculativeOutput": "specjax.generate",
-    "load_sampler": "specjax.plugin.registry",
+    "load_sampler": "specjax.registry",
     "set_jax_cpu_threads": "specjax.runtime",
-    "available_samplers": "specjax.plugin.registry",
+    "available_samplers": "specjax.registry",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specjax.console import CLIError
+
 # section name -> (script, extra args in quick mode, extra args in full mode)
 SECTIONS: dict[str, tuple[str, list[str], list[str]]] = {
     "kernel": ("bench_kernel.py", ["--quick"], []),
@@ -43,8 +45,6 @@ def benchmarks_dir() -> Path:
     here = Path(__file__).resolve()
     candidate = here.parents[2] / "benchmarks"
     if not candidate.is_dir():
-        from specjax.cli import CLIError
-
         raise CLIError(
             f"bench: no benchmarks/ directory next to {here.parents[1]}; run from a source checkout "
             "(git clone, then make install)"
@@ -56,8 +56,6 @@ def run_bench(
     *, out_dir: Path, quick: bool, sections: list[str] | None = None, jax_cpu_threads: int | None = None
 ) -> int:
     from tqdm import tqdm
-
-    from specjax.cli import CLIError
 
     chosen = list(sections) if sections else list(QUICK_SECTIONS if quick else FULL_SECTIONS)
     unknown = [s for s in chosen if s not in SECTIONS]

@@ -17,11 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from specjax.console import CLIError, TextStream
+
 EXIT_USAGE = 2
-
-
-class CLIError(Exception):
-    """An error with a one-line message for the user (exit status 2)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -254,25 +252,6 @@ def encode(tokenizer: Any, prompts: Sequence[str], *, chat: bool, device: Any) -
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-class TextStream:
-    """Prints a row's text as tokens are committed (decoding the whole suffix each time)."""
-
-    def __init__(self, tokenizer: Any, out: Any = None) -> None:
-        self.tokenizer = tokenizer
-        self.out = out or sys.stdout
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def __call__(self, row: int, tokens: list[int]) -> None:
-        self.ids.extend(tokens)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-            return
-        self.out.write(text[self.printed :])
-        self.out.flush()
-        self.printed = len(text)
-
-
 # --------------------------------------------------------------------------- #
 # Commands
 # --------------------------------------------------------------------------- #
@@ -421,7 +400,7 @@ def _check_sampler(name: str) -> None:
     """Load a sampler plugin by name now: a missing or broken plugin is one line, exit 2."""
     if name == "jax":
         return
-    from specjax.plugin.registry import load_sampler
+    from specjax.registry import load_sampler
 
     try:
         load_sampler(name)

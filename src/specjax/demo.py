@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from specjax.console import TextStream
+
 # (category, name) of the prompts shown, from specjax.prompts; --quick shows the first of each kind.
 PROMPTS = (
     ("open", "capital"),
@@ -156,7 +158,6 @@ def run_demo(
         return 2
     import torch
 
-    from specjax.cli import TextStream
     from specjax.generate import speculative_generate
 
     target, draft, tok = pair.target, pair.draft, pair.tokenizer

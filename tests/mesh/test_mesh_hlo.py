@@ -42,7 +42,7 @@ def test_hlo_no_vocabulary_sized_collectives(mesh_name: str, kernel: str, filter
 
 
 def test_hlo_negative_control_naive_all_gather() -> None:
-    from specjax.kernels.sharded import hlo_collectives
+    from _hlo import hlo_collectives
 
     mesh = make_mesh("1x8")
     args, _, _ = hlo_inputs(mesh, "probs")

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from specjax.adapters.copies import record_copy
+from specjax.adapters.host import host_view
 
 __all__ = ["JAX_TO_TORCH", "TORCH_TO_JAX", "jit_input", "to_jax", "to_torch"]
 
@@ -235,8 +236,6 @@ def jit_input(tensor: torch.Tensor) -> jax.Array | np.ndarray:
       A NumPy view (CPU) or a ``jax.Array``, of the tensor's shape and dtype
       (``to_jax``'s narrowing rules otherwise).
     """
-    from specjax.kernels.validation import host_view  # lazy: avoids an import cycle
-
     if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
         view = host_view(tensor)
         if view is not None:

@@ -30,6 +30,7 @@ from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
+from specjax.registry import allowed_names
 
 __all__ = [
     "DRAFTERS_GROUP",
@@ -85,8 +86,6 @@ _BUILTIN: dict[str, Callable[..., Any]] = {"model": _model, "ngram": _ngram, "hy
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    from specjax.plugin.registry import allowed_names
-
     allowed = allowed_names()
     found: dict[str, importlib.metadata.EntryPoint] = {}
     for ep in importlib.metadata.entry_points(group=DRAFTERS_GROUP):

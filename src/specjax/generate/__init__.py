@@ -11,6 +11,7 @@ from specjax.drafters import HybridDrafter, ModelDrafter, resolve_drafter
 from specjax.drafters.base import SamplingState
 from specjax.generate import checks
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
+from specjax.registry import load_sampler
 
 __all__ = ["LoopState", "SpeculativeOutput", "SpeculativeStats", "check_pair", "check_seed", "speculative_generate"]
 
@@ -211,7 +212,7 @@ def speculative_generate(
         _share_gpu_with_torch()
     import jax
 
-    from specjax.kernels.frontend import _prepare_params
+    from specjax.boundary.validation import _prepare_params
 
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         shape = tuple(input_ids.shape) if hasattr(input_ids, "shape") else type(input_ids).__name__
@@ -352,6 +353,4 @@ def _resolve_sampler(sampler: str | Any) -> Any:
         raise ValueError(f"sampler: expected a sampler name or a callable, got {type(sampler).__name__}")
     if sampler == "jax":
         return None
-    from specjax.plugin.registry import load_sampler
-
     return checks.checked_sampler(load_sampler(sampler), checks.plugin_name("sampler", None, sampler))

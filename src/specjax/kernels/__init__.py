@@ -1,5 +1,28 @@
-"""Pure JAX kernels: the acceptance kernel, the logits front end, validation."""
+"""Pure JAX kernels: JAX arrays in and out; no torch, no adapters, no input conversion.
 
-from specjax.kernels.rejection import rejection_sample
+* :mod:`specjax.kernels.rejection`: the acceptance kernel (probabilities in),
+  its primitives and the vocabulary of terms.
+* :mod:`specjax.kernels.collectives`: the primitives over a vocabulary split
+  across a mesh axis.
+* :mod:`specjax.kernels.frontend`: logits processing and the acceptance step
+  from logits.
+* :mod:`specjax.kernels.sharded`: the kernels on a device mesh (``shard_map``).
+* :mod:`specjax.kernels.steps`: the generation loop's jitted steps.
+* :mod:`specjax.kernels.cpu_kernels`: the optional C++ CPU kernels.
 
-__all__ = ["rejection_sample"]
+The public functions that take user inputs (lists, NumPy, torch) live in
+:mod:`specjax.boundary.api`, above this package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specjax import _compat
+
+# `from specjax.kernels import rejection_sample` still works (see specjax._compat).
+_MOVED = {"rejection_sample": "specjax.boundary.api"}
+
+
+def __getattr__(name: str) -> Any:
+    return _compat.moved(__name__, name, _MOVED)

@@ -3,7 +3,7 @@
 Speculative decoding is lossless only if the draft distribution ``q`` in the
 acceptance test is exactly the distribution the draft token was sampled from,
 and the target distribution ``p`` is processed exactly as the user asked. Both
-:func:`sample_from_logits` (the draft side) and :func:`verify_from_logits` (the
+:func:`specjax.sample_from_logits` (the draft side) and :func:`specjax.verify_from_logits` (the
 acceptance step) go through the same :func:`row_stats` / :func:`probs_from_stats`
 pair, so they cannot disagree (vocabulary: see :mod:`specjax.kernels.rejection`).
 
@@ -32,11 +32,14 @@ rejection are never read).
 Per-row parameters (temperature, top_k, top_p, num_draft_tokens) are arrays:
 changing their values never recompiles. Whether top-k / top-p are used at all
 (``None`` or not) is static, because it decides whether rows get sorted.
+
+This module takes and returns JAX arrays; the public functions
+(:func:`specjax.sample_from_logits`, :func:`specjax.verify_from_logits`), which
+convert and validate user inputs first, live in :mod:`specjax.boundary.api`.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -46,8 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax import _compat
 from specjax.kernels import cpu_kernels
-from specjax.kernels import validation as _v
+from specjax.kernels.collectives import AxisName, sharded_cutoff, sharded_inverse_cdf, sharded_residual_weights
 from specjax.kernels.compile_options import VECTOR_OPTIONS
 from specjax.kernels.rejection import (
     assemble_tokens,
@@ -57,13 +61,10 @@ from specjax.kernels.rejection import (
     point_mass,
     row_sums,
 )
-from specjax.kernels.validation import FloatOrRows, IntOrRows
 
-__all__ = ["RowStats", "probs_from_stats", "row_stats", "sample_from_logits", "verify_from_logits"]
+__all__ = ["TEMPERATURE_RANGE", "RowStats", "probs_from_stats", "row_probs", "row_stats", "verify_core"]
 
 _NEG_INF = -jnp.inf
-# The mesh axis (or axes) the vocabulary is split over inside shard_map; None on one device.
-AxisName = str | tuple[str, ...] | None
 _F32_MAX = float(np.finfo(np.float32).max)
 #: Positive temperatures whose reciprocal is a normal float32 (2**-126 to 2**126): the
 #: range where the processed distribution is computed faithfully. Beyond 2**126, 1/T
@@ -259,8 +260,6 @@ def _row_cutoffs(
         x_max = vocab_max(x, axis_name)
     cutoff = _cutoff
     if axis_name:
-        from specjax.kernels.sharded import sharded_cutoff
-
         cutoff = partial(sharded_cutoff, axis_name=axis_name)
     return cutoff(
         (x - x_max[..., None]) * jnp.broadcast_to(inv_t, rows)[..., None],
@@ -540,8 +539,6 @@ def verify_core(
         return jax_path()
 
     t_stats, d_stats, n = summarise_all_rows()
-    from specjax.kernels.sharded import sharded_inverse_cdf, sharded_residual_weights
-
     ids = (jnp.arange(vocab_local, dtype=jnp.int32) + offset)[None, :]
     t_row = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
     p_n = probs_from_stats(_take_rows(t_stats, n), t_row, ids)
@@ -721,402 +718,9 @@ def _sample_jit(logits, key, temperature, top_k, one_minus_top_p, *, use_top_k, 
     return tokens, probs
 
 
-# --------------------------------------------------------------------------- #
-# Public API and its validation
-# --------------------------------------------------------------------------- #
+# The public functions (inputs of any kind) live at the boundary now; the old paths still resolve. See specjax._compat.
+_MOVED = {"sample_from_logits": "specjax.boundary.api", "verify_from_logits": "specjax.boundary.api"}
 
 
-def as_key(key: Any, batch: int) -> jax.Array:
-    """A typed JAX PRNG key of shape () or (B,); raw uint32 keys are wrapped."""
-    if key is None:
-        raise ValueError("key: expected a JAX PRNG key (jax.random.key(seed)), or one per row of shape (B,), got None")
-    if not isinstance(key, jax.Array):
-        raise ValueError(f"key: expected a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
-    if _is_key_dtype(key.dtype):
-        typed = key
-    elif key.dtype == jnp.uint32 and key.ndim >= 1:
-        try:
-            typed = jax.random.wrap_key_data(key)
-        except (TypeError, ValueError) as err:  # raw key data of the wrong trailing shape
-            raise ValueError(
-                f"key: expected a JAX PRNG key (jax.random.key(seed)), or raw uint32 key data of the default "
-                f"implementation's shape, got a uint32 array of shape {tuple(key.shape)} ({_first_line(err)})"
-            ) from None
-    else:
-        raise ValueError(f"key: expected a JAX PRNG key (jax.random.key(seed)), got an array of dtype {key.dtype}")
-    if typed.shape not in ((), (batch,)):
-        raise ValueError(f"key: expected one key (shape ()) or one per row (shape ({batch},)), got shape {typed.shape}")
-    return typed
-
-
-@functools.lru_cache(maxsize=64)
-def _is_key_dtype(dt: Any) -> bool:
-    return bool(jax.dtypes.issubdtype(dt, jax.dtypes.prng_key))
-
-
-@functools.lru_cache(maxsize=256)
-def _scalar_row(value: float, batch: int, dtype: type) -> np.ndarray:
-    """A Python scalar parameter as a (B,) array, made once per value and batch size."""
-    return _constant_row(value, batch, dtype)
-
-
-def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
-    """A per-row parameter as a host NumPy array of shape (B,).
-
-    Parameters are B numbers: they live on the host, where validation reads
-    them and from where every jitted call takes them the same way (a JAX array
-    argument would be read back once here).
-    """
-    if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
-        value = min(max(value, -(2**63)), 2**63 - 1)  # a Python int past int64 (top_k=2**70) means its extreme
-    if isinstance(value, jax.Array):
-        arr = np.asarray(jax.device_get(value))
-    elif type(value).__module__.split(".")[0] == "torch":
-        arr = np.asarray(jax.device_get(_v.as_array(name, value)))
-    else:
-        arr = np.asarray(value)
-    if arr.ndim == 0:
-        arr = np.broadcast_to(arr, (batch,))
-    if arr.shape != (batch,):
-        raise ValueError(f"{name}: expected a scalar or shape (B,) = ({batch},), got shape {tuple(arr.shape)}")
-    dt = arr.dtype
-    if kind == "int":
-        if dt == np.bool_ or not np.issubdtype(dt, np.integer):
-            raise ValueError(f"{name}: expected integers, got dtype {dt}")
-    elif dt == np.bool_ or not (np.issubdtype(dt, np.floating) or np.issubdtype(dt, np.integer) or dt == jnp.bfloat16):
-        raise ValueError(f"{name}: expected real numbers, got dtype {dt}")
-    return arr
-
-
-def _host(x: Any) -> np.ndarray:
-    return np.asarray(jax.device_get(x))
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
-def _scalar_float(name: str, value: int | float) -> float:
-    """A Python number as a float; an integer too large for one is a ValueError naming ``name``."""
-    try:
-        return float(value)
-    except OverflowError:
-        raise ValueError(
-            f"{name}: expected a number that fits in a float, got an integer of {int(value).bit_length()} bits"
-        ) from None
-
-
-def _check_params(temperature, top_k, top_p, validate: bool) -> None:
-    if not validate:
-        return
-    t = _host(temperature).astype(np.float64)
-    if not np.all(np.isfinite(t)) or np.any(t < 0):
-        raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got {t.tolist()}")
-    lo, hi = TEMPERATURE_RANGE
-    if not np.all((t == 0) | ((t >= lo) & (t <= hi))):
-        raise ValueError(
-            f"temperature: expected 0 (greedy) or a value in [2**-126, 2**126] = [{lo:.7g}, {hi:.7g}], the range "
-            f"where the processed distribution is computed faithfully in float32, got {t.tolist()}"
-        )
-    if top_k is not None:
-        k = _host(top_k)
-        if np.any(k < 0):
-            raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {k.tolist()}")
-    if top_p is not None:
-        p = _host(top_p).astype(np.float64)
-        if not np.all((p > 0) & (p <= 1)):
-            raise ValueError(f"top_p: expected values in (0, 1], got {p.tolist()}")
-
-
-def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
-    """Per-row parameters as f32/i32/f32 arrays of shape (B,) (``None`` stays ``None``).
-
-    They are NumPy arrays on the host: the jitted call takes them as arguments,
-    and no eager JAX operation (each costs a dispatch, a good part of a B = 1
-    step on a CPU) runs at the boundary.
-    """
-    if temperature is None:
-        raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
-    scalars = (
-        type(temperature) in (float, int)
-        and (top_k is None or type(top_k) is int)
-        and (top_p is None or type(top_p) in (float, int))
-    )
-    if scalars:  # the common case: Python numbers, prepared once per value and batch size
-        temperature = _scalar_float("temperature", temperature)
-        top_p = None if top_p is None else _scalar_float("top_p", top_p)
-        if validate:  # as the array path reports them: one value per row (a scalar is checked also at B = 0)
-            rows = max(batch, 1)
-            if top_k is not None and top_k < 0:  # before int64 arithmetic: -2**70 is an int too
-                raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {[top_k] * rows}")
-            _check_params(
-                np.full(rows, temperature, np.float64),
-                None if top_k is None else np.full(rows, min(top_k, _INT32_MAX), np.int64),
-                None if top_p is None else np.full(rows, top_p, np.float64),
-                validate,
-            )
-        return (
-            _scalar_row(temperature, batch, np.float32),
-            None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
-            None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32),
-        )
-    temperature = _row_param("temperature", temperature, batch, "float")
-    top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
-    top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")
-    _check_params(temperature, top_k, top_p, validate)
-    temperature = np.ascontiguousarray(temperature, np.float32)
-    if top_k is not None:
-        top_k = np.ascontiguousarray(np.clip(top_k, 0, np.iinfo(np.int32).max), np.int32)
-    if top_p is not None:
-        top_p = np.ascontiguousarray(1.0 - top_p.astype(np.float64), np.float32)  # in float64, as transformers does
-    return temperature, top_k, top_p
-
-
-@functools.cache
-def _dummy(batch: int, dtype: Any) -> np.ndarray:
-    """A placeholder (B,) argument for an unused top_k/top_p (read-only, shared)."""
-    return _constant_row(0, batch, dtype)
-
-
-def _constant_row(value: float, batch: int, dtype: Any) -> np.ndarray:
-    """A read-only (B,) array of one value, for the boundary's caches.
-
-    NumPy like every other per-row parameter: a JAX array here would give the
-    jitted call another argument signature, so a call with a scalar temperature
-    and one with an array would compile twice.
-    """
-    out = np.full((batch,), value, dtype)
-    out.flags.writeable = False
-    return out
-
-
-def sample_from_logits(
-    logits: Any,  # ArrayInput; Any because the body rebinds it to the converted array
-    *,
-    key: jax.Array,
-    temperature: FloatOrRows,
-    top_k: IntOrRows | None = None,
-    top_p: FloatOrRows | None = None,
-    validate: bool = True,
-) -> tuple[jax.Array, jax.Array]:
-    """Process logits into a sampling distribution and draw one token per row.
-
-    Args:
-      logits: f[B, V] (float16/bfloat16/float32/float64; processed in float32).
-      key: a JAX PRNG key, or one key per row (shape (B,)).
-      temperature: scalar or f32[B]; 0 = greedy (argmax, first index on ties).
-      top_k: None, or scalar / i32[B]; 0 keeps all.
-      top_p: None, or scalar / f32[B] in (0, 1]; 1 keeps all.
-      validate: check values (one host sync). Shapes are always checked.
-
-    Returns:
-      ``(tokens, probs)``: ``tokens`` i32[B] drawn from ``probs`` f32[B, V], the
-      processed distribution (one-hot for greedy rows). The draw is the inverse
-      CDF of ``probs`` at a uniform from ``key``, so tokens and probabilities agree
-      by construction.
-
-    Compilation: recompiles when shapes/dtypes change, when ``key`` switches
-    between one key and one per row, or when ``top_k``/``top_p`` switch between
-    None and given; never when their values change.
-    """
-    logits = _v.as_array("logits", logits)
-    _v.check_rank("logits", logits, 2, "BV")
-    _v.check_float("logits", logits)
-    batch, vocab = logits.shape
-    if vocab == 0:
-        raise ValueError("logits: expected a vocabulary size V >= 1, got V = 0")
-    key = as_key(key, batch)
-    temperature, top_k_arr, top_p_arr = _prepare_params(temperature, top_k, top_p, batch, validate)
-    logits = _v.for_jit(logits)  # read by the check and the draw
-    if validate and batch:
-        _check_logits("logits", logits)
-    if batch == 0:
-        return jnp.zeros((0,), jnp.int32), jnp.zeros((0, vocab), jnp.float32)
-    return _sample_jit(
-        logits,
-        key,
-        temperature,
-        top_k_arr if top_k_arr is not None else _dummy(batch, np.int32),
-        top_p_arr if top_p_arr is not None else _dummy(batch, np.float32),
-        use_top_k=top_k_arr is not None,
-        use_top_p=top_p_arr is not None,
-    )
-
-
-@jax.jit
-def _logit_summary(logits):
-    """i32[3]: NaN count, +inf count, rows with no finite logit (the error message's details)."""
-    x = logits.astype(jnp.float32)
-    return jnp.stack([jnp.sum(jnp.isnan(x)), jnp.sum(x == jnp.inf), jnp.sum(jnp.all(x == -jnp.inf, axis=-1))])
-
-
-def _all_rows_finite(x: jax.Array) -> jax.Array:
-    """bool[]: no NaN, no +inf and a finite logit in every row.
-
-    One reduction per row (XLA's max propagates NaN, and a row's max is +inf or
-    -inf exactly in the other bad cases), folded to one scalar: a replicated
-    result that every process of a multi-process mesh can read. The counts for
-    the message are computed only when it fails.
-    """
-    return jnp.all(jnp.isfinite(jnp.max(x.astype(jnp.float32), axis=-1)))
-
-
-_all_rows_finite_jit = jax.jit(_all_rows_finite)
-
-
-@jax.jit
-def _verify_summary(draft_tokens, k, target_logits, draft_logits):
-    """Smallest and largest tested draft token (i32[2]), and whether each logits array is all finite (bool[])."""
-    g = draft_tokens.shape[1]
-    valid = jnp.arange(g)[None, :] < k[:, None]
-    ids = jnp.where(valid, draft_tokens, 0)
-    lo_hi = jnp.stack([jnp.min(ids), jnp.max(ids)]).astype(jnp.int32) if g else jnp.zeros(2, jnp.int32)
-    d_finite = jnp.bool_(True) if draft_logits is None else _all_rows_finite(draft_logits)
-    return lo_hi, _all_rows_finite(target_logits), d_finite
-
-
-def _check_logits(name: str, logits: jax.Array, finite: bool | None = None) -> None:
-    """Raise for NaN, +inf or all -inf rows; ``finite`` (from :func:`_all_rows_finite`) if already known."""
-    if finite is None:
-        finite = bool(jax.device_get(_all_rows_finite_jit(logits)))
-    if finite:
-        return
-    nan, pinf, empty_rows = (int(v) for v in np.asarray(jax.device_get(_logit_summary(logits))))
-    if nan or pinf:
-        raise ValueError(f"{name}: expected no NaN or +inf logits, got {nan} NaN and {pinf} +inf values")
-    if empty_rows:
-        raise ValueError(f"{name}: expected every row to have a finite logit, got {empty_rows} rows of all -inf")
-
-
-def verify_from_logits(
-    # ArrayInput (draft_logits: or None); Any because the body rebinds them to the converted arrays
-    draft_tokens: Any,
-    draft_logits: Any,
-    target_logits: Any,
-    *,
-    key: jax.Array,
-    temperature: FloatOrRows,
-    top_k: IntOrRows | None = None,
-    top_p: FloatOrRows | None = None,
-    num_draft_tokens: IntOrRows | None = None,
-    validate: bool = True,
-) -> dict[str, jax.Array]:
-    """The acceptance step from logits: process both sides identically, then accept/draw.
-
-    Args:
-      draft_tokens: i32/i64[B, G], ``x_i``; entries at positions ``>= k_b`` are ignored.
-      draft_logits: f[B, G, V]: the draft model's logits the ``x_i`` were sampled
-        from; or None for deterministic proposals (an n-gram match): each ``q_i``
-        is then the point mass at ``x_i`` (see :func:`specjax.rejection_sample`),
-        at every temperature, with the target processed as usual.
-      target_logits: f[B, G+1, V]: the target model's logits at the same positions,
-        plus the one after the last draft token.
-      key: a JAX PRNG key, or one per row (shape (B,)) so that a row's outcome does
-        not depend on which other rows share its batch. The acceptance uniforms
-        ``u`` and the sampling uniform ``s`` come from it.
-      temperature: scalar or f32[B]; rows with 0 are greedy: ``x_i`` is accepted iff
-        it equals ``argmax p_i``, and the correction/bonus token is ``argmax``.
-      top_k: None, or scalar / i32[B] (0 keeps all).
-      top_p: None, or scalar / f32[B] in (0, 1] (1 keeps all).
-      num_draft_tokens: None (= G for every row), or i32[B] ``k_b`` in [0, G]: row b
-        tests only its first ``k_b`` draft tokens; its correction or bonus token
-        sits at position ``<= k_b``; ``k_b = 0`` emits one token from ``p_0``.
-      validate: check values (one host sync); shapes are always checked. Without
-        the checks, a draft id outside [0, V) is never accepted and ``k_b``
-        outside [0, G] acts as its clamped value; non-finite logits give
-        unspecified tokens.
-
-    Returns:
-      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}`` as
-      :func:`specjax.rejection_sample`: accepted tokens, then the emitted token,
-      then -1.
-
-    Both logits go through :func:`row_stats` with the same parameters, then the
-    foundation kernel's acceptance rule and blocked inverse-CDF draw run in the
-    same jitted function. Compilation: recompiles when shapes/dtypes change,
-    when ``key`` switches between one key and one per row, or when ``top_k`` /
-    ``top_p`` switch between None and given; never for new values.
-
-    Device meshes: when ``target_logits`` is a ``NamedSharding`` that splits B
-    and/or V (a tensor-parallel LM head), the step runs on that mesh without
-    gathering the vocabulary (:mod:`specjax.kernels.sharded`, ``docs/distributed.md``).
-    """
-    draft_tokens = _v.as_array("draft_tokens", _v.token_ids_unchecked(draft_tokens, validate))
-    point_masses = draft_logits is None
-    if not point_masses:
-        draft_logits = _v.as_array("draft_logits", draft_logits)
-    target_logits = _v.as_array("target_logits", target_logits)
-    _v.check_rank("draft_tokens", draft_tokens, 2, "BG")
-    if not point_masses:
-        _v.check_rank("draft_logits", draft_logits, 3, "BGV")
-    _v.check_rank("target_logits", target_logits, 3, ("B", "G+1", "V"))
-    batch, g = draft_tokens.shape
-    vocab = target_logits.shape[2]
-    logits_bg = (target_logits.shape[0], target_logits.shape[1] - 1)
-    if not point_masses and tuple(draft_logits.shape[:2]) == logits_bg and (batch, g) != logits_bg:
-        # both logits agree: the tokens are the odd one out (B and G are read from them below)
-        raise ValueError(f"draft_tokens: expected shape (B, G) = {logits_bg} like the logits, got {(batch, g)}")
-    if not point_masses and draft_logits.shape[2] != vocab:
-        raise ValueError(
-            f"draft_logits: expected the target's vocabulary size V = {vocab}, got {draft_logits.shape[2]} "
-            "(pad the smaller vocabulary with -inf logits first)"
-        )
-    _v.check_shape("target_logits", target_logits, (batch, g + 1, vocab), ("B", "G+1", "V"))
-    if not point_masses:
-        _v.check_shape("draft_logits", draft_logits, (batch, g, vocab), "BGV")
-    if vocab == 0:
-        raise ValueError("target_logits: expected a vocabulary size V >= 1, got V = 0")
-    if not point_masses:
-        _v.check_float("draft_logits", draft_logits)
-    _v.check_float("target_logits", target_logits)
-    draft_tokens = _v.as_token_ids("draft_tokens", draft_tokens)
-    key = as_key(key, batch)
-    temperature, top_k_arr, top_p_arr = _prepare_params(temperature, top_k, top_p, batch, validate)
-    if num_draft_tokens is None:
-        k = _full_k(batch, g)
-    else:
-        k = _row_param("num_draft_tokens", num_draft_tokens, batch, "int")
-        if validate:
-            kh = _host(k)
-            if np.any(kh < 0) or np.any(kh > g):
-                raise ValueError(f"num_draft_tokens: expected values in [0, G] = [0, {g}], got {kh.tolist()}")
-        k = np.ascontiguousarray(k, np.int32)
-    if batch == 0:
-        return {"num_accepted": jnp.zeros((0,), jnp.int32), "tokens": jnp.zeros((0, g + 1), jnp.int32)}
-    if validate:  # one fused check, one transfer to the host
-        # read by the check and the step
-        draft_tokens, target_logits = _v.for_jit(draft_tokens), _v.for_jit(target_logits)
-        draft_logits = None if point_masses else _v.for_jit(draft_logits)
-        lo_hi, t_finite, d_finite = jax.device_get(_verify_summary(draft_tokens, k, target_logits, draft_logits))
-        lo, hi = (int(v) for v in np.asarray(lo_hi))
-        if lo < 0 or hi >= vocab:
-            raise ValueError(
-                f"draft_tokens: expected token ids in [0, V) = [0, {vocab}) at positions < num_draft_tokens, "
-                f"got values in [{lo}, {hi}]"
-            )
-        _check_logits("target_logits", target_logits, bool(t_finite))
-        if not point_masses:
-            _check_logits("draft_logits", draft_logits, bool(d_finite))
-    from specjax.kernels import sharded  # lazy: sharded imports this module
-
-    layout = sharded.mesh_layout(target_logits, "target_logits")  # split over B and/or V?
-    verify = _verify_jit if layout is None else partial(sharded.verify_on_mesh, layout=layout)
-    return verify(
-        draft_tokens,
-        draft_logits,
-        target_logits,
-        key,
-        temperature,
-        top_k_arr if top_k_arr is not None else _dummy(batch, np.int32),
-        top_p_arr if top_p_arr is not None else _dummy(batch, np.float32),
-        k,
-        use_top_k=top_k_arr is not None,
-        use_top_p=top_p_arr is not None,
-    )
-
-
-@functools.cache
-def _full_k(batch: int, g: int) -> np.ndarray:
-    """k_b = G for every row (read-only, shared)."""
-    return _constant_row(g, batch, np.int32)
+def __getattr__(name: str) -> Any:
+    return _compat.moved(__name__, name, _MOVED)

@@ -38,6 +38,10 @@ and ``q_i(x_i)`` first (B·G scalars), finds ``n`` per row, then reads only row
 draws ``y`` by a blocked inverse CDF: per-block sums, a cumulative sum over the
 blocks, then a cumulative sum inside the one block that holds the draw. The
 blocked sum is also more accurate than one long float32 running sum.
+
+This module takes and returns JAX arrays (:func:`_rejection_sample_jit` and its
+primitives); :func:`specjax.rejection_sample`, which converts and validates
+user inputs first, lives in :mod:`specjax.boundary.api`.
 """
 
 from __future__ import annotations
@@ -47,14 +51,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from specjax import _compat
 from specjax.kernels import cpu_kernels
-from specjax.kernels import validation as _v
-from specjax.kernels.validation import ArrayInput
 
-__all__ = ["rejection_sample"]
+__all__ = [
+    "assemble_tokens",
+    "block_sums",
+    "compute_dtype",
+    "draw_rows",
+    "inverse_cdf",
+    "num_accepted_from_ratios",
+    "point_mass",
+    "residual_weights",
+    "row_sums",
+    "to_blocks",
+]
 
 # Block width of the blocked inverse-CDF draw. A multiple of the SIMD width; the
 # vocabulary is zero-padded up to a multiple of it.
@@ -447,116 +460,10 @@ def _rejection_sample_jit(
     return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y, target_probs.shape[-1])}
 
 
-def rejection_sample(
-    draft_tokens: ArrayInput,
-    draft_probs: ArrayInput | None,
-    target_probs: ArrayInput,
-    accept_uniforms: ArrayInput,
-    sample_uniforms: ArrayInput,
-    *,
-    validate: bool = True,
-) -> dict[str, jax.Array]:
-    """Decide how many draft tokens to keep and draw the correction or bonus token.
-
-    Args:
-      draft_tokens: i32[B, G] or i64[B, G], ``x_i``, in [0, V).
-      draft_probs: f[B, G, V], ``q_i``: the distribution ``x_i`` was sampled from;
-        or None when each ``x_i`` was proposed deterministically (an n-gram
-        match, a greedy head): ``q_i`` is then the point mass at ``x_i``, so test
-        ``i`` passes iff ``u_i < p_i(x_i)`` and a correction token is drawn
-        from ``p_n`` without ``x_n`` (renormalised). No (B, G, V) array is built.
-      target_probs: f[B, G+1, V], ``p_i``; ``p_G`` follows the last draft token.
-      accept_uniforms: f[B, G], ``u_i`` in [0, 1).
-      sample_uniforms: f[B], ``s`` in [0, 1).
-      validate: check shapes, dtypes and values at the Python boundary (the value
-        checks need one device→host sync). ``validate=False`` keeps only the
-        shape/dtype checks, for generation loops.
-
-    Inputs may be Python lists, NumPy arrays, JAX arrays or torch tensors
-    (torch tensors cross through :func:`specjax.adapters.to_jax`).
-    Probabilities may be float16, bfloat16, float32 or float64; they are
-    compared in the wider of their dtype and float32 (float64 needs
-    ``jax_enable_x64``; otherwise JAX stores float64 inputs as float32).
-
-    Returns:
-      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}``. Row b of ``tokens``
-      holds the ``n`` accepted draft tokens, then ``y``, then -1.
-
-    The contract:
-
-    * test ``i`` passes iff ``u_i < p_i(x_i) / q_i(x_i)``; tests run in order and
-      ``n`` counts those passed before the first failure (``n = G`` if none
-      fails). ``q_i(x_i) = 0`` passes iff ``p_i(x_i) > 0``; ``p_i(x_i) = 0``
-      always fails, also with ``u_i = 0``.
-    * ``y`` is drawn at position ``n`` from ``r(v) ∝ max(p_n(v) − q_n(v), 0)`` if
-      ``n < G``, or ``r(v) ∝ p_G(v)`` if ``n = G``: the smallest ``v`` whose
-      cumulative probability ``r(0)+…+r(v)`` exceeds ``s``.
-    * a residual that sums to zero (only possible with unnormalised inputs)
-      draws from ``p_n`` instead; when rounding leaves no cumulative value above
-      ``s``, ``y`` is the largest ``v`` with ``r(v) > 0``. So ``y`` is never a
-      zero-probability token, -1 or V.
-    * ``G = 0`` draws ``y`` from ``p_0``; ``B = 0`` returns empty arrays.
-
-    Compilation: jitted; recompiles only when the shapes or dtypes of the inputs
-    change, never for new values.
-
-    Device meshes: when ``target_probs`` is a ``NamedSharding`` that splits B
-    and/or V, the kernel runs on that mesh without gathering the vocabulary
-    (:mod:`specjax.kernels.sharded`, ``docs/distributed.md``).
-
-    Raises:
-      ValueError: naming the argument, with what was expected and what was got.
-    """
-    args = _v.convert_kernel_inputs(
-        draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate
-    )
-    b, g = args[0].shape
-    if b == 0:
-        return {
-            "num_accepted": jnp.zeros((0,), jnp.int32),
-            "tokens": jnp.zeros((0, g + 1), jnp.int32),
-        }
-    from specjax.kernels import sharded  # lazy: sharded imports this module
-
-    layout = sharded.mesh_layout(args[2], "target_probs")
-    if layout is not None:  # split over B and/or V on a device mesh
-        return sharded.rejection_sample_on_mesh(*args, layout)
-    return _rejection_sample_jit(*args)
+# The public rejection_sample (inputs of any kind) lives at the boundary now; this path (and the installed
+# `specjax.samplers` entry point metadata) still resolves to it. See specjax._compat.
+_MOVED = {"rejection_sample": "specjax.boundary.api"}
 
 
-def straightforward_rejection_sample(
-    draft_tokens: jax.Array,
-    draft_probs: jax.Array,
-    target_probs: jax.Array,
-    accept_uniforms: jax.Array,
-    sample_uniforms: jax.Array,
-) -> dict[str, jax.Array]:
-    """The obvious JAX version, for benchmarks: builds the full (B, G, V) residual.
-
-    Same contract as :func:`rejection_sample` (without the rounding fallbacks),
-    kept to measure what the kernel's gather-first design buys.
-    """
-    return _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms)
-
-
-@jax.jit
-def _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms):
-    g = draft_tokens.shape[1]
-    p = target_probs.astype(jnp.float32)
-    q = draft_probs.astype(jnp.float32)
-    onehot = jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=jnp.float32)
-    p_x = jnp.sum(p[:, :g] * onehot, axis=-1)
-    q_x = jnp.sum(q * onehot, axis=-1)
-    n = num_accepted_from_ratios(p_x, q_x, accept_uniforms)
-    residual = jnp.maximum(p[:, :g] - q, 0)  # (B, G, V)
-    residual = residual / jnp.sum(residual, axis=-1, keepdims=True)
-    dists = jnp.concatenate([residual, p[:, g:] / jnp.sum(p[:, g:], axis=-1, keepdims=True)], axis=1)
-    cdf = jnp.cumsum(dists, axis=-1)  # (B, G+1, V)
-    ys = jnp.sum(cdf <= sample_uniforms[:, None, None], axis=-1, dtype=jnp.int32)
-    y = jnp.take_along_axis(ys, n[:, None], axis=1)[:, 0]
-    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y, target_probs.shape[-1])}
-
-
-def _as_numpy_result(result: dict[str, jax.Array]) -> dict[str, np.ndarray]:
-    """Host copies of a result dict, for printing."""
-    return {k: np.asarray(v) for k, v in result.items()}
+def __getattr__(name: str) -> Any:
+    return _compat.moved(__name__, name, _MOVED)

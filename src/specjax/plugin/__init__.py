@@ -16,7 +16,7 @@ registers nothing. See docs/plugins.md.
 
 from __future__ import annotations
 
-from specjax.plugin.registry import (
+from specjax.registry import (
     ENV_VAR,
     PLUGINS_GROUP,
     SAMPLERS_GROUP,

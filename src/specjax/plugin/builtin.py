@@ -2,22 +2,17 @@
 
 Declared in ``pyproject.toml`` as the ``specjax.plugins`` entry point
 ``builtin_samplers = "specjax.plugin.builtin:register_samplers"``. Importing
-this module imports nothing else; :func:`register_samplers` registers lazy
+this module imports only :mod:`specjax.registry` (where the table of built-in
+samplers is declared); :func:`register_samplers` registers lazy
 ``module:attr`` strings, so neither JAX nor torch is imported until a sampler
 is used.
 """
 
 from __future__ import annotations
 
-__all__ = ["BUILTIN_SAMPLERS", "register_samplers"]
+from specjax.registry import BUILTIN_SAMPLERS, register_sampler
 
-#: name -> "module:attr" of the samplers this package provides (the same
-#: targets as its ``specjax.samplers`` entry points).
-BUILTIN_SAMPLERS: dict[str, str] = {
-    "jax": "specjax.kernels.rejection:rejection_sample",
-    "numpy": "specjax.plugin.reference_samplers:numpy_rejection_sample",
-    "torch": "specjax.plugin.reference_samplers:torch_rejection_sample",
-}
+__all__ = ["BUILTIN_SAMPLERS", "register_samplers"]
 
 
 def register_samplers() -> None:
@@ -25,7 +20,5 @@ def register_samplers() -> None:
 
     Idempotent: registering the same targets again changes nothing.
     """
-    from specjax.plugin.registry import register_sampler
-
     for name, target in BUILTIN_SAMPLERS.items():
         register_sampler(name, target)

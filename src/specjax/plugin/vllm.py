@@ -702,7 +702,7 @@ def _target_probs_fn() -> Callable[..., Any]:
 def _given_probs_step(draft, q, target, keys, temperature, k_t, bonus_p):
     import numpy as np
 
-    from specjax.kernels.rejection import rejection_sample as kernel
+    from specjax.boundary.api import rejection_sample as kernel
 
     p, u, s = _target_probs_fn()(_to_kernel(target), _to_kernel(keys), _to_kernel(temperature), _to_kernel(k_t))
     out = kernel(_to_kernel(draft), _to_kernel(q), p, u, s, validate=False)

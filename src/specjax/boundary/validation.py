@@ -1,4 +1,8 @@
-"""Input conversion and validation at the kernels' public boundary (outside jit).
+"""Conversion and validation of user inputs at the public boundary (outside jit).
+
+Above :mod:`specjax.kernels` (which take and return JAX arrays only) and
+:mod:`specjax.adapters` (torch ↔ JAX): lists, NumPy and JAX arrays and torch
+tensors come in here and leave as arrays the jitted kernels take.
 
 Messages have the form ``draft_probs: expected shape (B, G, V) = (2, 3, 50), got
 (2, 4, 50)`` so that a user sees which argument is wrong and what was expected.
@@ -16,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:  # the kernels never import torch; a tensor is recognised by its module
+from specjax.adapters.host import host_view, jax_on_cpu
+from specjax.kernels.frontend import TEMPERATURE_RANGE
+
+if TYPE_CHECKING:  # torch is not imported here; a tensor is recognised by its module
     import torch
 
 # What the public functions take as an array argument: JAX and NumPy arrays,
@@ -26,7 +33,7 @@ ArrayInput: TypeAlias = "jax.Array | np.ndarray | torch.Tensor | Sequence[Any]"
 FloatOrRows: TypeAlias = "float | ArrayInput"
 IntOrRows: TypeAlias = "int | ArrayInput"
 
-_INT32_MAX = np.iinfo(np.int32).max
+_INT32_MAX = int(np.iinfo(np.int32).max)
 _INT32_MIN = np.iinfo(np.int32).min
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -52,7 +59,7 @@ def as_array(name: str, x: Any) -> Any:
         view = host_view(x)
         if view is not None:
             return view
-        from specjax.adapters import to_jax  # lazy: kernels do not depend on torch
+        from specjax.adapters.dlpack import to_jax  # lazy: torch is loaded only for torch inputs
 
         try:
             return to_jax(x)
@@ -66,45 +73,6 @@ def as_array(name: str, x: Any) -> Any:
     if hasattr(x, "__array__"):
         return np.asarray(x)
     raise ValueError(f"{name}: expected a list, NumPy array, JAX array or torch tensor, got {type(x).__name__}")
-
-
-@functools.cache
-def jax_on_cpu() -> bool:
-    """Whether JAX's default backend is the CPU (then NumPy arguments of a jitted call are aliased)."""
-    return jax.default_backend() == "cpu"
-
-
-_VIEW_ALIGNMENT = 64  # XLA:CPU aliases host buffers aligned to this; others it copies
-
-
-def host_view(x: Any) -> np.ndarray | None:
-    """A CPU torch tensor as a NumPy view of its memory, when the jitted kernels can alias it; else None.
-
-    On a CPU-only JAX, a NumPy argument of a jitted function whose buffer is
-    64-byte aligned is used in place (no copy), and it is far cheaper than a
-    DLPack import first (``benchmarks/bench_overheads.py``, docs/benchmarks.md).
-    So CPU tensors take this route when nothing would be lost: integer tensors
-    (token ids or per-row parameters, a few numbers, which the callers check
-    and narrow on the host), and contiguous, aligned float16/float32 tensors.
-    Everything else, including any tensor when JAX has a GPU (the kernel must
-    run where the tensor is), goes through :func:`specjax.adapters.to_jax`,
-    which copies explicitly and counts the copy when one is needed.
-    """
-    import torch  # only called with torch tensors
-
-    if not x.is_cpu or not jax_on_cpu() or x.layout != torch.strided:
-        return None
-    if x.is_floating_point():
-        if x.dtype not in (torch.float16, torch.float32) or not x.is_contiguous():
-            return None
-        if x.numel() and x.data_ptr() % _VIEW_ALIGNMENT:
-            return None
-    elif x.is_complex() or x.dtype == torch.bool:
-        return None
-    try:
-        return (x.detach() if x.requires_grad else x).numpy()
-    except (RuntimeError, TypeError):  # e.g. a negative-bit view, or a dtype NumPy lacks
-        return None
 
 
 def token_ids_unchecked(x: Any, validate: bool) -> Any:
@@ -326,3 +294,224 @@ def for_jit(x: Any) -> Any:
     if isinstance(x, jax.Array) or jax_on_cpu():
         return x
     return jnp.asarray(x)
+
+
+# --------------------------------------------------------------------------- #
+# Keys and per-row sampling parameters (the logits front end's boundary)
+# --------------------------------------------------------------------------- #
+
+
+def as_key(key: Any, batch: int) -> jax.Array:
+    """A typed JAX PRNG key of shape () or (B,); raw uint32 keys are wrapped."""
+    if key is None:
+        raise ValueError("key: expected a JAX PRNG key (jax.random.key(seed)), or one per row of shape (B,), got None")
+    if not isinstance(key, jax.Array):
+        raise ValueError(f"key: expected a JAX PRNG key (jax.random.key(seed)), got {type(key).__name__}")
+    if _is_key_dtype(key.dtype):
+        typed = key
+    elif key.dtype == jnp.uint32 and key.ndim >= 1:
+        try:
+            typed = jax.random.wrap_key_data(key)
+        except (TypeError, ValueError) as err:  # raw key data of the wrong trailing shape
+            raise ValueError(
+                f"key: expected a JAX PRNG key (jax.random.key(seed)), or raw uint32 key data of the default "
+                f"implementation's shape, got a uint32 array of shape {tuple(key.shape)} ({_first_line(err)})"
+            ) from None
+    else:
+        raise ValueError(f"key: expected a JAX PRNG key (jax.random.key(seed)), got an array of dtype {key.dtype}")
+    if typed.shape not in ((), (batch,)):
+        raise ValueError(f"key: expected one key (shape ()) or one per row (shape ({batch},)), got shape {typed.shape}")
+    return typed
+
+
+@functools.lru_cache(maxsize=64)
+def _is_key_dtype(dt: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(dt, jax.dtypes.prng_key))
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_row(value: float, batch: int, dtype: type) -> np.ndarray:
+    """A Python scalar parameter as a (B,) array, made once per value and batch size."""
+    return _constant_row(value, batch, dtype)
+
+
+def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
+    """A per-row parameter as a host NumPy array of shape (B,).
+
+    Parameters are B numbers: they live on the host, where validation reads
+    them and from where every jitted call takes them the same way (a JAX array
+    argument would be read back once here).
+    """
+    if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+        value = min(max(value, -(2**63)), 2**63 - 1)  # a Python int past int64 (top_k=2**70) means its extreme
+    if isinstance(value, jax.Array):
+        arr = np.asarray(jax.device_get(value))
+    elif type(value).__module__.split(".")[0] == "torch":
+        arr = np.asarray(jax.device_get(as_array(name, value)))
+    else:
+        arr = np.asarray(value)
+    if arr.ndim == 0:
+        arr = np.broadcast_to(arr, (batch,))
+    if arr.shape != (batch,):
+        raise ValueError(f"{name}: expected a scalar or shape (B,) = ({batch},), got shape {tuple(arr.shape)}")
+    dt = arr.dtype
+    if kind == "int":
+        if dt == np.bool_ or not np.issubdtype(dt, np.integer):
+            raise ValueError(f"{name}: expected integers, got dtype {dt}")
+    elif dt == np.bool_ or not (np.issubdtype(dt, np.floating) or np.issubdtype(dt, np.integer) or dt == jnp.bfloat16):
+        raise ValueError(f"{name}: expected real numbers, got dtype {dt}")
+    return arr
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _scalar_float(name: str, value: int | float) -> float:
+    """A Python number as a float; an integer too large for one is a ValueError naming ``name``."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(
+            f"{name}: expected a number that fits in a float, got an integer of {int(value).bit_length()} bits"
+        ) from None
+
+
+def _check_params(temperature, top_k, top_p, validate: bool) -> None:
+    if not validate:
+        return
+    t = _host(temperature).astype(np.float64)
+    if not np.all(np.isfinite(t)) or np.any(t < 0):
+        raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got {t.tolist()}")
+    lo, hi = TEMPERATURE_RANGE
+    if not np.all((t == 0) | ((t >= lo) & (t <= hi))):
+        raise ValueError(
+            f"temperature: expected 0 (greedy) or a value in [2**-126, 2**126] = [{lo:.7g}, {hi:.7g}], the range "
+            f"where the processed distribution is computed faithfully in float32, got {t.tolist()}"
+        )
+    if top_k is not None:
+        k = _host(top_k)
+        if np.any(k < 0):
+            raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {k.tolist()}")
+    if top_p is not None:
+        p = _host(top_p).astype(np.float64)
+        if not np.all((p > 0) & (p <= 1)):
+            raise ValueError(f"top_p: expected values in (0, 1], got {p.tolist()}")
+
+
+def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
+    """Per-row parameters as f32/i32/f32 arrays of shape (B,) (``None`` stays ``None``).
+
+    They are NumPy arrays on the host: the jitted call takes them as arguments,
+    and no eager JAX operation (each costs a dispatch, a good part of a B = 1
+    step on a CPU) runs at the boundary.
+    """
+    if temperature is None:
+        raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
+    scalars = (
+        type(temperature) in (float, int)
+        and (top_k is None or type(top_k) is int)
+        and (top_p is None or type(top_p) in (float, int))
+    )
+    if scalars:  # the common case: Python numbers, prepared once per value and batch size
+        temperature = _scalar_float("temperature", temperature)
+        top_p = None if top_p is None else _scalar_float("top_p", top_p)
+        if validate:  # as the array path reports them: one value per row (a scalar is checked also at B = 0)
+            rows = max(batch, 1)
+            if top_k is not None and top_k < 0:  # before int64 arithmetic: -2**70 is an int too
+                raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {[top_k] * rows}")
+            _check_params(
+                np.full(rows, temperature, np.float64),
+                None if top_k is None else np.full(rows, min(top_k, _INT32_MAX), np.int64),
+                None if top_p is None else np.full(rows, top_p, np.float64),
+                validate,
+            )
+        return (
+            _scalar_row(temperature, batch, np.float32),
+            None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
+            None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32),
+        )
+    temperature = _row_param("temperature", temperature, batch, "float")
+    top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
+    top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")
+    _check_params(temperature, top_k, top_p, validate)
+    temperature = np.ascontiguousarray(temperature, np.float32)
+    if top_k is not None:
+        top_k = np.ascontiguousarray(np.clip(top_k, 0, np.iinfo(np.int32).max), np.int32)
+    if top_p is not None:
+        top_p = np.ascontiguousarray(1.0 - top_p.astype(np.float64), np.float32)  # in float64, as transformers does
+    return temperature, top_k, top_p
+
+
+@functools.cache
+def _dummy(batch: int, dtype: Any) -> np.ndarray:
+    """A placeholder (B,) argument for an unused top_k/top_p (read-only, shared)."""
+    return _constant_row(0, batch, dtype)
+
+
+def _constant_row(value: float, batch: int, dtype: Any) -> np.ndarray:
+    """A read-only (B,) array of one value, for the boundary's caches.
+
+    NumPy like every other per-row parameter: a JAX array here would give the
+    jitted call another argument signature, so a call with a scalar temperature
+    and one with an array would compile twice.
+    """
+    out = np.full((batch,), value, dtype)
+    out.flags.writeable = False
+    return out
+
+
+@jax.jit
+def _logit_summary(logits):
+    """i32[3]: NaN count, +inf count, rows with no finite logit (the error message's details)."""
+    x = logits.astype(jnp.float32)
+    return jnp.stack([jnp.sum(jnp.isnan(x)), jnp.sum(x == jnp.inf), jnp.sum(jnp.all(x == -jnp.inf, axis=-1))])
+
+
+def _all_rows_finite(x: jax.Array) -> jax.Array:
+    """bool[]: no NaN, no +inf and a finite logit in every row.
+
+    One reduction per row (XLA's max propagates NaN, and a row's max is +inf or
+    -inf exactly in the other bad cases), folded to one scalar: a replicated
+    result that every process of a multi-process mesh can read. The counts for
+    the message are computed only when it fails.
+    """
+    return jnp.all(jnp.isfinite(jnp.max(x.astype(jnp.float32), axis=-1)))
+
+
+_all_rows_finite_jit = jax.jit(_all_rows_finite)
+
+
+@jax.jit
+def _verify_summary(draft_tokens, k, target_logits, draft_logits):
+    """Smallest and largest tested draft token (i32[2]), and whether each logits array is all finite (bool[])."""
+    g = draft_tokens.shape[1]
+    valid = jnp.arange(g)[None, :] < k[:, None]
+    ids = jnp.where(valid, draft_tokens, 0)
+    lo_hi = jnp.stack([jnp.min(ids), jnp.max(ids)]).astype(jnp.int32) if g else jnp.zeros(2, jnp.int32)
+    d_finite = jnp.bool_(True) if draft_logits is None else _all_rows_finite(draft_logits)
+    return lo_hi, _all_rows_finite(target_logits), d_finite
+
+
+def _check_logits(name: str, logits: jax.Array, finite: bool | None = None) -> None:
+    """Raise for NaN, +inf or all -inf rows; ``finite`` (from :func:`_all_rows_finite`) if already known."""
+    if finite is None:
+        finite = bool(jax.device_get(_all_rows_finite_jit(logits)))
+    if finite:
+        return
+    nan, pinf, empty_rows = (int(v) for v in np.asarray(jax.device_get(_logit_summary(logits))))
+    if nan or pinf:
+        raise ValueError(f"{name}: expected no NaN or +inf logits, got {nan} NaN and {pinf} +inf values")
+    if empty_rows:
+        raise ValueError(f"{name}: expected every row to have a finite logit, got {empty_rows} rows of all -inf")
+
+
+@functools.cache
+def _full_k(batch: int, g: int) -> np.ndarray:
+    """k_b = G for every row (read-only, shared)."""
+    return _constant_row(g, batch, np.int32)

@@ -1,0 +1,51 @@
+"""The straightforward JAX acceptance kernel: a benchmark peer and a test reference, not part of specjax.
+
+It builds the full (B, G, V) residual, as the obvious JAX code would, so the
+benchmarks can measure what :func:`specjax.rejection_sample`'s gather-first
+design buys (docs/benchmarks.md), and tests compare the kernel with it. Moved
+out of ``specjax.kernels.rejection``: nothing in the package uses it.
+Importable from benchmarks/ (run as scripts) and from tests/ (``pythonpath``
+in pyproject.toml's pytest options).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kernels.rejection import assemble_tokens, num_accepted_from_ratios
+
+__all__ = ["straightforward_rejection_sample"]
+
+
+def straightforward_rejection_sample(
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    accept_uniforms: jax.Array,
+    sample_uniforms: jax.Array,
+) -> dict[str, jax.Array]:
+    """The obvious JAX version, for benchmarks: builds the full (B, G, V) residual.
+
+    Same contract as :func:`rejection_sample` (without the rounding fallbacks),
+    kept to measure what the kernel's gather-first design buys.
+    """
+    return _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms)
+
+
+@jax.jit
+def _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms):
+    g = draft_tokens.shape[1]
+    p = target_probs.astype(jnp.float32)
+    q = draft_probs.astype(jnp.float32)
+    onehot = jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=jnp.float32)
+    p_x = jnp.sum(p[:, :g] * onehot, axis=-1)
+    q_x = jnp.sum(q * onehot, axis=-1)
+    n = num_accepted_from_ratios(p_x, q_x, accept_uniforms)
+    residual = jnp.maximum(p[:, :g] - q, 0)  # (B, G, V)
+    residual = residual / jnp.sum(residual, axis=-1, keepdims=True)
+    dists = jnp.concatenate([residual, p[:, g:] / jnp.sum(p[:, g:], axis=-1, keepdims=True)], axis=1)
+    cdf = jnp.cumsum(dists, axis=-1)  # (B, G+1, V)
+    ys = jnp.sum(cdf <= sample_uniforms[:, None, None], axis=-1, dtype=jnp.int32)
+    y = jnp.take_along_axis(ys, n[:, None], axis=1)[:, 0]
+    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y, target_probs.shape[-1])}

@@ -1,0 +1,322 @@
+"""The package's import graph: no cycles, and no module imports a layer above its own.
+
+Every module under src/specjax is parsed with :mod:`ast` (nothing is imported);
+every ``import`` and ``from ... import`` counts, at module level and inside
+functions alike (a function-local import is still a dependency, and hiding a
+circle inside a function is what this test exists to stop), and so do the
+lazy exports of packages (``_EXPORTS = {"name": "specjax.module"}``) and
+``importlib.import_module("specjax....")`` with a constant name. The layers are
+the ones docs/design.md ("Layers") describes. The old import paths of moved
+public names (``_MOVED`` tables, see :mod:`specjax._compat`) are not
+dependencies: they resolve upward for users only, and the package itself must
+never import through them (checked here too).
+
+The checker's own tests, on synthetic modules, come first: each shows it flags
+what it should.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+#: Lowest first. A module belongs to the layer of its longest matching prefix; a
+#: module may import its own layer and the ones below, never one above.
+LAYERS: list[tuple[str, ...]] = [
+    ("specjax._compat",),  # old import paths of moved names (imports nothing of specjax)
+    ("specjax.kernels", "specjax.runtime"),  # pure JAX: jax.Array in and out
+    ("specjax.adapters",),  # torch <-> JAX, device and memory policy
+    ("specjax.boundary",),  # user inputs in: conversion, validation, the public entry points
+    ("specjax.registry", "specjax.slots", "specjax.prompts", "specjax.console"),  # shared support
+    ("specjax.drafters",),  # what proposes tokens
+    ("specjax.generate",),  # the loop
+    ("specjax.plugin",),  # transformers and vLLM integrations, the built-in plugin
+    ("specjax.pair",),  # the embedded default model pair
+    ("specjax.demo", "specjax.bench"),
+    ("specjax.cli",),
+    ("specjax",),  # the package's lazy public namespace
+]
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str
+    target: str
+    line: int
+    local: bool  # inside a function
+
+
+def module_name(path: Path, root: Path) -> tuple[str, bool]:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts.pop()
+    return ".".join(parts), is_package
+
+
+def _resolve(name: str, known: set[str]) -> str | None:
+    """The longest known module that ``name`` (a module or ``module.attribute``) names."""
+    while name:
+        if name in known:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _string_targets(node: ast.AST) -> Iterable[tuple[str, int]]:
+    """Lazy imports by name: ``_EXPORTS`` dict values and ``importlib.import_module("...")``."""
+    if isinstance(node, ast.Assign | ast.AnnAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets) and isinstance(node.value, ast.Dict):
+            for value in node.value.values:
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    yield value.value, node.lineno
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name == "import_module" and isinstance(node.args[0].value, str):
+            yield node.args[0].value, node.lineno
+
+
+def moved_names(tree: ast.Module) -> dict[str, str]:
+    """A module's ``_MOVED = {name: new module}`` table (old paths kept for users), or {}."""
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "_MOVED" for t in node.targets)
+            and isinstance(node.value, ast.Dict)
+        ):
+            return {
+                ast.literal_eval(k): ast.literal_eval(v)
+                for k, v in zip(node.value.keys, node.value.values, strict=True)
+                if k
+            }
+    return {}
+
+
+def imports_of(
+    source: str, name: str, is_package: bool, known: set[str]
+) -> tuple[list[Import], list[tuple[str, str, int]]]:
+    """The specjax modules ``name`` imports, and every ``from M import N`` as (M, N, line)."""
+    tree = ast.parse(source)
+    package = name if is_package else name.rpartition(".")[0]
+    found: list[Import] = []
+    from_names: list[tuple[str, str, int]] = []
+
+    def visit(node: ast.AST, local: bool) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            local = True
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                target = _resolve(alias.name, known)
+                if target:
+                    found.append(Import(name, target, node.lineno, local))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                target = _resolve(f"{module}.{alias.name}", known)
+                if target:
+                    found.append(Import(name, target, node.lineno, local))
+                    from_names.append((module, alias.name, node.lineno))
+        for text, line in _string_targets(node):
+            target = _resolve(text, known)
+            if target:
+                found.append(Import(name, target, line, local))
+        for child in ast.iter_child_nodes(node):
+            visit(child, local)
+
+    visit(tree, False)
+    return [i for i in found if i.target != name], from_names
+
+
+def layer_of(module: str, layers: list[tuple[str, ...]] = LAYERS) -> int:
+    best, best_len = None, -1
+    for index, prefixes in enumerate(layers):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    if best is None:
+        raise AssertionError(f"{module}: in no layer; add it to LAYERS (and to docs/design.md, 'Layers')")
+    return best
+
+
+def cycles(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def upward(found: Iterable[Import], layers: list[tuple[str, ...]] = LAYERS) -> list[str]:
+    return [
+        f"{i.source}:{i.line} imports {i.target}{' (inside a function)' if i.local else ''}, a higher layer"
+        for i in found
+        if layer_of(i.target, layers) > layer_of(i.source, layers)
+    ]
+
+
+@dataclass
+class Graph:
+    imports: list[Import]
+    from_names: dict[str, list[tuple[str, str, int]]]
+    moved: dict[str, dict[str, str]]
+
+    def edges(self) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for i in self.imports:
+            out.setdefault(i.source, set()).add(i.target)
+        return out
+
+
+def build(sources: Mapping[str, tuple[str, bool]]) -> Graph:
+    """``sources``: module name -> (source text, is a package)."""
+    known = set(sources)
+    imports: list[Import] = []
+    from_names: dict[str, list[tuple[str, str, int]]] = {}
+    moved: dict[str, dict[str, str]] = {}
+    for name, (text, is_package) in sources.items():
+        found, names = imports_of(text, name, is_package, known)
+        imports += found
+        from_names[name] = names
+        table = moved_names(ast.parse(text))
+        if table:
+            moved[name] = table
+    return Graph(imports, from_names, moved)
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    out = {}
+    for path in sorted((SRC / "specjax").rglob("*.py")):
+        name, is_package = module_name(path, SRC)
+        out[name] = (path.read_text(encoding="utf-8"), is_package)
+    return out
+
+
+# --------------------------------------------------------------------------- the checker
+
+
+def test_checker_flags_a_cycle_hidden_in_a_function() -> None:
+    graph = build(
+        {
+            "pkg": ("", True),
+            "pkg.a": ("from pkg.b import f\n", False),
+            "pkg.b": ("def f():\n    from pkg import a\n    return a\n", False),
+            "pkg.c": ("import pkg.a\n", False),
+        }
+    )
+    assert cycles(graph.edges()) == [["pkg.a", "pkg.b"]]
+    assert [i for i in graph.imports if i.source == "pkg.b"] == [Import("pkg.b", "pkg.a", 2, True)]
+
+
+def test_checker_flags_an_upward_import_and_accepts_downward_ones() -> None:
+    layers = [("pkg.low",), ("pkg.high",), ("pkg",)]
+    graph = build(
+        {
+            "pkg": ('_EXPORTS = {"f": "pkg.high"}\n', True),
+            "pkg.low": ("import importlib\ndef g():\n    return importlib.import_module('pkg.high')\n", False),
+            "pkg.high": ("from .low import x\n", False),
+        }
+    )
+    assert upward(graph.imports, layers) == ["pkg.low:3 imports pkg.high (inside a function), a higher layer"]
+    assert cycles(graph.edges()) == [["pkg.high", "pkg.low"]]
+
+
+def test_checker_reads_moved_tables() -> None:
+    text = '_MOVED = {"f": "pkg.high"}\n\ndef __getattr__(name):\n    return name\n'
+    graph = build({"pkg": ("", True), "pkg.low": (text, False), "pkg.high": ("from pkg.low import f\n", False)})
+    assert graph.moved == {"pkg.low": {"f": "pkg.high"}}
+    assert graph.from_names["pkg.high"] == [("pkg.low", "f", 1)]
+
+
+def test_every_module_is_in_a_layer() -> None:
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("elsewhere.module")
+    for name in package_sources():
+        layer_of(name)
+
+
+# --------------------------------------------------------------------------- the package
+
+GRAPH = build(package_sources())
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(GRAPH.edges()) == []
+
+
+def test_no_import_of_a_higher_layer() -> None:
+    assert upward(GRAPH.imports) == []
+
+
+def test_the_package_never_imports_through_an_old_path() -> None:
+    bad = [
+        f"{source}:{line}: from {module} import {name} (moved to {GRAPH.moved[module][name]})"
+        for source, names in GRAPH.from_names.items()
+        for module, name, line in names
+        if name in GRAPH.moved.get(module, {})
+    ]
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH.moved))
+def test_old_paths_resolve_to_the_new_objects(module: str) -> None:
+    old = importlib.import_module(module)
+    for name, new_module in GRAPH.moved[module].items():
+        assert getattr(old, name) is getattr(importlib.import_module(new_module), name), (module, name)
+
+
+def test_kernels_import_neither_torch_nor_adapters() -> None:
+    """kernels/: JAX arrays in and out (the adapters and the boundary do the conversions)."""
+    offenders = []
+    for name, (text, _) in package_sources().items():
+        if layer_of(name) > layer_of("specjax.kernels"):
+            continue
+        for node in ast.walk(ast.parse(text)):
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [f"{name}:{node.lineno} imports {m}" for m in modules if m.split(".")[0] == "torch"]
+    assert offenders == []
