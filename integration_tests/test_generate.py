@@ -699,3 +699,26 @@ def test_a_sampled_row_does_not_depend_on_the_other_rows(seed, pairs):
         steps_differ |= any(len(s.get(0, [])) != len(s.get(1, [])) for s in recorder.steps)
     # The case is not degenerate: somewhere the rows advanced by different amounts.
     assert steps_differ
+
+
+@pytest.mark.parametrize("asks", [True, False])
+def test_asks_every_step_makes_the_loop_ask_every_step(tiny_lm, asks):
+    """A drafter that sets ``asks_every_step`` is asked even when the schedule wants no tokens; one that
+    does not (and whose hint says tokens are expensive) is not."""
+    from specjax.drafters import NgramDrafter
+
+    calls = []
+
+    class Counting(NgramDrafter):
+        asks_every_step = asks
+        cost_per_token_hint = 10.0  # seconds: the adaptive schedule never pays for that
+
+        def propose(self, request):
+            calls.append(request.step)
+            return super().propose(request)
+
+    target = tiny_lm("llama", vocab_size=64, seed=0)
+    ids = torch.tensor([[5, 9, 2, 7, 5, 9, 2, 7, 5, 9]])
+    out = specjax.speculative_generate(target, Counting(), ids, max_new_tokens=8, pad_token_id=0)
+    # every step but the last (one token left: nothing to draft) asks
+    assert len(calls) == (out.stats.steps - 1 if asks else 0), (calls, out.stats.steps)

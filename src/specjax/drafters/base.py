@@ -185,6 +185,9 @@ class Drafter(Protocol):
         each verification forward (:attr:`CommitInfo.target_hidden`).
       cost_per_token_hint: a prior for the seconds one proposed token costs
         (0 for host lookups); the loop measures the real cost and uses that.
+      asks_every_step: optional (default: ``cost_per_token_hint == 0``): call
+        ``propose`` every step, even when the schedule asks for no tokens, so
+        that free proposals (lookups) may come up to ``request.limit``.
     """
 
     name: str

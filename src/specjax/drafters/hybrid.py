@@ -46,6 +46,7 @@ class HybridDrafter:
     """
 
     needs_target_hidden = False
+    asks_every_step = True  # its n-gram rows cost nothing, whatever the fallback costs
 
     def __init__(self, ngram: Any, fallback: Any) -> None:
         self.ngram, self.fallback = ngram, fallback

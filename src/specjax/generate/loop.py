@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal, SamplingState
-from specjax.drafters.hybrid import HybridDrafter
 from specjax.generate import checks
 from specjax.generate.checks import check_step_output
 from specjax.generate.compile_time import measure_compiles
@@ -237,8 +236,8 @@ def run_loop(
         last_h = ids_h[:, -1].astype(np.int64).copy()  # i64[B']: last committed token, not in the target cache
 
         # Drafters whose proposals cost nothing (lookups) are asked every step.
-        free_proposals = float(getattr(drafter, "cost_per_token_hint", 1.0)) == 0.0 or isinstance(
-            drafter, HybridDrafter
+        free_proposals = bool(
+            getattr(drafter, "asks_every_step", float(getattr(drafter, "cost_per_token_hint", 1.0)) == 0.0)
         )
         step = 0
         while not all(r.done for r in rows):
