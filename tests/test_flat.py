@@ -33,11 +33,15 @@ def reference(draft, ks, logits, width, temperature, keys, bonus):
         start += k
     k = np.zeros(bp, np.int32)
     k[: len(ks)] = ks
-    u = plugin._uniforms(jnp.asarray(keys), width + 1)
-    out = verify_core(
-        jnp.asarray(grid), None, jnp.asarray(target), u[:, :width], u[:, width], jnp.asarray(temperature), None, None, k
-    )
-    return np.asarray(plugin._splice_bonus(jnp, out["tokens"], out["num_accepted"], jnp.asarray(k), jnp.asarray(bonus)))
+    return np.asarray(_reference_jit(grid, target, keys, temperature, k, bonus))
+
+
+@jax.jit  # one compilation per case's shapes, not op-by-op dispatch in each of its 16 trials
+def _reference_jit(grid, target, keys, temperature, k, bonus):
+    width = grid.shape[1]
+    u = plugin._uniforms(keys, width + 1)
+    out = verify_core(grid, None, target, u[:, :width], u[:, width], temperature, None, None, k)
+    return plugin._splice_bonus(jnp, out["tokens"], out["num_accepted"], k, bonus)
 
 
 def flat_step(draft, ks, logits, width, temperature, keys, bonus):

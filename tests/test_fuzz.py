@@ -204,6 +204,7 @@ def kernel_case(draw):
     return args, (b, g, v), defect, blame, draw(st.booleans())
 
 
+@pytest.mark.slow  # seconds of examples: make test, not make test-fast
 @examples(ci=40)
 @given(kernel_case(), st.sampled_from(["jax", "numpy", "torch"]))
 def test_fuzz_rejection_sample(case, sampler):
@@ -320,6 +321,7 @@ def _row(value: Any, r: int) -> Any:
     return (host(value) if not isinstance(value, list) else np.asarray(value))[r]
 
 
+@pytest.mark.slow  # seconds of examples: make test, not make test-fast
 @examples(ci=40)
 @given(logits_case(rank=2), st.sampled_from(CONTAINERS))
 def test_fuzz_sample_from_logits(case, container):
@@ -360,6 +362,7 @@ def test_fuzz_sample_from_logits(case, container):
             assert np.all(probs[r][rel < kth] == 0)
 
 
+@pytest.mark.slow  # seconds of examples: make test, not make test-fast
 @examples(ci=40)
 @given(logits_case(rank=3), st.data())
 def test_fuzz_verify_from_logits(case, data):
@@ -520,6 +523,7 @@ def generate_case(draw):
     return ids, mask, kwargs, bad
 
 
+@pytest.mark.slow  # seconds of examples: make test, not make test-fast
 @examples(ci=8, long=100)
 @given(case=generate_case())
 def test_fuzz_speculative_generate(tiny_pair, case):
