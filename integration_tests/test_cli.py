@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -63,7 +64,7 @@ def models(tmp_path_factory):
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([str(EXE), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return forkserver.run([EXE, *args], timeout=timeout, env=env)  # a fresh `specjax` process, imports preloaded
 
 
 def test_console_script_is_installed():

@@ -18,6 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -83,7 +84,7 @@ def run_cli(*args: str, pythonpath: Path | None = None, timeout: float = 300) ->
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [env.get("PYTHONPATH")])])
-    return subprocess.run([str(EXE), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return forkserver.run([EXE, *args], timeout=timeout, env=env)  # a fresh `specjax` process, imports preloaded
 
 
 def one_line(proc: subprocess.CompletedProcess) -> str:

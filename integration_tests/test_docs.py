@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,6 @@ def test_doc_block_runs(name, line, code, tmp_path):
     script = tmp_path / "block.py"
     script.write_text(code, encoding="utf-8")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+    # `python block.py` in a fresh process (forked with torch, JAX and transformers imported)
+    proc = forkserver.run([sys.executable, script], cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, f"{name}:{line} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"

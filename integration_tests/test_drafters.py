@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 
+import forkserver
 import numpy as np
 import pytest
 import torch
@@ -388,18 +389,14 @@ def test_thirdparty_drafter_installed_with_pip_is_used_by_name(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
     env["HF_HUB_OFFLINE"] = "1"
     try:
-        run = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(RUN)], env=env, capture_output=True, text=True, timeout=600
-        )
+        run = forkserver.run([sys.executable, "-c", textwrap.dedent(RUN)], env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
         result = json.loads(run.stdout.strip().splitlines()[-1])
         assert result["same"] and result["calls"] > 0 and result["drafter"] == "repeat_last"
         assert "repeat_last" in result["names"]
         # SPECJAX_PLUGINS filters drafters like samplers: excluded, the name is unknown
         env["SPECJAX_PLUGINS"] = "something_else"
-        run = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(RUN)], env=env, capture_output=True, text=True, timeout=600
-        )
+        run = forkserver.run([sys.executable, "-c", textwrap.dedent(RUN)], env=env, timeout=600)
         assert run.returncode != 0 and "unknown drafter 'repeat_last'" in run.stderr
     finally:
         shutil.rmtree(site, ignore_errors=True)

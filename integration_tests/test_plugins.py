@@ -4,11 +4,12 @@ The test builds a tiny separate distribution in a temporary directory (setuptool
 module with a call-counting sampler and a counting ``register()``), declaring a
 ``specjax.samplers`` and a ``specjax.plugins`` entry point, and installs it with
 ``pip install --no-index --no-build-isolation --no-deps --target DIR``. The checks run in
-fresh subprocesses with ``DIR`` on ``PYTHONPATH``: that is a real installation (pip builds
-the wheel and writes the ``.dist-info`` with its ``entry_points.txt``, which
-``importlib.metadata`` finds on ``sys.path``), but it is visible only to the test's own
-processes, not to other test runs sharing the virtual environment; removing ``DIR`` in the
-fixture's teardown uninstalls it, and the teardown checks that it is gone.
+fresh processes (forked by ``forkserver``) with ``DIR`` on ``PYTHONPATH``: that is a real
+installation (pip builds the wheel and writes the ``.dist-info`` with its
+``entry_points.txt``, which ``importlib.metadata`` finds on ``sys.path``), but it is
+visible only to the test's own processes, not to other test runs sharing the virtual
+environment; removing ``DIR`` in the fixture's teardown uninstalls it, and the teardown
+checks that it is gone.
 
 Also here: the built-in ``numpy`` and ``torch`` samplers used by name in the generation loop.
 """
@@ -23,6 +24,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -97,9 +99,7 @@ def _run(code: str, site: Path | None, env_filter: str | None, timeout: float = 
     if env_filter is not None:
         env["SPECJAX_PLUGINS"] = env_filter
     env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = forkserver.run([sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
