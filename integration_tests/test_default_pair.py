@@ -53,28 +53,39 @@ def pair() -> Any:
         return load_default_pair()
 
 
-def _agreement(target: Any, draft: Any, tokenizer: Any) -> tuple[float, list[float]]:
+@pytest.fixture(scope="module")
+def greedy_continuations(pair: Any) -> list[tuple[int, Any]]:
+    """(prompt length, prompt + the target's greedy continuation) per prompt, shared by the agreement tests."""
+    import torch
+
+    out = []
+    for prompt in PROMPTS:
+        enc = pair.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        with torch.inference_mode():
+            seq = pair.target.generate(
+                enc["input_ids"],
+                attention_mask=enc["attention_mask"],
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=pair.tokenizer.pad_token_id,
+            )
+        out.append((enc["input_ids"].shape[1], seq))
+    return out
+
+
+def _agreement(continuations: list[tuple[int, Any]], draft: Any) -> tuple[float, list[float]]:
     """Teacher-forced top-1 agreement of ``draft`` with the target's greedy continuations."""
     import torch
 
     agree = total = 0
     per_prompt = []
-    for prompt in PROMPTS:
-        enc = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        ids = enc["input_ids"]
+    for prompt_len, out in continuations:
+        n = out.shape[1] - prompt_len
         with torch.inference_mode():
-            out = target.generate(
-                ids,
-                attention_mask=enc["attention_mask"],
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            n = out.shape[1] - ids.shape[1]
-            logits = draft(input_ids=out[:, :-1]).logits[0, ids.shape[1] - 1 :]
-        hits = int((logits.argmax(-1) == out[0, ids.shape[1] :]).sum())
+            logits = draft(input_ids=out[:, :-1]).logits[0, prompt_len - 1 :]
+        hits = int((logits.argmax(-1) == out[0, prompt_len:]).sum())
         per_prompt.append(hits / n)
         agree += hits
         total += n
@@ -123,19 +134,19 @@ def test_shipped_draft_files_are_small() -> None:
 
 
 @needs_target
-def test_draft_agrees_with_target_greedy(pair: Any) -> None:
-    rate, per_prompt = _agreement(pair.target, pair.draft, pair.tokenizer)
+def test_draft_agrees_with_target_greedy(pair: Any, greedy_continuations: list[tuple[int, Any]]) -> None:
+    rate, per_prompt = _agreement(greedy_continuations, pair.draft)
     assert rate >= AGREEMENT_FLOOR, f"agreement {rate:.3f} (per prompt {per_prompt}) below {AGREEMENT_FLOOR}"
 
 
 @needs_target
-def test_agreement_floor_rejects_a_random_draft(pair: Any) -> None:
+def test_agreement_floor_rejects_a_random_draft(pair: Any, greedy_continuations: list[tuple[int, Any]]) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     random_draft = AutoModelForCausalLM.from_config(pair.draft.config).eval()
-    rate, _ = _agreement(pair.target, random_draft, pair.tokenizer)
+    rate, _ = _agreement(greedy_continuations, random_draft)
     assert rate < AGREEMENT_FLOOR / 2
 
 
