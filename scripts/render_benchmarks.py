@@ -319,6 +319,26 @@ def table_sharded(rows: list[Row]) -> str:
     )
 
 
+def table_vllm_plugin(rows: list[Row]) -> str:
+    return _table(
+        ["B", "T", "vLLM's step: tok/s", "specjax: tok/s", "ratio", "vLLM's step µs", "specjax's µs", "step ratio"],
+        ["r"] * 8,
+        [
+            [
+                str(r["B"]),
+                f"{r['T']:g}",
+                f"{r['vllm_tps']:.1f}",
+                f"{r['specjax_tps']:.1f}",
+                f"{r['ratio']:.3f}×",
+                f"{r['vllm_step_us']:.0f}",
+                f"{r['specjax_step_us']:.0f}",
+                f"{r['vllm_step_us'] / r['specjax_step_us']:.2f}×",
+            ]
+            for r in rows
+        ],
+    )
+
+
 TABLES: dict[str, Callable[[list[Row]], str]] = {
     "kernel": table_kernel,
     "logits": table_logits,
@@ -328,6 +348,7 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "generate-drafters": table_generate_drafters,
     "draft-sweep": table_draft_sweep,
     "sharded": table_sharded,
+    "vllm-plugin": table_vllm_plugin,
 }
 
 
@@ -470,6 +491,19 @@ def verdict_sharded(rows: list[Row]) -> str:
     )
 
 
+def verdict_vllm_plugin(rows: list[Row]) -> str:
+    def span(xs: list[float]) -> str:
+        return f"{min(xs):.2f}–{max(xs):.2f}×"
+
+    ratios = [r["ratio"] for r in rows]
+    steps = [r["vllm_step_us"] / r["specjax_step_us"] for r in rows]
+    return (
+        f"* end to end never slower than vLLM's own step (ratio ≥ 0.98 in every row): {_met(min(ratios) >= 0.98)} "
+        f"({span(ratios)}).\n"
+        f"* the step itself faster than vLLM's in every row: {_met(min(steps) > 1)} ({span(steps)})."
+    )
+
+
 VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "kernel": verdict_kernel,
     "logits": verdict_logits,
@@ -478,6 +512,7 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "generate-drafters": verdict_generate_drafters,
     "draft-sweep": verdict_draft_sweep,
     "sharded": verdict_sharded,
+    "vllm-plugin": verdict_vllm_plugin,
 }
 
 
