@@ -187,6 +187,10 @@ def _child(req: dict[str, Any]) -> int:
     import types
 
     os.setpgid(0, 0)  # a timeout kills the command's own subprocesses too
+    if sys.platform == "linux":  # and a server that dies (its test run killed) takes the child with it
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
         (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
