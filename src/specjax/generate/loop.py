@@ -205,10 +205,11 @@ def run_loop(
         if prompt_len > 1:
             # Prefill all but the last prompt token: the target scores that one
             # with the first proposals.
-            prefill = t_cache.forward(
-                input_ids[:, :-1], attention_mask[:, :-1].bool(), last_only=True, hidden=hidden_kw
-            )
-            prompt_hidden = prefill[1] if hidden_kw else None
+            prefix, prefix_valid = input_ids[:, :-1], attention_mask[:, :-1].bool()
+            if hidden_kw:
+                prompt_hidden = t_cache.forward(prefix, prefix_valid, last_only=True, hidden=True)[1]
+            else:
+                t_cache.forward(prefix, prefix_valid, last_only=True)
         mask_h = attention_mask.bool().cpu().numpy()
         ids_h = input_ids.cpu().numpy()
         contexts = [ids_h[b][mask_h[b]].tolist() for b in range(batch)]
