@@ -148,7 +148,7 @@ def test_kernel_failure_is_logged_once_and_the_step_falls_back(llm, reference, m
             records.append(record)
 
     def failing_step():
-        def step(*args):
+        def step(*args, **kwargs):
             raise RuntimeError("injected kernel failure")
 
         return step, step, step

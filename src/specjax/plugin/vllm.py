@@ -564,8 +564,8 @@ def _point_mass_flat(draft_token_ids, target_logits, width, k, starts, request, 
 
     The T rows are summarised in zero-copy slices whose lengths are the powers of
     two in T's binary expansion (at most log2(T) + 1 calls, each compiled once per
-    length and V); the accepted prefixes and every token but the sampled
-    corrections come from one call on the (B', G) grid; the sampled rows that
+    length and V); the last slice's call also computes the accepted prefixes and
+    every token but the sampled corrections on the (B', G) grid; the sampled rows that
     rejected a token are gathered (R rows, padded to a power of two) and drawn in
     one more call.
 
@@ -575,7 +575,7 @@ def _point_mass_flat(draft_token_ids, target_logits, width, k, starts, request, 
     import numpy as np
     import torch
 
-    summarise, accept, draw = _point_mass_fns()
+    summarise, finish, draw = _point_mass_fns()
     bp = k.shape[0]
     num_tokens = int(draft_token_ids.shape[0])
     draft = draft_token_ids.to(torch.int32).cpu().numpy()
@@ -583,24 +583,34 @@ def _point_mass_flat(draft_token_ids, target_logits, width, k, starts, request, 
     row_temperature = temperature[request]
     grid_p = np.zeros(bp * width, np.float32)
     grid_argmax = np.zeros(bp * width, np.int32)
-    start = 0
-    for bit in reversed(range(num_tokens.bit_length())):
-        size = 1 << bit
-        if num_tokens & size:
-            end = start + size
-            grid_p, grid_argmax = summarise(
-                grid_p,
-                grid_argmax,
-                _to_kernel(target_logits[start:end]),
-                row_temperature[start:end],
-                draft[start:end],
-                slots[start:end],
-            )
-            start = end
     grid_draft = np.zeros(bp * width, np.int32)
     grid_draft[slots] = draft
-    tokens, num_accepted, needs_draw, sample_uniforms = accept(
-        grid_p, grid_argmax, grid_draft, keys, temperature, k, bonus
+    sizes = [1 << bit for bit in reversed(range(num_tokens.bit_length())) if num_tokens & (1 << bit)]
+    start = 0
+    for size in sizes[:-1]:
+        end = start + size
+        grid_p, grid_argmax = summarise(
+            grid_p,
+            grid_argmax,
+            _to_kernel(target_logits[start:end]),
+            row_temperature[start:end],
+            draft[start:end],
+            slots[start:end],
+        )
+        start = end
+    tokens, num_accepted, needs_draw, sample_uniforms = finish(
+        grid_p,
+        grid_argmax,
+        _to_kernel(target_logits[start:]),
+        row_temperature[start:],
+        draft[start:],
+        slots[start:],
+        grid_draft,
+        keys,
+        temperature,
+        k,
+        bonus,
+        all_greedy=not temperature.any(),
     )
     tokens = np.array(tokens)
     needs_draw = np.asarray(needs_draw)
@@ -625,28 +635,50 @@ def _point_mass_flat(draft_token_ids, target_logits, width, k, starts, request, 
 def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """The jitted stages of :func:`_point_mass_flat` (built on first use: importing JAX is not free).
 
+    ``summarise`` handles every slice but the last; ``finish`` summarises the last
+    slice and accepts on the grid in the same call, so a step whose T is a power
+    of two (one slice: B = 1 with k = 4, B = 8 with k = 4...) is one dispatch.
     ``summarise`` recompiles per slice length (a power of two), V and B'·G;
-    ``accept`` per B' and G; ``draw`` per R' (a power of two) and V. Never for values.
+    ``finish`` per slice length, V, B' and G (and whether every row is greedy:
+    then no uniforms are drawn); ``draw`` per R' (a power of two) and V. Never
+    for values.
     """
     from functools import partial
 
     import jax
+    import jax.numpy as jnp
 
     from specjax.kernels import flat
     from specjax.kernels.compile_options import VECTOR_OPTIONS
 
     summarise = jax.jit(flat.summarise_rows, compiler_options=VECTOR_OPTIONS)
 
-    @partial(jax.jit, compiler_options=VECTOR_OPTIONS)
-    def accept(grid_p, grid_argmax, grid_draft, key_words, temperature, num_draft_tokens, bonus):
-        b = num_draft_tokens.shape[0]
+    @partial(jax.jit, static_argnames=("all_greedy",), compiler_options=VECTOR_OPTIONS)
+    def finish(
+        grid_p,
+        grid_argmax,
+        logits,
+        row_temperature,
+        draft,
+        slots,
+        grid_draft,
+        key_words,
+        temperature,
+        k,
+        bonus,
+        *,
+        all_greedy,
+    ):
+        grid_p, grid_argmax = flat.summarise_rows(grid_p, grid_argmax, logits, row_temperature, draft, slots)
+        b = k.shape[0]
         g = grid_p.shape[0] // b
-        u = _uniforms(key_words, g + 1)
+        # a point mass p gives p(x) in {0, 1}: every uniform in [0, 1) decides alike
+        u = jnp.zeros((b, g + 1), jnp.float32) if all_greedy else _uniforms(key_words, g + 1)
         tokens, n, needs_draw = flat.accept(
             grid_p.reshape(b, g),
             grid_argmax.reshape(b, g),
             grid_draft.reshape(b, g),
-            num_draft_tokens,
+            k,
             u[:, :g],
             temperature == 0,
             bonus,
@@ -654,7 +686,7 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
         return tokens, n, needs_draw, u[:, g]
 
     draw = jax.jit(flat.residual_draw, compiler_options=VECTOR_OPTIONS)
-    return summarise, accept, draw
+    return summarise, finish, draw
 
 
 def _uniforms(key_words: Any, count: int) -> Any:
