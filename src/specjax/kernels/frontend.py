@@ -30,8 +30,10 @@ some row of the batch is still accepting (rows after every row's first
 rejection are never read).
 
 Per-row parameters (temperature, top_k, top_p, num_draft_tokens) are arrays:
-changing their values never recompiles. Whether top-k / top-p are used at all
-(``None`` or not) is static, because it decides whether rows get sorted.
+changing their values never recompiles. The sampling parameters travel as one
+:class:`~specjax.kernels.types.SamplingParams` pytree; whether top-k / top-p are
+used at all is one of its static fields (the primitives below take ``None``
+for an unused one), because it decides whether rows get sorted.
 
 This module takes and returns JAX arrays; the public functions
 (:func:`specjax.sample_from_logits`, :func:`specjax.verify_from_logits`), which
