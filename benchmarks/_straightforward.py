@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.rejection import assemble_tokens, num_accepted_from_ratios
+from specjax.kernels.types import AcceptanceResult
 
 __all__ = ["straightforward_rejection_sample"]
 
@@ -24,7 +25,7 @@ def straightforward_rejection_sample(
     target_probs: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """The obvious JAX version, for benchmarks: builds the full (B, G, V) residual.
 
     Same contract as :func:`rejection_sample` (without the rounding fallbacks),
@@ -48,4 +49,4 @@ def _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniform
     cdf = jnp.cumsum(dists, axis=-1)  # (B, G+1, V)
     ys = jnp.sum(cdf <= sample_uniforms[:, None, None], axis=-1, dtype=jnp.int32)
     y = jnp.take_along_axis(ys, n[:, None], axis=1)[:, 0]
-    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y, target_probs.shape[-1])}
+    return AcceptanceResult(n, assemble_tokens(draft_tokens, n, y, target_probs.shape[-1]))

@@ -79,6 +79,7 @@ from transformers.generation.utils import _speculative_sampling
 from specjax import verify_from_logits
 from specjax.kernels import cpu_kernels
 from specjax.kernels.frontend import _verify_jit
+from specjax.kernels.types import SamplingParams
 
 G = 4
 V = 49152
@@ -183,12 +184,17 @@ def _ours_args(inp: dict[str, np.ndarray], temperature: float, top_k: int | None
         jnp.asarray(inp["draft_logits"]),
         jnp.asarray(inp["target_logits"]),
         jax.random.split(jax.random.key(0), b),
-        jnp.full((b,), temperature, jnp.float32),
-        jnp.full((b,), 0 if top_k is None else top_k, jnp.int32),
-        jnp.full((b,), 0.0 if top_p is None else 1.0 - top_p, jnp.float32),
+        SamplingParams(
+            jnp.full((b,), temperature, jnp.float32),
+            jnp.full((b,), 0 if top_k is None else top_k, jnp.int32),
+            jnp.full((b,), 0.0 if top_p is None else 1.0 - top_p, jnp.float32),
+            use_top_k=top_k is not None,
+            use_top_p=top_p is not None,
+        ),
         jnp.full((b,), G, jnp.int32),
     )
-    return jax.block_until_ready(args), {"use_top_k": top_k is not None, "use_top_p": top_p is not None}
+    # No static keyword arguments left: the modes are static fields of SamplingParams.
+    return jax.block_until_ready(args), {}
 
 
 def _key_cycle(b: int) -> Callable[[], jax.Array]:
@@ -212,7 +218,7 @@ def mean_accepted(args: tuple, static: dict[str, bool]) -> float:
     """The mean of ``num_accepted`` over the key cycle (how far ours reads into the draft)."""
     key = _key_cycle(args[0].shape[0])
     return float(
-        np.mean([np.asarray(_verify_jit(*args[:3], key(), *args[4:], **static)["num_accepted"]) for _ in range(KEYS)])
+        np.mean([np.asarray(_verify_jit(*args[:3], key(), *args[4:], **static).num_accepted) for _ in range(KEYS)])
     )
 
 

@@ -141,11 +141,10 @@ def vector_width(rounds: int) -> dict[str, float]:
     cases: dict[str, tuple[tuple[Callable[..., Any], Callable[..., Any]], Callable[[Callable[..., Any]], Any]]] = {
         "normaliser pass, 5 rows of 49152": (both(normaliser), lambda f: f(rows, scale, top)),
     }
-    static = ("use_top_k", "use_top_p")
     for b in (1, 8):
         args, kw = _ours_args(logits_inputs(b, seed=b), 1.0, None, None)
         cases[f"_verify_jit B={b} G=4 V=49152"] = (
-            both(F._verify_jit.__wrapped__, static_argnames=static),
+            both(F._verify_jit.__wrapped__),
             lambda f, a=args, k=kw: f(*a, **k),
         )
     kargs = make_inputs(8, 8, 32000)
@@ -167,7 +166,7 @@ def vector_width(rounds: int) -> dict[str, float]:
 def kernel_parts(rounds: int) -> dict[str, float]:
     b, g, v = 8, 8, 32000
     tokens, draft, target, u, s = make_inputs(b, g, v)
-    n = R._rejection_sample_jit(tokens, draft, target, u, s)["num_accepted"]
+    n = R._rejection_sample_jit(tokens, draft, target, u, s).num_accepted
 
     @jax.jit
     def gathers(tokens, draft, target, u):

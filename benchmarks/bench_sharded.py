@@ -66,6 +66,7 @@ from specjax.kernels.sharded import (
     _rejection_sample_mesh_jit,
     _verify_mesh_jit,
 )
+from specjax.kernels.types import AcceptanceResult, SamplingParams
 
 FULL_BATCHES = (8, 64)
 FULL_DRAFTS = (4,)
@@ -134,7 +135,7 @@ def naive_probs(mesh):
             body,
             mesh=mesh,
             in_specs=(P(None, None), P(None, None, "v"), P(None, None, "v"), P(None, None), P(None)),
-            out_specs={"num_accepted": P(), "tokens": P()},
+            out_specs=AcceptanceResult(P(), P()),
             check_vma=False,
         )
     )
@@ -147,7 +148,7 @@ def naive_logits(mesh):
         dl = lax.all_gather(dl, "v", axis=2, tiled=True)
         tl = lax.all_gather(tl, "v", axis=2, tiled=True)
         g = x.shape[1]
-        return verify_core(x, dl, tl, u[:, :g], u[:, g], temperature, None, None, k)
+        return verify_core(x, dl, tl, u[:, :g], u[:, g], SamplingParams(temperature), k)
 
     rep = P()
     return jax.jit(
@@ -155,7 +156,7 @@ def naive_logits(mesh):
             body,
             mesh=mesh,
             in_specs=(rep, P(None, None, "v"), P(None, None, "v"), rep, rep, rep),
-            out_specs={"num_accepted": rep, "tokens": rep},
+            out_specs=AcceptanceResult(rep, rep),
             check_vma=False,
         )
     )
@@ -194,12 +195,14 @@ def make_inputs(kernel: str, batch: int, g: int, vocab: int, mesh) -> dict[str, 
     k = jnp.full((batch,), g, jnp.int32)
     dummy_k, dummy_p = jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.float32)
     key = jax.random.key(1)
-    one = (tokens, *big, key, temperature, dummy_k, dummy_p, k)
+    params = SamplingParams(temperature, dummy_k, dummy_p)  # no top-k / top-p
+    one = (tokens, *big, key, params, k)
     sharded = (
         on_mesh(tokens, rep),
         *(on_mesh(a, split) for a in big),
         on_mesh(key, rep),
-        *(on_mesh(a, rep) for a in (temperature, dummy_k, dummy_p, k)),
+        jax.tree.map(lambda a: on_mesh(a, rep), params),
+        on_mesh(k, rep),
     )
     naive = (
         on_mesh(tokens, rep),
@@ -255,10 +258,9 @@ def bench(kernel: str, batch: int, g: int, vocab: int, mesh, *, budget_s: float,
             "naive": (naive_probs(mesh), {}),
         }
     else:
-        flags = {"use_top_k": False, "use_top_p": False}
         fns = {
-            "one_device": (_verify_jit, flags),
-            "sharded": (_verify_mesh_jit, {**flags, "layout": layout}),
+            "one_device": (_verify_jit, {}),
+            "sharded": (_verify_mesh_jit, {"layout": layout}),
             "naive": (naive_logits(mesh), {}),
         }
     gathered = SHARDS * 4 * batch * (2 * g + 1) * vocab  # the naive inputs, on all devices together

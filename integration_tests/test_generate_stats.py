@@ -266,7 +266,7 @@ def _draw_from(probs, sample_uniforms):
         sample_uniforms,
         validate=False,
     )
-    return np.asarray(res["tokens"])[:, 0]
+    return np.asarray(res.tokens)[:, 0]
 
 
 def always_accept(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *, validate=True):
@@ -283,8 +283,8 @@ def correction_from_p(draft_tokens, draft_probs, target_probs, accept_uniforms, 
     res = specjax.rejection_sample(
         draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate
     )
-    n = np.asarray(res["num_accepted"])
-    tokens = np.array(res["tokens"])
+    n = np.asarray(res.num_accepted)
+    tokens = np.array(res.tokens)
     p = np.asarray(target_probs)
     y = _draw_from(p[np.arange(len(n)), n], np.asarray(sample_uniforms))
     tokens[np.arange(len(n)), n] = y

@@ -126,41 +126,41 @@ def _good(*args, validate=True):
 
 def returns_99(*args, validate=True):
     out = _good(*args, validate=validate)
-    return {"num_accepted": np.full_like(out["num_accepted"], 99), "tokens": out["tokens"]}
+    return {"num_accepted": np.full_like(out.num_accepted, 99), "tokens": out.tokens}
 
 
 def returns_out_of_vocabulary(*args, validate=True):
     out = _good(*args, validate=validate)
-    tokens = out["tokens"].copy()
+    tokens = out.tokens.copy()
     tokens[:, 0] = V + 5
-    return {"num_accepted": np.zeros_like(out["num_accepted"]), "tokens": tokens}
+    return {"num_accepted": np.zeros_like(out.num_accepted), "tokens": tokens}
 
 
 def returns_minus_one(*args, validate=True):
     out = _good(*args, validate=validate)
-    tokens = out["tokens"].copy()
+    tokens = out.tokens.copy()
     tokens[:, 0] = -1
-    return {"num_accepted": np.zeros_like(out["num_accepted"]), "tokens": tokens}
+    return {"num_accepted": np.zeros_like(out.num_accepted), "tokens": tokens}
 
 
 def returns_float_tokens(*args, validate=True):
     out = _good(*args, validate=validate)
-    return {"num_accepted": out["num_accepted"], "tokens": out["tokens"].astype(np.float32)}
+    return {"num_accepted": out.num_accepted, "tokens": out.tokens.astype(np.float32)}
 
 
 def returns_short_tokens(*args, validate=True):
     out = _good(*args, validate=validate)
-    return {"num_accepted": out["num_accepted"], "tokens": out["tokens"][:, :1]}
+    return {"num_accepted": out.num_accepted, "tokens": out.tokens[:, :1]}
 
 
 def returns_a_tuple(*args, validate=True):
     out = _good(*args, validate=validate)
-    return out["num_accepted"], out["tokens"]
+    return out.num_accepted, out.tokens
 
 
 def returns_negative_count(*args, validate=True):
     out = _good(*args, validate=validate)
-    return {"num_accepted": np.full_like(out["num_accepted"], -1), "tokens": out["tokens"]}
+    return {"num_accepted": np.full_like(out.num_accepted, -1), "tokens": out.tokens}
 
 
 NAME = __name__

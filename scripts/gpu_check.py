@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from typing import Any
 
 from specjax.adapters import configure_jax_memory
 
@@ -45,12 +46,13 @@ def check(name: str, ok: bool, detail: str = "") -> bool:
     return ok
 
 
-def on_gpu(result: dict) -> bool:
-    return all(d.platform == "gpu" for x in result.values() for d in x.devices())
+def on_gpu(result: Any) -> bool:
+    return all(d.platform == "gpu" for x in jax.tree.leaves(result) for d in x.devices())
 
 
-def same(a: dict, b: dict) -> tuple[bool, str]:
-    bad = {k: int(np.sum(np.asarray(a[k]) != np.asarray(b[k]))) for k in a}
+def same(a: Any, b: Any) -> tuple[bool, str]:
+    """Two AcceptanceResults, field by field."""
+    bad = {k: int(np.sum(np.asarray(v) != np.asarray(getattr(b, k)))) for k, v in vars(a).items()}
     return not any(bad.values()), f"mismatched entries per output: {bad}"
 
 
@@ -95,11 +97,11 @@ def run_size(b: int, cpu: jax.Device, gen: torch.Generator) -> None:
     )
 
     out = specjax.rejection_sample(*(j[k] for k in PROB_ARGS), validate=False)
-    check(f"B={b}: rejection_sample runs on the GPU", on_gpu(out), str(out["tokens"].devices()))
-    tokens = to_torch(out["tokens"])
+    check(f"B={b}: rejection_sample runs on the GPU", on_gpu(out), str(out.tokens.devices()))
+    tokens = to_torch(out.tokens)
     check(
         f"B={b}: tokens return as a CUDA int32 torch tensor without a copy",
-        tokens.is_cuda and tokens.dtype == torch.int32 and tokens.data_ptr() == out["tokens"].unsafe_buffer_pointer(),
+        tokens.is_cuda and tokens.dtype == torch.int32 and tokens.data_ptr() == out.tokens.unsafe_buffer_pointer(),
         f"{tokens.device}, {tokens.dtype}",
     )
     out_cpu = specjax.rejection_sample(*(jax.device_put(j[k], cpu) for k in PROB_ARGS), validate=False)
@@ -109,7 +111,7 @@ def run_size(b: int, cpu: jax.Device, gen: torch.Generator) -> None:
         key = jax.random.key(b)
         args = (j["draft_tokens"], j["draft_logits"], j["target_logits"])
         vout = specjax.verify_from_logits(*args, key=key, temperature=1.0, validate=False)
-        check(f"B={b}: verify_from_logits runs on the GPU", on_gpu(vout), str(vout["tokens"].devices()))
+        check(f"B={b}: verify_from_logits runs on the GPU", on_gpu(vout), str(vout.tokens.devices()))
         vcpu = specjax.verify_from_logits(
             *(jax.device_put(a, cpu) for a in args), key=jax.device_put(key, cpu), temperature=1.0, validate=False
         )
@@ -119,10 +121,10 @@ def run_size(b: int, cpu: jax.Device, gen: torch.Generator) -> None:
 
     def step() -> torch.Tensor:  # the crossing the generation loop pays, both ways
         arrays = [to_jax(t[k]) for k in PROB_ARGS]
-        return to_torch(specjax.rejection_sample(*arrays, validate=False)["tokens"])
+        return to_torch(specjax.rejection_sample(*arrays, validate=False).tokens)
 
     def kernel_only() -> jax.Array:
-        return specjax.rejection_sample(*(j[k] for k in PROB_ARGS), validate=False)["tokens"]
+        return specjax.rejection_sample(*(j[k] for k in PROB_ARGS), validate=False).tokens
 
     times = {}
     for name, fn, wait in (

@@ -11,6 +11,7 @@ import numpy as np
 from reference import Reference, as_kernel_float, is_tie
 
 from specjax.kernels.rejection import rejection_sample
+from specjax.kernels.results import AcceptanceResult
 
 F32_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))  # 1 - 2**-24
 F32_TINY = np.finfo(np.float32).tiny  # smallest normal float32
@@ -19,14 +20,14 @@ EDGE_B, EDGE_V = 2, 8  # the shape family shared by edge cases, properties and v
 # --------------------------------------------------------------------------- helpers
 
 
-def run(*args: Any, validate: bool = True) -> dict[str, np.ndarray]:
+def run(*args: Any, validate: bool = True) -> AcceptanceResult:
     """Call the public kernel and check the result's structure; return host copies."""
     out = rejection_sample(*args, validate=validate)
-    assert isinstance(out, dict) and set(out) == {"num_accepted", "tokens"}
+    assert isinstance(out, AcceptanceResult) and set(vars(out)) == {"num_accepted", "tokens"}
     for key in ("num_accepted", "tokens"):
-        assert isinstance(out[key], jax.Array), (key, type(out[key]))
-        assert out[key].dtype == jnp.int32, (key, out[key].dtype)
-    return {k: np.asarray(v) for k, v in out.items()}
+        assert isinstance(getattr(out, key), jax.Array), (key, type(getattr(out, key)))
+        assert getattr(out, key).dtype == jnp.int32, (key, getattr(out, key).dtype)
+    return jax.tree.map(np.asarray, out)
 
 
 def f32(x: Any) -> np.ndarray:
@@ -108,12 +109,12 @@ class Comparison:
 
 
 def compare_to_reference(
-    args: tuple, out: dict[str, np.ndarray], ref: Reference, *, ratio_tol: float = 1e-6, cdf_tol: float = 1e-5
+    args: tuple, out: AcceptanceResult, ref: Reference, *, ratio_tol: float = 1e-6, cdf_tol: float = 1e-5
 ) -> Comparison:
     """Assert the kernel's output matches the reference up to float32 near ties; count the ties."""
     tokens_in = np.asarray(args[0])
     s = as_kernel_float(args[4])
-    n_k, t_k = out["num_accepted"], out["tokens"]
+    n_k, t_k = out.num_accepted, out.tokens
     batch, g1 = t_k.shape
     stats_ = Comparison(rows=batch)
     # Output invariants for every row.

@@ -170,8 +170,10 @@ def make_mesh(name: str, auto: bool = False):
     return jax.make_mesh(shape, ("b", "v"))
 
 
-def host(out: dict) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in out.items()}
+def host(out: Any) -> dict[str, np.ndarray]:
+    """An AcceptanceResult (or a dict of its fields) as a dict of host arrays."""
+    fields = out if isinstance(out, dict) else vars(out)
+    return {k: np.asarray(v) for k, v in fields.items()}
 
 
 def assert_equal(ref: dict, got: dict, what: str) -> str:
@@ -240,7 +242,7 @@ def run_case(case: Case, mesh_name: str) -> str:
             )
         else:
             got = verify_from_logits_sharded(x, dl, tl, mesh=mesh, batch_axis="b", vocab_axis="v", **kwargs)
-    for key, value in got.items():
+    for key, value in vars(got).items():
         if value.sharding.mesh.shape != mesh.shape or len(value.sharding.device_set) != 8:
             raise AssertionError(f"{key}: expected a result on the 8-device mesh, got {value.sharding}")
     return assert_equal(ref, got, case.name(mesh_name))
@@ -303,6 +305,7 @@ HLO_BATCH, HLO_DRAFT, HLO_VOCAB = 16, 4, 32000
 
 def hlo_inputs(mesh, kernel: str, filters: bool = False) -> tuple[tuple, dict, Any]:
     """(arguments of the jitted mesh kernel placed on ``mesh``, its static kwargs, the reference)."""
+    import jax
     from jax.sharding import PartitionSpec as P
 
     from specjax.boundary.validation import _prepare_params
@@ -324,17 +327,17 @@ def hlo_inputs(mesh, kernel: str, filters: bool = False) -> tuple[tuple, dict, A
         )
         return args, {"layout": layout}, rejection_sample(x, q, p, u, s)
     x, dl, tl, kw = logits_inputs(b, g, v, seed=5, filters=filters, row_keys=False)
-    temperature, top_k, omp = _prepare_params(kw["temperature"], kw.get("top_k"), kw.get("top_p"), b, False)
-    if top_k is None:
-        top_k, omp = np.zeros(b, np.int32), np.zeros(b, np.float32)
+    params = _prepare_params(kw["temperature"], kw.get("top_k"), kw.get("top_p"), b, False)
+    assert params.use_top_k == params.use_top_p == filters
     args = (
         place(x, mesh, pair),
         place(dl, mesh, big),
         place(tl, mesh, big),
         place(kw["key"], mesh, P()),
-        *(place(np.asarray(a), mesh, row) for a in (temperature, top_k, omp, kw["num_draft_tokens"])),
+        jax.tree.map(lambda a: place(np.asarray(a), mesh, row), params),
+        place(np.asarray(kw["num_draft_tokens"]), mesh, row),
     )
-    static = {"layout": layout, "use_top_k": filters, "use_top_p": filters}
+    static = {"layout": layout}
     return args, static, verify_from_logits(x, dl, tl, **kw)
 
 
@@ -344,6 +347,7 @@ def naive_rejection_jit(mesh):
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
+    from specjax.kernels.results import AcceptanceResult
     from specjax.kernels.sharded import _rejection_body
 
     def body(x, q, p, u, s):
@@ -356,7 +360,7 @@ def naive_rejection_jit(mesh):
             body,
             mesh=mesh,
             in_specs=(P("b", None), P("b", None, "v"), P("b", None, "v"), P("b", None), P("b")),
-            out_specs={"num_accepted": P("b"), "tokens": P("b", None)},
+            out_specs=AcceptanceResult(P("b"), P("b", None)),
             check_vma=False,
         )
     )

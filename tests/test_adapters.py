@@ -482,12 +482,12 @@ def test_kernel_accepts_torch_inputs_through_the_adapter():
     assert all(t.data_ptr() % 64 == 0 for t in aligned)
     with count_copies() as c:
         got = specjax.rejection_sample(torch.from_numpy(x), aligned[0], torch.from_numpy(p)[:, 1:], *aligned[1:])
-    np.testing.assert_array_equal(np.asarray(got["tokens"]), np.asarray(want["tokens"]))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     assert c.copies == 1 and c.by_reason["non_contiguous"] == 1  # p[:, 1:] only
     with count_copies() as c:
         got = specjax.rejection_sample(torch.from_numpy(x), torch.from_numpy(q), torch.from_numpy(p[:, 1:].copy()),
                                        torch.from_numpy(u), torch.from_numpy(s))  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(got["tokens"]), np.asarray(want["tokens"]))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     misaligned = sum(a.ctypes.data % 64 != 0 for a in (q, u, s))
     assert c.copies == c.by_reason["misaligned"] + c.by_reason["non_contiguous"] >= misaligned
     with pytest.raises(ValueError, match=r"draft_tokens: token ids must fit in int32, got values in \[8589934592"):

@@ -144,11 +144,11 @@ def test_kernel_on_cuda_tensors_matches_cpu(cuda):
     s = torch.rand(b, device=cuda, generator=gen)
     with borrowed(x, q, p, u, s, copy=False) as loan:
         out = loan.reads(specjax.rejection_sample(*loan.arrays, validate=False))
-    assert out["tokens"].devices() == {jax_gpu(cuda.index)}
-    tokens = to_torch(out["tokens"], copy=False)
+    assert out.tokens.devices() == {jax_gpu(cuda.index)}
+    tokens = to_torch(out.tokens, copy=False)
     assert tokens.is_cuda and tokens.dtype == torch.int32
     cpu = specjax.rejection_sample(*(t.cpu() for t in (x, q, p, u, s)), validate=False)
-    np.testing.assert_array_equal(tokens.cpu().numpy(), np.asarray(cpu["tokens"]))
+    np.testing.assert_array_equal(tokens.cpu().numpy(), np.asarray(cpu.tokens))
 
 
 def test_second_gpu_maps_to_the_same_jax_index(cuda):

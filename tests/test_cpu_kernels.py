@@ -26,6 +26,7 @@ import specjax
 from specjax.kernels import cpu_kernels
 from specjax.kernels import frontend as F
 from specjax.kernels.rejection import draw_rows, residual_weights
+from specjax.kernels.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.build_error()}")
 
@@ -223,8 +224,8 @@ def test_tiny_temperatures_give_normalised_distributions(path, temperature, requ
         temperature=temperature,
         validate=False,
     )
-    np.testing.assert_array_equal(np.asarray(out["num_accepted"]), g)
-    np.testing.assert_array_equal(np.asarray(out["tokens"])[:, g], x.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(out.num_accepted), g)
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:, g], x.argmax(-1))
 
 
 @pytest.mark.slow
@@ -251,10 +252,10 @@ def test_public_functions_give_the_same_tokens_either_way(seed):
                 [
                     np.asarray(a)
                     for a in (
-                        plain["num_accepted"],
-                        plain["tokens"],
-                        filtered["num_accepted"],
-                        filtered["tokens"],
+                        plain.num_accepted,
+                        plain.tokens,
+                        filtered.num_accepted,
+                        filtered.tokens,
                         sampled[0],
                     )
                 ]
@@ -355,9 +356,9 @@ def test_probability_kernel_same_acceptance_and_draws_but_at_ties():
         ref = specjax.rejection_sample(x, q, p, u, s)
     finally:
         cpu_kernels.set_enabled(True)
-    n = np.asarray(ours["num_accepted"])
-    np.testing.assert_array_equal(n, np.asarray(ref["num_accepted"]))
-    y, y_ref = np.asarray(ours["tokens"])[np.arange(b), n], np.asarray(ref["tokens"])[np.arange(b), n]
+    n = np.asarray(ours.num_accepted)
+    np.testing.assert_array_equal(n, np.asarray(ref.num_accepted))
+    y, y_ref = np.asarray(ours.tokens)[np.arange(b), n], np.asarray(ref.tokens)[np.arange(b), n]
     for i in np.nonzero(y != y_ref)[0]:
         w = p[i, n[i]].astype(np.float64) - (q[i, n[i]].astype(np.float64) if n[i] < g else 0)
         cdf = np.cumsum(np.maximum(w, 0))
@@ -422,12 +423,12 @@ def test_fused_step_equals_a_float64_reference_and_the_jax_code(g, v):
 
     @jax.jit
     def step(x, draft, target, u, s, temperature, k):
-        return F.verify_core(x, draft, target, u, s, temperature, None, None, k)
+        return F.verify_core(x, draft, target, u, s, SamplingParams(temperature), k)
 
     def run():
         out = step(x, draft, target, u, s, temperature, k)
-        n = np.asarray(out["num_accepted"])
-        return n, np.asarray(out["tokens"])[np.arange(b), n]
+        n = np.asarray(out.num_accepted)
+        return n, np.asarray(out.tokens)[np.arange(b), n]
 
     n, y = run()
     cpu_kernels.set_enabled(False)
@@ -466,7 +467,7 @@ def test_out_of_range_ids_are_never_accepted_on_either_path(filtered):
             out = specjax.verify_from_logits(
                 x, draft, target, key=key, temperature=temperature, validate=False, top_k=10 if filtered else None
             )
-            results.append((np.asarray(out["num_accepted"]), np.asarray(out["tokens"])))
+            results.append((np.asarray(out.num_accepted), np.asarray(out.tokens)))
         finally:
             cpu_kernels.set_enabled(True)
     np.testing.assert_array_equal(results[0][0], 0)
@@ -511,12 +512,10 @@ def test_the_draft_draw_and_the_acceptance_test_see_the_same_q_bit_for_bit(top_k
             target,
             u[:, None],
             jnp.zeros(b, jnp.float32),
-            temperature,
-            k_row,
-            None,
+            SamplingParams(temperature, k_row, use_top_k=k_row is not None),
             jnp.ones(b, jnp.int32),
         )
-        return out["num_accepted"]
+        return out.num_accepted
 
     u_at = np.where(use, ratio, 0.5).astype(np.float32)
     u_below = np.nextafter(u_at, np.float32(0))
@@ -544,7 +543,7 @@ def test_num_draft_tokens_outside_0_g_mean_their_clamped_value_on_every_path():
                 out = specjax.verify_from_logits(
                     x, draft, target, key=key, temperature=temperature, num_draft_tokens=k, validate=False
                 )
-                results.append(np.asarray(out["tokens"]))
+                results.append(np.asarray(out.tokens))
         finally:
             cpu_kernels.set_enabled(True)
     for tokens in results[1:]:

@@ -18,6 +18,7 @@ import torch
 import specjax.plugin.vllm as plugin
 from specjax.kernels import flat
 from specjax.kernels.frontend import verify_core
+from specjax.kernels.types import SamplingParams
 
 
 def reference(draft, ks, logits, width, temperature, keys, bonus):
@@ -40,8 +41,8 @@ def reference(draft, ks, logits, width, temperature, keys, bonus):
 def _reference_jit(grid, target, keys, temperature, k, bonus):
     width = grid.shape[1]
     u = plugin._uniforms(keys, width + 1)
-    out = verify_core(grid, None, target, u[:, :width], u[:, width], temperature, None, None, k)
-    return plugin._splice_bonus(jnp, out["tokens"], out["num_accepted"], k, bonus)
+    out = verify_core(grid, None, target, u[:, :width], u[:, width], SamplingParams(temperature), k)
+    return plugin._splice_bonus(jnp, out.tokens, out.num_accepted, k, bonus)
 
 
 def flat_step(draft, ks, logits, width, temperature, keys, bonus):

@@ -222,8 +222,8 @@ def test_greedy_verify_equals_argmax_decisions(num_draft):
     out = verify_from_logits(
         x, draft, target, key=jax.random.key(1), temperature=0.0, top_k=7, top_p=0.9, num_draft_tokens=k
     )
-    tokens = np.asarray(out["tokens"])
-    n_seen = np.asarray(out["num_accepted"])
+    tokens = np.asarray(out.tokens)
+    n_seen = np.asarray(out.num_accepted)
     for b in range(batch):
         n = 0
         while n < k[b] and x[b, n] == am[b, n]:
@@ -321,8 +321,8 @@ def test_verify_matches_float64_reference(case):
     near, accepted = 0, 0
     for key_seed in range(3):
         out, refs, kb = _run_case(case, key_seed)
-        tokens = np.asarray(out["tokens"])
-        n = np.asarray(out["num_accepted"])
+        tokens = np.asarray(out.tokens)
+        n = np.asarray(out.num_accepted)
         assert tokens.shape == (case.batch, case.g + 1) and tokens.dtype == np.int32
         for i, ref in enumerate(refs):
             # The layout holds for every row, at a float boundary or not.
@@ -365,7 +365,7 @@ def test_cutoff_token_keeps_its_probability_in_the_acceptance_test():
         top_k=2,
         top_p=1.0,
     )
-    assert int(out["num_accepted"][0]) == MG
+    assert int(out.num_accepted[0]) == MG
 
 
 def test_ragged_ignores_draft_tokens_past_k():
@@ -382,9 +382,9 @@ def test_ragged_ignores_draft_tokens_past_k():
     kw = dict(key=key, temperature=0.8, top_k=10, top_p=1.0, num_draft_tokens=kb)
     a = verify_from_logits(x, draft, target, **kw)
     b = verify_from_logits(garbage, draft, target, **kw)
-    np.testing.assert_array_equal(np.asarray(a["tokens"]), np.asarray(b["tokens"]))
-    tokens = np.asarray(a["tokens"])
-    n = np.asarray(a["num_accepted"])
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    tokens = np.asarray(a.tokens)
+    n = np.asarray(a.num_accepted)
     assert np.all(n <= kb)
     for i in range(batch):
         assert np.all(tokens[i, n[i] + 1 :] == -1)
@@ -414,10 +414,10 @@ def test_position_by_position_path_equals_the_all_rows_path(seed):
     full = verify_from_logits(
         x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, top_k=0, top_p=1.0
     )
-    np.testing.assert_array_equal(np.asarray(lazy["num_accepted"]), np.asarray(full["num_accepted"]))
-    np.testing.assert_array_equal(np.asarray(lazy["tokens"]), np.asarray(full["tokens"]))
+    np.testing.assert_array_equal(np.asarray(lazy.num_accepted), np.asarray(full.num_accepted))
+    np.testing.assert_array_equal(np.asarray(lazy.tokens), np.asarray(full.tokens))
     # The case is not degenerate: some row accepts its whole draft and some none.
-    n = np.asarray(lazy["num_accepted"])
+    n = np.asarray(lazy.num_accepted)
     assert np.any((n == kb) & (kb > 0)) and np.any((n == 0) & (kb > 0)), (n, kb)
 
 
@@ -449,9 +449,7 @@ def test_uniform_draws_are_the_documented_ones():
             if ref.near_boundary:
                 continue
             compared += 1
-            np.testing.assert_array_equal(
-                np.asarray(got["tokens"][i]), np.asarray(want["tokens"][i]), err_msg=f"row {i}"
-            )
+            np.testing.assert_array_equal(np.asarray(got.tokens[i]), np.asarray(want.tokens[i]), err_msg=f"row {i}")
     assert compared >= 0.8 * 2 * batch
 
 
@@ -463,7 +461,7 @@ def test_empty_batch():
         key=jax.random.key(0),
         temperature=1.0,
     )
-    assert out["tokens"].shape == (0, 3) and out["num_accepted"].shape == (0,)
+    assert out.tokens.shape == (0, 3) and out.num_accepted.shape == (0,)
     tokens, probs = sample_from_logits(np.zeros((0, 5), np.float32), key=jax.random.key(0), temperature=1.0)
     assert tokens.shape == (0,) and probs.shape == (0, 5)
 
@@ -513,8 +511,8 @@ def test_verify_invariants(inp):
         top_p=inp["top_p"],
         num_draft_tokens=inp["kb"],
     )
-    tokens = np.asarray(out["tokens"])
-    n = np.asarray(out["num_accepted"])
+    tokens = np.asarray(out.tokens)
+    n = np.asarray(out.num_accepted)
     for i in range(b):
         t, k, p = inp["temperature"][i], inp["top_k"][i], inp["top_p"][i]
         assert 0 <= n[i] <= inp["kb"][i]

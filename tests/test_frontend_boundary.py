@@ -28,6 +28,7 @@ from frontend_reference import (
 
 from specjax import sample_from_logits, verify_from_logits
 from specjax.kernels import frontend
+from specjax.kernels.types import SamplingParams
 
 # --------------------------------------------------------------------------- #
 # Keys and determinism
@@ -54,16 +55,16 @@ def _rows(params, index):
 def test_per_row_keys_make_rows_independent_of_their_batch():
     x, draft, target, params = _main_inputs()
     keys = jax.random.split(jax.random.key(5), MB)
-    full = np.asarray(verify_from_logits(x, draft, target, key=keys, **params)["tokens"])
+    full = np.asarray(verify_from_logits(x, draft, target, key=keys, **params).tokens)
     for i in (0, 1, 7, MB - 1):
         alone = verify_from_logits(
             x[i : i + 1], draft[i : i + 1], target[i : i + 1], key=keys[i : i + 1], **_rows(params, slice(i, i + 1))
         )
-        np.testing.assert_array_equal(np.asarray(alone["tokens"])[0], full[i], err_msg=f"row {i}")
+        np.testing.assert_array_equal(np.asarray(alone.tokens)[0], full[i], err_msg=f"row {i}")
     # In another batch order (other neighbours, same shapes) the rows move with their keys.
     perm = np.random.default_rng(0).permutation(MB)
     shuffled = verify_from_logits(x[perm], draft[perm], target[perm], key=keys[perm], **_rows(params, perm))
-    np.testing.assert_array_equal(np.asarray(shuffled["tokens"]), full[perm])
+    np.testing.assert_array_equal(np.asarray(shuffled.tokens), full[perm])
     # Sampling too.
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((SB, SV)).astype(np.float32)
@@ -83,8 +84,8 @@ def test_same_key_same_result_and_keys_matter():
     a = verify_from_logits(x, draft, target, key=jax.random.key(7), **kw)
     b = verify_from_logits(x, draft, target, key=jax.random.key(7), **kw)
     c = verify_from_logits(x, draft, target, key=jax.random.key(8), **kw)
-    np.testing.assert_array_equal(np.asarray(a["tokens"]), np.asarray(b["tokens"]))
-    assert not np.array_equal(np.asarray(a["tokens"]), np.asarray(c["tokens"]))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
     logits = np.random.default_rng(3).standard_normal((SB, SV)).astype(np.float32)
     s1, _ = sample_from_logits(logits, key=jax.random.key(7), **kw)
     s2, _ = sample_from_logits(logits, key=jax.random.key(7), **kw)
@@ -97,11 +98,11 @@ def test_raw_uint32_keys_are_accepted():
     x, draft, target, _ = _main_inputs()
     typed = verify_from_logits(x, draft, target, key=jax.random.key(3), temperature=0.8)
     raw = verify_from_logits(x, draft, target, key=jax.random.PRNGKey(3), temperature=0.8)
-    np.testing.assert_array_equal(np.asarray(typed["tokens"]), np.asarray(raw["tokens"]))
+    np.testing.assert_array_equal(np.asarray(typed.tokens), np.asarray(raw.tokens))
     kw = dict(temperature=0.8, top_k=0, top_p=1.0)
     a = verify_from_logits(x, draft, target, key=jax.random.split(jax.random.PRNGKey(3), MB), **kw)  # u32[B, 2]
     b = verify_from_logits(x, draft, target, key=jax.random.split(jax.random.key(3), MB), **kw)
-    np.testing.assert_array_equal(np.asarray(a["tokens"]), np.asarray(b["tokens"]))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     logits = np.random.default_rng(2).standard_normal((SB, SV)).astype(np.float32)
     t1, _ = sample_from_logits(logits, key=jax.random.PRNGKey(4), temperature=0.8, top_k=0, top_p=1.0)
     t2, _ = sample_from_logits(logits, key=jax.random.key(4), temperature=0.8, top_k=0, top_p=1.0)
@@ -326,7 +327,7 @@ def test_verify_good_args_are_accepted():
     args = _good_verify_args()
     positional = [args.pop(k) for k in ("draft_tokens", "draft_logits", "target_logits")]
     out = verify_from_logits(*positional, **args)
-    assert out["tokens"].shape == (VB, VG + 1)
+    assert out.tokens.shape == (VB, VG + 1)
 
 
 def test_missing_key_argument():
@@ -403,7 +404,7 @@ def test_validate_false_narrows_torch_int64_ids_without_the_int32_range_check():
     want = verify_from_logits(np.asarray(x, np.int32), draft, target, **args)
     got = verify_from_logits(ids, draft, target, **args, validate=False)
     for key in ("num_accepted", "tokens"):
-        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]))
+        np.testing.assert_array_equal(np.asarray(getattr(got, key)), np.asarray(getattr(want, key)))
     with pytest.raises(ValueError, match="draft_tokens: token ids must fit in int32"):
         verify_from_logits(ids + 2**33, draft, target, **args)
 
@@ -425,20 +426,20 @@ def _logits_jits():
     d, t = jnp.zeros((b, g, v)), jnp.zeros((b, g + 1, v))
     key, keys = jax.random.key(0), jax.random.split(jax.random.key(0), b)
     f32, i32 = jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32)
-    static = {"use_top_k": True, "use_top_p": True}
+    params = SamplingParams(f32, i32, f32, use_top_k=True, use_top_p=True)
     layout = sharded.MeshLayout(Mesh(np.array(jax.devices()[:1]), ("x",)), batch_axis="x")
     return [
-        ("frontend._verify_jit", frontend._verify_jit.lower(tokens, d, t, key, f32, i32, f32, i32 + g, **static)),
-        ("frontend._sample_jit", frontend._sample_jit.lower(t[:, 0], key, f32, i32, f32, **static)),
-        ("steps.draft_draw", steps.draft_draw.lower(t[:, 0], keys, 0, 1, f32, i32, f32, vocab=v, **static)),
+        ("frontend._verify_jit", frontend._verify_jit.lower(tokens, d, t, key, params, i32 + g)),
+        ("frontend._sample_jit", frontend._sample_jit.lower(t[:, 0], key, params)),
+        ("steps.draft_draw", steps.draft_draw.lower(t[:, 0], keys, 0, 1, params, vocab=v)),
         (
             "steps.verify_step",
-            steps.verify_step.lower(tokens, tuple(d.transpose(1, 0, 2)), t, keys, 0, f32, i32, f32, i32 + g, **static),
+            steps.verify_step.lower(tokens, tuple(d.transpose(1, 0, 2)), t, keys, 0, params, i32 + g),
         ),
-        ("steps.probs_step", steps.probs_step.lower(tuple(d.transpose(1, 0, 2)), t, keys, 0, f32, i32, f32, **static)),
+        ("steps.probs_step", steps.probs_step.lower(tuple(d.transpose(1, 0, 2)), t, keys, 0, params)),
         (
             "sharded._verify_mesh_jit",
-            sharded._verify_mesh_jit.lower(tokens, d, t, key, f32, i32, f32, i32 + g, layout=layout, **static),
+            sharded._verify_mesh_jit.lower(tokens, d, t, key, params, i32 + g, layout=layout),
         ),
     ]
 

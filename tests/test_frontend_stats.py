@@ -111,7 +111,7 @@ def _position0_tokens(seed: int, draft_temperature: float) -> tuple[np.ndarray, 
         top_p=P,
         validate=False,
     )
-    return np.asarray(out["tokens"])[:, 0], ref_process(target[0], T, K, P)
+    return np.asarray(out.tokens)[:, 0], ref_process(target[0], T, K, P)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

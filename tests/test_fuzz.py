@@ -218,7 +218,7 @@ def test_fuzz_rejection_sample(case, sampler):
             assert str(err).startswith(blame), f"{defect} in {blame} blamed on: {err}"
         return
     assert not (validate and defect is not None and defect not in ("shape", "rank")), f"{defect} not caught"
-    n, tokens = host(out["num_accepted"]), host(out["tokens"])
+    n, tokens = host(out.num_accepted), host(out.tokens)
     x = (
         host(args["draft_tokens"])
         if not isinstance(args["draft_tokens"], list)
@@ -229,8 +229,8 @@ def test_fuzz_rejection_sample(case, sampler):
         ref = specjax.load_sampler("numpy")(
             **{k: host(a) if not isinstance(a, list) else a for k, a in args.items()}, validate=True
         )
-        np.testing.assert_array_equal(n, ref["num_accepted"])
-        np.testing.assert_array_equal(tokens, ref["tokens"])
+        np.testing.assert_array_equal(n, ref.num_accepted)
+        np.testing.assert_array_equal(tokens, ref.tokens)
 
 
 # --------------------------------------------------------------------------- sample_from_logits / verify_from_logits
@@ -394,7 +394,7 @@ def test_fuzz_verify_from_logits(case, data):
     if err is not None:
         return
     assert not (validate and (bad not in (None, "logits_rank") or tok_defect)), f"{bad or 'token'} not caught"
-    n, tokens = host(out["num_accepted"]), host(out["tokens"])
+    n, tokens = host(out.num_accepted), host(out.tokens)
     kk = np.full(b, g) if k is None else k
     check_layout(n, tokens, x, kk, v)
     if bad is not None:

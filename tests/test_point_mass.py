@@ -58,8 +58,8 @@ def test_point_masses_match_reference_with_explicit_one_hot(seed, b, g, vocab, d
     p = np.asarray(jnp.asarray(p, dtype))
     out = rejection_sample(x, None, p, u, s)
     ref = reference_rejection_sample(x, _one_hot(x, vocab), p, u, s)
-    n = np.asarray(out["num_accepted"])
-    tokens = np.asarray(out["tokens"])
+    n = np.asarray(out.num_accepted)
+    tokens = np.asarray(out.tokens)
     np.testing.assert_array_equal(n, ref.num_accepted)
     for row in range(b):
         y = int(tokens[row, n[row]])
@@ -68,8 +68,8 @@ def test_point_masses_match_reference_with_explicit_one_hot(seed, b, g, vocab, d
         assert np.all(tokens[row, n[row] + 1 :] == -1)
     # The same tokens as the kernel fed the explicit one-hot q (which reads a (B, G, V) array).
     explicit = rejection_sample(x, np.asarray(jnp.asarray(_one_hot(x, vocab), dtype)), p, u, s)
-    np.testing.assert_array_equal(np.asarray(explicit["num_accepted"]), n)
-    np.testing.assert_array_equal(np.asarray(explicit["tokens"]), tokens)
+    np.testing.assert_array_equal(np.asarray(explicit.num_accepted), n)
+    np.testing.assert_array_equal(np.asarray(explicit.tokens), tokens)
 
 
 def test_point_mass_residual_never_redraws_the_rejected_token():
@@ -81,12 +81,12 @@ def test_point_mass_residual_never_redraws_the_rejected_token():
     u = np.full((b, 1), 0.999, np.float32)  # 0.999 >= p(x) = 1/8: every test fails
     s = rng.random(b).astype(np.float32)
     out = rejection_sample(x, None, p, u, s)
-    assert np.all(np.asarray(out["num_accepted"]) == 0)
-    y = np.asarray(out["tokens"])[:, 0]
+    assert np.all(np.asarray(out.num_accepted) == 0)
+    y = np.asarray(out.tokens)[:, 0]
     assert np.all(y != x[:, 0])
     # Negative control: with q = 0 (an explicit all-zero draft row) the residual is p and x comes back.
     zero_q = rejection_sample(x, np.zeros((b, 1, vocab), np.float32), p, u, s)
-    assert np.any(np.asarray(zero_q["tokens"])[:, 0] == x[:, 0])
+    assert np.any(np.asarray(zero_q.tokens)[:, 0] == x[:, 0])
 
 
 def test_point_mass_acceptance_is_u_below_p():
@@ -96,11 +96,11 @@ def test_point_mass_acceptance_is_u_below_p():
     x = np.array([[1]], np.int32)
     for u, accepted in [(0.0, 1), (0.5999, 1), (0.6, 0), (0.9, 0)]:
         out = rejection_sample(x, None, p, np.array([[u]], np.float32), np.array([0.5], np.float32))
-        assert int(out["num_accepted"][0]) == accepted, u
+        assert int(out.num_accepted[0]) == accepted, u
     # a token the target gives probability 0 is never accepted, also with u = 0
     p[0, 0] = [0.5, 0.0, 0.5, 0.0]
     out = rejection_sample(x, None, p, np.array([[0.0]], np.float32), np.array([0.5], np.float32))
-    assert int(out["num_accepted"][0]) == 0
+    assert int(out.num_accepted[0]) == 0
 
 
 @pytest.mark.parametrize("sampler", [numpy_rejection_sample, torch_rejection_sample])
@@ -108,10 +108,10 @@ def test_shipped_samplers_take_point_masses(sampler):
     x, p, u, s = _case(11, 32, 3, 64)
     ours = rejection_sample(x, None, p, u, s)
     theirs = sampler(x, None, p, u, s)
-    np.testing.assert_array_equal(np.asarray(theirs["num_accepted"]), np.asarray(ours["num_accepted"]))
+    np.testing.assert_array_equal(np.asarray(theirs.num_accepted), np.asarray(ours.num_accepted))
     ref = reference_rejection_sample(x, _one_hot(x, 64), p, u, s)
-    got = np.asarray(theirs["tokens"])
-    n = np.asarray(ours["num_accepted"])
+    got = np.asarray(theirs.tokens)
+    n = np.asarray(ours.num_accepted)
     for row in range(x.shape[0]):
         y = int(got[row, n[row]])
         assert y == ref.emitted[row] or is_tie(ref, row, y, float(s[row]))
@@ -141,9 +141,9 @@ def test_verify_point_masses_greedy_keeps_the_argmax_prefix():
         if first_miss[row] < g:
             x[row, first_miss[row]] = (am[row, first_miss[row]] + 1) % vocab
     out = verify_from_logits(x, None, t, key=jax.random.key(0), temperature=0.0)
-    n = np.asarray(out["num_accepted"])
+    n = np.asarray(out.num_accepted)
     np.testing.assert_array_equal(n, first_miss)
-    tokens = np.asarray(out["tokens"])
+    tokens = np.asarray(out.tokens)
     np.testing.assert_array_equal(tokens[np.arange(b), n], am[np.arange(b), n])
 
 
@@ -157,7 +157,7 @@ def test_verify_point_masses_ragged_rows_match_the_kernel_on_processed_probs():
     k = rng.integers(0, g + 1, size=b).astype(np.int32)
     keys = jax.random.split(jax.random.key(9), b)
     out = verify_from_logits(x, None, t, key=keys, temperature=1.0, num_draft_tokens=k)
-    n, tokens = np.asarray(out["num_accepted"]), np.asarray(out["tokens"])
+    n, tokens = np.asarray(out.num_accepted), np.asarray(out.tokens)
     assert np.all(n <= k)
     p = np.asarray(jax.nn.softmax(jnp.asarray(t), axis=-1))
     for row in range(b):
@@ -165,8 +165,8 @@ def test_verify_point_masses_ragged_rows_match_the_kernel_on_processed_probs():
         uu = np.asarray(jax.random.uniform(keys[row], (g + 1,), jnp.float32))
         kb = int(k[row])
         one = rejection_sample(x[row : row + 1, :kb], None, p[row : row + 1, : kb + 1], uu[None, :kb], uu[g : g + 1])
-        assert int(one["num_accepted"][0]) == n[row]
-        ref_y, y = int(one["tokens"][0, n[row]]), int(tokens[row, n[row]])
+        assert int(one.num_accepted[0]) == n[row]
+        ref_y, y = int(one.tokens[0, n[row]]), int(tokens[row, n[row]])
         ref = reference_rejection_sample(
             x[row : row + 1, :kb],
             _one_hot(x[row : row + 1, :kb], vocab),
@@ -214,7 +214,7 @@ def _run(draft_logits):
     out = verify_from_logits(
         x, d, logits, key=jax.random.split(jax.random.key(2), N), temperature=T, top_k=K, top_p=P, validate=False
     )
-    return np.asarray(out["tokens"]), np.asarray(out["num_accepted"]), x, p0, p1
+    return np.asarray(out.tokens), np.asarray(out.num_accepted), x, p0, p1
 
 
 @pytest.mark.slow
@@ -247,10 +247,10 @@ def test_all_greedy_point_masses_match_the_sampled_path_on_their_rows():
     keys = jax.random.split(jax.random.key(3), b)
     greedy = verify_from_logits(x, None, t, key=keys, temperature=0.0, num_draft_tokens=k)
     mixed = verify_from_logits(x, None, t, key=keys, temperature=[0.0] * (b - 1) + [0.7], num_draft_tokens=k)
-    np.testing.assert_array_equal(np.asarray(greedy["tokens"])[:-1], np.asarray(mixed["tokens"])[:-1])
-    n = np.asarray(greedy["num_accepted"])
+    np.testing.assert_array_equal(np.asarray(greedy.tokens)[:-1], np.asarray(mixed.tokens)[:-1])
+    n = np.asarray(greedy.num_accepted)
     for row in range(b):
         m = 0
         while m < k[row] and x[row, m] == am[row, m]:
             m += 1
-        assert n[row] == m and np.asarray(greedy["tokens"])[row, m] == am[row, m]
+        assert n[row] == m and np.asarray(greedy.tokens)[row, m] == am[row, m]

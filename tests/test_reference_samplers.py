@@ -38,7 +38,7 @@ F32_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
 
 def run(name: str, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
     out = SAMPLERS[name](*args, **kwargs)
-    n, tokens = _host(out["num_accepted"]), _host(out["tokens"])
+    n, tokens = _host(out.num_accepted), _host(out.tokens)
     assert n.dtype == np.int32 and tokens.dtype == np.int32
     return n, tokens
 
@@ -319,10 +319,10 @@ def test_torch_sampler_accepts_every_input_kind() -> None:
     assert expected[0].tolist() == [1] and expected[1].tolist() == [[1, 0, -1]]
     for kind, args in kinds.items():
         out = torch_rejection_sample(*args)
-        assert isinstance(out["tokens"], torch.Tensor) and out["tokens"].dtype == torch.int32, kind
-        assert isinstance(out["num_accepted"], torch.Tensor) and out["num_accepted"].dtype == torch.int32, kind
-        assert out["tokens"].tolist() == expected[1].tolist(), kind
-        assert out["num_accepted"].tolist() == expected[0].tolist(), kind
+        assert isinstance(out.tokens, torch.Tensor) and out.tokens.dtype == torch.int32, kind
+        assert isinstance(out.num_accepted, torch.Tensor) and out.num_accepted.dtype == torch.int32, kind
+        assert out.tokens.tolist() == expected[1].tolist(), kind
+        assert out.num_accepted.tolist() == expected[0].tolist(), kind
 
 
 def test_numpy_sampler_accepts_torch_and_jax() -> None:
@@ -332,8 +332,8 @@ def test_numpy_sampler_accepts_torch_and_jax() -> None:
         (jnp.asarray(x), jnp.asarray(q), jnp.asarray(p), jnp.asarray(u), jnp.asarray(s)),
     ):
         out = numpy_rejection_sample(*args)
-        assert isinstance(out["tokens"], np.ndarray) and out["tokens"].dtype == np.int32
-        assert out["tokens"].tolist() == [[1, 0, -1]]
+        assert isinstance(out.tokens, np.ndarray) and out.tokens.dtype == np.int32
+        assert out.tokens.tolist() == [[1, 0, -1]]
 
 
 def test_loop_host_conversion_of_every_result_type() -> None:
@@ -341,7 +341,7 @@ def test_loop_host_conversion_of_every_result_type() -> None:
     x, q, p, u, s = _small()
     for name in SAMPLERS:
         out = SAMPLERS[name](*(np.asarray(a) for a in (x, q, p, u, s)))
-        tokens = _host(out["tokens"])
+        tokens = _host(out.tokens)
         assert isinstance(tokens, np.ndarray) and tokens.dtype == np.int32, name
         assert tokens.tolist() == [[1, 0, -1]], name
     assert _host(jnp.asarray([[3, -1]], jnp.int32)).tolist() == [[3, -1]]
@@ -357,7 +357,7 @@ sys.modules["jaxlib"] = None
 import torch
 from specjax.plugin.reference_samplers import torch_rejection_sample
 out = torch_rejection_sample([[1]], [[[0.5, 0.5]]], [[[0.5, 0.5], [1.0, 0.0]]], [[0.1]], [0.3])
-assert out["tokens"].tolist() == [[1, 0]] and out["tokens"].dtype == torch.int32
+assert out.tokens.tolist() == [[1, 0]] and out.tokens.dtype == torch.int32
 print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -463,8 +463,8 @@ def test_torch_sampler_on_gpu_with_jax_arrays() -> None:
     )
     on_gpu = [jax.device_put(a, gpu) for a in (x, q, p, u, s)]
     out = torch_rejection_sample(*on_gpu)
-    assert out["tokens"].device.type == "cuda"
+    assert out.tokens.device.type == "cuda"
     ref = numpy_rejection_sample(x, q, p, u, s)
-    np.testing.assert_array_equal(out["tokens"].cpu().numpy(), ref["tokens"])
+    np.testing.assert_array_equal(out.tokens.cpu().numpy(), ref.tokens)
     cuda_out = torch_rejection_sample(*(torch.as_tensor(a, device="cuda") for a in (x, q, p, u, s)))
-    np.testing.assert_array_equal(cuda_out["tokens"].cpu().numpy(), ref["tokens"])
+    np.testing.assert_array_equal(cuda_out.tokens.cpu().numpy(), ref.tokens)

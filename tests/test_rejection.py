@@ -135,12 +135,12 @@ EXAMPLE_VARIANTS = [("list", "float64", "int64")] + [
 def test_example_verbatim(ex: Example) -> None:
     """The contract's examples exactly as written (Python lists, default validate=True)."""
     out = rejection_sample(*ex.inputs())
-    assert set(out) == {"num_accepted", "tokens"}
+    assert set(vars(out)) == {"num_accepted", "tokens"}
     b, g = len(ex.draft_tokens), len(ex.draft_tokens[0])
-    assert out["num_accepted"].dtype == jnp.int32 and out["num_accepted"].shape == (b,)
-    assert out["tokens"].dtype == jnp.int32 and out["tokens"].shape == (b, g + 1)
-    assert np.asarray(out["num_accepted"]).tolist() == ex.num_accepted
-    assert np.asarray(out["tokens"]).tolist() == ex.tokens
+    assert out.num_accepted.dtype == jnp.int32 and out.num_accepted.shape == (b,)
+    assert out.tokens.dtype == jnp.int32 and out.tokens.shape == (b, g + 1)
+    assert np.asarray(out.num_accepted).tolist() == ex.num_accepted
+    assert np.asarray(out.tokens).tolist() == ex.tokens
 
 
 @pytest.mark.parametrize("ex", EXAMPLES, ids=lambda e: e.name)
@@ -175,10 +175,10 @@ def test_example_every_input_type_and_dtype(ex: Example, kind: str, float_dtype:
     # Value checks only where their compiled summary is shared with test_example_verbatim
     # (float32); the other dtypes differ in the kernel, not in the checks.
     out = run(*args, validate=float_dtype in ("float32", "float64"))
-    assert out["num_accepted"].shape == (len(ex.num_accepted),)
-    assert out["tokens"].shape == (len(ex.tokens), len(ex.tokens[0]))
-    assert out["num_accepted"].tolist() == ex.num_accepted
-    assert out["tokens"].tolist() == ex.tokens
+    assert out.num_accepted.shape == (len(ex.num_accepted),)
+    assert out.tokens.shape == (len(ex.tokens), len(ex.tokens[0]))
+    assert out.num_accepted.tolist() == ex.num_accepted
+    assert out.tokens.tolist() == ex.tokens
 
 
 # --------------------------------------------------------------------------- edge cases
@@ -213,8 +213,8 @@ def run_row(
         np.full(EDGE_B, s, dtype),
         validate=validate,
     )
-    assert np.array_equal(out["tokens"][0], out["tokens"][1])
-    return int(out["num_accepted"][0]), out["tokens"][0].tolist()
+    assert np.array_equal(out.tokens[0], out.tokens[1])
+    return int(out.num_accepted[0]), out.tokens[0].tolist()
 
 
 def test_q_zero_with_p_positive_passes() -> None:
@@ -343,8 +343,8 @@ def test_g_zero_as_plain_python_lists() -> None:
     """Found in review: ``[[]]`` draft tokens (G = 0 as lists) became a float64 array in
     NumPy and were refused as "got float64"."""
     out = rejection_sample([[]], np.zeros((1, 0, 4)), [[[0.1, 0.2, 0.3, 0.4]]], [[]], [0.35])
-    assert np.asarray(out["num_accepted"]).tolist() == [0]
-    assert np.asarray(out["tokens"]).tolist() == [[2]]
+    assert np.asarray(out.num_accepted).tolist() == [0]
+    assert np.asarray(out.tokens).tolist() == [[2]]
     with pytest.raises(ValueError, match=r"draft_tokens: expected integer token ids .*got float64"):
         rejection_sample([[0.5]], [[[0.5, 0.5]]], [[[0.5, 0.5], [0.5, 0.5]]], [[0.1]], [0.35])
 
@@ -366,8 +366,8 @@ def test_b_zero_returns_empty(num_draft: int, validate: bool) -> None:
         np.zeros((0,), np.float32),
         validate=validate,
     )
-    assert out["num_accepted"].shape == (0,)
-    assert out["tokens"].shape == (0, num_draft + 1)
+    assert out.num_accepted.shape == (0,)
+    assert out.tokens.shape == (0, num_draft + 1)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
@@ -397,12 +397,12 @@ def test_rounding_fallback_is_last_positive_token() -> None:
     q[5] = 1.0  # the draft token, p = 0 there: rejected; residual max(p - q, 0) = w
     args = (i32([[5]]), q[None, None], np.stack([w, w])[None], f32([[0.5]]), f32([1.0]))
     out = run(*args, validate=False)
-    assert out["num_accepted"].tolist() == [0]
-    assert out["tokens"].tolist() == [[700, -1]]
+    assert out.num_accepted.tolist() == [0]
+    assert out.tokens.tolist() == [[700, -1]]
     assert reference_rejection_sample(*args).tokens.tolist() == [[700, -1]]
     # Negative control: the straightforward version has no fallback and emits V.
     wrong = straightforward_rejection_sample(*[jnp.asarray(a) for a in args])
-    assert np.asarray(wrong["tokens"]).tolist() != [[700, -1]]
+    assert np.asarray(wrong.tokens).tolist() != [[700, -1]]
 
 
 def test_rounding_near_one_never_emits_zero_probability_token() -> None:
@@ -438,13 +438,13 @@ def test_rounding_near_one_never_emits_zero_probability_token() -> None:
     )
     out = run(*args, validate=False)
     ref = reference_rejection_sample(*args)
-    y = out["tokens"][:, 0]
+    y = out.tokens[:, 0]
     assert np.all(w[np.arange(batch), y] > 0)
     c = compare_to_reference(args, out, ref)  # every difference is within rounding of s
     last = np.array([np.flatnonzero(row)[-1] for row in w])
     assert c.y_ties > 0 and np.sum(y == last) > 0  # the construction does reach the edge
     # Negative control: the straightforward version emits zero-probability tokens or V here.
-    wrong = np.asarray(straightforward_rejection_sample(*[jnp.asarray(a) for a in args])["tokens"][:, 0])
+    wrong = np.asarray(straightforward_rejection_sample(*[jnp.asarray(a) for a in args]).tokens[:, 0])
     outside = (wrong >= vocab) | (wrong < 0)
     assert np.any(outside | (w[np.arange(batch), np.minimum(wrong, vocab - 1)] == 0))
 
@@ -481,7 +481,7 @@ def test_float64_uniform_just_below_one_with_p_equal_q_accepts() -> None:
     """float64 u = 1 - 1e-9 < 1 = p/q must pass although float32 would round u to 1.0."""
     dist = [[0.25, 0.25, 0.5, 0, 0, 0, 0, 0]] * 2
     out = run([[0]] * EDGE_B, [dist[:1]] * EDGE_B, [dist] * EDGE_B, [[1 - 1e-9]] * EDGE_B, [0.5] * EDGE_B)
-    assert out["num_accepted"].tolist() == [1] * EDGE_B
+    assert out.num_accepted.tolist() == [1] * EDGE_B
 
 
 def test_float64_torch_uniforms_just_below_one_are_accepted_like_numpy() -> None:
@@ -498,7 +498,7 @@ def test_float64_torch_uniforms_just_below_one_are_accepted_like_numpy() -> None
     from_numpy = rejection_sample(*args, u, s)
     from_torch = rejection_sample(*args, torch.from_numpy(u), torch.from_numpy(s))
     for key in ("num_accepted", "tokens"):
-        np.testing.assert_array_equal(np.asarray(from_torch[key]), np.asarray(from_numpy[key]))
+        np.testing.assert_array_equal(np.asarray(getattr(from_torch, key)), np.asarray(getattr(from_numpy, key)))
     u[0, 0] = 1.0  # and 1.0 itself is still refused, for both
     with pytest.raises(ValueError, match="accept_uniforms: expected values in \\[0, 1\\)"):
         rejection_sample(*args, torch.from_numpy(u), torch.from_numpy(s))

@@ -26,6 +26,8 @@ from rejection_helpers import (
 )
 from scipy import stats
 
+from specjax.kernels.results import AcceptanceResult
+
 # --------------------------------------------------------------------------- random cases vs reference
 
 # (B, G, V, number of calls): every call is B rows, every row a case. Few shapes
@@ -120,8 +122,8 @@ def test_compare_to_reference_can_fail() -> None:
     ref = reference_rejection_sample(*args)
     tokens, q, p, u, s = args
 
-    def as_out(r: Any) -> dict[str, np.ndarray]:
-        return {"num_accepted": r.num_accepted.astype(np.int32), "tokens": r.tokens.astype(np.int32)}
+    def as_out(r: Any) -> AcceptanceResult:
+        return AcceptanceResult(r.num_accepted.astype(np.int32), r.tokens.astype(np.int32))
 
     assert compare_to_reference(args, as_out(ref), ref).rows == 64
     # Acceptance as if q(x) = 0 (every token with p(x) > 0 passes).
@@ -184,7 +186,7 @@ PROPERTY_SETTINGS = settings(deadline=None, max_examples=100, suppress_health_ch
 def test_property_output_invariants(args: tuple) -> None:
     tokens, _, p, _, _ = args
     out = run(*args)
-    n, t = out["num_accepted"], out["tokens"]
+    n, t = out.num_accepted, out.tokens
     batch, num_draft = tokens.shape
     ref = reference_rejection_sample(*args)
     for b in range(batch):
@@ -211,9 +213,9 @@ def test_property_p_equals_q_accepts_everything(args: tuple) -> None:
     tokens, _, p, _, _ = args
     out = run(*args)
     num_draft = tokens.shape[1]
-    assert np.all(out["num_accepted"] == num_draft)
-    assert np.array_equal(out["tokens"][:, :num_draft], tokens)
-    y = out["tokens"][:, num_draft]
+    assert np.all(out.num_accepted == num_draft)
+    assert np.array_equal(out.tokens[:, :num_draft], tokens)
+    y = out.tokens[:, num_draft]
     assert np.all(p[np.arange(len(y)), num_draft, y] > 0)  # the bonus token is in p_G's support
 
 
@@ -267,7 +269,7 @@ def _chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
 def test_first_emitted_token_follows_target(chi_square_run: dict[str, Any]) -> None:
     """Position 0 of the output is distributed as p_0 (the point of speculative sampling)."""
     r = chi_square_run
-    first = r["out"]["tokens"][:, 0]
+    first = r["out"].tokens[:, 0]
     assert np.all(first >= 0)
     assert _chi2_pvalue(first, r["p"][0]) > 1e-3
 
@@ -276,7 +278,7 @@ def test_first_emitted_token_follows_target(chi_square_run: dict[str, Any]) -> N
 def test_later_tokens_follow_target(chi_square_run: dict[str, Any]) -> None:
     """Given n >= 1, position 1 follows p_1; given n = G, the bonus token follows p_G."""
     r = chi_square_run
-    n, t = r["out"]["num_accepted"], r["out"]["tokens"]
+    n, t = r["out"].num_accepted, r["out"].tokens
     assert _chi2_pvalue(t[n >= 1, 1], r["p"][1]) > 1e-3
     assert _chi2_pvalue(t[n == 2, 2], r["p"][2]) > 1e-3
     # The acceptance rate matches the theory: P(accept x_0) = Σ_v min(p_0(v), q_0(v)).

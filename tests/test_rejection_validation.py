@@ -286,13 +286,13 @@ def test_validate_false_skips_value_checks(bad: BadInput) -> None:
             rejection_sample(**inputs, validate=False)
         return
     out = rejection_sample(**inputs, validate=False)
-    assert out["num_accepted"].shape == (2,) and out["tokens"].shape == (2, 4)
+    assert out.num_accepted.shape == (2,) and out.tokens.shape == (2, 4)
 
 
 def test_valid_inputs_pass_validation() -> None:
     """The table's base inputs are valid, so each error above comes from its one mutation."""
     out = rejection_sample(**valid_inputs())
-    assert out["tokens"].shape == (EDGE_B, 4)
+    assert out.tokens.shape == (EDGE_B, 4)
 
 
 def test_validate_false_does_not_sync(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -261,8 +261,8 @@ def test_unvalidated_ids_outside_the_vocabulary_are_never_accepted(sampler, ids)
     q, p, u, s = _uniform_case(ids.tolist())
     fn = specjax.load_sampler(sampler)
     out = fn(ids, q, p, u, s, validate=False)
-    n = np.asarray(out["num_accepted"] if sampler != "torch" else out["num_accepted"].numpy())
-    tokens = np.asarray(out["tokens"] if sampler != "torch" else out["tokens"].numpy())
+    n = np.asarray(out.num_accepted if sampler != "torch" else out.num_accepted.numpy())
+    tokens = np.asarray(out.tokens if sampler != "torch" else out.tokens.numpy())
     first_bad = next(i for i, x in enumerate(ids[0].tolist()) if not 0 <= x < V)
     assert n.tolist() == [first_bad]  # accepted up to the first out-of-range id, never it
     assert np.all((tokens[0, : first_bad + 1] >= 0) & (tokens[0, : first_bad + 1] < V))
@@ -280,7 +280,7 @@ def test_the_three_samplers_agree_on_unvalidated_random_ids() -> None:
     results = {}
     for name in SAMPLERS:
         out = specjax.load_sampler(name)(torch.tensor(ids), q, p, u, s, validate=False)
-        results[name] = {k: np.asarray(v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+        results[name] = {k: np.asarray(v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in vars(out).items()}
         tokens = results[name]["tokens"]
         n = results[name]["num_accepted"]
         emitted = np.arange(g + 1)[None, :] <= n[:, None]

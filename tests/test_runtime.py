@@ -37,7 +37,7 @@ _PROBE = textwrap.dedent(
     out = specjax.verify_from_logits(tokens, draft, target, key=jax.random.key(1), temperature=0.8)
     affinities = {sorted(os.sched_getaffinity(int(t))).__repr__() for t in os.listdir("/proc/self/task")}
     print(json.dumps({"returned": returned, "pool": xla_cpu_pool_threads(), "before": before,
-                      "affinities": sorted(affinities), "tokens": np.asarray(out["tokens"]).tolist()}))
+                      "affinities": sorted(affinities), "tokens": np.asarray(out.tokens).tolist()}))
     """
 )
 

@@ -7,6 +7,9 @@ effects and does not start JAX or torch:
 * :func:`sample_from_logits`, :func:`verify_from_logits` — the logits front end.
 * :func:`speculative_generate` — the generation loop over Hugging Face models.
 * :func:`load_sampler` — resolve a sampler by name from the entry-point registry.
+* :class:`AcceptanceResult` (``num_accepted``, ``tokens``), what the acceptance
+  functions return; :class:`SamplingParams`, the per-row parameters the jitted
+  kernels take as one pytree.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AcceptanceResult": "specjax.kernels.results",
+    "SamplingParams": "specjax.kernels.types",
     "rejection_sample": "specjax.boundary.api",
     "sample_from_logits": "specjax.boundary.api",
     "verify_from_logits": "specjax.boundary.api",

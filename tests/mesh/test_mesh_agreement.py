@@ -30,6 +30,7 @@ def test_agreement_logits_1x8() -> None:
 
     from specjax.kernels.frontend import verify_from_logits
     from specjax.kernels.sharded import MeshLayout, verify_on_mesh
+    from specjax.kernels.types import SamplingParams
 
     x, dl, tl, kwargs = logits_inputs(16, 4, 1000, seed=11, filters=False, row_keys=False)
     got = verify_on_mesh(
@@ -37,12 +38,8 @@ def test_agreement_logits_1x8() -> None:
         jnp.asarray(dl),
         jnp.asarray(tl),
         kwargs["key"],
-        jnp.asarray(kwargs["temperature"]),
-        jnp.zeros(16, jnp.int32),
-        jnp.zeros(16, jnp.float32),
+        SamplingParams(jnp.asarray(kwargs["temperature"]), jnp.zeros(16, jnp.int32), jnp.zeros(16, jnp.float32)),
         jnp.asarray(kwargs["num_draft_tokens"]),
-        use_top_k=False,
-        use_top_p=False,
         layout=MeshLayout(make_mesh(AGREE_MESH), "b", "v"),
         per_shard=True,
     )

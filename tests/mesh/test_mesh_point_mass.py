@@ -33,11 +33,11 @@ def test_point_masses_on_a_mesh_equal_one_device() -> None:
     one = verify_from_logits(x, None, t, **kw)
     for axes in (("b", None), (None, "v"), ("b", "v")):
         many = verify_from_logits_sharded(x, None, t, mesh=mesh, batch_axis=axes[0], vocab_axis=axes[1], **kw)
-        assert np.array_equal(np.asarray(one["tokens"]), np.asarray(many["tokens"])), axes
+        assert np.array_equal(np.asarray(one.tokens), np.asarray(many.tokens)), axes
     p = np.exp(t - t.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     u, s = rng.random((b, g)).astype(np.float32), rng.random(b).astype(np.float32)
     one = rejection_sample(x, None, p, u, s)
     for axes in (("b", None), (None, "v"), ("b", "v")):
         many = rejection_sample_sharded(x, None, p, u, s, mesh=mesh, batch_axis=axes[0], vocab_axis=axes[1])
-        assert np.array_equal(np.asarray(one["tokens"]), np.asarray(many["tokens"])), axes
+        assert np.array_equal(np.asarray(one.tokens), np.asarray(many.tokens)), axes

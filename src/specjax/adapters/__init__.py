@@ -47,7 +47,7 @@ not enough. The generation loop enforces this with :func:`borrowed`::
 
     with borrowed(draft_logits, target_logits) as b:
         out = b.reads(verify_from_logits(*b.arrays, ...))
-    tokens = to_torch(out["tokens"])
+    tokens = to_torch(out.tokens)
 
 which blocks (``jax.block_until_ready``) on the registered results on exit.
 For the same reason never donate (``donate_argnums``) an array made by

@@ -11,7 +11,7 @@ free the tensors (e.g. a static KV cache or a preallocated logits buffer)::
     with borrowed(draft_logits, target_logits) as b:
         q_logits, p_logits = b.arrays
         out = b.reads(verify_from_logits(q_logits, p_logits, ...))
-    tokens = to_torch(out["tokens"])  # i32[B, G+1], on the logits' device
+    tokens = to_torch(out.tokens)  # i32[B, G+1], on the logits' device
     # draft_logits / target_logits may be written again from here on
 
 Register every JAX result computed from the borrowed arrays (any pytree of

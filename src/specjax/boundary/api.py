@@ -23,6 +23,7 @@ from specjax.boundary import validation as _v
 from specjax.boundary.validation import ArrayInput, FloatOrRows, IntOrRows
 from specjax.kernels import frontend, rejection, sharded
 from specjax.kernels.collectives import AxisName
+from specjax.kernels.types import AcceptanceResult
 
 __all__ = [
     "rejection_sample",
@@ -41,7 +42,7 @@ def rejection_sample(
     sample_uniforms: ArrayInput,
     *,
     validate: bool = True,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """Decide how many draft tokens to keep and draw the correction or bonus token.
 
     Args:
@@ -65,8 +66,10 @@ def rejection_sample(
     ``jax_enable_x64``; otherwise JAX stores float64 inputs as float32).
 
     Returns:
-      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}``. Row b of ``tokens``
-      holds the ``n`` accepted draft tokens, then ``y``, then -1.
+      :class:`AcceptanceResult` ``(num_accepted: i32[B], tokens: i32[B, G+1])``.
+      Row b of ``tokens`` holds the ``n`` accepted draft tokens, then ``y``,
+      then -1. (Dict-style ``out["tokens"]`` still works for one release, with
+      a ``DeprecationWarning``.)
 
     The contract:
 
@@ -107,17 +110,14 @@ def _rejection_sample(
     *,
     validate: bool,
     layout: sharded.MeshLayout | None,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """:func:`rejection_sample` on ``layout``, or where ``target_probs`` lies (``layout=None``)."""
     args = _v.convert_kernel_inputs(
         draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate
     )
     b, g = args[0].shape
     if b == 0:
-        return {
-            "num_accepted": jnp.zeros((0,), jnp.int32),
-            "tokens": jnp.zeros((0, g + 1), jnp.int32),
-        }
+        return AcceptanceResult(jnp.zeros((0,), jnp.int32), jnp.zeros((0, g + 1), jnp.int32))
     if layout is None:
         layout = sharded.mesh_layout(args[2], "target_probs")
     if layout is not None:  # split over B and/or V on a device mesh
@@ -161,21 +161,13 @@ def sample_from_logits(
     if vocab == 0:
         raise ValueError("logits: expected a vocabulary size V >= 1, got V = 0")
     key = _v.as_key(key, batch)
-    temperature, top_k_arr, top_p_arr = _v._prepare_params(temperature, top_k, top_p, batch, validate)
+    params = _v._prepare_params(temperature, top_k, top_p, batch, validate)
     logits = _v.for_jit(logits)  # read by the check and the draw
     if validate and batch:
         _v._check_logits("logits", logits)
     if batch == 0:
         return jnp.zeros((0,), jnp.int32), jnp.zeros((0, vocab), jnp.float32)
-    return frontend._sample_jit(
-        logits,
-        key,
-        temperature,
-        top_k_arr if top_k_arr is not None else _v._dummy(batch, np.int32),
-        top_p_arr if top_p_arr is not None else _v._dummy(batch, np.float32),
-        use_top_k=top_k_arr is not None,
-        use_top_p=top_p_arr is not None,
-    )
+    return frontend._sample_jit(logits, key, params)
 
 
 def verify_from_logits(
@@ -190,7 +182,7 @@ def verify_from_logits(
     top_p: FloatOrRows | None = None,
     num_draft_tokens: IntOrRows | None = None,
     validate: bool = True,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """The acceptance step from logits: process both sides identically, then accept/draw.
 
     Args:
@@ -217,7 +209,7 @@ def verify_from_logits(
         unspecified tokens.
 
     Returns:
-      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}`` as
+      :class:`AcceptanceResult` ``(num_accepted: i32[B], tokens: i32[B, G+1])`` as
       :func:`specjax.rejection_sample`: accepted tokens, then the emitted token,
       then -1.
 
@@ -257,7 +249,7 @@ def _verify_from_logits(
     num_draft_tokens: IntOrRows | None = None,
     validate: bool = True,
     layout: sharded.MeshLayout | None,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """:func:`verify_from_logits` on ``layout``, or where ``target_logits`` lies (``layout=None``)."""
     draft_tokens = _v.as_array("draft_tokens", _v.token_ids_unchecked(draft_tokens, validate))
     point_masses = draft_logits is None
@@ -289,7 +281,7 @@ def _verify_from_logits(
     _v.check_float("target_logits", target_logits)
     draft_tokens = _v.as_token_ids("draft_tokens", draft_tokens)
     key = _v.as_key(key, batch)
-    temperature, top_k_arr, top_p_arr = _v._prepare_params(temperature, top_k, top_p, batch, validate)
+    params = _v._prepare_params(temperature, top_k, top_p, batch, validate)
     if num_draft_tokens is None:
         k = _v._full_k(batch, g)
     else:
@@ -300,7 +292,7 @@ def _verify_from_logits(
                 raise ValueError(f"num_draft_tokens: expected values in [0, G] = [0, {g}], got {kh.tolist()}")
         k = np.ascontiguousarray(k, np.int32)
     if batch == 0:
-        return {"num_accepted": jnp.zeros((0,), jnp.int32), "tokens": jnp.zeros((0, g + 1), jnp.int32)}
+        return AcceptanceResult(jnp.zeros((0,), jnp.int32), jnp.zeros((0, g + 1), jnp.int32))
     if validate:  # one fused check, one transfer to the host
         # read by the check and the step
         draft_tokens, target_logits = _v.for_jit(draft_tokens), _v.for_jit(target_logits)
@@ -318,18 +310,7 @@ def _verify_from_logits(
     if layout is None:
         layout = sharded.mesh_layout(target_logits, "target_logits")  # split over B and/or V?
     verify = frontend._verify_jit if layout is None else partial(sharded.verify_on_mesh, layout=layout)
-    return verify(
-        draft_tokens,
-        draft_logits,
-        target_logits,
-        key,
-        temperature,
-        top_k_arr if top_k_arr is not None else _v._dummy(batch, np.int32),
-        top_p_arr if top_p_arr is not None else _v._dummy(batch, np.float32),
-        k,
-        use_top_k=top_k_arr is not None,
-        use_top_p=top_p_arr is not None,
-    )
+    return verify(draft_tokens, draft_logits, target_logits, key, params, k)
 
 
 def rejection_sample_sharded(
@@ -343,7 +324,7 @@ def rejection_sample_sharded(
     batch_axis: AxisName = None,
     vocab_axis: AxisName = None,
     validate: bool = True,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """:func:`rejection_sample` on ``mesh``, rows split over ``batch_axis``, ids over ``vocab_axis``.
 
     Args:
@@ -356,7 +337,7 @@ def rejection_sample_sharded(
       vocab_axis: the mesh axis (or tuple of axes) splitting V, or None.
 
     Returns:
-      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}`` on ``mesh``, split over
+      :class:`AcceptanceResult` ``(num_accepted: i32[B], tokens: i32[B, G+1])`` on ``mesh``, split over
       ``batch_axis`` and replicated over the other axes; the values of
       :func:`rejection_sample` (see :mod:`specjax.kernels.sharded` on equality).
 
@@ -384,7 +365,7 @@ def verify_from_logits_sharded(
     batch_axis: AxisName = None,
     vocab_axis: AxisName = None,
     **kwargs: Any,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """:func:`verify_from_logits` on ``mesh``, rows over ``batch_axis``, ids over ``vocab_axis``.
 
     Args:
@@ -395,7 +376,7 @@ def verify_from_logits_sharded(
       mesh, batch_axis, vocab_axis: as :func:`rejection_sample_sharded`.
 
     Returns:
-      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}`` on ``mesh``, split over
+      :class:`AcceptanceResult` ``(num_accepted: i32[B], tokens: i32[B, G+1])`` on ``mesh``, split over
       ``batch_axis``. The uniforms come from ``key`` exactly as on one device,
       drawn once and shared by all vocabulary shards.
     """

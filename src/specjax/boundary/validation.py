@@ -22,6 +22,7 @@ import numpy as np
 
 from specjax.adapters.host import host_view, jax_on_cpu
 from specjax.kernels.frontend import TEMPERATURE_RANGE
+from specjax.kernels.types import SamplingParams
 
 if TYPE_CHECKING:  # torch is not imported here; a tensor is recognised by its module
     import torch
@@ -404,12 +405,14 @@ def _check_params(temperature, top_k, top_p, validate: bool) -> None:
             raise ValueError(f"top_p: expected values in (0, 1], got {p.tolist()}")
 
 
-def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
-    """Per-row parameters as f32/i32/f32 arrays of shape (B,) (``None`` stays ``None``).
+def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool) -> SamplingParams:
+    """The per-row parameters as a :class:`SamplingParams` of f32/i32/f32 (B,) arrays.
 
-    They are NumPy arrays on the host: the jitted call takes them as arguments,
-    and no eager JAX operation (each costs a dispatch, a good part of a B = 1
-    step on a CPU) runs at the boundary.
+    ``top_k`` / ``top_p`` None set ``use_top_k`` / ``use_top_p`` False and leave a
+    shared zero placeholder in the field. The arrays are NumPy arrays on the
+    host: the jitted call takes them as arguments, and no eager JAX operation
+    (each costs a dispatch, a good part of a B = 1 step on a CPU) runs at the
+    boundary.
     """
     if temperature is None:
         raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
@@ -431,10 +434,11 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
                 None if top_p is None else np.full(rows, top_p, np.float64),
                 validate,
             )
-        return (
+        return _sampling_params(
             _scalar_row(temperature, batch, np.float32),
             None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
             None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32),
+            batch,
         )
     temperature = _row_param("temperature", temperature, batch, "float")
     top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
@@ -445,7 +449,18 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool):
         top_k = np.ascontiguousarray(np.clip(top_k, 0, np.iinfo(np.int32).max), np.int32)
     if top_p is not None:
         top_p = np.ascontiguousarray(1.0 - top_p.astype(np.float64), np.float32)  # in float64, as transformers does
-    return temperature, top_k, top_p
+    return _sampling_params(temperature, top_k, top_p, batch)
+
+
+def _sampling_params(temperature, top_k, one_minus_top_p, batch: int) -> SamplingParams:
+    """The (B,) arrays as one pytree; an unused field holds the shared placeholder (:func:`_dummy`)."""
+    return SamplingParams(
+        temperature,
+        _dummy(batch, np.int32) if top_k is None else top_k,
+        _dummy(batch, np.float32) if one_minus_top_p is None else one_minus_top_p,
+        use_top_k=top_k is not None,
+        use_top_p=one_minus_top_p is not None,
+    )
 
 
 @functools.cache

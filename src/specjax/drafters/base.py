@@ -32,7 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
+
+from specjax.kernels.types import SamplingParams
 
 __all__ = ["CommitInfo", "DraftRequest", "DraftSetup", "Drafter", "Proposal", "SamplingState"]
 
@@ -42,28 +45,41 @@ class SamplingState:
     """The per-row sampling parameters and keys of the rows in the caches (JAX arrays of B' rows).
 
     Attributes:
-      temperature: f32[B']; top_k: i32[B']; one_minus_top_p: f32[B'].
-      use_top_k, use_top_p: whether any row uses them (static for the jitted steps).
+      params: :class:`specjax.kernels.types.SamplingParams` of B' rows
+        (temperature, top-k, ``1 - top_p``; ``use_top_k`` / ``use_top_p``
+        static), passed as one argument to the jitted steps.
       keys: key[B'], one PRNG key per row.
+
+    ``temperature``, ``top_k``, ``one_minus_top_p``, ``use_top_k`` and
+    ``use_top_p`` read the fields of ``params``.
     """
 
-    temperature: Any
-    top_k: Any
-    one_minus_top_p: Any
-    use_top_k: bool
-    use_top_p: bool
+    params: SamplingParams
     keys: Any
+
+    @property
+    def temperature(self) -> Any:
+        return self.params.temperature
+
+    @property
+    def top_k(self) -> Any:
+        return self.params.top_k
+
+    @property
+    def one_minus_top_p(self) -> Any:
+        return self.params.one_minus_top_p
+
+    @property
+    def use_top_k(self) -> bool:
+        return self.params.use_top_k
+
+    @property
+    def use_top_p(self) -> bool:
+        return self.params.use_top_p
 
     def select(self, rows: Any) -> SamplingState:
         """The state of ``rows`` (i32[B''] indices into the current rows)."""
-        return SamplingState(
-            self.temperature[rows],
-            self.top_k[rows],
-            self.one_minus_top_p[rows],
-            self.use_top_k,
-            self.use_top_p,
-            self.keys[rows],
-        )
+        return SamplingState(jax.tree.map(lambda a: a[rows], self.params), self.keys[rows])
 
 
 @dataclass

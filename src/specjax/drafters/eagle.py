@@ -138,12 +138,8 @@ class EagleDrafter:
                         s.keys,
                         request.step,
                         i + 1,
-                        s.temperature,
-                        s.top_k,
-                        s.one_minus_top_p,
+                        s.params,
                         vocab=self.vocab,
-                        use_top_k=s.use_top_k,
-                        use_top_p=s.use_top_p,
                     )
                     tokens.append(xj)
                     x = to_torch(xj).to(device=device, dtype=torch.long)

@@ -102,12 +102,8 @@ class ModelDrafter:
                 s.keys,
                 request.step,
                 i + 1,
-                s.temperature,
-                s.top_k,
-                s.one_minus_top_p,
+                s.params,
                 vocab=self.vocab,
-                use_top_k=s.use_top_k,
-                use_top_p=s.use_top_p,
             )
             draws.append(x)
             if i < g - 1:

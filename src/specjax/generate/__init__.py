@@ -286,14 +286,10 @@ def speculative_generate(
         _check_sliding_window(m, needed, "draft")
 
     sampler_fn = _resolve_sampler(sampler)
-    temperature_a, top_k_a, top_p_a = _prepare_params(temperature, top_k, top_p, batch, True)
+    params = _prepare_params(temperature, top_k, top_p, batch, True)
     base = jax.random.key(seed)
     sampling = SamplingState(  # on the device once, for every step's jitted calls
-        jax.device_put(temperature_a),
-        jax.device_put(top_k_a if top_k_a is not None else np.zeros((batch,), np.int32)),
-        jax.device_put(top_p_a if top_p_a is not None else np.zeros((batch,), np.float32)),
-        top_k_a is not None,
-        top_p_a is not None,
+        jax.device_put(params),
         jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jax.numpy.arange(batch)),
     )
     if not isinstance(adaptive, bool):

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.kernels.results import AcceptanceResult
+
 __all__ = [
     "PluginOutputError",
     "check_all_rows_have_tokens",
@@ -153,20 +155,29 @@ def check_step_output(who: str, num_accepted: Any, tokens: Any, num_draft_tokens
         )
 
 
-def checked_sampler(sampler: Callable[..., Any], who: str) -> Callable[..., dict[str, np.ndarray]]:
-    """``sampler`` with its result checked (:func:`check_step_output`) and returned as host NumPy arrays."""
+def checked_sampler(sampler: Callable[..., Any], who: str) -> Callable[..., AcceptanceResult]:
+    """``sampler`` with its result checked (:func:`check_step_output`) and returned as host NumPy arrays.
+
+    A sampler returns an :class:`AcceptanceResult` or, as the plugin contract
+    has always allowed, a mapping with ``"num_accepted"`` and ``"tokens"``.
+    """
 
     def run(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *, validate=True):
         res = sampler(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate)
-        if not isinstance(res, Mapping) or "num_accepted" not in res or "tokens" not in res:
+        if isinstance(res, AcceptanceResult):
+            n_raw, tokens_raw = res.num_accepted, res.tokens
+        elif isinstance(res, Mapping) and "num_accepted" in res and "tokens" in res:
+            n_raw, tokens_raw = res["num_accepted"], res["tokens"]
+        else:
             raise PluginOutputError(
-                f"{who} returned {type(res).__name__}, expected a dict with 'num_accepted' and 'tokens'"
+                f"{who} returned {type(res).__name__}, expected a dict with 'num_accepted' and 'tokens' "
+                "or an AcceptanceResult"
             )
         b, g = draft_tokens.shape
-        n = _int_array(who, "num_accepted", res["num_accepted"], (b,))
-        tokens = _int_array(who, "tokens", res["tokens"], (b, g + 1))
+        n = _int_array(who, "num_accepted", n_raw, (b,))
+        tokens = _int_array(who, "tokens", tokens_raw, (b, g + 1))
         check_step_output(who, n, tokens, np.full(b, g), int(target_probs.shape[-1]))
-        return {"num_accepted": n, "tokens": tokens}
+        return AcceptanceResult(n, tokens)
 
     run.__name__ = getattr(sampler, "__name__", "sampler")
     run.__qualname__ = getattr(sampler, "__qualname__", run.__name__)

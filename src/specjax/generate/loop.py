@@ -293,20 +293,8 @@ def run_loop(
             # 3. Verify.
             s = sampling
             if sampler is None:
-                result = steps.verify_step(
-                    x_j,
-                    d_logits,
-                    tj,
-                    s.keys,
-                    step,
-                    s.temperature,
-                    s.top_k,
-                    s.one_minus_top_p,
-                    k_rows.astype(np.int32),
-                    use_top_k=s.use_top_k,
-                    use_top_p=s.use_top_p,
-                )
-                n_j, tok_j = result["num_accepted"], result["tokens"]
+                result = steps.verify_step(x_j, d_logits, tj, s.keys, step, s.params, k_rows.astype(np.int32))
+                n_j, tok_j = result.num_accepted, result.tokens
             else:
                 n_j, tok_j = _run_sampler(sampler, x_j, d_logits, tj, s, step, k_rows)
             tok_host = np.asarray(jax.block_until_ready(tok_j))  # i32[B', width+1]: the one host sync per step
@@ -457,17 +445,7 @@ def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):
 
     from specjax.kernels import steps
 
-    q, p, u = steps.probs_step(
-        draft_logits,
-        tj,
-        s.keys,
-        step,
-        s.temperature,
-        s.top_k,
-        s.one_minus_top_p,
-        use_top_k=s.use_top_k,
-        use_top_p=s.use_top_p,
-    )
+    q, p, u = steps.probs_step(draft_logits, tj, s.keys, step, s.params)
     b, g = xj.shape
     n_out = np.zeros((b,), np.int32)
     tok_out = np.full((b, g + 1), -1, np.int32)
@@ -477,8 +455,8 @@ def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):
         # row b's sampling uniform is u[b, k_b] (steps.sampling_uniform), not u[b, g]
         q_k = None if q is None else q[ji, :k]
         res = sampler(xj[ji, :k], q_k, p[ji, : k + 1], u[ji, :k], u[ji, k], validate=False)
-        n_out[idx] = np.asarray(_host(res["num_accepted"]))
-        tok_out[idx, : k + 1] = np.asarray(_host(res["tokens"]))
+        n_out[idx] = np.asarray(_host(res.num_accepted))
+        tok_out[idx, : k + 1] = np.asarray(_host(res.tokens))
     return jnp.asarray(n_out), jnp.asarray(tok_out)
 
 

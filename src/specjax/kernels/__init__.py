@@ -1,5 +1,9 @@
 """Pure JAX kernels: JAX arrays in and out; no torch, no adapters, no input conversion.
 
+* :mod:`specjax.kernels.types`: :class:`SamplingParams` (the per-row sampling
+  parameters, one pytree, modes static) and the pytree registration of
+  :class:`~specjax.kernels.results.AcceptanceResult` (``num_accepted``,
+  ``tokens``; defined without JAX in :mod:`specjax.kernels.results`).
 * :mod:`specjax.kernels.rejection`: the acceptance kernel (probabilities in),
   its primitives and the vocabulary of terms.
 * :mod:`specjax.kernels.collectives`: the primitives over a vocabulary split

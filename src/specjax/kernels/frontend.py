@@ -30,8 +30,10 @@ some row of the batch is still accepting (rows after every row's first
 rejection are never read).
 
 Per-row parameters (temperature, top_k, top_p, num_draft_tokens) are arrays:
-changing their values never recompiles. Whether top-k / top-p are used at all
-(``None`` or not) is static, because it decides whether rows get sorted.
+changing their values never recompiles. The sampling parameters travel as one
+:class:`~specjax.kernels.types.SamplingParams` pytree; whether top-k / top-p are
+used at all is one of its static fields (the primitives below take ``None``
+for an unused one), because it decides whether rows get sorted.
 
 This module takes and returns JAX arrays; the public functions
 (:func:`specjax.sample_from_logits`, :func:`specjax.verify_from_logits`), which
@@ -61,6 +63,7 @@ from specjax.kernels.rejection import (
     point_mass,
     row_sums,
 )
+from specjax.kernels.types import AcceptanceResult, SamplingParams
 
 __all__ = ["TEMPERATURE_RANGE", "RowStats", "probs_from_stats", "row_probs", "row_stats", "verify_core"]
 
@@ -423,22 +426,22 @@ def verify_core(
     target_logits: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array | None,
-    one_minus_top_p: jax.Array | None,
+    params: SamplingParams,
     num_draft_tokens: jax.Array,
     *,
     axis_name: AxisName = None,
     offset: jax.Array | int = 0,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """The acceptance step from logits (traceable; see :func:`verify_from_logits`).
 
+    ``params`` holds f32/i32[B] per-row fields (:class:`SamplingParams`).
     With ``axis_name``, the last axis of the logits is this shard's slice of the
     vocabulary (starting at global index ``offset``) inside ``shard_map``.
     """
     b, g = draft_tokens.shape
     vocab_local = target_logits.shape[-1]
     row = (slice(None), None)
+    temperature, top_k, one_minus_top_p = params.temperature, params.active_top_k, params.active_one_minus_top_p
     point_masses = draft_logits is None  # q_i is the point mass at x_i
     # k_b outside [0, G] (possible with validate=False) means what its clamped value
     # means, on every path: the C++ step clamps it too.
@@ -470,11 +473,11 @@ def verify_core(
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
         return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
 
-    def draw_one_device(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> dict[str, jax.Array]:
+    def draw_one_device(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> AcceptanceResult:
         y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x)
-        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y, None if axis_name else vocab_local)}
+        return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
-    def all_rows_one_device() -> dict[str, jax.Array]:
+    def all_rows_one_device() -> AcceptanceResult:
         t_stats, d_stats, n = summarise_all_rows()
         d_sel = None if d_stats is None else _take_rows(d_stats, jnp.minimum(n, g - 1))
         t_sel = _take_rows(t_stats, n)
@@ -484,17 +487,17 @@ def verify_core(
         # Point masses, every row greedy: p_n is the point mass at argmax p_n, which a
         # rejected x_n (p_n(x_n) = 0) cannot be, so the residual and the bonus draw
         # both give argmax p_n: the statistics already hold it; no draw, no pass over V.
-        def greedy_rows() -> dict[str, jax.Array]:
-            return {"num_accepted": n, "tokens": assemble_tokens(x, n, t_sel.argmax)}
+        def greedy_rows() -> AcceptanceResult:
+            return AcceptanceResult(n, assemble_tokens(x, n, t_sel.argmax))
 
         return lax.cond(jnp.all(t_sel.greedy), greedy_rows, lambda: draw_one_device(n, t_sel, None))
 
-    def lazily_one_device() -> dict[str, jax.Array]:
+    def lazily_one_device() -> AcceptanceResult:
         return draw_one_device(
             *_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens)
         )
 
-    def fused_cpu() -> dict[str, jax.Array]:
+    def fused_cpu() -> AcceptanceResult:
         # The whole step in one C++ call (cpu_kernels.verify): per batch row,
         # position by position, summarising a row only while the tests pass.
         # Only the top-k/top-p cutoffs (a top-k over every row) run in XLA first.
@@ -520,7 +523,7 @@ def verify_core(
             cutoffs(target_logits),
             cutoffs(draft_logits),
         )
-        return {"num_accepted": n, "tokens": assemble_tokens(x, n, y, None if axis_name else vocab_local)}
+        return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
     if not axis_name:
         if point_masses:
@@ -555,7 +558,7 @@ def verify_core(
         q_n = jnp.zeros_like(p_n)
     weights = sharded_residual_weights(p_n, q_n, axis_name)
     y = sharded_inverse_cdf(weights, sample_uniforms, axis_name, offset)
-    return {"num_accepted": n, "tokens": assemble_tokens(x, n, y, None if axis_name else vocab_local)}
+    return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
 
 def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens):
@@ -672,46 +675,20 @@ def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_to
 
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
-# per row), or when top_k / top_p switch between None and given. Never for values.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
-def _verify_jit(
-    draft_tokens,
-    draft_logits,
-    target_logits,
-    key,
-    temperature,
-    top_k,
-    one_minus_top_p,
-    num_draft_tokens,
-    *,
-    use_top_k,
-    use_top_p,
-):
+# per row), or when params.use_top_k / use_top_p change (static fields of the
+# SamplingParams pytree). Never for values.
+@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+def _verify_jit(draft_tokens, draft_logits, target_logits, key, params: SamplingParams, num_draft_tokens):
     b, g = draft_tokens.shape
     u = _uniforms(key, b, g + 1)
-    return verify_core(
-        draft_tokens,
-        draft_logits,
-        target_logits,
-        u[:, :g],
-        u[:, g],
-        temperature,
-        top_k if use_top_k else None,
-        one_minus_top_p if use_top_p else None,
-        num_draft_tokens,
-    )
+    return verify_core(draft_tokens, draft_logits, target_logits, u[:, :g], u[:, g], params, num_draft_tokens)
 
 
-# Recompiles when shapes/dtypes, the key kind or the use of top_k/top_p change.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
-def _sample_jit(logits, key, temperature, top_k, one_minus_top_p, *, use_top_k, use_top_p):
+# Recompiles when shapes/dtypes, the key kind or params.use_top_k / use_top_p change.
+@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+def _sample_jit(logits, key, params: SamplingParams):
     b = logits.shape[0]
-    stats = row_stats(
-        logits,
-        temperature,
-        top_k if use_top_k else None,
-        one_minus_top_p if use_top_p else None,
-    )
+    stats = row_stats(logits, params.temperature, params.active_top_k, params.active_one_minus_top_p)
     probs = row_probs(stats, logits)
     # clipped: an unvalidated degenerate row (NaN) still gives an id in [0, V), never -1
     tokens = jnp.clip(inverse_cdf(probs, _uniforms(key, b, 1)[:, 0]), 0, logits.shape[-1] - 1)

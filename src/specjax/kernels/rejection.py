@@ -55,6 +55,7 @@ from jax import lax
 
 from specjax import _compat
 from specjax.kernels import cpu_kernels
+from specjax.kernels.types import AcceptanceResult
 
 __all__ = [
     "assemble_tokens",
@@ -415,7 +416,7 @@ def _rejection_sample_jit(
     target_probs: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     g = draft_tokens.shape[1]
     q_dtype = target_probs.dtype if draft_probs is None else draft_probs.dtype
     ct = compute_dtype(jnp.result_type(q_dtype, target_probs.dtype))
@@ -457,7 +458,7 @@ def _rejection_sample_jit(
         y = lax.platform_dependent(cpu=cpu_draw, default=jax_draw)
     else:
         y = jax_draw()
-    return {"num_accepted": n, "tokens": assemble_tokens(draft_tokens, n, y, target_probs.shape[-1])}
+    return AcceptanceResult(n, assemble_tokens(draft_tokens, n, y, target_probs.shape[-1]))
 
 
 # The public rejection_sample (inputs of any kind) lives at the boundary now; this path (and the installed

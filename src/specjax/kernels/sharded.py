@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, cast
 
@@ -89,6 +89,7 @@ from specjax.kernels.rejection import (
     num_accepted_from_ratios,
     point_mass,
 )
+from specjax.kernels.types import AcceptanceResult, SamplingParams
 
 __all__ = [
     "AxisName",
@@ -274,9 +275,9 @@ def _rejection_body(
         q_n = jnp.zeros_like(p_n)
     weights = sharded_residual_weights(p_n, q_n, vocab_axis)
     y = sharded_inverse_cdf(weights, sample_uniforms.astype(ct), vocab_axis, offset)
-    out = {"num_accepted": n, "tokens": assemble_tokens(x, n, y)}
+    out = AcceptanceResult(n, assemble_tokens(x, n, y))
     if per_shard:
-        out = {key: v[None] for key, v in out.items()}
+        out = jax.tree.map(lambda v: v[None], out)
     return out
 
 
@@ -289,19 +290,20 @@ def _without_draft(body: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _out_specs(layout: MeshLayout, per_shard: bool) -> dict[str, P]:
+def _out_specs(layout: MeshLayout, per_shard: bool) -> AcceptanceResult:
+    """The partition specs of the results, as the result pytree (``num_accepted``, ``tokens``)."""
     ba, va = layout.batch_axis, layout.vocab_axis
     if per_shard:
-        return {"num_accepted": P(va, ba), "tokens": P(va, ba, None)}
-    return {"num_accepted": P(ba), "tokens": P(ba, None)}
+        return AcceptanceResult(P(va, ba), P(va, ba, None))
+    return AcceptanceResult(P(ba), P(ba, None))
 
 
-def _trim(out: dict[str, jax.Array], batch: int, mesh: Mesh, per_shard: bool) -> dict[str, jax.Array]:
+def _trim(out: AcceptanceResult, batch: int, mesh: Mesh, per_shard: bool) -> AcceptanceResult:
     """Cut padded rows off (replicating the small results first, which explicit meshes need)."""
     rows = 1 if per_shard else 0
-    if next(iter(out.values())).shape[rows] == batch:
+    if out.num_accepted.shape[rows] == batch:
         return out
-    return {k: lax.slice_in_dim(_constrain(v, mesh, P()), 0, batch, axis=rows) for k, v in out.items()}
+    return jax.tree.map(lambda v: lax.slice_in_dim(_constrain(v, mesh, P()), 0, batch, axis=rows), out)
 
 
 # Recompiles when the shapes or dtypes of the five inputs change, or the layout
@@ -359,7 +361,7 @@ def rejection_sample_on_mesh(
     layout: MeshLayout,
     *,
     per_shard: bool = False,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """The probability kernel on ``layout`` for already validated inputs.
 
     ``per_shard=True`` (for tests) returns every vocabulary shard's own copy of
@@ -386,14 +388,10 @@ def _verify_body(
     draft_logits,
     target_logits,
     u,
-    temperature,
-    top_k,
-    one_minus_top_p,
+    params: SamplingParams,
     num_draft_tokens,
     *,
     vocab_axis: AxisName,
-    use_top_k: bool,
-    use_top_p: bool,
     per_shard: bool,
 ):
     g = draft_tokens.shape[1]
@@ -404,33 +402,28 @@ def _verify_body(
         target_logits,
         u[:, :g],
         u[:, g],
-        temperature,
-        top_k if use_top_k else None,
-        one_minus_top_p if use_top_p else None,
+        params,
         num_draft_tokens,
         axis_name=vocab_axis,
         offset=offset,
     )
     if per_shard:
-        out = {key: v[None] for key, v in out.items()}
+        out = jax.tree.map(lambda v: v[None], out)
     return out
 
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
-# per row), when top_k / top_p switch between None and given, or the layout changes.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p", "layout", "per_shard"), compiler_options=VECTOR_OPTIONS)
+# per row), when params.use_top_k / use_top_p change (static fields of the
+# SamplingParams pytree), or the layout changes. Never for values.
+@partial(jax.jit, static_argnames=("layout", "per_shard"), compiler_options=VECTOR_OPTIONS)
 def _verify_mesh_jit(
     draft_tokens,
     draft_logits,
     target_logits,
     key,
-    temperature,
-    top_k,
-    one_minus_top_p,
+    params: SamplingParams,
     num_draft_tokens,
     *,
-    use_top_k,
-    use_top_p,
     layout: MeshLayout,
     per_shard: bool = False,
 ):
@@ -443,6 +436,10 @@ def _verify_mesh_jit(
     v_pad = _round_up(vocab, layout.size(va))
     row = P(ba)
     point_masses = draft_logits is None
+    # Padded rows: temperature 1, no top-k/top-p (their results are cut off).
+    padded = replace(
+        jax.tree.map(lambda a: _pad_to(a, 0, b_pad), params), temperature=_pad_to(params.temperature, 0, b_pad, 1)
+    )
     args = (
         _constrain(_pad_to(draft_tokens, 0, b_pad), mesh, P(ba, None)),
         *(
@@ -452,14 +449,10 @@ def _verify_mesh_jit(
         ),
         _constrain(_pad_to(_pad_to(target_logits, 0, b_pad), 2, v_pad, -jnp.inf), mesh, P(ba, None, va)),
         _constrain(_pad_to(u, 0, b_pad), mesh, P(ba, None)),
-        _constrain(_pad_to(temperature, 0, b_pad, 1), mesh, row),
-        _constrain(_pad_to(top_k, 0, b_pad), mesh, row),
-        _constrain(_pad_to(one_minus_top_p, 0, b_pad), mesh, row),
+        jax.tree.map(lambda a: _constrain(a, mesh, row), padded),
         _constrain(_pad_to(num_draft_tokens, 0, b_pad), mesh, row),
     )
-    body: Callable[..., Any] = partial(
-        _verify_body, vocab_axis=va, use_top_k=use_top_k, use_top_p=use_top_p, per_shard=per_shard
-    )
+    body: Callable[..., Any] = partial(_verify_body, vocab_axis=va, per_shard=per_shard)
     if point_masses:
         body = _without_draft(body)
     out = jax.shard_map(
@@ -470,9 +463,7 @@ def _verify_mesh_jit(
             *(() if point_masses else (P(ba, None, va),)),
             P(ba, None, va),
             P(ba, None),
-            row,
-            row,
-            row,
+            row,  # every field of params
             row,
         ),
         out_specs=_out_specs(layout, per_shard),
@@ -488,16 +479,12 @@ def verify_on_mesh(
     draft_logits,
     target_logits,
     key,
-    temperature,
-    top_k,
-    one_minus_top_p,
+    params: SamplingParams,
     num_draft_tokens,
     *,
-    use_top_k: bool,
-    use_top_p: bool,
     layout: MeshLayout,
     per_shard: bool = False,
-) -> dict[str, jax.Array]:
+) -> AcceptanceResult:
     """The logits front end on ``layout``, for the arguments of ``frontend._verify_jit``."""
     ba, va = layout.batch_axis, layout.vocab_axis
     row = P(ba)
@@ -506,12 +493,8 @@ def verify_on_mesh(
         None if draft_logits is None else _place(draft_logits, layout, P(ba, None, va)),
         _place(target_logits, layout, P(ba, None, va)),
         _place(key, layout, P()),
-        _place(temperature, layout, row),
-        _place(top_k, layout, row),
-        _place(one_minus_top_p, layout, row),
+        jax.tree.map(lambda a: _place(a, layout, row), params),
         _place(num_draft_tokens, layout, row),
-        use_top_k=use_top_k,
-        use_top_p=use_top_p,
         layout=layout,
         per_shard=per_shard,
     )

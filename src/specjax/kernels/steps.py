@@ -22,6 +22,7 @@ from jax import lax
 from specjax.kernels.compile_options import VECTOR_OPTIONS
 from specjax.kernels.frontend import _uniforms, row_probs, row_stats, verify_core
 from specjax.kernels.rejection import inverse_cdf
+from specjax.kernels.types import AcceptanceResult, SamplingParams
 
 
 def fit_vocab(logits: jax.Array, vocab: int) -> jax.Array:
@@ -41,15 +42,16 @@ def step_keys(row_keys: jax.Array, step: jax.Array | int, purpose: int) -> jax.A
     return fold(fold(row_keys, step), purpose)
 
 
-# Recompiles when B, the draft vocabulary, `vocab` or the use of top-k/top-p change.
-@partial(jax.jit, static_argnames=("vocab", "use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
-def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_top_p, *, vocab, use_top_k, use_top_p):
+# Recompiles when B, the draft vocabulary, `vocab` or params.use_top_k / use_top_p
+# (static fields of the SamplingParams pytree) change.
+@partial(jax.jit, static_argnames=("vocab",), compiler_options=VECTOR_OPTIONS)
+def draft_draw(logits, row_keys, step, purpose, params: SamplingParams, *, vocab):
     """Draw one draft token per row.
 
     Args:
       logits: f[B, V_draft], the draft's logits at its last position.
       row_keys: key[B]; step: i32[]; purpose: i32[].
-      temperature: f32[B]; top_k: i32[B]; one_minus_top_p: f32[B].
+      params: :class:`SamplingParams` of B rows (f32/i32[B] fields).
       vocab: the target's vocabulary size V (the draft's logits are padded/cut to it).
 
     Returns:
@@ -57,7 +59,7 @@ def draft_draw(logits, row_keys, step, purpose, temperature, top_k, one_minus_to
       :func:`specjax.verify_from_logits` will recompute from the same logits.
     """
     x = fit_vocab(logits, vocab)
-    stats = row_stats(x, temperature, top_k if use_top_k else None, one_minus_top_p if use_top_p else None)
+    stats = row_stats(x, params.temperature, params.active_top_k, params.active_one_minus_top_p)
 
     def draw() -> jax.Array:
         probs = row_probs(stats, x)
@@ -88,28 +90,19 @@ def _stack_draft(draft_logits, b: int, vocab: int):
     return fit_vocab(jnp.stack(draft_logits, axis=1), vocab)
 
 
-# Recompiles when B, G, the vocabularies, the use of top-k/top-p or point masses
-# (draft_logits None) versus logits change.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
+# Recompiles when B, G, the vocabularies, params.use_top_k / use_top_p or point
+# masses (draft_logits None) versus logits change.
+@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
 def verify_step(
-    draft_tokens,
-    draft_logits,
-    target_logits,
-    row_keys,
-    step,
-    temperature,
-    top_k,
-    one_minus_top_p,
-    num_draft_tokens,
-    *,
-    use_top_k,
-    use_top_p,
-):
+    draft_tokens, draft_logits, target_logits, row_keys, step, params: SamplingParams, num_draft_tokens
+) -> AcceptanceResult:
     """The acceptance step of the loop (the fused JAX sampler).
 
     Args:
       draft_tokens: i32[B, G]; draft_logits: a tuple of G f[B, V_draft], or None
         for deterministic proposals (point masses); target_logits: f[B, G+1, V].
+      row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows;
+      num_draft_tokens: i32[B], ``k_b``.
     """
     vocab = target_logits.shape[-1]
     b, g = draft_tokens.shape
@@ -121,18 +114,14 @@ def verify_step(
         target_logits,
         u[:, :g],
         sampling_uniform(u, num_draft_tokens),
-        temperature,
-        top_k if use_top_k else None,
-        one_minus_top_p if use_top_p else None,
+        params,
         num_draft_tokens,
     )
 
 
-# Recompiles when B, G, the vocabularies or the use of top-k/top-p change.
-@partial(jax.jit, static_argnames=("use_top_k", "use_top_p"), compiler_options=VECTOR_OPTIONS)
-def probs_step(
-    draft_logits, target_logits, row_keys, step, temperature, top_k, one_minus_top_p, *, use_top_k, use_top_p
-):
+# Recompiles when B, G, the vocabularies or params.use_top_k / use_top_p change.
+@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+def probs_step(draft_logits, target_logits, row_keys, step, params: SamplingParams):
     """Processed probabilities and uniforms for a sampler with the probabilities contract.
 
     Returns ``(draft_probs f32[B, G, V] (None for point masses), target_probs f32[B, G+1, V],
@@ -145,14 +134,10 @@ def probs_step(
     b, g1 = target_logits.shape[:2]
     g = g1 - 1
 
+    rows = jax.tree.map(lambda a: a[:, None], params)  # (B, 1): one value per row, for every position
+
     def probs(x):
-        stats = row_stats(
-            x,
-            temperature[:, None],
-            top_k[:, None] if use_top_k else None,
-            one_minus_top_p[:, None] if use_top_p else None,
-        )
-        return row_probs(stats, x)
+        return row_probs(row_stats(x, rows.temperature, rows.active_top_k, rows.active_one_minus_top_p), x)
 
     d = _stack_draft(draft_logits, b, vocab)
     u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)

@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from specjax.kernels.results import AcceptanceResult
+
 __all__ = ["numpy_rejection_sample", "torch_rejection_sample"]
 
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -164,7 +166,7 @@ def numpy_rejection_sample(
     sample_uniforms: Any,
     *,
     validate: bool = True,
-) -> dict[str, np.ndarray]:
+) -> AcceptanceResult:
     """The contract in float64, row by row (a reference for checking other samplers).
 
     Args:
@@ -181,7 +183,8 @@ def numpy_rejection_sample(
     the host). Probabilities and uniforms are converted to float64 exactly.
 
     Returns:
-      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}`` as NumPy arrays.
+      :class:`~specjax.kernels.results.AcceptanceResult` ``(num_accepted: i32[B],
+      tokens: i32[B, G+1])`` of NumPy arrays.
 
     Raises:
       ValueError: naming the argument, with what was expected and what was got.
@@ -226,7 +229,7 @@ def numpy_rejection_sample(
         num_accepted[b] = n
         tokens[b, :n] = x[b, :n]
         tokens[b, n] = y
-    return {"num_accepted": num_accepted, "tokens": tokens}
+    return AcceptanceResult(num_accepted, tokens)
 
 
 # --------------------------------------------------------------------------- #
@@ -262,7 +265,7 @@ def torch_rejection_sample(
     sample_uniforms: Any,
     *,
     validate: bool = True,
-) -> dict[str, Any]:
+) -> AcceptanceResult:
     """The contract in vectorized torch (no JAX needed).
 
     Args:
@@ -281,8 +284,8 @@ def torch_rejection_sample(
     in the wider of the probabilities' dtype and float32.
 
     Returns:
-      ``{"num_accepted": i32[B], "tokens": i32[B, G+1]}`` as torch int32
-      tensors on ``target_probs``' device.
+      :class:`~specjax.kernels.results.AcceptanceResult` ``(num_accepted: i32[B],
+      tokens: i32[B, G+1])`` of torch int32 tensors on ``target_probs``' device.
 
     Raises:
       ValueError: naming the argument, with what was expected and what was got.
@@ -346,4 +349,4 @@ def torch_rejection_sample(
     tokens = torch.where(
         positions < n[:, None], padded, torch.where(positions == n[:, None], y[:, None], torch.full_like(padded, -1))
     )
-    return {"num_accepted": n.to(torch.int32), "tokens": tokens.to(torch.int32)}
+    return AcceptanceResult(n.to(torch.int32), tokens.to(torch.int32))

@@ -134,8 +134,8 @@ def jax_speculative_sampling(
     # rejection_sample takes the tensors zero-copy (DLPack on GPU, NumPy views on a
     # CPU-only JAX); they stay referenced until the result has been read (aliasing rule).
     out = rejection_sample(x, q, p, u, s, validate=validate)
-    tokens = to_torch(out["tokens"]).to(device=candidate_input_ids.device, dtype=torch.long)
-    n = int(out["num_accepted"][0])
+    tokens = to_torch(out.tokens).to(device=candidate_input_ids.device, dtype=torch.long)
+    n = int(out.num_accepted[0])
     del x, q, p, u, s
     return tokens[:, : n + 1].clone(), torch.tensor(n, dtype=torch.long, device=candidate_input_ids.device)
 

@@ -740,8 +740,8 @@ def _given_probs_step(draft, q, target, keys, temperature, k_t, bonus_p):
     out = kernel(_to_kernel(draft), _to_kernel(q), p, u, s, validate=False)
     return _splice_bonus(
         np,
-        np.asarray(out["tokens"]),
-        np.asarray(out["num_accepted"]),
+        np.asarray(out.tokens),
+        np.asarray(out.num_accepted),
         np.asarray(_to_kernel(k_t)),
         np.asarray(_to_kernel(bonus_p)),
     )
