@@ -92,33 +92,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def with_features(target: Any, records: list[dict[str, Any]], batch: int = 32) -> list[dict[str, Any]]:
-    """Each record's ``seq`` (prompt + continuation, i64[L]) and ``feat`` (the target's z there, f16[L, d])."""
+def with_features(target: Any, records: list[dict[str, Any]], batch: int = 64) -> list[dict[str, Any]]:
+    """Each record's ``seq`` (prompt + continuation, i64[L]) and ``feat`` (the target's z there, f16[L-1, d]).
+
+    The generation recorded z at every position it fed (the last prompt token
+    through the last-but-one generated one: ``records[i]["z"]``); only the
+    prompt's other positions need a forward here, over the prompts alone. The
+    last position has no feature (nothing was fed after it), so its pair is
+    not trained on.
+    """
     import torch
 
     from specjax.drafters.eagle_train import target_features
 
-    out: list[dict[str, Any]] = []
-    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt"]) + len(records[i]["tokens"]))
+    out: list[dict[str, Any] | None] = [None] * len(records)
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt"]))
     for start in range(0, len(order), batch):
         idx = order[start : start + batch]
-        seqs = [records[i]["prompt"] + records[i]["tokens"] for i in idx]
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        prompts = [records[i]["prompt"] for i in idx]
+        width = max(len(s) for s in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for j, s in enumerate(seqs):
+        for j, s in enumerate(prompts):
             ids[j, : len(s)] = torch.tensor(s)
             mask[j, : len(s)] = 1
         z = target_features(target, ids, mask)
-        for j, s in enumerate(seqs):
-            out.append(
-                {
-                    "seq": torch.tensor(s),
-                    "feat": z[j, : len(s)].to(torch.float16),
-                    "prompt_len": len(records[idx[j]]["prompt"]),
-                }
-            )
-    return out
+        for j, i in enumerate(idx):
+            p, rec = len(prompts[j]), records[i]
+            generated = rec["z"][: len(rec["tokens"])]  # z at positions P-1 ... P+n-2
+            out[i] = {
+                "seq": torch.tensor(rec["prompt"] + rec["tokens"]),
+                "feat": torch.cat([z[j, : p - 1].to(torch.float16), generated.to(torch.float16)]),
+                "prompt_len": p,
+            }
+    return [r for r in out if r is not None]
 
 
 def batches(data: list[dict[str, Any]], max_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -138,6 +145,7 @@ def batches(data: list[dict[str, Any]], max_tokens: int, rng: random.Random) -> 
 
 
 def collate(data: list[dict[str, Any]], idx: list[int]) -> tuple[Any, Any, Any]:
+    """(ids i64[B, W], z f32[B, W, d], valid bool[B, W]): valid where a position has a feature."""
     import torch
 
     width = max(len(data[i]["seq"]) for i in idx)
@@ -146,8 +154,8 @@ def collate(data: list[dict[str, Any]], idx: list[int]) -> tuple[Any, Any, Any]:
     z = torch.zeros((len(idx), width, d))
     valid = torch.zeros((len(idx), width), dtype=torch.bool)
     for j, i in enumerate(idx):
-        n = len(data[i]["seq"])
-        ids[j, :n], z[j, :n], valid[j, :n] = data[i]["seq"], data[i]["feat"].float(), True
+        n, f = len(data[i]["seq"]), len(data[i]["feat"])
+        ids[j, :n], z[j, :f], valid[j, :f] = data[i]["seq"], data[i]["feat"].float(), True
     return ids, z, valid
 
 
@@ -284,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     train_s = time.perf_counter() - start
     head.eval()
     log(f"trained {step} steps ({epoch} epochs begun) in {train_s / 60:.1f} min")
+    save_head(head, args.out)  # before the evaluation: a failure there must not lose the training
+    log(f"saved the head in {args.out}")
 
     held_agree = agreement(head, target, held)
     train_agree = agreement(head, target, train[:: max(1, len(train) // 200)])
@@ -303,9 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         "training_positions": sum(len(r["seq"]) for r in train),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    save_head(head, args.out)
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    log(f"saved the head and training_report.json in {args.out}")
+    log(f"saved training_report.json in {args.out}")
     return 0
 
 
