@@ -53,6 +53,7 @@ Absolute times on a shared CPU are noise; read the ratios. Rows are appended to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import platform
@@ -177,7 +178,9 @@ def with_processed_draft_tokens(inp: dict[str, np.ndarray], seed: int) -> dict[s
     return {**inp, "draft_tokens": tokens}
 
 
-def _ours_args(inp: dict[str, np.ndarray], temperature: float, top_k: int | None, top_p: float | None):
+def _ours_args(
+    inp: dict[str, np.ndarray], temperature: float, top_k: int | None, top_p: float | None, impl: str = "auto"
+):
     b = inp["draft_tokens"].shape[0]
     args = (
         jnp.asarray(inp["draft_tokens"]),
@@ -190,6 +193,7 @@ def _ours_args(inp: dict[str, np.ndarray], temperature: float, top_k: int | None
             jnp.full((b,), 0.0 if top_p is None else 1.0 - top_p, jnp.float32),
             use_top_k=top_k is not None,
             use_top_p=top_p is not None,
+            impl=cpu_kernels.resolve(impl),
         ),
         jnp.full((b,), G, jnp.int32),
     )
@@ -257,19 +261,12 @@ def _hf_call(rows, warp: bool) -> Callable[[], Any]:
 
 
 def _jax_code_step(args: tuple, static: dict[str, bool]) -> Callable[[], Any] | None:
-    """``_verify_jit`` compiled with the C++ CPU kernels off (None when they are not in use).
-
-    Compiled ahead of time, so the executable keeps the JAX code after the
-    kernels are switched back on (which clears JAX's caches).
-    """
-    if not cpu_kernels.available():
+    """``_verify_jit`` with ``impl="xla"`` (the JAX code; None when the C++ CPU kernels are not in use)."""
+    params = args[4]
+    if params.impl != "cpu":
         return None
-    cpu_kernels.set_enabled(False)
-    try:
-        compiled = _verify_jit.lower(*args, **static).compile()
-    finally:
-        cpu_kernels.set_enabled(True)
-    return _with_keys(compiled, args, {})
+    xla = dataclasses.replace(params, impl="xla")
+    return _with_keys(_verify_jit, (*args[:4], xla, *args[5:]), static)
 
 
 # --------------------------------------------------------------------------- the benchmark

@@ -7,7 +7,9 @@
 * the public functions give the same tokens either way, including tiny
   temperatures, greedy and mixed rows, top-k/top-p and ragged drafts;
 * a failed build or ``SPECJAX_CPU_KERNELS=0`` falls back to the JAX code
-  (fresh processes).
+  (fresh processes);
+* ``impl`` chooses per call, with no process-wide switch: both in one process,
+  checked at the boundary, never resolved (or built) while tracing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -31,14 +34,6 @@ from specjax.kernels.types import SamplingParams
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.build_error()}")
 
 
-@pytest.fixture
-def jax_code():
-    """Run the test body's traces with the JAX code, then switch the kernels back on."""
-    cpu_kernels.set_enabled(False)
-    yield
-    cpu_kernels.set_enabled(True)
-
-
 def logits(shape, seed, scale=3.0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     return (scale * rng.standard_normal(shape)).astype(dtype)
@@ -50,17 +45,10 @@ def stats_both_ways(x, temperature, top_k=None, top_p=None):
     k = None if top_k is None else jnp.asarray(top_k, jnp.int32)
     p = None if top_p is None else 1 - jnp.asarray(top_p, jnp.float32)
 
-    def run():
-        return [np.asarray(f) for f in jax.jit(F.row_stats)(jnp.asarray(x), t, k, p)]
+    def run(impl):
+        return [np.asarray(f) for f in jax.jit(partial(F.row_stats, impl=impl))(jnp.asarray(x), t, k, p)]
 
-    assert cpu_kernels.available()
-    ours = run()
-    cpu_kernels.set_enabled(False)
-    try:
-        ref = run()
-    finally:
-        cpu_kernels.set_enabled(True)
-    return F.RowStats(*ours), F.RowStats(*ref)
+    return F.RowStats(*run("cpu")), F.RowStats(*run("xla"))
 
 
 @pytest.mark.parametrize("vocab", [1, 5, 16, 127, 128, 129, 1000, 4099])
@@ -118,13 +106,13 @@ def _draw_inputs(batch, vocab, seed):
     return t, d, temperature, n, s
 
 
-def _draw(t, d, temperature, n, s):
-    """One draw per row with F._draw_from_logits (kernels or JAX code, whichever is on)."""
+def _draw(t, d, temperature, n, s, impl="cpu"):
+    """One draw per row with F._draw_from_logits, the statistics from ``impl``'s row_stats."""
 
     @jax.jit
     def run(t, d, temperature, n, s):
-        ts = F.row_stats(t, temperature[:, None])
-        ds = F.row_stats(d, temperature[:, None])
+        ts = F.row_stats(t, temperature[:, None], impl=impl)
+        ds = F.row_stats(d, temperature[:, None], impl=impl)
         t_sel = F._take_rows(ts, n)
         d_sel = F._take_rows(ds, jnp.zeros_like(n))
         return F._draw_from_logits(t, d, t_sel, d_sel, n, jnp.ones_like(n), s, jnp.zeros(d.shape[:2], jnp.int32))
@@ -154,12 +142,7 @@ def _float64_draw(t, d, temperature, n, s):
 def test_draw_equals_the_jax_draw_and_a_float64_reference():
     t, d, temperature, n, s = _draw_inputs(256, 700, seed=4)
     ours = _draw(t, d, temperature, n, s)
-    with_jax = None
-    cpu_kernels.set_enabled(False)
-    try:
-        with_jax = _draw(t, d, temperature, n, s)
-    finally:
-        cpu_kernels.set_enabled(True)
+    with_jax = _draw(t, d, temperature, n, s, impl="xla")
     ref, near = _float64_draw(t, d, temperature, n, s)
     assert np.all(ours[~near] == ref[~near])
     assert np.all(with_jax[~near] == ref[~near])
@@ -193,20 +176,18 @@ def test_jax_draw_rows_still_draws_by_inverse_cdf():
 TINY = [1e-4, 1e-6, 1e-7, 1e-20, 1e-45]
 
 
-@pytest.mark.parametrize("path", ["kernels", "jax"])
+@pytest.mark.parametrize("impl", ["cpu", "xla"])
 @pytest.mark.parametrize("temperature", TINY)
-def test_tiny_temperatures_give_normalised_distributions(path, temperature, request):
+def test_tiny_temperatures_give_normalised_distributions(impl, temperature):
     """(x - max)·(1/T), never x·(1/T) - max·(1/T): with a small T the two products
     round far apart and exp of their difference was not normalised (row sums of
     0.4 to 2000 at T = 1e-7, NaN and token -1 at T = 1e-20)."""
-    if path == "jax":
-        request.getfixturevalue("jax_code")
     x = logits((4, 32000), seed=6, scale=3.0) + 15.0
     for kwargs in ({}, {"top_k": 50, "top_p": 0.9}):
         # validate=False: T = 1e-45 is below the faithful range (a ValueError with validation); the
         # kernel's arithmetic must still give normalised rows
         tokens, probs = specjax.sample_from_logits(
-            x, key=jax.random.key(0), temperature=temperature, validate=False, **kwargs
+            x, key=jax.random.key(0), temperature=temperature, validate=False, impl=impl, **kwargs
         )
         probs = np.asarray(probs)
         np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
@@ -223,6 +204,7 @@ def test_tiny_temperatures_give_normalised_distributions(path, temperature, requ
         key=jax.random.key(1),
         temperature=temperature,
         validate=False,
+        impl=impl,
     )
     np.testing.assert_array_equal(np.asarray(out.num_accepted), g)
     np.testing.assert_array_equal(np.asarray(out.tokens)[:, g], x.argmax(-1))
@@ -240,28 +222,20 @@ def test_public_functions_give_the_same_tokens_either_way(seed):
     kb = rng.integers(0, g + 1, b).astype(np.int32)
     key = jax.random.split(jax.random.key(seed), b)
     results = []
-    for enabled in (True, False):
-        cpu_kernels.set_enabled(enabled)
-        try:
-            plain = specjax.verify_from_logits(x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb)
-            filtered = specjax.verify_from_logits(
-                x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, top_k=40, top_p=0.9
-            )
-            sampled = specjax.sample_from_logits(target[:, 0], key=key, temperature=temperature, top_k=40)
-            results.append(
-                [
-                    np.asarray(a)
-                    for a in (
-                        plain.num_accepted,
-                        plain.tokens,
-                        filtered.num_accepted,
-                        filtered.tokens,
-                        sampled[0],
-                    )
-                ]
-            )
-        finally:
-            cpu_kernels.set_enabled(True)
+    for impl in ("cpu", "xla"):
+        plain = specjax.verify_from_logits(
+            x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, impl=impl
+        )
+        filtered = specjax.verify_from_logits(
+            x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, top_k=40, top_p=0.9, impl=impl
+        )
+        sampled = specjax.sample_from_logits(target[:, 0], key=key, temperature=temperature, top_k=40, impl=impl)
+        results.append(
+            [
+                np.asarray(a)
+                for a in (plain.num_accepted, plain.tokens, filtered.num_accepted, filtered.tokens, sampled[0])
+            ]
+        )
     for ours, ref in zip(*results, strict=True):
         # Rounding can move a draw at a CDF boundary: at most one row in 48 per output.
         assert np.sum(np.any((ours != ref).reshape(b, -1), axis=1)) <= 1
@@ -321,9 +295,61 @@ def test_a_fresh_build_is_cached(tmp_path):
     assert libs[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
 
 
-def test_set_enabled_checks_its_argument():
-    with pytest.raises(ValueError, match="enabled: expected True or False, got 1"):
-        cpu_kernels.set_enabled(1)
+def test_impl_is_checked_at_the_boundary_and_never_resolved_while_tracing():
+    x = logits((2, 10), seed=0)
+    for bad in ("gpu", "", None, 1):
+        with pytest.raises(ValueError, match=f"impl: expected one of 'auto', 'xla', 'cpu', got {bad!r}"):
+            specjax.sample_from_logits(x, key=jax.random.key(0), temperature=1.0, impl=bad)
+    # Kernels take a resolved choice: "auto" inside a trace is an error, not a build.
+    with pytest.raises(ValueError, match="impl: a kernel takes 'xla' or 'cpu'"):
+        jax.jit(partial(F.row_stats, impl="auto"))(jnp.asarray(x), jnp.ones(2, jnp.float32))
+
+
+def test_both_implementations_live_in_one_process_without_clearing_caches():
+    """impl is static: each choice compiles its own function, and switching back
+    reuses the first one (no retrace, no jax.clear_caches)."""
+    x = logits((3, 500), seed=1)
+    key = jax.random.key(0)
+    size = F._sample_jit._cache_size()
+    first = np.asarray(specjax.sample_from_logits(x, key=key, temperature=0.8, impl="cpu")[1])
+    second = np.asarray(specjax.sample_from_logits(x, key=key, temperature=0.8, impl="xla")[1])
+    again = np.asarray(specjax.sample_from_logits(x, key=key, temperature=0.8, impl="cpu")[1])
+    assert F._sample_jit._cache_size() <= size + 2
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_allclose(first, second, rtol=2e-6, atol=1e-9)
+    assert not np.array_equal(first, np.zeros_like(first))
+
+
+CPU_WITHOUT_KERNELS = """
+    import numpy as np, jax, specjax
+    x = np.zeros((1, 8), np.float32)
+    try:
+        specjax.sample_from_logits(x, key=jax.random.key(0), temperature=1.0, impl="cpu")
+    except ValueError as e:
+        print("ValueError:", e)
+    print(np.asarray(specjax.sample_from_logits(x, key=jax.random.key(0), temperature=0.0)[0]).tolist())
+"""
+
+
+def test_impl_cpu_where_the_kernels_are_off_is_a_clear_error():
+    proc = _run(CPU_WITHOUT_KERNELS, SPECJAX_CPU_KERNELS="0")
+    assert proc.returncode == 0, proc.stderr
+    error, tokens = proc.stdout.strip().splitlines()
+    assert error.startswith("ValueError: impl: 'cpu' asks for the C++ CPU kernels")
+    assert "SPECJAX_CPU_KERNELS" in error
+    assert tokens == "[0]"  # "auto" (the default) runs the JAX code there
+
+
+def test_the_build_targets_a_portable_level_unless_native_is_asked_for(monkeypatch):
+    monkeypatch.delenv("SPECJAX_CPU_NATIVE", raising=False)
+    flags = cpu_kernels.target_flags()
+    assert "-march=native" not in flags
+    import platform
+
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert flags[0] in ("-march=x86-64", "-march=x86-64-v2", "-march=x86-64-v3", "-march=x86-64-v4")
+    monkeypatch.setenv("SPECJAX_CPU_NATIVE", "1")
+    assert cpu_kernels.target_flags() == ("-march=native",)
 
 
 def test_several_cpu_devices_keep_the_jax_code():
@@ -350,12 +376,8 @@ def test_probability_kernel_same_acceptance_and_draws_but_at_ties():
     x = np.argmax(np.log(q.astype(np.float64) + 1e-30) + gumbel, axis=-1).astype(np.int32)  # x ~ q
     u = rng.random((b, g)).astype(np.float32)
     s = rng.random(b).astype(np.float32)
-    ours = specjax.rejection_sample(x, q, p, u, s)
-    cpu_kernels.set_enabled(False)
-    try:
-        ref = specjax.rejection_sample(x, q, p, u, s)
-    finally:
-        cpu_kernels.set_enabled(True)
+    ours = specjax.rejection_sample(x, q, p, u, s, impl="cpu")
+    ref = specjax.rejection_sample(x, q, p, u, s, impl="xla")
     n = np.asarray(ours.num_accepted)
     np.testing.assert_array_equal(n, np.asarray(ref.num_accepted))
     y, y_ref = np.asarray(ours.tokens)[np.arange(b), n], np.asarray(ref.tokens)[np.arange(b), n]
@@ -421,21 +443,17 @@ def test_fused_step_equals_a_float64_reference_and_the_jax_code(g, v):
     u = rng.random((b, g)).astype(np.float32)
     s = rng.random(b).astype(np.float32)
 
-    @jax.jit
-    def step(x, draft, target, u, s, temperature, k):
-        return F.verify_core(x, draft, target, u, s, SamplingParams(temperature), k)
+    @partial(jax.jit, static_argnames=("impl",))
+    def step(x, draft, target, u, s, temperature, k, impl):
+        return F.verify_core(x, draft, target, u, s, SamplingParams(temperature, impl=impl), k)
 
-    def run():
-        out = step(x, draft, target, u, s, temperature, k)
+    def run(impl):
+        out = step(x, draft, target, u, s, temperature, k, impl=impl)
         n = np.asarray(out.num_accepted)
         return n, np.asarray(out.tokens)[np.arange(b), n]
 
-    n, y = run()
-    cpu_kernels.set_enabled(False)
-    try:
-        n_jax, y_jax = run()
-    finally:
-        cpu_kernels.set_enabled(True)
+    n, y = run("cpu")
+    n_jax, y_jax = run("xla")
     n_ref, y_ref, margin = _reference_step(x, draft, target, u, s, temperature, k)
     for other_n, other_y in ((n_ref, y_ref), (n_jax, y_jax)):
         differ = (n != other_n) | (y != other_y)
@@ -461,15 +479,18 @@ def test_out_of_range_ids_are_never_accepted_on_either_path(filtered):
     draft = np.where(((r // 4) % 2 == 0)[:, None, None], target[:, :g], draft)  # p = q: only the id can fail
     key = jax.random.split(jax.random.key(3), b)
     results = []
-    for enabled in (True, False):
-        cpu_kernels.set_enabled(enabled)
-        try:
-            out = specjax.verify_from_logits(
-                x, draft, target, key=key, temperature=temperature, validate=False, top_k=10 if filtered else None
-            )
-            results.append((np.asarray(out.num_accepted), np.asarray(out.tokens)))
-        finally:
-            cpu_kernels.set_enabled(True)
+    for impl in ("cpu", "xla"):
+        out = specjax.verify_from_logits(
+            x,
+            draft,
+            target,
+            key=key,
+            temperature=temperature,
+            validate=False,
+            top_k=10 if filtered else None,
+            impl=impl,
+        )
+        results.append((np.asarray(out.num_accepted), np.asarray(out.tokens)))
     np.testing.assert_array_equal(results[0][0], 0)
     np.testing.assert_array_equal(results[1][0], 0)
     # The correction token: where p = q the residual is 0/0 and only its rounding
@@ -491,8 +512,8 @@ def test_the_draft_draw_and_the_acceptance_test_see_the_same_q_bit_for_bit(top_k
     target = logits((b, 2, v), 11, scale=2.0)
     draft = (target[:, :1] + 0.5 * rng.standard_normal((b, 1, v))).astype(np.float32)
     key = jax.random.key(0)
-    x, q = specjax.sample_from_logits(draft[:, 0], key=key, temperature=t, top_k=top_k)
-    _, p = specjax.sample_from_logits(target[:, 0], key=key, temperature=t, top_k=top_k)
+    x, q = specjax.sample_from_logits(draft[:, 0], key=key, temperature=t, top_k=top_k, impl="cpu")
+    _, p = specjax.sample_from_logits(target[:, 0], key=key, temperature=t, top_k=top_k, impl="cpu")
     x = np.asarray(x)
     rows = np.arange(b)
     px, qx = np.asarray(p)[rows, x], np.asarray(q)[rows, x]
@@ -512,7 +533,7 @@ def test_the_draft_draw_and_the_acceptance_test_see_the_same_q_bit_for_bit(top_k
             target,
             u[:, None],
             jnp.zeros(b, jnp.float32),
-            SamplingParams(temperature, k_row, use_top_k=k_row is not None),
+            SamplingParams(temperature, k_row, use_top_k=k_row is not None, impl="cpu"),
             jnp.ones(b, jnp.int32),
         )
         return out.num_accepted
@@ -536,16 +557,12 @@ def test_num_draft_tokens_outside_0_g_mean_their_clamped_value_on_every_path():
     wild = np.array([g + 2, -1, g, 0] * (b // 4), np.int32)
     clamped = np.clip(wild, 0, g)
     results = []
-    for enabled in (True, False):
-        cpu_kernels.set_enabled(enabled)
-        try:
-            for k in (wild, clamped):
-                out = specjax.verify_from_logits(
-                    x, draft, target, key=key, temperature=temperature, num_draft_tokens=k, validate=False
-                )
-                results.append(np.asarray(out.tokens))
-        finally:
-            cpu_kernels.set_enabled(True)
+    for impl in ("cpu", "xla"):
+        for k in (wild, clamped):
+            out = specjax.verify_from_logits(
+                x, draft, target, key=key, temperature=temperature, num_draft_tokens=k, validate=False, impl=impl
+            )
+            results.append(np.asarray(out.tokens))
     for tokens in results[1:]:
         np.testing.assert_array_equal(tokens, results[0])
     np.testing.assert_array_equal(np.sum(results[0] >= 0, axis=1), clamped + 1)

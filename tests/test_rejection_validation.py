@@ -370,14 +370,8 @@ def _temp_bytes(which: str, batch: int, num_draft: int, vocab: int, cpu_kernels_
         spec((batch, num_draft), jnp.float32),
         spec((batch,), jnp.float32),
     )
-    was_on = cpu_kernels.available()
-    if was_on != cpu_kernels_on:
-        cpu_kernels.set_enabled(cpu_kernels_on)
-    try:
-        return int(fn.lower(*shapes).compile().memory_analysis().temp_size_in_bytes)
-    finally:
-        if was_on != cpu_kernels_on:
-            cpu_kernels.set_enabled(was_on)
+    options = {"impl": cpu_kernels.resolve("auto" if cpu_kernels_on else "xla")} if which == "kernel" else {}
+    return int(fn.lower(*shapes, **options).compile().memory_analysis().temp_size_in_bytes)
 
 
 MEM_B, MEM_G, MEM_V = 64, 8, 32000

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from specjax.boundary import validation as _v
 from specjax.boundary.validation import ArrayInput, FloatOrRows, IntOrRows
-from specjax.kernels import frontend, rejection, sharded
+from specjax.kernels import cpu_kernels, frontend, rejection, sharded
 from specjax.kernels.collectives import AxisName
 from specjax.kernels.types import AcceptanceResult
 
@@ -42,6 +42,7 @@ def rejection_sample(
     sample_uniforms: ArrayInput,
     *,
     validate: bool = True,
+    impl: str = "auto",
 ) -> AcceptanceResult:
     """Decide how many draft tokens to keep and draw the correction or bonus token.
 
@@ -58,6 +59,11 @@ def rejection_sample(
       validate: check shapes, dtypes and values at the Python boundary (the value
         checks need one device→host sync). ``validate=False`` keeps only the
         shape/dtype checks, for generation loops.
+      impl: ``"auto"`` (the default: the C++ CPU kernels where they are
+        available, else the JAX code), ``"xla"`` (the JAX code, the reference,
+        on every platform) or ``"cpu"`` (the kernels; an error where they are
+        not available). Static: each choice compiles its own function; see
+        :mod:`specjax.kernels.cpu_kernels`.
 
     Inputs may be Python lists, NumPy arrays, JAX arrays or torch tensors
     (torch tensors cross through :func:`specjax.adapters.to_jax`).
@@ -97,7 +103,14 @@ def rejection_sample(
       ValueError: naming the argument, with what was expected and what was got.
     """
     return _rejection_sample(
-        draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate, layout=None
+        draft_tokens,
+        draft_probs,
+        target_probs,
+        accept_uniforms,
+        sample_uniforms,
+        validate=validate,
+        layout=None,
+        impl=impl,
     )
 
 
@@ -110,8 +123,10 @@ def _rejection_sample(
     *,
     validate: bool,
     layout: sharded.MeshLayout | None,
+    impl: str = "auto",
 ) -> AcceptanceResult:
     """:func:`rejection_sample` on ``layout``, or where ``target_probs`` lies (``layout=None``)."""
+    impl = cpu_kernels.resolve(impl)
     args = _v.convert_kernel_inputs(
         draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, validate=validate
     )
@@ -122,7 +137,7 @@ def _rejection_sample(
         layout = sharded.mesh_layout(args[2], "target_probs")
     if layout is not None:  # split over B and/or V on a device mesh
         return sharded.rejection_sample_on_mesh(*args, layout)
-    return rejection._rejection_sample_jit(*args)
+    return rejection._rejection_sample_jit(*args, impl=impl)
 
 
 def sample_from_logits(
@@ -133,6 +148,7 @@ def sample_from_logits(
     top_k: IntOrRows | None = None,
     top_p: FloatOrRows | None = None,
     validate: bool = True,
+    impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Process logits into a sampling distribution and draw one token per row.
 
@@ -143,6 +159,11 @@ def sample_from_logits(
       top_k: None, or scalar / i32[B]; 0 keeps all.
       top_p: None, or scalar / f32[B] in (0, 1]; 1 keeps all.
       validate: check values (one host sync). Shapes are always checked.
+      impl: ``"auto"`` (the default: the C++ CPU kernels where they are
+        available, else the JAX code), ``"xla"`` (the JAX code, the reference,
+        on every platform) or ``"cpu"`` (the kernels; an error where they are
+        not available). Static: each choice compiles its own function; see
+        :mod:`specjax.kernels.cpu_kernels`.
 
     Returns:
       ``(tokens, probs)``: ``tokens`` i32[B] drawn from ``probs`` f32[B, V], the
@@ -161,7 +182,7 @@ def sample_from_logits(
     if vocab == 0:
         raise ValueError("logits: expected a vocabulary size V >= 1, got V = 0")
     key = _v.as_key(key, batch)
-    params = _v._prepare_params(temperature, top_k, top_p, batch, validate)
+    params = _v._prepare_params(temperature, top_k, top_p, batch, validate, impl)
     logits = _v.for_jit(logits)  # read by the check and the draw
     if validate and batch:
         _v._check_logits("logits", logits)
@@ -182,6 +203,7 @@ def verify_from_logits(
     top_p: FloatOrRows | None = None,
     num_draft_tokens: IntOrRows | None = None,
     validate: bool = True,
+    impl: str = "auto",
 ) -> AcceptanceResult:
     """The acceptance step from logits: process both sides identically, then accept/draw.
 
@@ -207,6 +229,11 @@ def verify_from_logits(
         the checks, a draft id outside [0, V) is never accepted and ``k_b``
         outside [0, G] acts as its clamped value; non-finite logits give
         unspecified tokens.
+      impl: ``"auto"`` (the default: the C++ CPU kernels where they are
+        available, else the JAX code), ``"xla"`` (the JAX code, the reference,
+        on every platform) or ``"cpu"`` (the kernels; an error where they are
+        not available). Static: each choice compiles its own function; see
+        :mod:`specjax.kernels.cpu_kernels`.
 
     Returns:
       :class:`AcceptanceResult` ``(num_accepted: i32[B], tokens: i32[B, G+1])`` as
@@ -234,6 +261,7 @@ def verify_from_logits(
         num_draft_tokens=num_draft_tokens,
         validate=validate,
         layout=None,
+        impl=impl,
     )
 
 
@@ -249,6 +277,7 @@ def _verify_from_logits(
     num_draft_tokens: IntOrRows | None = None,
     validate: bool = True,
     layout: sharded.MeshLayout | None,
+    impl: str = "auto",
 ) -> AcceptanceResult:
     """:func:`verify_from_logits` on ``layout``, or where ``target_logits`` lies (``layout=None``)."""
     draft_tokens = _v.as_array("draft_tokens", _v.token_ids_unchecked(draft_tokens, validate))
@@ -281,7 +310,7 @@ def _verify_from_logits(
     _v.check_float("target_logits", target_logits)
     draft_tokens = _v.as_token_ids("draft_tokens", draft_tokens)
     key = _v.as_key(key, batch)
-    params = _v._prepare_params(temperature, top_k, top_p, batch, validate)
+    params = _v._prepare_params(temperature, top_k, top_p, batch, validate, impl)
     if num_draft_tokens is None:
         k = _v._full_k(batch, g)
     else:

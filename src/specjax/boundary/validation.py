@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.adapters.host import host_view, jax_on_cpu
+from specjax.kernels import cpu_kernels
 from specjax.kernels.frontend import TEMPERATURE_RANGE
 from specjax.kernels.types import SamplingParams
 
@@ -405,17 +406,21 @@ def _check_params(temperature, top_k, top_p, validate: bool) -> None:
             raise ValueError(f"top_p: expected values in (0, 1], got {p.tolist()}")
 
 
-def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool) -> SamplingParams:
+def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool, impl: str = "auto") -> SamplingParams:
     """The per-row parameters as a :class:`SamplingParams` of f32/i32/f32 (B,) arrays.
 
     ``top_k`` / ``top_p`` None set ``use_top_k`` / ``use_top_p`` False and leave a
-    shared zero placeholder in the field. The arrays are NumPy arrays on the
+    shared zero placeholder in the field. ``impl`` (``"auto"``, ``"xla"`` or
+    ``"cpu"``) is resolved here, in eager code
+    (:func:`specjax.kernels.cpu_kernels.resolve`: builds the C++ kernels on
+    first use), into the static ``params.impl``. The arrays are NumPy arrays on the
     host: the jitted call takes them as arguments, and no eager JAX operation
     (each costs a dispatch, a good part of a B = 1 step on a CPU) runs at the
     boundary.
     """
     if temperature is None:
         raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
+    impl = cpu_kernels.resolve(impl)
     scalars = (
         type(temperature) in (float, int)
         and (top_k is None or type(top_k) is int)
@@ -439,6 +444,7 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool) -> Sa
             None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
             None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32),
             batch,
+            impl,
         )
     temperature = _row_param("temperature", temperature, batch, "float")
     top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
@@ -449,10 +455,10 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool) -> Sa
         top_k = np.ascontiguousarray(np.clip(top_k, 0, np.iinfo(np.int32).max), np.int32)
     if top_p is not None:
         top_p = np.ascontiguousarray(1.0 - top_p.astype(np.float64), np.float32)  # in float64, as transformers does
-    return _sampling_params(temperature, top_k, top_p, batch)
+    return _sampling_params(temperature, top_k, top_p, batch, impl)
 
 
-def _sampling_params(temperature, top_k, one_minus_top_p, batch: int) -> SamplingParams:
+def _sampling_params(temperature, top_k, one_minus_top_p, batch: int, impl: str) -> SamplingParams:
     """The (B,) arrays as one pytree; an unused field holds the shared placeholder (:func:`_dummy`)."""
     return SamplingParams(
         temperature,
@@ -460,6 +466,7 @@ def _sampling_params(temperature, top_k, one_minus_top_p, batch: int) -> Samplin
         _dummy(batch, np.float32) if one_minus_top_p is None else one_minus_top_p,
         use_top_k=top_k is not None,
         use_top_p=one_minus_top_p is not None,
+        impl=impl,
     )
 
 

@@ -36,10 +36,24 @@ The library is compiled from the shipped source with the system C++ compiler
 compiler, jaxlib version and CPU, into ``$SPECJAX_CACHE_DIR`` (default
 ``~/.cache/specjax``); a build takes a few seconds. Without a compiler, or when
 the build fails, specjax uses the JAX code on CPU too (slower, same semantics)
-and warns once when the CPU is JAX's default backend. ``SPECJAX_CPU_KERNELS=0`` turns the kernels off; read when
-first needed, i.e. at the first trace of a front-end function.
-:func:`set_enabled` switches between the two in a running process (benchmarks
-and tests compare them).
+and warns once when the CPU is JAX's default backend. ``SPECJAX_CPU_KERNELS=0`` turns the kernels off.
+
+Which code a jitted function runs is a static argument, never a process-wide
+switch: ``impl`` (:data:`IMPLS`) on the public entry points and
+``SamplingParams.impl`` inside the kernels. ``"xla"`` is the JAX code (the
+reference, on every platform); ``"cpu"`` the kernels on a CPU (lowered for
+another platform, the same function runs the JAX code); ``"auto"``, the
+entry points' default, is ``"cpu"`` where the kernels are available, else
+``"xla"``. :func:`resolve` turns ``"auto"`` into one of the two, building the
+library if needed, in eager code at the boundary: tracing never compiles C++.
+Both choices can live in one process (tests and benchmarks compare them), each
+with its own compiled functions; nothing clears JAX's caches.
+
+The build targets a portable instruction-set level: the highest x86-64 psABI
+level (``x86-64-v2``/``-v3``/``-v4``) this CPU supports, so the cached library
+runs on any CPU of that level; ``SPECJAX_CPU_NATIVE=1`` builds with
+``-march=native`` instead (opt-in). Elsewhere (arm64...) the compiler's default
+target.
 """
 
 from __future__ import annotations
@@ -59,16 +73,21 @@ import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "IMPLS",
     "available",
     "build_error",
     "draw_probs",
     "draw_rows_index",
     "library_path",
     "probs",
+    "require",
+    "resolve",
     "row_stats",
-    "set_enabled",
     "verify",
 ]
+
+#: The values of ``impl``: the JAX code, the C++ kernels on CPU, or the kernels where available.
+IMPLS = ("auto", "xla", "cpu")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 _FLAGS = (
@@ -76,8 +95,6 @@ _FLAGS = (
     "-std=c++17",
     "-shared",
     "-fPIC",
-    "-march=native",
-    "-mprefer-vector-width=512",
     "-fopenmp-simd",
     "-fno-math-errno",
     "-fno-trapping-math",
@@ -102,18 +119,45 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    """The CPU's feature flags (the build uses -march=native)."""
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return line
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return set()
+
+
+# The x86-64 psABI levels by the /proc/cpuinfo flags each adds (highest first).
+_X86_LEVELS = (
+    ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+    ("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}),
+    ("x86-64-v2", {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}),
+)
+
+
+def target_flags() -> tuple[str, ...]:
+    """The build's target flags: ``-march=native`` if ``SPECJAX_CPU_NATIVE=1``, else a portable level.
+
+    On x86-64, the highest psABI level whose features this CPU has (each level
+    includes the ones below it); vectors of 512 bits at ``x86-64-v4``.
+    Elsewhere, none (the compiler's default target).
+    """
     import platform
 
-    return platform.processor() or platform.machine()
+    if os.environ.get("SPECJAX_CPU_NATIVE", "0").strip().lower() in ("1", "true", "yes", "on"):
+        return ("-march=native",)
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    flags, level = _cpu_flags(), "x86-64"
+    for name, needs in reversed(_X86_LEVELS):  # v2, v3, v4: each needs the ones below it
+        if not needs <= flags:
+            break
+        level = name
+    return (f"-march={level}", "-mprefer-vector-width=512") if level == "x86-64-v4" else (f"-march={level}",)
 
 
 def _cache_dir() -> Path:
@@ -126,8 +170,18 @@ def _cache_dir() -> Path:
 def _build(compiler: str) -> Path:
     """Compile the library (or reuse a cached build); raises RuntimeError on failure."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    flags = (*_FLAGS, *target_flags())
+    native = "-march=native" in flags  # the CPU's own features then matter, not only the level
     key = hashlib.sha256(
-        "\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, jax.__version__, _cpu_signature()]).encode()
+        "\0".join(
+            [
+                _SOURCE.read_text(),
+                " ".join(flags),
+                version,
+                jax.__version__,
+                str(sorted(_cpu_flags())) if native else "",
+            ]
+        ).encode()
     ).hexdigest()[:16]
     out_dir = _cache_dir() / "cpu-kernels" / key
     lib = out_dir / "libspecjax_cpu.so"
@@ -137,7 +191,7 @@ def _build(compiler: str) -> Path:
     # Build beside the target and rename: concurrent processes never see a partial file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -193,12 +247,10 @@ def _load() -> None:
 
 
 def available() -> bool:
-    """Whether traced code uses the kernels: one CPU device, built, registered, not switched off.
+    """Whether the kernels can run here: one CPU device, built, registered, not turned off.
 
-    Decides (and builds them) on the first call.
+    Decides (and builds them) on the first call; eager code only (see :func:`resolve`).
     """
-    if _state.get("disabled"):
-        return False
     with _lock:
         if "loaded" not in _state:
             _state["loaded"] = True
@@ -206,18 +258,41 @@ def available() -> bool:
     return "path" in _state
 
 
-def set_enabled(enabled: bool) -> bool:
-    """Use the kernels (building them if needed) or the JAX code from now on.
+def resolve(impl: str) -> str:
+    """``"xla"`` or ``"cpu"``: what ``impl`` (one of :data:`IMPLS`) means in this process.
 
-    Clears JAX's caches, so that jitted functions are traced again with the new
-    choice; functions already compiled by other ``jax.jit`` objects keep theirs.
-    Returns :func:`available` afterwards.
+    Eager code at the boundary (builds the kernels on first use, never while
+    tracing): ``"auto"`` is ``"cpu"`` where :func:`available`, else ``"xla"``.
+
+    Raises:
+      ValueError: ``impl`` is not one of :data:`IMPLS`, or is ``"cpu"`` where the
+        kernels are not available (the message says why).
     """
-    if not isinstance(enabled, bool):
-        raise ValueError(f"enabled: expected True or False, got {enabled!r}")
-    _state["disabled"] = not enabled
-    jax.clear_caches()
-    return available()
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    if impl == "xla":
+        return impl
+    if available():
+        return "cpu"
+    if impl == "cpu":
+        raise ValueError(f"impl: 'cpu' asks for the C++ CPU kernels, which are not available here ({build_error()})")
+    return "xla"
+
+
+def require(impl: str) -> bool:
+    """Inside a kernel: whether resolved ``impl`` selects the C++ kernels (traced code; builds nothing).
+
+    Raises:
+      ValueError: ``impl`` is ``"auto"`` or unknown (the boundary resolves it
+        first: :func:`resolve`), or ``"cpu"`` before the kernels were loaded.
+    """
+    if impl == "xla":
+        return False
+    if impl == "cpu" and "path" in _state:
+        return True
+    if impl == "cpu":
+        raise ValueError("impl: 'cpu' before the C++ CPU kernels were loaded: call cpu_kernels.resolve('cpu') first")
+    raise ValueError(f"impl: a kernel takes 'xla' or 'cpu' (cpu_kernels.resolve chooses), got {impl!r}")
 
 
 def build_error() -> str | None:

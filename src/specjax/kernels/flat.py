@@ -48,6 +48,7 @@ def summarise_rows(
     temperature: jax.Array,
     draft_tokens: jax.Array,
     slots: jax.Array,
+    impl: str = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Write ``p_i(x_i)`` and the argmax of N flattened rows into their grid slots.
 
@@ -59,11 +60,12 @@ def summarise_rows(
       draft_tokens: i32[N], each row's draft token ``x_i``; an id outside
         [0, V) gets probability 0 (never accepted).
       slots: i32[N], each row's slot ``b·G + i`` in the grid.
+      impl: static, ``"xla"`` or ``"cpu"`` (:func:`~specjax.kernels.frontend.row_stats`).
 
     Returns:
       ``(grid_p, grid_argmax)`` with the N slots written.
     """
-    stats = row_stats(target_logits, temperature)
+    stats = row_stats(target_logits, temperature, impl=impl)
     x = draft_tokens.astype(jnp.int32)
     p_x = probs_from_stats(stats, vocab_gather(target_logits, x, None, 0), x)
     return grid_p.at[slots].set(p_x, mode="drop"), grid_argmax.at[slots].set(stats.argmax, mode="drop")
@@ -104,7 +106,11 @@ def accept(
 
 
 def residual_draw(
-    target_rows: jax.Array, temperature: jax.Array, rejected_tokens: jax.Array, sample_uniforms: jax.Array
+    target_rows: jax.Array,
+    temperature: jax.Array,
+    rejected_tokens: jax.Array,
+    sample_uniforms: jax.Array,
+    impl: str = "xla",
 ) -> jax.Array:
     """i32[R]: a draw from each processed row ``p_n`` with the rejected token removed.
 
@@ -113,10 +119,11 @@ def residual_draw(
       temperature: f32[R] (0 gives the argmax, as for greedy rows).
       rejected_tokens: i32[R], ``x_n``.
       sample_uniforms: f32[R] in [0, 1).
+      impl: static, ``"xla"`` or ``"cpu"`` (:func:`~specjax.kernels.frontend.row_stats`).
     """
     r = target_rows.shape[0]
     rows = target_rows[:, None, :]
-    stats = row_stats(rows, temperature[:, None])
+    stats = row_stats(rows, temperature[:, None], impl=impl)
     t_sel = jax.tree.map(lambda f: f[:, 0], stats)
     zeros, ones = jnp.zeros((r,), jnp.int32), jnp.ones((r,), jnp.int32)
     y = _draw_from_logits(rows, None, t_sel, None, zeros, ones, sample_uniforms, rejected_tokens[:, None])

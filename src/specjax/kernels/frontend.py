@@ -279,6 +279,7 @@ def row_stats(
     *,
     axis_name: AxisName = None,
     offset: jax.Array | int = 0,
+    impl: str = "xla",
 ) -> RowStats:
     """Summarise the processed distribution of every row of ``logits``.
 
@@ -292,6 +293,9 @@ def row_stats(
       one_minus_top_p: optional f32[...], ``1 - top_p``; 0 keeps all.
       axis_name: the mesh axis the vocabulary is split over, inside shard_map.
       offset: the global index of this shard's first vocabulary entry.
+      impl: ``"xla"`` or ``"cpu"`` (static; :mod:`specjax.kernels.cpu_kernels`):
+        on one device, ``"cpu"`` summarises each row in one C++ pass where the
+        function is lowered for a CPU.
     """
 
     def read() -> jax.Array:
@@ -349,7 +353,7 @@ def row_stats(
         x_max, z, am = cpu_kernels.row_stats(flat, scale, jnp.broadcast_to(cut, rows).reshape(-1))
         return x_max.reshape(rows), z.reshape(rows), am.reshape(rows) + offset
 
-    if cpu_kernels.available():
+    if cpu_kernels.require(impl):
         row_max, z, am = lax.platform_dependent(cpu=cpu_summary, default=jax_summary)
     else:
         row_max, z, am = jax_summary()
@@ -374,13 +378,14 @@ def probs_from_stats(stats: RowStats, logit_values: jax.Array, token_ids: jax.Ar
     return jnp.where(e(stats.greedy), onehot, soft)
 
 
-def row_probs(stats: RowStats, logits: jax.Array) -> jax.Array:
+def row_probs(stats: RowStats, logits: jax.Array, impl: str = "xla") -> jax.Array:
     """f32[..., V]: the processed distribution of every row of ``logits`` (f[..., V], one device).
 
-    :func:`probs_from_stats` over all ids; on CPU the C++
-    :func:`specjax.kernels.cpu_kernels.probs`, whose arithmetic for a token is
-    that of the acceptance step's (:func:`specjax.kernels.cpu_kernels.verify`),
-    so a draft token's probability is the same there, bit for bit.
+    :func:`probs_from_stats` over all ids; with ``impl="cpu"`` (static), on a
+    CPU the C++ :func:`specjax.kernels.cpu_kernels.probs`, whose arithmetic for
+    a token is that of the acceptance step's
+    (:func:`specjax.kernels.cpu_kernels.verify`), so a draft token's
+    probability is the same there, bit for bit.
     """
     vocab = logits.shape[-1]
     rows = logits.shape[:-1]
@@ -398,7 +403,7 @@ def row_probs(stats: RowStats, logits: jax.Array) -> jax.Array:
         )
         return out.reshape(*rows, vocab)
 
-    if cpu_kernels.available():
+    if cpu_kernels.require(impl):
         return lax.platform_dependent(cpu=cpu_probs, default=jax_probs)
     return jax_probs()
 
@@ -458,6 +463,7 @@ def verify_core(
             None if one_minus_top_p is None else one_minus_top_p[row],
             axis_name=axis_name,
             offset=offset,
+            impl=params.impl,
         )
 
     def summarise_all_rows() -> tuple[RowStats, RowStats | None, jax.Array]:
@@ -537,7 +543,7 @@ def verify_core(
             jax_path = all_rows_one_device
         else:  # summarise positions only as far as needed
             jax_path = lazily_one_device
-        if cpu_kernels.available():
+        if cpu_kernels.require(params.impl):
             return lax.platform_dependent(cpu=fused_cpu, default=jax_path)
         return jax_path()
 
@@ -688,8 +694,8 @@ def _verify_jit(draft_tokens, draft_logits, target_logits, key, params: Sampling
 @partial(jax.jit, compiler_options=VECTOR_OPTIONS)
 def _sample_jit(logits, key, params: SamplingParams):
     b = logits.shape[0]
-    stats = row_stats(logits, params.temperature, params.active_top_k, params.active_one_minus_top_p)
-    probs = row_probs(stats, logits)
+    stats = row_stats(logits, params.temperature, params.active_top_k, params.active_one_minus_top_p, impl=params.impl)
+    probs = row_probs(stats, logits, params.impl)
     # clipped: an unvalidated degenerate row (NaN) still gives an id in [0, V), never -1
     tokens = jnp.clip(inverse_cdf(probs, _uniforms(key, b, 1)[:, 0]), 0, logits.shape[-1] - 1)
     return tokens, probs

@@ -47,6 +47,7 @@ user inputs first, lives in :mod:`specjax.boundary.api`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -407,15 +408,16 @@ def _gather_draft_probs(
     return lax.map(one, jnp.arange(draft_tokens.shape[0], dtype=jnp.int32))
 
 
-# Recompiles only when the shapes or dtypes of the five inputs change, or
-# draft_probs switches between an array and None (point masses).
-@jax.jit
+# Recompiles only when the shapes or dtypes of the five inputs change, when
+# draft_probs switches between an array and None (point masses), or impl changes.
+@partial(jax.jit, static_argnames=("impl",))
 def _rejection_sample_jit(
     draft_tokens: jax.Array,
     draft_probs: jax.Array | None,
     target_probs: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
+    impl: str = "xla",
 ) -> AcceptanceResult:
     g = draft_tokens.shape[1]
     q_dtype = target_probs.dtype if draft_probs is None else draft_probs.dtype
@@ -453,7 +455,7 @@ def _rejection_sample_jit(
     if (
         draft_probs is not None
         and target_probs.dtype == draft_probs.dtype == ct == jnp.float32
-        and cpu_kernels.available()
+        and cpu_kernels.require(impl)
     ):
         y = lax.platform_dependent(cpu=cpu_draw, default=jax_draw)
     else:

@@ -42,8 +42,8 @@ def step_keys(row_keys: jax.Array, step: jax.Array | int, purpose: int) -> jax.A
     return fold(fold(row_keys, step), purpose)
 
 
-# Recompiles when B, the draft vocabulary, `vocab` or params.use_top_k / use_top_p
-# (static fields of the SamplingParams pytree) change.
+# Recompiles when B, the draft vocabulary, `vocab` or params.use_top_k / use_top_p /
+# impl (static fields of the SamplingParams pytree) change.
 @partial(jax.jit, static_argnames=("vocab",), compiler_options=VECTOR_OPTIONS)
 def draft_draw(logits, row_keys, step, purpose, params: SamplingParams, *, vocab):
     """Draw one draft token per row.
@@ -59,10 +59,10 @@ def draft_draw(logits, row_keys, step, purpose, params: SamplingParams, *, vocab
       :func:`specjax.verify_from_logits` will recompute from the same logits.
     """
     x = fit_vocab(logits, vocab)
-    stats = row_stats(x, params.temperature, params.active_top_k, params.active_one_minus_top_p)
+    stats = row_stats(x, params.temperature, params.active_top_k, params.active_one_minus_top_p, impl=params.impl)
 
     def draw() -> jax.Array:
-        probs = row_probs(stats, x)
+        probs = row_probs(stats, x, params.impl)
         keys = step_keys(row_keys, step, purpose)
         return inverse_cdf(probs, _uniforms(keys, x.shape[0], 1)[:, 0])
 
@@ -137,7 +137,8 @@ def probs_step(draft_logits, target_logits, row_keys, step, params: SamplingPara
     rows = jax.tree.map(lambda a: a[:, None], params)  # (B, 1): one value per row, for every position
 
     def probs(x):
-        return row_probs(row_stats(x, rows.temperature, rows.active_top_k, rows.active_one_minus_top_p), x)
+        stats = row_stats(x, rows.temperature, rows.active_top_k, rows.active_one_minus_top_p, impl=params.impl)
+        return row_probs(stats, x, params.impl)
 
     d = _stack_draft(draft_logits, b, vocab)
     u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)

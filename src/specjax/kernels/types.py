@@ -36,7 +36,7 @@ Array = Any
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_k", "one_minus_top_p"],
-    meta_fields=["use_top_k", "use_top_p"],
+    meta_fields=["use_top_k", "use_top_p", "impl"],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
 class SamplingParams:
@@ -50,9 +50,13 @@ class SamplingParams:
       use_top_k, use_top_p: static: whether any row uses top-k / top-p. The
         boundary fills an unused field with a (B,) placeholder, so the argument
         signature stays the same; kernel-level callers may leave it None.
+      impl: static: ``"xla"`` (the JAX code, the default) or ``"cpu"`` (the C++
+        CPU kernels where the function is lowered for a CPU;
+        :mod:`specjax.kernels.cpu_kernels`). The boundary resolves its
+        ``impl="auto"`` to one of them before tracing.
 
     Recompiles (as an argument of a jitted function): when B or a dtype changes,
-    or when ``use_top_k`` / ``use_top_p`` change; never for new values.
+    or when ``use_top_k`` / ``use_top_p`` / ``impl`` change; never for new values.
     """
 
     temperature: Array
@@ -60,6 +64,7 @@ class SamplingParams:
     one_minus_top_p: Array = None
     use_top_k: bool = False
     use_top_p: bool = False
+    impl: str = "xla"
 
     @property
     def active_top_k(self) -> Array | None:

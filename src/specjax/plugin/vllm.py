@@ -648,10 +648,11 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
     import jax
     import jax.numpy as jnp
 
-    from specjax.kernels import flat
+    from specjax.kernels import cpu_kernels, flat
     from specjax.kernels.compile_options import VECTOR_OPTIONS
 
-    summarise = jax.jit(flat.summarise_rows, compiler_options=VECTOR_OPTIONS)
+    impl = cpu_kernels.resolve("auto")  # eager, here: never while tracing
+    summarise = jax.jit(partial(flat.summarise_rows, impl=impl), compiler_options=VECTOR_OPTIONS)
 
     @partial(jax.jit, static_argnames=("all_greedy",), compiler_options=VECTOR_OPTIONS)
     def finish(
@@ -669,7 +670,7 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
         *,
         all_greedy,
     ):
-        grid_p, grid_argmax = flat.summarise_rows(grid_p, grid_argmax, logits, row_temperature, draft, slots)
+        grid_p, grid_argmax = flat.summarise_rows(grid_p, grid_argmax, logits, row_temperature, draft, slots, impl)
         b = k.shape[0]
         g = grid_p.shape[0] // b
         # a point mass p gives p(x) in {0, 1}: every uniform in [0, 1) decides alike
@@ -685,7 +686,7 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
         )
         return tokens, n, needs_draw, u[:, g]
 
-    draw = jax.jit(flat.residual_draw, compiler_options=VECTOR_OPTIONS)
+    draw = jax.jit(partial(flat.residual_draw, impl=impl), compiler_options=VECTOR_OPTIONS)
     return summarise, finish, draw
 
 
@@ -717,13 +718,16 @@ def _target_probs_fn() -> Callable[..., Any]:
     import jax
     import jax.numpy as jnp
 
+    from specjax.kernels import cpu_kernels
     from specjax.kernels.compile_options import VECTOR_OPTIONS
     from specjax.kernels.frontend import row_probs, row_stats
+
+    impl = cpu_kernels.resolve("auto")  # eager, here: never while tracing
 
     @partial(jax.jit, compiler_options=VECTOR_OPTIONS)
     def probs(target_logits, key_words, temperature, num_draft_tokens):
         g1 = target_logits.shape[1]
-        p = row_probs(row_stats(target_logits, temperature[:, None]), target_logits)
+        p = row_probs(row_stats(target_logits, temperature[:, None], impl=impl), target_logits, impl)
         inside = jnp.arange(g1, dtype=jnp.int32)[None, :] < num_draft_tokens[:, None]
         u = _uniforms(key_words, g1)
         return jnp.where(inside[:, :, None], p, 0), u[:, : g1 - 1], u[:, g1 - 1]
