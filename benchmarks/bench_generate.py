@@ -313,10 +313,19 @@ class Method:
     results: list[Result] = field(default_factory=list)
     category: str = ""
     drafter: str = ""
+    impl: str = ""
 
     @property
     def key(self) -> tuple:
-        return (self.category, self.name, self.drafter, self.batch_size, self.temperature, self.num_draft_tokens)
+        return (
+            self.category,
+            self.name,
+            self.drafter,
+            self.impl,
+            self.batch_size,
+            self.temperature,
+            self.num_draft_tokens,
+        )
 
     def run(self, unit: int) -> Result:
         ids, mask = self.units[unit]
@@ -367,7 +376,13 @@ def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None
 
 
 def _specjax_call(
-    pair: Pair, max_new: int, temperature: float, num_draft_tokens: int, drafter: str = "model", adaptive: bool = True
+    pair: Pair,
+    max_new: int,
+    temperature: float,
+    num_draft_tokens: int,
+    drafter: str = "model",
+    adaptive: bool = True,
+    impl: str = "auto",
 ) -> Callable:
     from specjax import speculative_generate
 
@@ -384,6 +399,7 @@ def _specjax_call(
             eos_token_id=pair.eos or None,
             pad_token_id=pair.pad,
             adaptive=adaptive,
+            impl=impl,
         )
         return out.sequences[:, ids.shape[1] :], out.num_new_tokens.tolist(), out.stats
 
@@ -432,6 +448,7 @@ def bench_generate(
     temperatures: Sequence[float] | None = None,
     adaptive: bool = True,
     batch_sizes: Sequence[int] = (1, 8),
+    impls: Sequence[str] = ("auto",),
 ) -> list[dict]:
     """Run every method; one row per method (see the module docstring)."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -479,18 +496,20 @@ def bench_generate(
                             )
                         )
                 for d in drafters:
-                    one.append(
-                        Method(
-                            "specjax",
-                            1,
-                            temp,
-                            g,
-                            singles,
-                            _specjax_call(pair, max_new, temp, g, d, adaptive),
-                            category=category,
-                            drafter=d,
+                    for impl in impls:
+                        one.append(
+                            Method(
+                                "specjax",
+                                1,
+                                temp,
+                                g,
+                                singles,
+                                _specjax_call(pair, max_new, temp, g, d, adaptive, impl),
+                                category=category,
+                                drafter=d,
+                                impl=impl,
+                            )
                         )
-                    )
                 if temp == 0.0 and not quick and "model" in drafters:  # transformers' default drafts up to 20
                     one.append(
                         Method(
@@ -514,11 +533,13 @@ def bench_generate(
                         temp,
                         g,
                         batch8,
-                        _specjax_call(pair, max_new, temp, g, d, adaptive),
+                        _specjax_call(pair, max_new, temp, g, d, adaptive, impl),
                         category=category,
                         drafter=d,
+                        impl=impl,
                     )
                     for d in drafters
+                    for impl in impls
                 ]
                 groups.append(eight)
 
@@ -582,6 +603,7 @@ def bench_generate(
                 "category": m.category,
                 "drafter": m.drafter or None,
                 "adaptive": adaptive if m.name == "specjax" else None,
+                "impl": m.impl or None,
                 "speedup": _paired_ratio(runs, base.results),
                 "speedup_cpu_time": _paired_ratio(runs, base.results, cpu=True),
                 "same_as_target": same,
@@ -607,8 +629,10 @@ def format_table(rows: list[dict]) -> str:
         same = "" if r["same_as_target"] is None else ("yes" if r["same_as_target"] else "NO")
         frac = "" if r.get("draft_step_fraction") is None else f"{r['draft_step_fraction']:.2f}"
         g = r["num_draft_tokens"] or ""
+        impl = f" impl={r['impl']}" if r.get("impl") not in (None, "auto") else ""
         lines.append(
-            f"| {r.get('category', '')} | {r['method']} | {r.get('drafter') or ''} | {r['batch_size']} | "
+            f"| {r.get('category', '')} | {r['method']}{impl} "
+            f"| {r.get('drafter') or ''} | {r['batch_size']} | "
             f"{r['temperature']} | {g} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
             f"{r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {frac} | {same} |"
         )
@@ -642,6 +666,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--temperatures", help="comma-separated temperatures (default: 0 and 0.7; --quick: 0)")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes among 1 and 8")
     parser.add_argument("--fixed", action="store_true", help="draft G tokens every step (no adaptive length)")
+    parser.add_argument(
+        "--impls", default="auto", help="comma-separated kernel code for specjax: auto, xla, cpu (each a method)"
+    )
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
     pool = jax_threads.apply(args)
@@ -669,6 +696,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--temperatures / --batch-sizes: expected comma-separated numbers")
     if any(b not in (1, 8) for b in sizes):
         parser.error(f"--batch-sizes: expected 1 and/or 8, got {args.batch_sizes!r}")
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    if not impls or any(i not in ("auto", "xla", "cpu") for i in impls):
+        parser.error(f"--impls: expected names among auto, xla, cpu, got {args.impls!r}")
     rows = bench_generate(
         args.quick,
         num_draft_tokens=args.num_draft_tokens,
@@ -682,6 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         temperatures=temps,
         adaptive=not args.fixed,
         batch_sizes=sizes,
+        impls=impls,
     )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))

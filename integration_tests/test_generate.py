@@ -722,3 +722,25 @@ def test_asks_every_step_makes_the_loop_ask_every_step(tiny_lm, asks):
     out = specjax.speculative_generate(target, Counting(), ids, max_new_tokens=8, pad_token_id=0)
     # every step but the last (one token left: nothing to draft) asks
     assert len(calls) == (out.stats.steps - 1 if asks else 0), (calls, out.stats.steps)
+
+
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
+def test_impl_chooses_the_kernels_code_and_greedy_output_is_the_same(impl, pairs, left_padded):
+    """``impl`` reaches the loop's kernels (the draft's draw and the acceptance step):
+    greedy output is the target's either way; "cpu" where the C++ kernels are
+    unavailable, or an unknown name, is a ValueError naming ``impl``."""
+    from specjax.kernels import cpu_kernels
+
+    models = pairs("llama")
+    ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=5)
+    kwargs = dict(max_new_tokens=9, num_draft_tokens=G, temperature=0.0)
+    if impl == "cpu" and not cpu_kernels.available():
+        with pytest.raises(ValueError, match="impl: 'cpu' asks for the C\\+\\+ CPU kernels"):
+            generate(models["target"], models["perturbed"], ids, mask, impl=impl, **kwargs)
+        return
+    ours = generate(models["target"], models["perturbed"], ids, mask, impl=impl, **kwargs)
+    auto = generate(models["target"], models["perturbed"], ids, mask, **kwargs)
+    assert torch.equal(ours.sequences, auto.sequences)
+    assert ours.stats.draft_tokens_proposed > 0
+    with pytest.raises(ValueError, match="impl: expected one of 'auto', 'xla', 'cpu', got 'tpu'"):
+        generate(models["target"], models["perturbed"], ids, mask, impl="tpu", **kwargs)

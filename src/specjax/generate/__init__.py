@@ -149,6 +149,7 @@ def speculative_generate(
     on_tokens: Any = None,
     return_state: bool = False,
     adaptive: bool = True,
+    impl: str = "auto",
 ) -> SpeculativeOutput:
     """Generate with the target's distribution, drafting with a smaller model or another drafter.
 
@@ -187,6 +188,10 @@ def speculative_generate(
         are reproducible from ``seed`` with ``adaptive=False``; with True the
         schedule's choices come from measured times, so two runs may draw
         differently (each still exactly from the target's distribution).
+      impl: the kernels' code on a CPU: ``"auto"`` (the C++ CPU kernels where
+        available), ``"xla"`` (the JAX code) or ``"cpu"`` (the kernels, else a
+        ValueError); as :func:`specjax.verify_from_logits`. The draft's draw and
+        the acceptance test use the same one, so ``q`` is the same bits in both.
 
     Returns:
       :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``.
@@ -286,7 +291,7 @@ def speculative_generate(
         _check_sliding_window(m, needed, "draft")
 
     sampler_fn = _resolve_sampler(sampler)
-    params = _prepare_params(temperature, top_k, top_p, batch, True)
+    params = _prepare_params(temperature, top_k, top_p, batch, True, impl)
     base = jax.random.key(seed)
     sampling = SamplingState(  # on the device once, for every step's jitted calls
         jax.device_put(params),
