@@ -84,6 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     e = p.add_argument_group("evaluation and output")
     e.add_argument("--eval-prompts", type=int, default=12, help="held-out prompts drafted end to end")
     e.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    e.add_argument(
+        "--from-head",
+        type=Path,
+        metavar="DIR",
+        help="no training: take the head saved in DIR, keep the --num-tokens most frequent of the tokens it "
+        "scores (its layer is unchanged), save it in --out and evaluate it",
+    )
     e.add_argument("--quick", action="store_true", help="a smoke run: few prompts, two minutes of training")
     args = p.parse_args(argv)
     if args.quick:
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights, save_head
+    from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
     from specjax.drafters.eagle_train import LossWeights, frequent_tokens, head_loss
     from specjax.pair import load_target
 
@@ -256,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = target.config
     ids = frequent_tokens([r["seq"].tolist() for r in train], args.num_tokens, cfg.vocab_size)
+    if args.from_head is not None:
+        report = args.from_head / "training_report.json"
+        before = json.loads(report.read_text()) if report.is_file() else {}
+        training = {k: before[k] for k in ("train_steps", "train_minutes") if k in before}
+        training["restricted_from"] = str(args.from_head)
+        return evaluate_and_save(restricted_head(args.from_head, ids), target, tok, train, held, args, training)
     head = EagleHead(
         EagleConfig(cfg.hidden_size, args.heads, args.kv_heads, args.intermediate, cfg.vocab_size, len(ids))
     )
@@ -292,7 +305,36 @@ def main(argv: list[str] | None = None) -> int:
     train_s = time.perf_counter() - start
     head.eval()
     log(f"trained {step} steps ({epoch} epochs begun) in {train_s / 60:.1f} min")
-    save_head(head, args.out)  # before the evaluation: a failure there must not lose the training
+    return evaluate_and_save(head, target, tok, train, held, args, {"train_steps": step, "train_minutes": train_s / 60})
+
+
+def restricted_head(path: Path, ids: Any) -> Any:
+    """The head saved in ``path``, scoring only ``ids`` (i64[N'], a subset of its tokens)."""
+    import dataclasses
+
+    from specjax.drafters.eagle_head import EagleHead, load_head
+
+    head = load_head(path)
+    have = set(head.token_ids.tolist())
+    missing = [i for i in ids.tolist() if i not in have]
+    if missing:
+        raise SystemExit(
+            f"--num-tokens: {len(missing)} of the {len(ids)} most frequent tokens are not scored by {path}"
+        )
+    small = EagleHead(dataclasses.replace(head.config, num_tokens=len(ids)))
+    state = {k: v for k, v in head.state_dict().items() if k != "token_ids"}
+    small.load_state_dict({**state, "token_ids": ids}, strict=True)
+    log(f"head from {path}: scores {len(ids)} of its {head.config.num_tokens} tokens")
+    return small.eval()
+
+
+def evaluate_and_save(
+    head: Any, target: Any, tok: Any, train: list, held: list, args: argparse.Namespace, training: dict
+) -> int:
+    """Save ``head`` in ``--out`` (before the evaluation: a failure there must not lose it), then the report."""
+    from specjax.drafters.eagle_head import save_head
+
+    save_head(head, args.out)
     log(f"saved the head in {args.out}")
 
     held_agree = agreement(head, target, held)
@@ -308,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "training_agreement_first_position": train_agree,
         **drafted,
         "time_per_draft_token_s": t_draft,
-        "train_steps": step,
-        "train_minutes": train_s / 60,
+        **(training or {}),
         "training_positions": sum(len(r["seq"]) for r in train),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
