@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -25,15 +24,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from golden import CASES, Case
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import reference_rejection_sample
 
+from specjax.boundary.api import rejection_sample
 from specjax.generate.loop import _host
-from specjax.kernels.rejection import rejection_sample
+from specjax.kernels import cpu_kernels
 from specjax.plugin.reference_samplers import numpy_rejection_sample, torch_rejection_sample
 
 SAMPLERS = {"numpy": numpy_rejection_sample, "torch": torch_rejection_sample, "jax": rejection_sample}
-F32_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))
+# Every implementation of the JAX kernel on this machine: the JAX code and, where
+# they build, the C++ CPU kernels (the golden table runs each).
+IMPLS = ["xla"] + (["cpu"] if cpu_kernels.available() else [])
 
 
 def run(name: str, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -51,115 +55,7 @@ def i32(x: Any) -> np.ndarray:
     return np.asarray(x, np.int32)
 
 
-# --------------------------------------------------------------------------- the contract, by example
-
-
-@dataclass
-class Case:
-    name: str
-    x: Any
-    q: Any
-    p: Any
-    u: Any
-    s: Any
-    n: list[int]
-    tokens: list[list[int]]
-    note: str = field(default="")
-
-
-def _one_hot(v: int, i: int) -> list[float]:
-    row = [0.0] * v
-    row[i] = 1.0
-    return row
-
-
-CASES = [
-    Case(
-        "all accepted, bonus from p_G",
-        [[1, 2]],
-        [[[0, 1, 0, 0], [0, 0, 1, 0]]],
-        [[[0, 1, 0, 0], [0, 0, 1, 0], [0.25] * 4]],
-        [[0.5, 0.5]],
-        [0.6],
-        [2],
-        [[1, 2, 2]],
-    ),
-    Case(
-        "rejection at 1, correction from the residual",
-        [[1, 2]],
-        [[[0, 1, 0, 0], [0, 0, 1, 0]]],
-        [[[0, 1, 0, 0], [0.5, 0, 0.25, 0.25], [0.25] * 4]],
-        [[0.5, 0.25]],
-        [0.5],
-        [1],
-        [[1, 0, -1]],
-        "u = 0.25 equals p/q = 0.25: strict < fails; residual (0.5, 0, 0, 0.25) has cdf 2/3 > 0.5 at 0",
-    ),
-    Case(
-        "q(x) = 0 and p(x) > 0 passes whatever u",
-        [[0]],
-        [[[0, 1]]],
-        [[[0.5, 0.5], [1, 0]]],
-        [[F32_BELOW_ONE]],
-        [0.5],
-        [1],
-        [[0, 0]],
-    ),
-    Case(
-        "p(x) = 0 fails even with u = 0", [[1]], [[[0.5, 0.5]]], [[[1, 0], [0.5, 0.5]]], [[0.0]], [0.0], [0], [[0, -1]]
-    ),
-    Case(
-        "G = 0 draws from p_0",
-        np.zeros((2, 0), np.int32),
-        np.zeros((2, 0, 3), np.float32),
-        [[[0.5, 0.25, 0.25]], [[0, 0, 1]]],
-        np.zeros((2, 0), np.float32),
-        [0.5, 0.1],
-        [0, 0],
-        [[1], [2]],
-    ),
-    Case(
-        "empty residual (unnormalised q) draws from p_n",
-        [[0]],
-        [[[1, 1]]],
-        [[[0.5, 0.5], [0, 1]]],
-        [[0.75]],
-        [0.5],
-        [0],
-        [[1, -1]],
-    ),
-    Case(
-        "s on a cumulative boundary moves to the next positive token",
-        [[0]],
-        [[[1, 0, 0, 0]]],
-        [[[0.5, 0.25, 0, 0.25], [0.25, 0.25, 0.25, 0.25]]],
-        [[0.5]],
-        [0.5],
-        [0],
-        [[3, -1]],
-        "u = p/q = 0.5 fails; residual (0, 0.25, 0, 0.25): cdf 0, 0.5, 0.5, 1 and s = 0.5 -> 3",
-    ),
-    Case(
-        "second block of 128",
-        [[200]],
-        [[_one_hot(257, 200)]],
-        [[_one_hot(257, 256), _one_hot(257, 5)]],
-        [[0.0]],
-        [F32_BELOW_ONE],
-        [0],
-        [[256, -1]],
-    ),
-    Case(
-        "B = 0",
-        np.zeros((0, 2), np.int32),
-        np.zeros((0, 2, 3), np.float32),
-        np.zeros((0, 3, 3), np.float32),
-        np.zeros((0, 2), np.float32),
-        np.zeros((0,), np.float32),
-        [],
-        np.zeros((0, 3), np.int32).tolist(),
-    ),
-]
+# --------------------------------------------------------------------------- the contract, by example (tests/golden.py)
 
 
 @pytest.mark.parametrize("sampler", sorted(SAMPLERS))
@@ -168,6 +64,21 @@ def test_contract_examples(sampler: str, case: Case) -> None:
     n, tokens = run(sampler, i32(case.x), f32(case.q), f32(case.p), f32(case.u), f32(case.s))
     assert n.tolist() == case.n
     assert tokens.tolist() == case.tokens
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_contract_examples_on_every_kernel_implementation(impl: str, case: Case) -> None:
+    n, tokens = run("jax", i32(case.x), f32(case.q), f32(case.p), f32(case.u), f32(case.s), impl=impl)
+    assert n.tolist() == case.n
+    assert tokens.tolist() == case.tokens
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_contract_examples_in_the_float64_reference(case: Case) -> None:
+    ref = reference_rejection_sample(i32(case.x), f32(case.q), f32(case.p), f32(case.u), f32(case.s))
+    assert ref.num_accepted.tolist() == case.n
+    assert ref.tokens.tolist() == case.tokens
 
 
 # --------------------------------------------------------------------------- exact agreement of the three
