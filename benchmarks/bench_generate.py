@@ -19,7 +19,9 @@ Methods, all on the same models, prompts and machine in one run:
 * ``specjax``: :func:`specjax.speculative_generate` at B=1 and B=8, with G and
   (greedy, full run) 2G draft tokens per step, once per drafter of
   ``--drafter`` (``model``: the pair's draft model; ``ngram``: prompt lookup;
-  ``hybrid``: n-gram where it matches, else the draft model), with the
+  ``eagle``: the pair's EAGLE head; ``hybrid``: n-gram where it matches, else
+  the EAGLE head, or the draft model if the pair has no head;
+  ``hybrid-model``: n-gram, else the draft model), with the
   adaptive draft length (``--fixed`` drafts G every step). Below the table,
   the acceptance rate per draft position and the fraction of steps that
   drafted.
@@ -170,6 +172,7 @@ class Pair:
     tokenizer: Any = None
     eos: list[int] = field(default_factory=list)
     pad: int = 0
+    head: Any = None  # the EAGLE head of the embedded pair (drafters eagle, hybrid)
 
 
 def load_pair(target_dir: str | None, draft_dir: str | None, synthetic: bool) -> Pair:
@@ -184,7 +187,7 @@ def load_pair(target_dir: str | None, draft_dir: str | None, synthetic: bool) ->
             from specjax.pair import load_default_pair
 
             p = load_default_pair()
-            return _with_ids(Pair(p.target, p.draft, "SmolLM2-135M-Instruct + specjax draft", p.tokenizer))
+            return _with_ids(Pair(p.target, p.draft, "SmolLM2-135M-Instruct + specjax draft", p.tokenizer, head=p.head))
         except Exception as err:  # the pair is optional here: fall back, and say why
             print(f"default pair unavailable ({type(err).__name__}: {err}); using the synthetic pair", file=sys.stderr)
     target, draft = synthetic_pair()
@@ -250,20 +253,11 @@ def count_new(new_tokens: Any, eos: list[int]) -> list[int]:
 # --------------------------------------------------------------------------- #
 
 
-DRAFTERS = ("model", "ngram", "hybrid")
-
-
 def make_drafter(pair: Pair, name: str) -> Any:
     """What ``speculative_generate(draft=...)`` gets for a drafter name: a fresh drafter per call."""
-    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+    from specjax.pair import make_pair_drafter
 
-    if name == "model":
-        return pair.draft
-    if name == "ngram":
-        return NgramDrafter()
-    if name == "hybrid":
-        return HybridDrafter(NgramDrafter(), ModelDrafter(pair.draft))
-    raise ValueError(f"--drafter: expected names among {', '.join(DRAFTERS)}, got {name!r}")
+    return make_pair_drafter(name, draft=pair.draft, head=pair.head)
 
 
 def category_prompts(pair: Pair, category: str) -> list[Any]:
@@ -661,7 +655,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-draft-tokens", type=int, default=4, metavar="G")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--reps", type=int)
-    parser.add_argument("--drafter", default="model", help="comma-separated drafters: model, ngram, hybrid")
+    parser.add_argument(
+        "--drafter",
+        default="model",
+        help="comma-separated drafters: model, ngram, eagle, hybrid (n-gram, else the EAGLE head), hybrid-model",
+    )
     parser.add_argument("--categories", help="comma-separated prompt sets: open, grounded (default: open)")
     parser.add_argument("--temperatures", help="comma-separated temperatures (default: 0 and 0.7; --quick: 0)")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes among 1 and 8")
@@ -683,6 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
     )
     drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
+    from specjax.pair import PAIR_DRAFTERS as DRAFTERS
+
     bad = [d for d in drafters if d not in DRAFTERS]
     if bad or not drafters:
         parser.error(f"--drafter: expected names among {', '.join(DRAFTERS)}, got {args.drafter!r}")

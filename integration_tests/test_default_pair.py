@@ -19,8 +19,10 @@ from specjax import pair as pairmod
 from specjax.pair import (
     DefaultPairError,
     default_draft_path,
+    default_head_path,
     default_target_path,
     load_default_pair,
+    make_pair_drafter,
 )
 
 pytestmark = pytest.mark.demo_pair
@@ -106,6 +108,11 @@ def test_pair_loads_offline(pair: Any) -> None:
     assert pair.target_path.name == pairmod.TARGET_GGUF_FILE and pair.target_path.is_file()
     assert pair.draft_path == default_draft_path()
     assert isinstance(pair.num_draft_tokens, int) and pair.num_draft_tokens >= 1
+    from specjax.drafters.eagle_head import EagleHead
+
+    assert isinstance(pair.head, EagleHead) and not pair.head.training
+    assert pair.head_path == default_head_path() and pair.head_load_s > 0
+    assert pair.head.config.target_vocab_size == 49152 and pair.head.config.hidden_size == 576
 
 
 @needs_target
@@ -117,6 +124,16 @@ def test_draft_and_target_share_the_vocabulary(pair: Any) -> None:
     assert len(pair.tokenizer) <= vocab
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         assert getattr(pair.draft.config, key) == getattr(pair.target.config, key)
+
+
+def test_shipped_head_files_are_small() -> None:
+    path = default_head_path()
+    if not (path / "model.safetensors").is_file():
+        pytest.fail(f"the shipped EAGLE head is missing in {path}; `make train-eagle` rebuilds it")
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    assert size <= 25_000_000
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "specjax-eagle" and config["target_vocab_size"] == 49152
 
 
 def test_shipped_draft_files_are_small() -> None:
@@ -233,3 +250,82 @@ def test_corrupt_draft(tmp_path: Path) -> None:
         load_default_pair(draft_dir=tmp_path, **_target_kwargs())
     msg = _one_line(info.value)
     assert "corrupt" in msg and "make train-draft" in msg
+
+
+def test_missing_head_directory(tmp_path: Path) -> None:
+    with pytest.raises(DefaultPairError) as info:
+        load_default_pair(head_dir=tmp_path / "no-head", **_target_kwargs())
+    msg = _one_line(info.value)
+    assert "no such directory" in msg and "make train-eagle" in msg
+
+
+@pytest.mark.parametrize("damage", ["no weights", "garbage weights", "wrong model type"])
+def test_damaged_head(tmp_path: Path, damage: str) -> None:
+    shutil.copy(default_head_path() / "config.json", tmp_path / "config.json")
+    if damage == "garbage weights":
+        (tmp_path / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    elif damage == "wrong model type":
+        shutil.copy(default_head_path() / "model.safetensors", tmp_path / "model.safetensors")
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(DefaultPairError) as info:
+        load_default_pair(head_dir=tmp_path, **_target_kwargs())
+    msg = _one_line(info.value)
+    expected = {"no weights": "model.safetensors", "garbage weights": "model.safetensors", "wrong model type": "llama"}
+    assert expected[damage] in msg and "make train-eagle" in msg
+
+
+# --- the shipped head drafts for the target --------------------------------------------------------
+
+
+@needs_target
+def test_eagle_greedy_is_the_targets_output_on_the_demo_prompts_and_a_ragged_batch(pair: Any) -> None:
+    import torch
+
+    from specjax.generate import speculative_generate
+    from specjax.prompts import all_prompts
+
+    tok = pair.tokenizer
+    chats = [messages for kind in ("open", "grounded") for messages in list(all_prompts()[kind].values())[:2]]
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in chats]
+    tok.padding_side = "left"
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert len(set(enc["attention_mask"].sum(1).tolist())) > 1  # ragged
+    with torch.inference_mode():
+        ref = pair.target.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+    for rows in ([0], list(range(len(texts)))):  # one demo prompt alone, then the ragged batch
+        ids, mask = enc["input_ids"][rows], enc["attention_mask"][rows]
+        keep = int((mask.sum(0) > 0).nonzero()[0])  # drop padding columns no row of this batch uses
+        out = speculative_generate(
+            pair.target,
+            make_pair_drafter("eagle", head=pair.head),
+            ids[:, keep:],
+            mask[:, keep:],
+            max_new_tokens=NEW_TOKENS,
+            num_draft_tokens=4,
+            eos_token_id=pair.target.generation_config.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        for j, row in enumerate(rows):
+            n = int(out.num_new_tokens[j])
+            got = out.sequences[j, ids.shape[1] - keep : ids.shape[1] - keep + n].tolist()
+            want = ref[row, ids.shape[1] : ids.shape[1] + n].tolist()
+            assert got == want, (row, got, want)
+        # the shipped head drafts (a head that never agreed with the target would accept ~0)
+        assert out.stats.draft_tokens_proposed > 0 and out.stats.acceptance_rate > 0.1
+
+
+def test_make_pair_drafter_names_what_is_missing() -> None:
+    from specjax.drafters import EagleDrafter, HybridDrafter, NgramDrafter
+
+    with pytest.raises(ValueError, match="expected one of eagle, hybrid, hybrid-model, model, ngram, got 'medusa'"):
+        make_pair_drafter("medusa")
+    with pytest.raises(ValueError, match="'eagle' needs the pair's EAGLE head"):
+        make_pair_drafter("eagle", draft=object())
+    for name in ("model", "hybrid", "hybrid-model"):
+        with pytest.raises(ValueError, match="needs a draft model"):
+            make_pair_drafter(name)
+    assert isinstance(make_pair_drafter("ngram"), NgramDrafter)
+    head = pytest.importorskip("specjax.drafters.eagle_head").load_head(default_head_path())
+    assert isinstance(make_pair_drafter("eagle", head=head), EagleDrafter)
+    hybrid = make_pair_drafter("hybrid", head=head)
+    assert isinstance(hybrid, HybridDrafter) and hybrid.needs_target_hidden  # its fallback is the head

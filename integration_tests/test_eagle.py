@@ -209,7 +209,7 @@ def test_cli_drafts_with_a_head_directory(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("setup", "match"),
     [
-        (None, "--drafter eagle: give the head's directory"),
+        (None, "--drafter eagle: with --target, give the head's directory"),
         (lambda p: (p / "model.safetensors").unlink(), "model.safetensors: missing"),
         (lambda p: (p / "model.safetensors").write_bytes(b"junk"), "not a readable safetensors"),
     ],

@@ -189,6 +189,8 @@ def load_pair(
             pair = load_default_pair(device=str(device), progress=progress, **pair_overrides())
         except DefaultPairError as err:
             raise CLIError(str(err)) from err
+        if getattr(args, "eagle_head", None) is None:
+            args.eagle_head = pair.head  # the pair's own head drafts for `eagle` and `hybrid`
         return pair.target, pair.draft, pair.tokenizer, pair.tokenizer
     if args.target is not None and args.draft is None and not need_draft:
         target, t_tok = load_model(args.target, gguf_file=args.gguf_file, device=device, role="target")
@@ -270,7 +272,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     device = _torch_device(args.device)
     t_load = time.perf_counter()
     target, draft, tok, d_tok = load_pair(
-        args, device, progress=not args.json, need_draft=drafter_name in ("model", "hybrid")
+        args, device, progress=not args.json, need_draft=drafter_name in ("model", "hybrid", "hybrid-model")
     )
     load_s = _elapsed(t_load)
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
@@ -332,11 +334,13 @@ def _check_drafter(args: argparse.Namespace) -> str:
     name = args.drafter
     args.eagle_head = None
     if name == "eagle":
+        if args.target is None and args.draft is None:
+            return name  # the embedded pair's head
         raise CLIError(
-            "--drafter eagle: give the head's directory instead, --drafter DIR "
+            "--drafter eagle: with --target, give the head's directory instead, --drafter DIR "
             "(config.json and model.safetensors, e.g. written by scripts/train_eagle.py)"
         )
-    if name not in ("model", "hybrid") and _is_eagle_head(Path(name)):
+    if name not in ("model", "hybrid", "hybrid-model") and _is_eagle_head(Path(name)):
         from specjax.drafters.eagle_head import load_head
 
         try:  # before the slow model load: a damaged head is one line, exit 2
@@ -344,7 +348,7 @@ def _check_drafter(args: argparse.Namespace) -> str:
         except ValueError as err:
             raise CLIError(f"--drafter {name}: {_first_line(err)}") from err
         return "eagle"
-    if name not in ("model", "hybrid") and Path(name).exists():
+    if name not in ("model", "hybrid", "hybrid-model") and Path(name).exists():
         if args.draft is not None and args.draft != name:
             raise CLIError(f"--drafter {name}: a model path, but --draft {args.draft} names another model")
         args.draft = name
@@ -353,7 +357,7 @@ def _check_drafter(args: argparse.Namespace) -> str:
         names = available_drafters()
     except Exception as err:  # a broken plugin installation: say so in one line
         raise CLIError(f"--drafter: cannot list the installed drafters: {_first_line(err)}") from err
-    if name not in names:
+    if name not in names and name != "hybrid-model":
         raise CLIError(
             f"--drafter: unknown drafter {name!r} (and no such model path); available drafters: {', '.join(names)}"
         )
@@ -374,14 +378,11 @@ def _is_eagle_head(path: Path) -> bool:
 
 
 def _make_drafter(name: str, draft: Any, eagle_head: Any = None) -> Any:
-    from specjax.drafters import EagleDrafter, HybridDrafter, ModelDrafter, NgramDrafter, load_drafter
+    from specjax.drafters import load_drafter
+    from specjax.pair import PAIR_DRAFTERS, make_pair_drafter
 
-    if name == "eagle":
-        return EagleDrafter(eagle_head)
-    if name == "model":
-        return draft
-    if name == "hybrid":
-        return HybridDrafter(NgramDrafter(), ModelDrafter(draft))
+    if name in PAIR_DRAFTERS:
+        return make_pair_drafter(name, draft=draft, head=eagle_head)
     return load_drafter(name)
 
 
@@ -474,8 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="model",
         metavar="NAME_OR_PATH",
         help="what drafts: model (the --draft model, the default), ngram (prompt lookup, no draft "
-        "model needed), hybrid (ngram where it matches, else the draft model), a draft model "
-        "path, an EAGLE head's directory, or an installed drafter's name",
+        "model needed), eagle (the embedded pair's EAGLE head), hybrid (ngram where it matches, "
+        "else the EAGLE head, or the draft model where there is no head), hybrid-model (ngram, "
+        "else the draft model), a draft model path, an EAGLE head's directory, or an installed "
+        "drafter's name",
     )
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")

