@@ -251,10 +251,11 @@ def available() -> bool:
 
     Decides (and builds them) on the first call; eager code only (see :func:`resolve`).
     """
-    with _lock:
-        if "loaded" not in _state:
-            _state["loaded"] = True
-            _load()
+    if "loaded" not in _state:  # decided once; every later call (one per boundary call) takes no lock
+        with _lock:
+            if "loaded" not in _state:
+                _load()
+                _state["loaded"] = True
     return "path" in _state
 
 
