@@ -28,7 +28,7 @@ import pytest
 import specjax
 from specjax.kernels import cpu_kernels
 from specjax.kernels import frontend as F
-from specjax.kernels.rejection import draw_rows, residual_weights
+from specjax.kernels.core import inverse_cdf, residual_weights
 from specjax.kernels.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.build_error()}")
@@ -165,11 +165,11 @@ def test_draw_falls_back_to_p_when_the_residual_is_zero():
     np.testing.assert_array_equal(np.asarray(residual_weights(p, p)), np.asarray(p))
 
 
-def test_jax_draw_rows_still_draws_by_inverse_cdf():
-    """draw_rows, the JAX draw that GPUs and meshes run, is called directly here (no kernels)."""
+def test_jax_draw_still_draws_by_inverse_cdf():
+    """The JAX draw that GPUs and meshes run, called directly here (no kernels)."""
     p = jnp.asarray(np.array([[0.0, 0.25, 0.75]], np.float32))
     q = jnp.zeros_like(p)
-    y = draw_rows((p, q), lambda row: row, jnp.asarray([0.5], jnp.float32))
+    y = inverse_cdf(residual_weights(p, q), jnp.asarray([0.5], jnp.float32))
     assert int(y[0]) == 2
 
 

@@ -340,6 +340,42 @@ def test_verify_matches_float64_reference(case):
         assert accepted > 0  # the cases exercise acceptance, not only rejection
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cutoff_keeps_what_the_float64_sorted_reference_keeps(seed):
+    """kernels.core.cutoff on one device: both ways a row can go, against the sorted float64 reference.
+
+    600 logits per row, so the 256 candidates do not hold every row's cutoff: rows with
+    top_k > 256, or a flat nucleus, take the bisection; the others are decided from
+    the candidates. Rows whose cumulative sums come within rounding of 1 - top_p are
+    skipped (their kept set is a float32 rounding question). The cutoff is also tight:
+    the smallest kept logit itself.
+    """
+    from specjax.kernels.core import cutoff
+
+    rng = np.random.default_rng(seed)
+    rows, vocab = 96, 600
+    scale = rng.choice([0.3, 1.0, 4.0], rows)[:, None]
+    scaled = (scale * rng.standard_normal((rows, vocab))).astype(np.float32)
+    scaled[1::7, 300:] = -np.inf
+    scaled -= scaled.max(1, keepdims=True)  # relative to the max, as the front end passes them
+    top_k = rng.choice([0, 1, 5, 256, 257, 400, 600, 10**6], rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.999, 0.95, 0.9, 0.5, 0.05], rows)
+    got = np.asarray(jax.jit(cutoff)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(1 - top_p, jnp.float32)))
+    bisected = checked = 0
+    for r in range(rows):
+        ref = ref_process(scaled[r], 1.0, int(top_k[r]), float(top_p[r]))
+        if ref.margin < BOUNDARY_TOL:
+            continue
+        keep_ref = ref.probs > 0
+        # -inf logits have probability 0 whatever the cutoff.
+        np.testing.assert_array_equal((scaled[r] >= got[r]) & np.isfinite(scaled[r]), keep_ref, err_msg=f"row {r}")
+        if np.isfinite(got[r]):  # tight: the smallest kept logit is the cutoff
+            assert got[r] == scaled[r][keep_ref].min(), f"row {r}"
+        checked += 1
+        bisected += int(top_k[r] > 256 or (top_k[r] == 0 and top_p[r] < 1 and keep_ref.sum() > 200))
+    assert checked > rows * 3 // 4 and bisected > 5, (checked, bisected)
+
+
 def test_cutoff_token_keeps_its_probability_in_the_acceptance_test():
     """Minimal reproducer. Top-2 of [5, 3.0299606, -1, ...] at T = 0.7 keeps tokens 0 and 1.
 

@@ -30,8 +30,7 @@ from _hlo import hlo_collectives
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax.kernels import collectives, sharded
-from specjax.kernels.frontend import _cutoff
+from specjax.kernels import core, sharded
 from specjax.kernels.rejection import rejection_sample
 
 
@@ -126,16 +125,20 @@ def test_float_keys_sort_like_floats_and_invert() -> None:
     rng = np.random.default_rng(0)
     spread = rng.standard_normal(200) * 10.0 ** rng.integers(-30, 30, 200)
     values = np.concatenate([values, spread.astype(np.float32)])
-    keys = np.asarray(collectives._float_key(jnp.asarray(values)))
+    keys = np.asarray(core._float_key(jnp.asarray(values)))
     order = np.argsort(values, kind="stable")
     assert np.all(np.diff(keys[order].astype(np.int64)) >= 0)
-    back = np.asarray(collectives._key_float(jnp.asarray(keys)))
+    back = np.asarray(core._key_float(jnp.asarray(keys)))
     np.testing.assert_array_equal(back.view(np.uint32), values.view(np.uint32))
-    assert keys[0] == collectives._KEY_NEG_INF and keys[11] == collectives._KEY_POS_INF
+    assert keys[0] == core._KEY_NEG_INF and keys[11] == core._KEY_POS_INF
 
 
-def test_sharded_cutoff_keeps_what_the_sort_based_cutoff_keeps() -> None:
-    """Many rows with ties and -inf, on a one-shard mesh (the 8-shard case runs in tests/mesh)."""
+def test_mesh_cutoff_keeps_what_the_single_device_cutoff_keeps() -> None:
+    """Many rows with ties and -inf, on a one-shard mesh (the 8-shard case runs in tests/mesh).
+
+    The mesh runs the bisection for every row; one device decides most rows from
+    the 256 largest logits and the rest by the same bisection.
+    """
     rng = np.random.default_rng(4)
     rows, vocab = 512, 257
     scaled = (2 * rng.standard_normal((rows, vocab))).astype(np.float32)
@@ -148,7 +151,7 @@ def test_sharded_cutoff_keeps_what_the_sort_based_cutoff_keeps() -> None:
     specs = (P(None, "v"), P(), P())
     fn = jax.jit(
         jax.shard_map(
-            lambda a, k, o: sharded.sharded_cutoff(a, k, o, "v"),
+            lambda a, k, o: core.cutoff(a, k, o, "v"),
             mesh=mesh,
             in_specs=specs,
             out_specs=P(),
@@ -158,7 +161,7 @@ def test_sharded_cutoff_keeps_what_the_sort_based_cutoff_keeps() -> None:
     got = np.asarray(
         fn(*(jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip((scaled, top_k, omp), specs, strict=True)))
     )
-    ref = np.asarray(jax.jit(_cutoff)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(omp)))
+    ref = np.asarray(jax.jit(core.cutoff)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(omp)))
     np.testing.assert_array_equal(scaled >= got[:, None], scaled >= ref[:, None])
     only_k = (omp == 0) & (top_k > 0) & (top_k <= vocab)
     np.testing.assert_array_equal(got[only_k], ref[only_k])

@@ -52,13 +52,12 @@ def test_agreement_negative_control_per_shard_uniforms() -> None:
 
 
 def test_cutoff_topk_topp_1x8() -> None:
-    """sharded_cutoff over 8 shards keeps exactly the tokens the sort-based cutoff keeps."""
+    """The cutoff over 8 shards (bisection) keeps exactly the tokens the single-device cutoff keeps."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from specjax.kernels.frontend import _cutoff
-    from specjax.kernels.sharded import sharded_cutoff
+    from specjax.kernels.core import cutoff
 
     rng = np.random.default_rng(3)
     rows, vocab = 64, 1000
@@ -71,12 +70,10 @@ def test_cutoff_topk_topp_1x8() -> None:
     mesh = make_mesh("1x8")
     specs = (P(None, "v"), P(), P())
     fn = jax.jit(
-        jax.shard_map(
-            lambda s, k, o: sharded_cutoff(s, k, o, "v"), mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False
-        )
+        jax.shard_map(lambda s, k, o: cutoff(s, k, o, "v"), mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
     )
     got = np.asarray(fn(*(place(a, mesh, spec) for a, spec in zip((scaled, top_k, omp), specs, strict=True))))
-    ref = np.asarray(jax.jit(_cutoff)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(omp)))
+    ref = np.asarray(jax.jit(cutoff)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(omp)))
     kept_ref = scaled >= ref[:, None]
     kept_got = scaled >= got[:, None]
     bad = np.nonzero(np.any(kept_ref != kept_got, axis=1))[0]

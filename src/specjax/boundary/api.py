@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from specjax.boundary import validation as _v
 from specjax.boundary.validation import ArrayInput, FloatOrRows, IntOrRows
 from specjax.kernels import cpu_kernels, frontend, rejection, sharded
-from specjax.kernels.collectives import AxisName
+from specjax.kernels.core import AxisName
 from specjax.kernels.types import AcceptanceResult
 
 __all__ = [

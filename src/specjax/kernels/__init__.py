@@ -4,10 +4,10 @@
   parameters, one pytree, modes static) and the pytree registration of
   :class:`~specjax.kernels.results.AcceptanceResult` (``num_accepted``,
   ``tokens``; defined without JAX in :mod:`specjax.kernels.results`).
-* :mod:`specjax.kernels.rejection`: the acceptance kernel (probabilities in),
-  its primitives and the vocabulary of terms.
-* :mod:`specjax.kernels.collectives`: the primitives over a vocabulary split
-  across a mesh axis.
+* :mod:`specjax.kernels.core`: the acceptance core, the primitives every
+  kernel is composed of, each written once with an optional mesh axis.
+* :mod:`specjax.kernels.rejection`: the acceptance kernel (probabilities in)
+  and the vocabulary of terms.
 * :mod:`specjax.kernels.frontend`: logits processing and the acceptance step
   from logits.
 * :mod:`specjax.kernels.sharded`: the kernels on a device mesh (``shard_map``).

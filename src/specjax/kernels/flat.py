@@ -35,8 +35,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels.frontend import _draw_from_logits, probs_from_stats, row_stats, vocab_gather
-from specjax.kernels.rejection import assemble_tokens, num_accepted_from_ratios
+from specjax.kernels.core import assemble_tokens, num_accepted_from_ratios, vocab_gather
+from specjax.kernels.frontend import _draw_from_logits, probs_from_stats, row_stats
 
 __all__ = ["accept", "residual_draw", "summarise_rows"]
 

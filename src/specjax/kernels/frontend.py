@@ -53,15 +53,19 @@ from jax import lax
 
 from specjax import _compat
 from specjax.kernels import cpu_kernels
-from specjax.kernels.collectives import AxisName, sharded_cutoff, sharded_inverse_cdf, sharded_residual_weights
 from specjax.kernels.compile_options import VECTOR_OPTIONS
-from specjax.kernels.rejection import (
+from specjax.kernels.core import (
+    AxisName,
     assemble_tokens,
-    draw_rows,
+    cutoff,
     inverse_cdf,
     num_accepted_from_ratios,
     point_mass,
-    row_sums,
+    residual_weights,
+    vocab_argmax,
+    vocab_gather,
+    vocab_max,
+    vocab_sum,
 )
 from specjax.kernels.types import AcceptanceResult, SamplingParams
 
@@ -104,127 +108,9 @@ class RowStats(NamedTuple):
 
 
 # --------------------------------------------------------------------------- #
-# Reductions over the vocabulary axis. With ``axis_name`` set they run inside
-# ``shard_map`` over a vocabulary-sharded mesh axis and combine shard partials
-# with collectives over small (row-shaped) arrays only.
+# Processing (the primitives, reductions and cutoff included, are in
+# specjax.kernels.core; each takes an optional mesh axis)
 # --------------------------------------------------------------------------- #
-
-
-def vocab_max(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    m = jnp.max(x, axis=-1)
-    return lax.pmax(m, axis_name) if axis_name else m
-
-
-def vocab_sum(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    s = row_sums(x)
-    return lax.psum(s, axis_name) if axis_name else s
-
-
-def vocab_argmax(x: jax.Array, axis_name: AxisName, offset: jax.Array | int) -> jax.Array:
-    """First index of the maximum (global index when sharded)."""
-    local = jnp.argmax(x, axis=-1).astype(jnp.int32) + offset
-    if not axis_name:
-        return local
-    local_max = jnp.max(x, axis=-1)
-    global_max = lax.pmax(local_max, axis_name)
-    big = jnp.iinfo(jnp.int32).max
-    return lax.pmin(jnp.where(local_max == global_max, local, big), axis_name)
-
-
-def vocab_gather(x: jax.Array, index: jax.Array, axis_name: AxisName, offset: jax.Array | int) -> jax.Array:
-    """``x[..., index]`` per row, for a (possibly sharded) last axis; NaN where ``index`` is outside it.
-
-    A NaN logit has probability 0 in :func:`probs_from_stats`, so a draft token
-    outside the vocabulary (possible with ``validate=False``) is never accepted,
-    on every path.
-    """
-    local = index - offset
-    size = x.shape[-1]
-    inside = (local >= 0) & (local < size)
-    val = jnp.take_along_axis(x, jnp.clip(local, 0, size - 1)[..., None], axis=-1)[..., 0]
-    if not axis_name:
-        return jnp.where(inside, val, jnp.nan)
-    found = lax.psum(inside.astype(jnp.int32), axis_name) > 0
-    return jnp.where(found, lax.psum(jnp.where(inside, val, 0), axis_name), jnp.nan)
-
-
-# --------------------------------------------------------------------------- #
-# Processing
-# --------------------------------------------------------------------------- #
-
-
-# Top-k / top-p look at the largest few logits first: lax.top_k over this many
-# candidates is far cheaper than sorting V entries. Rows whose cutoff may lie
-# below the candidates (top_k > 256, or a nucleus with more than the
-# candidates' mass) fall back to a full sort.
-_CUTOFF_CANDIDATES = 256
-# A row takes the candidates' top-p cutoff only if the mass outside them is
-# below 1 - top_p by this margin, so that rounding cannot move the cutoff out.
-_REST_MARGIN = 1e-5
-
-
-def _cutoff(scaled: jax.Array, top_k: jax.Array | None, one_minus_top_p: jax.Array | None) -> jax.Array:
-    """Smallest scaled logit kept by top-k then top-p (-inf when nothing is dropped).
-
-    transformers' semantics: top-k keeps the logits ``>=`` the k-th largest;
-    top-p sorts ascending, takes the cumulative softmax and drops entries whose
-    cumulative probability is ``<= 1 - top_p``, keeping at least the largest.
-    Each row's cutoff is computed by the same arithmetic whichever path the
-    batch takes, so a row's result never depends on the other rows.
-    """
-    vocab = scaled.shape[-1]
-    rows = scaled.shape[:-1]
-    kc = min(_CUTOFF_CANDIDATES, vocab)
-    # f32[..., kc], ascending: the kc largest. lax.top_k on a rank-2 operand: XLA:CPU
-    # has a fast TopK only for (rows, V) and lowers other ranks to a full sort.
-    cand = lax.top_k(scaled.reshape(-1, vocab), kc)[0].reshape((*rows, kc))[..., ::-1]
-    k = None if top_k is None else jnp.clip(top_k, 0, vocab)
-    neg_inf = jnp.full(rows, _NEG_INF, scaled.dtype)
-
-    # Candidate path.
-    cut = neg_inf
-    eligible = jnp.ones(rows, bool)
-    if k is not None:
-        kth = jnp.take_along_axis(cand, (kc - jnp.clip(k, 1, kc))[..., None], axis=-1)[..., 0]
-        cut = jnp.where(k > 0, kth, cut)
-        eligible = k <= kc
-        k_active = k > 0
-    else:
-        k_active = jnp.zeros(rows, bool)
-    if one_minus_top_p is not None:
-        top = cand[..., -1]
-        e = jnp.exp(jnp.where(cand >= cut[..., None], cand, _NEG_INF) - top[..., None])
-        cand_mass = jnp.sum(e, axis=-1)
-        if kc < vocab:
-            full = row_sums(jnp.exp(scaled - top[..., None]))
-            rest = jnp.where(k_active, 0, jnp.maximum(full - cand_mass, 0))
-        else:
-            rest = jnp.zeros(rows, scaled.dtype)
-        z = cand_mass + rest
-        cum = (rest[..., None] + jnp.cumsum(e, axis=-1)) / z[..., None]
-        dropped = jnp.sum(cum <= one_minus_top_p[..., None], axis=-1)
-        cut_p = jnp.take_along_axis(cand, jnp.minimum(dropped, kc - 1)[..., None], axis=-1)[..., 0]
-        cut = jnp.where(one_minus_top_p > 0, jnp.maximum(cut, cut_p), cut)
-        eligible &= (one_minus_top_p <= 0) | k_active | (rest / z <= one_minus_top_p - _REST_MARGIN)
-    if kc == vocab:
-        return cut
-
-    def full_sort() -> jax.Array:
-        asc = jnp.sort(scaled, axis=-1)
-        full_cut = neg_inf
-        if k is not None:
-            kth_full = jnp.take_along_axis(asc, (vocab - jnp.maximum(k, 1))[..., None], axis=-1)[..., 0]
-            full_cut = jnp.where(k > 0, kth_full, full_cut)
-        if one_minus_top_p is not None:
-            masked = jnp.where(asc >= full_cut[..., None], asc, _NEG_INF)
-            cum_full = jnp.cumsum(jax.nn.softmax(masked, axis=-1), axis=-1)
-            dropped_full = jnp.sum(cum_full <= one_minus_top_p[..., None], axis=-1)
-            first_kept = jnp.minimum(dropped_full, vocab - 1)
-            cut_full_p = jnp.take_along_axis(asc, first_kept[..., None], axis=-1)[..., 0]
-            full_cut = jnp.where(one_minus_top_p > 0, jnp.maximum(full_cut, cut_full_p), full_cut)
-        return jnp.where(eligible, cut, full_cut)
-
-    return lax.cond(jnp.all(eligible), lambda: cut, full_sort)
 
 
 def _inverse_temperature(temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -261,13 +147,11 @@ def _row_cutoffs(
         return jnp.full(rows, _NEG_INF, jnp.float32)
     if x_max is None:
         x_max = vocab_max(x, axis_name)
-    cutoff = _cutoff
-    if axis_name:
-        cutoff = partial(sharded_cutoff, axis_name=axis_name)
     return cutoff(
         (x - x_max[..., None]) * jnp.broadcast_to(inv_t, rows)[..., None],
         None if top_k is None else jnp.broadcast_to(top_k, rows),
         None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
+        axis_name,
     )
 
 
@@ -309,40 +193,30 @@ def row_stats(
     def relative(x: jax.Array, x_max: jax.Array) -> jax.Array:
         return (x - x_max[..., None]) * inv_t[..., None]
 
-    x_max = vocab_max(x, axis_name) if filtered or axis_name else None
+    x_max = vocab_max(x, axis_name) if filtered else None
     cut = _row_cutoffs(x, inv_t, top_k, one_minus_top_p, x_max, axis_name)
-    if axis_name:
-        assert x_max is not None
-        s = relative(x, x_max)
-        e = jnp.exp(s)
-        if filtered:
-            e = jnp.where(s >= cut[..., None], e, 0)
-        return RowStats(inv_t, greedy, cut, x_max, vocab_sum(e, axis_name), vocab_argmax(x, axis_name, offset))
-
     vocab = x.shape[-1]
 
     def jax_summary() -> tuple[jax.Array, jax.Array, jax.Array]:
-        row_max = vocab_max(x, None) if x_max is None else x_max
+        row_max = vocab_max(x, axis_name) if x_max is None else x_max
 
         def normaliser() -> jax.Array:
             s = relative(read(), row_max)
             e = jnp.exp(s)
             if filtered:
                 e = jnp.where(s >= cut[..., None], e, 0)
-            return vocab_sum(e, None)
+            return vocab_sum(e, axis_name)
 
         # Skip the exp pass when every row is greedy and the argmax pass when none
-        # is. Both branches read the logits through ``read`` (an input buffer, or a
-        # reader of a slice of one) and (B,) vectors, so the conditionals copy
-        # nothing of size V.
+        # is (the predicates are replicated on a mesh). Both branches read the
+        # logits through ``read`` (an input buffer, or a reader of a slice of one)
+        # and (B,) vectors, so the conditionals copy nothing of size V.
         z = lax.cond(jnp.all(greedy), lambda: jnp.ones(rows, jnp.float32), normaliser)
-
-        def first_max() -> jax.Array:
-            ids = jnp.arange(vocab, dtype=jnp.int32)
-            first = jnp.min(jnp.where(read() == row_max[..., None], ids, vocab), axis=-1)
-            return jnp.minimum(first, vocab - 1) + offset
-
-        am = lax.cond(jnp.any(greedy), first_max, lambda: jnp.zeros(rows, jnp.int32))
+        am = lax.cond(
+            jnp.any(greedy),
+            lambda: vocab_argmax(read(), row_max, axis_name, offset),
+            lambda: jnp.zeros(rows, jnp.int32),
+        )
         return row_max, z, am
 
     def cpu_summary() -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -353,7 +227,7 @@ def row_stats(
         x_max, z, am = cpu_kernels.row_stats(flat, scale, jnp.broadcast_to(cut, rows).reshape(-1))
         return x_max.reshape(rows), z.reshape(rows), am.reshape(rows) + offset
 
-    if cpu_kernels.require(impl):
+    if not axis_name and cpu_kernels.require(impl):
         row_max, z, am = lax.platform_dependent(cpu=cpu_summary, default=jax_summary)
     else:
         row_max, z, am = jax_summary()
@@ -479,16 +353,18 @@ def verify_core(
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
         return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
 
-    def draw_one_device(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> AcceptanceResult:
-        y = _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x)
+    def draw(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> AcceptanceResult:
+        y = _draw_from_logits(
+            target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x, axis_name, offset
+        )
         return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
-    def all_rows_one_device() -> AcceptanceResult:
+    def all_rows() -> AcceptanceResult:
         t_stats, d_stats, n = summarise_all_rows()
         d_sel = None if d_stats is None else _take_rows(d_stats, jnp.minimum(n, g - 1))
         t_sel = _take_rows(t_stats, n)
         if not point_masses:
-            return draw_one_device(n, t_sel, d_sel)
+            return draw(n, t_sel, d_sel)
 
         # Point masses, every row greedy: p_n is the point mass at argmax p_n, which a
         # rejected x_n (p_n(x_n) = 0) cannot be, so the residual and the bonus draw
@@ -496,12 +372,10 @@ def verify_core(
         def greedy_rows() -> AcceptanceResult:
             return AcceptanceResult(n, assemble_tokens(x, n, t_sel.argmax))
 
-        return lax.cond(jnp.all(t_sel.greedy), greedy_rows, lambda: draw_one_device(n, t_sel, None))
+        return lax.cond(jnp.all(t_sel.greedy), greedy_rows, lambda: draw(n, t_sel, None))
 
     def lazily_one_device() -> AcceptanceResult:
-        return draw_one_device(
-            *_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens)
-        )
+        return draw(*_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens))
 
     def fused_cpu() -> AcceptanceResult:
         # The whole step in one C++ call (cpu_kernels.verify): per batch row,
@@ -536,35 +410,19 @@ def verify_core(
             # One pass summarises the target's G+1 rows (there is no draft row to
             # read); the draw then reads row n only. No C++ fast path: the
             # target's forward dwarfs this step, and the JAX code is the contract.
-            return all_rows_one_device()
+            return all_rows()
         if top_k is not None or one_minus_top_p is not None:
             # Every row needs its cutoff (a top-k or a full pass anyway), and one
             # call over all rows is cheaper than one per position.
-            jax_path = all_rows_one_device
+            jax_path = all_rows
         else:  # summarise positions only as far as needed
             jax_path = lazily_one_device
         if cpu_kernels.require(params.impl):
             return lax.platform_dependent(cpu=fused_cpu, default=jax_path)
         return jax_path()
 
-    t_stats, d_stats, n = summarise_all_rows()
-    ids = (jnp.arange(vocab_local, dtype=jnp.int32) + offset)[None, :]
-    t_row = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
-    p_n = probs_from_stats(_take_rows(t_stats, n), t_row, ids)
-    if g > 0:
-        d_pos = jnp.minimum(n, g - 1)
-        if point_masses:
-            q_n = point_mass(jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0], ids[0], jnp.float32)
-        else:
-            assert d_stats is not None and draft_logits is not None
-            d_row = jnp.take_along_axis(draft_logits, d_pos[:, None, None], axis=1)[:, 0]
-            q_n = probs_from_stats(_take_rows(d_stats, d_pos), d_row, ids)
-        q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
-    else:
-        q_n = jnp.zeros_like(p_n)
-    weights = sharded_residual_weights(p_n, q_n, axis_name)
-    y = sharded_inverse_cdf(weights, sample_uniforms, axis_name, offset)
-    return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
+    # On a mesh: the same composition with the vocabulary axis (no C++, no lazy pass).
+    return all_rows()
 
 
 def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens):
@@ -645,39 +503,35 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
     return n, t_sel, d_sel
 
 
-def _draw_from_logits(target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x):
-    """y per row from the residual of the processed rows ``p_n``, ``q_n`` (single device, JAX code).
+def _draw_from_logits(
+    target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x, axis_name=None, offset=0
+):
+    """i32[B]: y per row from the residual of the processed rows ``p_n``, ``q_n`` (JAX code).
 
-    ``t_sel`` / ``d_sel`` are the statistics of row ``n`` (:func:`_accept_lazily`).
-    Only row ``n`` of the target logits (and of the draft logits, when a draft
-    token was rejected) is turned into probabilities, inside
-    :func:`specjax.kernels.rejection.draw_rows`. ``draft_logits=None``: ``q_n``
-    is the point mass at ``x_n`` (i32[B, G] ``x``). (On CPU the C++
+    ``t_sel`` / ``d_sel`` are the statistics of row ``n`` (:class:`RowStats` of
+    (B,) fields). Only row ``n`` of the target logits (and of the draft logits,
+    when a draft token was rejected) is turned into probabilities, (B, L) each.
+    ``draft_logits=None``: ``q_n`` is the point mass at ``x_n`` (i32[B, G]
+    ``x``). With ``axis_name`` the logits are this shard's vocabulary slice,
+    global ids from ``offset``. (On one CPU device the C++
     :func:`specjax.kernels.cpu_kernels.verify` does the step with draft logits.)
     """
     g = x.shape[1]
-    vocab = target_logits.shape[-1]
-    d_pos = jnp.minimum(n, max(g - 1, 0))
-    has_q = n < num_draft_tokens
-    if d_sel is None:
-        d_sel = t_sel  # unused
-    mode = "none" if g == 0 else "point" if draft_logits is None else "logits"
-
-    def row_fn(row):
-        t_logits, d_logits, x_b, n_b, d_b, has_q_b, t_st, d_st = row
-        # The ids are made here, inside the draw's loop, where they fuse into their
-        # consumers: an arange from outside would be a V-sized buffer made per call.
-        ids = lax.iota(jnp.int32, vocab)
-        p_row = probs_from_stats(t_st, lax.dynamic_index_in_dim(t_logits, n_b, 0, keepdims=False), ids)
-        if mode == "none":
-            return p_row, jnp.zeros_like(p_row)
-        if mode == "point":
-            q_row = point_mass(lax.dynamic_index_in_dim(x_b, d_b, 0, keepdims=False), ids, jnp.float32)
+    size = target_logits.shape[-1]
+    ids = (lax.iota(jnp.int32, size) + offset)[None, :]
+    t_row = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
+    p_n = probs_from_stats(t_sel, t_row, ids)
+    if g == 0:
+        q_n = jnp.zeros_like(p_n)
+    else:
+        d_pos = jnp.minimum(n, g - 1)
+        if draft_logits is None:
+            q_n = point_mass(jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0], ids[0], jnp.float32)
         else:
-            q_row = probs_from_stats(d_st, lax.dynamic_index_in_dim(d_logits, d_b, 0, keepdims=False), ids)
-        return p_row, jnp.where(has_q_b, q_row, 0)
-
-    return draw_rows((target_logits, draft_logits, x, n, d_pos, has_q, t_sel, d_sel), row_fn, sample_uniforms)
+            d_row = jnp.take_along_axis(draft_logits, d_pos[:, None, None], axis=1)[:, 0]
+            q_n = probs_from_stats(d_sel, d_row, ids)
+        q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
+    return inverse_cdf(residual_weights(p_n, q_n, axis_name), sample_uniforms, axis_name, offset)
 
 
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one

@@ -19,8 +19,9 @@ How a vocabulary-sharded step runs, per batch row (S vocabulary shards, shard
    disagreeing on draws).
 3. Row ``n`` of ``p`` and ``q`` is read locally; the residual is local, and the
    zero-sum fallback to ``p_n`` tests the global sum (``psum`` of (B,)).
-4. The inverse-CDF draw: per-shard totals (the local blocked sums, as in
-   :func:`~specjax.kernels.rejection.inverse_cdf`) are all-gathered, (B, S);
+4. The inverse-CDF draw (:func:`~specjax.kernels.core.inverse_cdf`, the
+   single-device function with the axis name): per-shard totals (the local
+   blocked sums) are all-gathered, (B, S);
    their cumulative sum names the shard holding the draw; that shard searches
    its blocks, the others answer -1, and one ``pmax`` of (2, B) int32 returns
    its global id together with the global rounding fallback (the largest id
@@ -29,8 +30,8 @@ How a vocabulary-sharded step runs, per batch row (S vocabulary shards, shard
 Logits: :func:`specjax.kernels.frontend.verify_core` runs with ``axis_name``;
 row maxima, normalisers and argmaxes are combined with ``pmax``/``psum``/``pmin``
 of row-shaped arrays, and top-k / top-p cutoffs come from
-:func:`sharded_cutoff`, a bisection over float32 bit patterns with ``psum``'d
-counts and masses (32 steps each).
+:func:`specjax.kernels.core.cutoff`, which on a mesh runs its exact bisection
+over float32 bit patterns with ``psum``'d counts and masses (32 steps each).
 
 Equality with one device: integer results (``num_accepted``, ``tokens``) are
 those of the single-device kernel except when two float32 sums that the two
@@ -48,8 +49,9 @@ moves no data. Rows are padded likewise when B is not a multiple of the batch
 shard count.
 
 Entry points: :func:`rejection_sample_on_mesh` and :func:`verify_on_mesh` run
-validated JAX inputs on a :class:`MeshLayout`; the building blocks they share
-with one device live in :mod:`specjax.kernels.collectives`. The public functions
+validated JAX inputs on a :class:`MeshLayout`: ``shard_map`` over the very
+functions one device runs (:func:`specjax.kernels.rejection.rejection_body`,
+:func:`specjax.kernels.frontend.verify_core`), given the vocabulary axis. The public functions
 (:func:`~specjax.boundary.api.rejection_sample_sharded` and ``verify_from_logits_sharded``,
 which take the mesh and axis names explicitly, and :func:`specjax.rejection_sample`
 / :func:`specjax.verify_from_logits`, which come here when their
@@ -73,22 +75,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax import _compat
-from specjax.kernels.collectives import (
-    AxisName,
-    _psum_owned,
-    sharded_cutoff,
-    sharded_inverse_cdf,
-    sharded_residual_weights,
-)
 from specjax.kernels.compile_options import VECTOR_OPTIONS
+from specjax.kernels.core import AxisName
 from specjax.kernels.frontend import _uniforms, verify_core
-from specjax.kernels.rejection import (
-    assemble_tokens,
-    below_one,
-    compute_dtype,
-    num_accepted_from_ratios,
-    point_mass,
-)
+from specjax.kernels.rejection import rejection_body
 from specjax.kernels.types import AcceptanceResult, SamplingParams
 
 __all__ = [
@@ -97,9 +87,6 @@ __all__ = [
     "check_axes",
     "mesh_layout",
     "rejection_sample_on_mesh",
-    "sharded_cutoff",
-    "sharded_inverse_cdf",
-    "sharded_residual_weights",
     "verify_on_mesh",
 ]
 
@@ -236,46 +223,13 @@ def _round_up(n: int, m: int) -> int:
 def _rejection_body(
     draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, *, vocab_axis: AxisName, per_shard: bool
 ):
-    """One shard's step: rows of its batch slice, columns of its vocabulary slice.
+    """One shard's step (:func:`specjax.kernels.rejection.rejection_body` with the vocabulary axis).
 
     ``draft_probs=None``: point masses at the draft tokens (``q_i(x_i) = 1``).
     """
-    g = draft_tokens.shape[1]
-    size = target_probs.shape[2]
-    q_dtype = target_probs.dtype if draft_probs is None else draft_probs.dtype
-    ct = compute_dtype(jnp.result_type(q_dtype, target_probs.dtype))
-    offset = lax.axis_index(vocab_axis) * size if vocab_axis else 0
-    x = draft_tokens.astype(jnp.int32)
-    if g > 0:
-        local = x - offset
-        inside = (local >= 0) & (local < size)
-        idx = jnp.clip(local, 0, size - 1)[:, :, None]
-        # Gather in the input dtype, zero elsewhere, then one psum of (B, G) pairs.
-        p_x = jnp.where(inside, jnp.take_along_axis(target_probs[:, :g], idx, axis=2)[:, :, 0], 0)
-        if draft_probs is None:
-            q_x = jnp.where(inside, jnp.ones_like(p_x), 0)
-        else:
-            q_x = jnp.where(inside, jnp.take_along_axis(draft_probs, idx, axis=2)[:, :, 0], 0)
-        if vocab_axis:
-            p_x, q_x = _psum_owned((p_x, q_x), vocab_axis)
-        n = num_accepted_from_ratios(p_x.astype(ct), q_x.astype(ct), below_one(accept_uniforms.astype(ct)))
-    else:
-        n = jnp.zeros((x.shape[0],), jnp.int32)
-
-    p_n = jnp.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0].astype(ct)
-    if g > 0:
-        pos = jnp.minimum(n, g - 1)
-        if draft_probs is None:
-            x_n = jnp.take_along_axis(x, pos[:, None], axis=1)[:, 0]
-            q_n = point_mass(x_n, lax.iota(jnp.int32, size) + offset, ct)
-        else:
-            q_n = jnp.take_along_axis(draft_probs, pos[:, None, None], axis=1)[:, 0]
-        q_n = jnp.where((n < g)[:, None], q_n.astype(ct), 0)
-    else:
-        q_n = jnp.zeros_like(p_n)
-    weights = sharded_residual_weights(p_n, q_n, vocab_axis)
-    y = sharded_inverse_cdf(weights, sample_uniforms.astype(ct), vocab_axis, offset)
-    out = AcceptanceResult(n, assemble_tokens(x, n, y))
+    out = rejection_body(
+        draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, axis_name=vocab_axis
+    )
     if per_shard:
         out = jax.tree.map(lambda v: v[None], out)
     return out

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.kernels.compile_options import VECTOR_OPTIONS
+from specjax.kernels.core import inverse_cdf
 from specjax.kernels.frontend import _uniforms, row_probs, row_stats, verify_core
-from specjax.kernels.rejection import inverse_cdf
 from specjax.kernels.types import AcceptanceResult, SamplingParams
 
 
