@@ -52,6 +52,7 @@ from _straightforward import _straightforward_jit, straightforward_rejection_sam
 from results_io import append_jsonl, flat_record
 
 from specjax import rejection_sample
+from specjax.kernels import cpu_kernels
 from specjax.kernels.rejection import _rejection_sample_jit
 
 FULL_BATCHES = (1, 8, 64, 256)
@@ -226,8 +227,12 @@ def bench_probs_kernel(
     *,
     quick: bool = False,
     max_straightforward_bytes: float = 4e9,
+    impl: str = "xla",
 ) -> list[Row]:
-    """The acceptance kernel (probabilities in) vs the straightforward version and the floor."""
+    """The acceptance kernel (probabilities in) vs the straightforward version and the floor.
+
+    ``impl``: the kernel's static ``impl`` (``"xla"``, or ``"cpu"`` for the C++ CPU kernels).
+    """
     rows: list[Row] = []
     for vocab in vocabs:
         for num_draft in drafts:
@@ -237,7 +242,7 @@ def bench_probs_kernel(
                 max_reps = 50 if quick else 200
                 floor_bytes = batch * 2 * vocab * 4
                 t_kernel, n_kernel, copy_bytes_per_s, floor_ratios = time_against_floor(
-                    lambda a=args: _rejection_sample_jit(*a),
+                    lambda a=args: _rejection_sample_jit(*a, impl=impl),
                     floor_bytes,
                     budget_s=budget,
                     max_reps=max_reps,
@@ -247,7 +252,8 @@ def bench_probs_kernel(
 
                 shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
                 sf_temp = _straightforward_jit.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
-                kernel_temp = _rejection_sample_jit.lower(*shapes).compile().memory_analysis().temp_size_in_bytes
+                compiled = _rejection_sample_jit.lower(*shapes, impl=impl).compile()
+                kernel_temp = compiled.memory_analysis().temp_size_in_bytes
                 if sf_temp > max_straightforward_bytes:
                     t_sf, n_sf = None, 0
                     sf_note = f"skipped: needs {sf_temp / 1e9:.1f} GB of (B, G, V) temporaries"
@@ -270,6 +276,8 @@ def bench_probs_kernel(
                             "ratio_to_floor": statistics.median(floor_ratios),
                             "ratio_to_floor_rounds": floor_ratios,
                             "temp_bytes": kernel_temp,
+                            "impl": impl,
+                            "load_avg_1min": os.getloadavg()[0],
                         },
                         **common,
                     )
@@ -403,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         (QUICK_BATCHES, QUICK_DRAFTS, QUICK_VOCABS) if args.quick else (FULL_BATCHES, FULL_DRAFTS, FULL_VOCABS)
     )
     start = time.perf_counter()
+    # What impl="auto" (the public functions' default) runs here: the C++ CPU
+    # kernels on a CPU with a compiler, else the JAX code.
+    impl = cpu_kernels.resolve("auto")
+    print(f"# load average at start: {os.getloadavg()[0]:.2f} (1 min); kernel impl={impl!r} (what 'auto' picks here)")
     print(
         f"# jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}), "
         f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}; float32 inputs; {pool}"
@@ -426,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         vocabs,
         quick=args.quick,
         max_straightforward_bytes=args.max_straightforward_gb * 1e9,
+        impl=impl,
     )
     for r in rows:
         if r.method == "straightforward" and r.note:
