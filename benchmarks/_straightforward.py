@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from specjax.kernels.rejection import assemble_tokens, num_accepted_from_ratios
 from specjax.kernels.types import AcceptanceResult
 
-__all__ = ["straightforward_rejection_sample"]
+__all__ = ["straightforward_cutoff", "straightforward_rejection_sample"]
 
 
 def straightforward_rejection_sample(
@@ -50,3 +50,24 @@ def _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniform
     ys = jnp.sum(cdf <= sample_uniforms[:, None, None], axis=-1, dtype=jnp.int32)
     y = jnp.take_along_axis(ys, n[:, None], axis=1)[:, 0]
     return AcceptanceResult(n, assemble_tokens(draft_tokens, n, y, target_probs.shape[-1]))
+
+
+@jax.jit
+def straightforward_cutoff(scaled: jax.Array, top_k: jax.Array, one_minus_top_p: jax.Array) -> jax.Array:
+    """The top-k then top-p cutoff by a full sort of every row, as transformers' warpers do it.
+
+    f32[R, V] scaled logits, i32[R] top_k (0 keeps all), f32[R] ``1 - top_p``
+    (0 keeps all) -> f32[R], the smallest kept value (-inf when nothing is
+    dropped): the sort-based algorithm that :func:`specjax.kernels.core.cutoff`
+    replaced, kept as its benchmark peer (benchmarks/bench_cutoff.py).
+    """
+    vocab = scaled.shape[-1]
+    asc = jnp.sort(scaled, axis=-1)
+    k = jnp.clip(top_k, 0, vocab)
+    kth = jnp.take_along_axis(asc, (vocab - jnp.maximum(k, 1))[:, None], axis=-1)[:, 0]
+    cut = jnp.where(k > 0, kth, -jnp.inf)
+    masked = jnp.where(asc >= cut[:, None], asc, -jnp.inf)
+    cum = jnp.cumsum(jax.nn.softmax(masked, axis=-1), axis=-1)
+    dropped = jnp.sum(cum <= one_minus_top_p[:, None], axis=-1)
+    cut_p = jnp.take_along_axis(asc, jnp.minimum(dropped, vocab - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where(one_minus_top_p > 0, jnp.maximum(cut, cut_p), cut)

@@ -515,7 +515,10 @@ def cutoff(
         eligible = k <= kc
         k_active = k > 0
     if one_minus_top_p is not None:
-        top = cand[..., -1]
+        # The row max, as its own reduction: reading it off the candidates
+        # (cand[..., -1]) makes XLA:CPU lower lax.top_k to a sort of the whole
+        # row (~13 ms per row of 49152, against ~0.3 ms).
+        top = jnp.max(scaled, axis=-1)
         e = jnp.exp(jnp.where(cand >= cut[..., None], cand, _NEG_INF) - top[..., None])
         cand_mass = jnp.sum(e, axis=-1)
         if kc < vocab:
