@@ -28,8 +28,9 @@ install: $(STAMP)
 
 # JAX compiles the same kernels in many test processes (CLI, docs, demo): share
 # them through a persistent compilation cache. Two workers for two cores.
+# The dequantized default target is cached there too (specjax.pair.target_cache_dir).
 TEST_ENV := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax-cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 HF_HUB_OFFLINE=1
+	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 HF_HUB_OFFLINE=1 SPECJAX_CACHE_DIR=$(CURDIR)/.specjax-cache
 PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
 
 LINT_PATHS := src tests integration_tests benchmarks scripts vllm_tests
@@ -134,4 +135,4 @@ train-eagle: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) scripts/train_eagle.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .jax-cache .specjax-cache

