@@ -13,6 +13,11 @@ target's argmax with probability ``--agreement`` (n-gram drafts in text are
 right about that often), so rows accept a few tokens. The two functions
 alternate call by call; the table gives medians and the ratio (> 1: specjax's
 step is faster). The load average is printed with the results.
+
+``--impl xla`` runs the plugin's JAX code instead of the C++ CPU kernels that
+``"auto"`` picks (the plugin resolves ``"auto"`` once; this sets
+``SPECJAX_CPU_KERNELS=0`` before specjax loads): what the C++ path buys the
+plugin's step (docs/design.md). Each process times one impl; alternate runs.
 """
 
 from __future__ import annotations
@@ -64,7 +69,10 @@ def main() -> None:
     parser.add_argument("--ragged", action="store_true", help="0..k draft tokens per request")
     parser.add_argument("--calls", type=int, default=60, help="timed calls per function and configuration")
     parser.add_argument("--jsonl", metavar="PATH", help="append one JSON row per configuration to PATH")
+    parser.add_argument("--impl", choices=("auto", "xla"), default="auto", help="the plugin kernels' code")
     args = parser.parse_args()
+    if args.impl == "xla":
+        os.environ["SPECJAX_CPU_KERNELS"] = "0"  # before specjax loads: "auto" resolves to the JAX code
 
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler as vllm_rs
@@ -74,9 +82,15 @@ def main() -> None:
 
     import specjax.plugin.vllm as plugin
 
+    from specjax.kernels import cpu_kernels
+
     theirs, ours = vllm_rs.rejection_sample, plugin.rejection_sample
     assert theirs is not ours, "vLLM's function was replaced: run without registering the plugin"
-    print(f"# {run_info()['loadavg']} (load average before)  vocab {args.vocab}  k {args.num_speculative_tokens}")
+    impl = cpu_kernels.resolve("auto")
+    print(
+        f"# {run_info()['loadavg']} (load average before)  vocab {args.vocab}  k {args.num_speculative_tokens}  "
+        f"specjax impl={impl!r}"
+    )
     print("| B | T | vLLM µs | specjax µs | vLLM / specjax | same greedy tokens |")
     print("|---:|---:|---:|---:|---:|---|")
     rows = []
@@ -107,6 +121,7 @@ def main() -> None:
                     "vllm_us": v,
                     "specjax_us": s,
                     "same_greedy_tokens": same,
+                    "impl": impl,
                 }
             )
     print(f"# {os.getloadavg()[0]:.2f} (load average after)")
