@@ -81,7 +81,6 @@ def main() -> None:
     current_platform.register_triton_kernel_overrides()
 
     import specjax.plugin.vllm as plugin
-
     from specjax.kernels import cpu_kernels
 
     theirs, ours = vllm_rs.rejection_sample, plugin.rejection_sample
