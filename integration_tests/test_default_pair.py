@@ -363,7 +363,7 @@ def test_cached_target_is_the_gguf_load_bit_for_bit(
     """
     import torch
 
-    (entry,) = (pair_cache / "targets").iterdir()
+    (entry,) = [p for p in (pair_cache / "targets").iterdir() if p.is_dir()]  # beside it: <entry>.lock
     manifest_path = entry / "specjax-cache.json"
     manifest = json.loads(manifest_path.read_text())
     assert manifest["gguf_sha256"] == pairmod.TARGET_GGUF_SHA256
@@ -420,3 +420,26 @@ def test_an_unwritable_cache_is_reported_and_skipped(
     err = capsys.readouterr().err
     assert "could not cache the dequantized target" in err and "the next load reads the GGUF file again" in err
     assert blocker.read_text() == "not a directory"
+
+
+def test_concurrent_misses_wait_for_one_writer(tmp_path: Path) -> None:
+    """The entry lock is held across processes: a second process waits until the first releases it."""
+    import subprocess
+    import sys
+    import time
+
+    entry = tmp_path / "targets" / "entry"
+    code = (
+        "import sys, time, pathlib\n"
+        "from specjax.pair import _entry_lock\n"
+        "with _entry_lock(pathlib.Path(sys.argv[1])):\n"
+        "    print(time.monotonic(), flush=True)\n"
+    )
+    with pairmod._entry_lock(entry):
+        proc = subprocess.Popen([sys.executable, "-c", code, str(entry)], stdout=subprocess.PIPE, text=True)
+        time.sleep(3.0)
+        assert proc.poll() is None, "the second process took the lock while the first held it"
+        released = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert float(out.strip()) >= released

