@@ -291,8 +291,8 @@ def _gguf_digest(path: str, size: int, mtime_ns: int) -> str:
 
 
 # --------------------------------------------------------------------------- #
-# The target cache: transformers reads and dequantizes the GGUF file in ~40 s on
-# these CPUs; the dequantized model, saved once as safetensors, loads in ~1 s.
+# The target cache: transformers reads and dequantizes the GGUF file slowly; the
+# dequantized model, saved once as safetensors, loads many times faster.
 # --------------------------------------------------------------------------- #
 
 _CACHE_MANIFEST = "specjax-cache.json"
@@ -481,11 +481,11 @@ def load_target(
 ) -> tuple[Any, Any]:
     """Load the target model and its tokenizer from the GGUF file (through the target cache).
 
-    transformers reads and dequantizes the GGUF file in about 40 s here; the
-    first load saves the dequantized model and the tokenizer in
+    transformers reads and dequantizes the GGUF file slowly (tens of seconds on a
+    small CPU); the first load saves the dequantized model and the tokenizer in
     :func:`target_cache_dir` (keyed by the file's SHA-256, the dtype and the
-    transformers version), and later loads read that in about a second: the same
-    weights, bit for bit. A damaged entry is reported on stderr, removed and
+    transformers version), and later loads read that: the same weights, bit for
+    bit. A damaged entry is reported on stderr, removed and
     rebuilt; a cache that cannot be written is reported and skipped.
 
     Parameters
