@@ -1,10 +1,12 @@
 """The transformers drop-ins (issue #6): ``generate(custom_generate=speculative_decoding)`` and
 ``patch_speculative_sampling()``, on tiny Llama pairs built from configs.
 
-* custom_generate: greedy output identical to plain ``target.generate`` (B = 1, and B = 3
-  left-padded with an EOS that ends one row early), ``max_length``, the dict output, the
-  streamer, reproducible sampling, and a ``ValueError`` for every option that would change
-  the distribution.
+* custom_generate, both ways in (the callable with ``draft_model=``, and the shipped
+  repository directory with ``assistant_model=``/``streamer=``): greedy output identical to
+  plain ``target.generate`` (B = 1, and B = 3 left-padded with an EOS that ends one row
+  early), ``max_length``, the dict output, the streamer, ``num_return_sequences``,
+  reproducible sampling, and a ``ValueError`` for every option that would change the
+  distribution and for a draft given where transformers drops it.
 * patch: the replacement is called, restored on exit and on exceptions, refuses an unknown
   signature, and is lossless: a chi-square test of the first one and two generated tokens
   over ~1000 sampled ``generate`` calls against the target's exact distribution, with a
@@ -30,6 +32,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from specjax.plugin import hf, load_custom_generate, sampling_patch
 from specjax.plugin.hf import (
+    CUSTOM_GENERATE_DIR,
     jax_speculative_sampling,
     patch_speculative_sampling,
     speculative_decoding,
@@ -53,18 +56,28 @@ def prompt() -> torch.Tensor:
 # --------------------------------------------------------------------------- custom_generate: greedy identity
 
 
-@pytest.mark.parametrize("route", ["assistant_model", "draft_model"])
-def test_greedy_identity_batch_1(pair, prompt, route):
+def route(name: str, draft) -> dict:
+    """generate's keywords for one way into specjax's loop."""
+    if name == "callable":
+        return dict(custom_generate=speculative_decoding, draft_model=draft)
+    assert name == "directory"
+    return dict(custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True, assistant_model=draft)
+
+
+ROUTES = ["callable", "directory"]
+
+
+@pytest.mark.parametrize("way", ROUTES)
+def test_greedy_identity_batch_1(pair, prompt, way):
     target, draft = pair
     want = target.generate(prompt, max_new_tokens=12, do_sample=False)
-    got = target.generate(
-        prompt, custom_generate=speculative_decoding, max_new_tokens=12, do_sample=False, **{route: draft}
-    )
+    got = target.generate(prompt, max_new_tokens=12, do_sample=False, **route(way, draft))
     assert got.dtype == torch.long
     assert torch.equal(got, want)
 
 
-def test_greedy_identity_batch_3_left_padded_with_eos(pair, left_padded):
+@pytest.mark.parametrize("way", ROUTES)
+def test_greedy_identity_batch_3_left_padded_with_eos(pair, left_padded, way):
     target, draft = pair
     ids, mask = left_padded([5, 3, 7], vocab_size=V, seed=3)
     plain = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
@@ -75,12 +88,11 @@ def test_greedy_identity_batch_3_left_padded_with_eos(pair, left_padded):
     got = target.generate(
         ids,
         attention_mask=mask,
-        assistant_model=draft,
-        custom_generate=speculative_decoding,
         max_new_tokens=10,
         do_sample=False,
         eos_token_id=eos,
         return_dict_in_generate=True,
+        **route(way, draft),
     )
     assert isinstance(got, GenerateDecoderOnlyOutput)
     assert got.scores is None and got.logits is None
@@ -92,7 +104,7 @@ def test_max_length_instead_of_max_new_tokens(pair, prompt):
     want = target.generate(prompt, max_length=prompt.shape[1] + 6, do_sample=False)
     got = target.generate(
         prompt,
-        assistant_model=draft,
+        draft_model=draft,
         custom_generate=speculative_decoding,
         max_length=prompt.shape[1] + 6,
         do_sample=False,
@@ -106,7 +118,7 @@ def test_registered_custom_generate_is_the_same_function(pair, prompt):
     fn = load_custom_generate("specjax")
     assert fn is speculative_decoding
     want = target.generate(prompt, max_new_tokens=5, do_sample=False)
-    assert torch.equal(target.generate(prompt, assistant_model=draft, custom_generate=fn, max_new_tokens=5), want)
+    assert torch.equal(target.generate(prompt, draft_model=draft, custom_generate=fn, max_new_tokens=5), want)
 
 
 # --------------------------------------------------------------------------- custom_generate: sampling
@@ -133,7 +145,8 @@ SETTINGS = [
 
 
 @pytest.mark.parametrize(("options", "expected"), SETTINGS)
-def test_generation_config_reaches_the_loop(pair, prompt, monkeypatch, options, expected):
+@pytest.mark.parametrize("way", ROUTES)
+def test_generation_config_reaches_the_loop(pair, prompt, monkeypatch, options, expected, way):
     """What generate prepared (processors, stopping criteria, special tokens) becomes the loop's arguments."""
     import specjax.generate
 
@@ -145,7 +158,7 @@ def test_generation_config_reaches_the_loop(pair, prompt, monkeypatch, options, 
         return specjax.generate.SpeculativeOutput(input_ids, None, None)
 
     monkeypatch.setattr(specjax.generate, "speculative_generate", fake)
-    target.generate(prompt, assistant_model=draft, custom_generate=speculative_decoding, **options)
+    target.generate(prompt, **route(way, draft), **options)
     assert seen["model"] is target and seen["draft"] is draft
     assert torch.equal(seen["input_ids"], prompt) and torch.equal(seen["attention_mask"], torch.ones_like(prompt))
     for key, value in expected.items():
@@ -158,7 +171,7 @@ def test_sampling_is_reproducible_with_torch_manual_seed(pair, left_padded):
     ids, mask = left_padded([5, 3, 7], vocab_size=V, seed=4)  # B = 3 like the greedy test: shared compilations
     kwargs = dict(
         attention_mask=mask,
-        assistant_model=draft,
+        draft_model=draft,
         custom_generate=speculative_decoding,
         max_new_tokens=10,
         do_sample=True,
@@ -178,32 +191,42 @@ def test_sampling_is_reproducible_with_torch_manual_seed(pair, left_padded):
     assert torch.equal(d, e)  # an explicit seed ignores torch's generator
 
 
-def test_streamer_receives_the_new_tokens(pair, prompt):
+class Collect(BaseStreamer):
+    def __init__(self) -> None:
+        self.chunks: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("way", ["token_streamer", "directory"])
+def test_streamer_receives_the_prompt_then_the_new_tokens(pair, prompt, way):
+    """As ``generate(streamer=...)`` does: the prompt, the new tokens, ``end()``."""
     target, draft = pair
-
-    class Collect(BaseStreamer):
-        def __init__(self) -> None:
-            self.chunks: list[list[int]] = []
-            self.ended = False
-
-        def put(self, value):
-            self.chunks.append(value.flatten().tolist())
-
-        def end(self):
-            self.ended = True
-
     streamer = Collect()
-    out = target.generate(
-        prompt,
-        assistant_model=draft,
-        custom_generate=speculative_decoding,
-        max_new_tokens=9,
-        do_sample=False,
-        streamer=streamer,
-    )
+    if way == "token_streamer":
+        kwargs = dict(route("callable", draft), token_streamer=streamer)
+    else:
+        kwargs = dict(route("directory", draft), streamer=streamer)
+    out = target.generate(prompt, max_new_tokens=9, do_sample=False, **kwargs)
     assert streamer.ended
-    assert streamer.chunks[0] == prompt[0].tolist()  # generate itself puts the prompt first
+    assert streamer.chunks[0] == prompt[0].tolist()
     assert [t for chunk in streamer.chunks[1:] for t in chunk] == out[0, prompt.shape[1] :].tolist()
+    assert len(streamer.chunks) > 2  # streamed step by step, not once at the end
+
+
+def test_num_return_sequences(pair, prompt):
+    """Each copy of the prompt is a row; top_k = 1 sampling is greedy, so each row is generate's greedy row."""
+    target, draft = pair
+    want = target.generate(prompt, max_new_tokens=6, do_sample=False).repeat(3, 1)
+    got = target.generate(
+        prompt, max_new_tokens=6, do_sample=True, top_k=1, num_return_sequences=3, **route("directory", draft)
+    )
+    assert torch.equal(got, want)
 
 
 class _Shift(LogitsProcessor):
@@ -239,19 +262,41 @@ UNSUPPORTED = [
 def test_unsupported_options_raise(pair, prompt, options, message):
     target, draft = pair
     with pytest.raises(ValueError, match=message):
-        target.generate(
-            prompt, assistant_model=draft, custom_generate=speculative_decoding, max_new_tokens=3, **options
-        )
+        target.generate(prompt, draft_model=draft, custom_generate=speculative_decoding, max_new_tokens=3, **options)
 
 
 def test_no_draft_model_raises(pair, prompt):
     target, _ = pair
-    with pytest.raises(
-        ValueError,
-        match=r"no draft model; pass assistant_model=draft \(to generate\) or "
-        r"draft_model=draft",
-    ):
+    with pytest.raises(ValueError, match=r"no draft model; pass draft_model=draft"):
         target.generate(prompt, custom_generate=speculative_decoding, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"no draft model; pass assistant_model=draft"):
+        target.generate(prompt, custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True, max_new_tokens=3)
+
+
+def test_assistant_model_given_to_the_callable_raises_not_ignored(pair, prompt):
+    """transformers drops assistant_model= before a callable runs: specjax says so and where to go."""
+    target, draft = pair
+    with pytest.raises(ValueError, match=r"does not pass generate's assistant_model=.*CUSTOM_GENERATE_DIR"):
+        target.generate(prompt, assistant_model=draft, custom_generate=speculative_decoding, max_new_tokens=3)
+
+
+def test_conflicting_drafts_and_streamers_raise(pair, prompt):
+    target, draft = pair
+    with pytest.raises(ValueError, match=r"both draft_model= and a different assistant_model="):
+        target.generate(prompt, draft_model=target, max_new_tokens=3, **route("directory", draft))
+    with pytest.raises(ValueError, match=r"both streamer= and token_streamer="):
+        target.generate(
+            prompt, streamer=Collect(), token_streamer=Collect(), max_new_tokens=3, **route("directory", draft)
+        )
+    with pytest.raises(ValueError, match=r"both streamer= and token_streamer="):
+        speculative_decoding(target, prompt, streamer=Collect(), draft_model=draft, token_streamer=Collect())
+
+
+def test_the_directory_needs_trust_remote_code(pair, prompt):
+    """transformers' gate for running a repository's generate.py holds for specjax's directory too."""
+    target, draft = pair
+    with pytest.raises(ValueError, match=r"trust_remote_code"):
+        target.generate(prompt, assistant_model=draft, custom_generate=CUSTOM_GENERATE_DIR, max_new_tokens=3)
 
 
 # --------------------------------------------------------------------------- the patch

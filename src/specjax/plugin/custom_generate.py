@@ -8,20 +8,31 @@ has prepared the generation config, the logits processors and the stopping
 criteria. Batches of any size work (left-padded with an attention mask);
 transformers' own assisted generation is limited to batch size 1.
 
-How transformers 5.x calls a callable ``custom_generate`` (``GenerationMixin.
-generate``, step 9): ``custom_generate(model, input_ids, logits_processor=...,
-stopping_criteria=..., generation_config=..., **custom_kwargs, **model_kwargs)``,
-after the config, processors, stopping criteria, attention mask and length are
-prepared. ``custom_kwargs`` are the ``generate`` keyword arguments named in the
-callable's signature but not in ``GenerationMixin._sample``'s: here
-``draft_model``, ``num_draft_tokens``, ``seed`` and ``sampler``. The named
-``generate`` arguments ``assistant_model`` and ``streamer`` are *not* passed
-on (``_extract_generation_mode_kwargs`` replaces them by the custom keywords,
-transformers 5.24), and no argument or hook carries them: so
-:func:`speculative_decoding` reads them from the calling ``generate`` frame,
-after checking that frame runs ``GenerationMixin.generate``'s own code object
-(otherwise pass the draft as ``draft_model=``). That one read is
-:func:`_from_generate_frame`; ``draft_model=`` needs no frame.
+Two ways in, because of how transformers 5.x calls a ``custom_generate``:
+
+* **The callable** (``custom_generate=speculative_decoding``): transformers
+  prepares the generation config, the logits processors, the stopping criteria,
+  the attention mask and the length, then calls ``custom_generate(model,
+  input_ids, logits_processor=..., stopping_criteria=..., generation_config=...,
+  **custom_kwargs, **model_kwargs)``, where ``custom_kwargs`` are the
+  ``generate`` keyword arguments named in the callable's signature but not in
+  ``GenerationMixin._sample``'s: here ``draft_model``, ``token_streamer``,
+  ``num_draft_tokens``, ``seed`` and ``sampler``. ``generate``'s own named
+  arguments ``assistant_model`` and ``streamer`` never reach a callable
+  (``_extract_generation_mode_kwargs`` replaces them by the custom keywords,
+  transformers 5.24), so this form takes the draft as ``draft_model=`` and a
+  streamer as ``token_streamer=``. Given neither a draft, it raises.
+* **The directory** (``custom_generate=CUSTOM_GENERATE_DIR,
+  trust_remote_code=True``): transformers' form for generation methods
+  distributed as a repository hands *every* ``generate`` argument to the
+  repository's ``generate``, which is :func:`generate_with_all_arguments`:
+  it renames ``assistant_model`` and ``streamer`` to ``draft_model`` and
+  ``token_streamer`` and calls ``generate`` again with the callable. So
+  ``target.generate(ids, assistant_model=draft, streamer=streamer,
+  custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True)`` works as
+  transformers' assisted generation is called. (``trust_remote_code`` is
+  transformers' gate for running a repository's ``generate.py``; the directory
+  ships inside this package.)
 
 Options that would change the output distribution and that this loop does not
 implement (repetition penalties, min-p, typical-p, bad words, n-gram bans,
@@ -36,11 +47,14 @@ Importing this module imports neither torch, JAX nor transformers.
 
 from __future__ import annotations
 
-import inspect
-import sys
+import os
 from typing import Any, cast
 
-__all__ = ["speculative_decoding"]
+__all__ = ["CUSTOM_GENERATE_DIR", "generate_with_all_arguments", "speculative_decoding"]
+
+#: The repository directory for ``generate(custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True)``:
+#: its ``custom_generate/generate.py`` is :func:`generate_with_all_arguments`.
+CUSTOM_GENERATE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specjax_speculative_decoding")
 
 # Logits processors whose names say which generate option produced them (for messages).
 _PROCESSOR_OPTIONS = {
@@ -75,19 +89,6 @@ _STOPPING_OPTIONS = {
 }
 # model_kwargs that transformers prepares and that the loop derives itself.
 _IGNORED_MODEL_KWARGS = ("position_ids", "logits_to_keep", "use_cache", "cache_position")
-
-
-def _generate_code() -> Any:
-    from transformers.generation.utils import GenerationMixin
-
-    return inspect.unwrap(GenerationMixin.generate).__code__
-
-
-def _from_generate_frame(frame: Any) -> dict[str, Any]:
-    """``assistant_model`` and ``streamer`` of the calling ``generate``, if it is one."""
-    if frame is None or frame.f_code is not _generate_code():
-        return {}
-    return {k: frame.f_locals.get(k) for k in ("assistant_model", "streamer")}
 
 
 def _describe(obj: Any, options: dict[str, str]) -> str:
@@ -227,6 +228,7 @@ def speculative_decoding(
     streamer: Any = None,
     *,
     draft_model: Any = None,
+    token_streamer: Any = None,
     num_draft_tokens: int = 4,
     seed: int | None = None,
     sampler: Any = "jax",
@@ -234,10 +236,11 @@ def speculative_decoding(
 ) -> Any:
     """A transformers ``custom_generate`` callable running specjax's speculative loop.
 
-    Use as ``target.generate(input_ids, assistant_model=draft,
-    custom_generate=speculative_decoding, max_new_tokens=..., do_sample=...,
-    temperature=..., top_k=..., top_p=...)``; ``draft_model=draft`` works too
-    (and is the only way when calling this function directly).
+    Use as ``target.generate(input_ids, custom_generate=speculative_decoding,
+    draft_model=draft, max_new_tokens=..., do_sample=..., temperature=...,
+    top_k=..., top_p=...)``. To keep ``assistant_model=`` and ``streamer=``, use
+    ``custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True`` instead
+    (module docstring: transformers does not pass those two to a callable).
 
     Args (as transformers passes them):
       model: the target model (``self`` of ``generate``).
@@ -245,11 +248,13 @@ def speculative_decoding(
       logits_processor, stopping_criteria, generation_config: prepared by
         ``generate``. Honoured: ``do_sample`` (False = greedy), ``temperature``,
         ``top_k``, ``top_p``, ``max_new_tokens`` / ``max_length``, the EOS and
-        pad ids, ``return_dict_in_generate``, ``num_return_sequences`` (with
-        ``draft_model=``; with ``assistant_model=`` transformers refuses
-        ``num_return_sequences > 1`` before this function runs).
-      streamer: a transformers streamer (batch size 1).
-      draft_model: the draft model (defaults to ``generate``'s ``assistant_model``).
+        pad ids, ``return_dict_in_generate``, ``num_return_sequences``.
+      synced_gpus: accepted for ``GenerationMixin._sample``'s signature; unused.
+      streamer: a transformers streamer given the new tokens only (the
+        ``_sample`` contract: the caller has put the prompt). Batch size 1.
+      draft_model: the draft model (required).
+      token_streamer: a transformers streamer given the prompt, then the new
+        tokens, then ``end()``, as ``generate(streamer=...)`` does. Batch size 1.
       num_draft_tokens: G, draft tokens per step.
       seed: seeds the JAX keys; by default drawn from torch's global generator
         (only when sampling), so ``torch.manual_seed`` reproduces a call.
@@ -264,24 +269,24 @@ def speculative_decoding(
       ``sequences`` set when ``return_dict_in_generate=True``.
 
     Raises:
-      ValueError: no draft model, or an option that would change the output
-        distribution (see the module docstring), or what
+      ValueError: no draft model, both streamers, or an option that would
+        change the output distribution (see the module docstring), or what
         :func:`specjax.speculative_generate` refuses.
     """
     import torch
 
     from specjax.generate import speculative_generate
 
-    found = _from_generate_frame(sys._getframe(1))
-    assistant = found.get("assistant_model")
-    if draft_model is not None and assistant is not None and draft_model is not assistant:
-        raise ValueError("speculative_decoding: got both draft_model= and a different assistant_model=")
-    draft = draft_model if draft_model is not None else assistant
-    if draft is None:
+    if draft_model is None:
         raise ValueError(
-            "speculative_decoding: no draft model; pass assistant_model=draft (to generate) or draft_model=draft"
+            "speculative_decoding: no draft model; pass draft_model=draft (transformers does not pass "
+            "generate's assistant_model= to a custom_generate callable), or call generate with "
+            "custom_generate=specjax.plugin.hf.CUSTOM_GENERATE_DIR, trust_remote_code=True to keep "
+            "assistant_model= and streamer="
         )
-    streamer = streamer if streamer is not None else found.get("streamer")
+    draft = draft_model
+    if streamer is not None and token_streamer is not None:
+        raise ValueError("speculative_decoding: got both streamer= and token_streamer=; pass one")
     if generation_config is None:
         generation_config = model.generation_config
 
@@ -300,12 +305,16 @@ def speculative_decoding(
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if temperature > 0 else 0
 
     on_tokens = None
-    if streamer is not None:
+    sink = streamer if streamer is not None else token_streamer
+    if sink is not None:
+        name = "streamer" if streamer is not None else "token_streamer"
         if input_ids.shape[0] != 1:
-            raise ValueError(f"speculative_decoding: streamer needs batch size 1, got {input_ids.shape[0]}")
+            raise ValueError(f"speculative_decoding: {name} needs batch size 1, got {input_ids.shape[0]}")
+        if token_streamer is not None:
+            token_streamer.put(input_ids.cpu())  # generate(streamer=...) puts the prompt first
 
         def on_tokens(row: int, token_ids: list[int]) -> None:
-            streamer.put(torch.as_tensor(token_ids, dtype=torch.long))
+            sink.put(torch.as_tensor(token_ids, dtype=torch.long))
 
     out = speculative_generate(
         model,
@@ -327,10 +336,51 @@ def speculative_decoding(
         # which draws a run makes. Greedy output is the same either way.
         adaptive=not temperature > 0,
     )
-    if streamer is not None:
-        streamer.end()
+    if sink is not None:
+        sink.end()
     if generation_config.return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
         return GenerateDecoderOnlyOutput(sequences=cast("torch.LongTensor", out.sequences))
     return out.sequences
+
+
+def generate_with_all_arguments(model: Any, **generate_arguments: Any) -> Any:
+    """What ``generate(custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True)`` runs.
+
+    transformers hands a repository's ``generate`` every argument of
+    ``GenerationMixin.generate`` (``inputs``, ``generation_config``,
+    ``assistant_model``, ``streamer``, ..., and the extra keywords). This
+    function passes ``assistant_model`` on as ``draft_model`` and ``streamer``
+    as ``token_streamer`` (so the streamer still gets the prompt first), and
+    calls ``generate`` again with :func:`speculative_decoding`, which then sees
+    the config, processors and stopping criteria transformers prepared.
+
+    Args:
+      model: the target model.
+      **generate_arguments: ``generate``'s arguments as transformers collects
+        them; ``draft_model=`` may stand for ``assistant_model=``.
+
+    Returns:
+      What :func:`speculative_decoding` returns.
+
+    Raises:
+      ValueError: both ``assistant_model=`` and a different ``draft_model=``,
+        or no draft at all; and what :func:`speculative_decoding` raises.
+    """
+    args = dict(generate_arguments)
+    assistant = args.pop("assistant_model", None)
+    draft = args.pop("draft_model", None)
+    if draft is not None and assistant is not None and draft is not assistant:
+        raise ValueError("speculative_decoding: got both draft_model= and a different assistant_model=")
+    draft = draft if draft is not None else assistant
+    if draft is None:
+        raise ValueError("speculative_decoding: no draft model; pass assistant_model=draft (or draft_model=draft)")
+    streamer = args.pop("streamer", None)
+    if streamer is not None and args.get("token_streamer") is not None:
+        raise ValueError("speculative_decoding: got both streamer= and token_streamer=; pass one")
+    if streamer is not None:
+        args["token_streamer"] = streamer
+    inputs = args.pop("inputs", None)
+    # the class's generate, not an instance attribute a custom_generate repository may have set
+    return type(model).generate(model, inputs, custom_generate=speculative_decoding, draft_model=draft, **args)

@@ -1,8 +1,9 @@
 """The ``transformers`` plugin: two drop-ins that give an unmodified ``model.generate`` call specjax's sampling.
 
-1. **custom_generate** — ``target.generate(input_ids, assistant_model=draft,
-   custom_generate=speculative_decoding, ...)`` runs specjax's loop inside
-   ``generate`` (:mod:`specjax.plugin.custom_generate`).
+1. **custom_generate** — ``target.generate(input_ids, draft_model=draft,
+   custom_generate=speculative_decoding, ...)``, or with ``assistant_model=draft``
+   and ``custom_generate=CUSTOM_GENERATE_DIR, trust_remote_code=True``, runs
+   specjax's loop inside ``generate`` (:mod:`specjax.plugin.custom_generate`).
 2. **patch** — ``with patch_speculative_sampling(): target.generate(...,
    assistant_model=draft, do_sample=True)`` keeps transformers' assisted loop
    and replaces only its acceptance step (:mod:`specjax.plugin.sampling_patch`).
@@ -16,7 +17,7 @@ transformers and changes nothing.
 
 from __future__ import annotations
 
-from specjax.plugin.custom_generate import speculative_decoding
+from specjax.plugin.custom_generate import CUSTOM_GENERATE_DIR, speculative_decoding
 from specjax.plugin.sampling_patch import (
     PatchStats,
     check_transformers_compatibility,
@@ -26,6 +27,7 @@ from specjax.plugin.sampling_patch import (
 from specjax.registry import register_custom_generate
 
 __all__ = [
+    "CUSTOM_GENERATE_DIR",
     "PatchStats",
     "check_transformers_compatibility",
     "jax_speculative_sampling",
