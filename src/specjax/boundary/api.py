@@ -11,8 +11,9 @@ the mesh. Vocabulary: see :mod:`specjax.kernels.rejection`.
 
 from __future__ import annotations
 
+import functools
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -265,6 +266,58 @@ def verify_from_logits(
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _verify_shapes(
+    tokens_shape: tuple[int, ...],
+    draft: tuple[tuple[int, ...], Any] | None,
+    target: tuple[tuple[int, ...], Any],
+) -> tuple[int, int, int]:
+    """(B, G, V) of :func:`verify_from_logits`'s arrays, or the ``ValueError`` naming the argument.
+
+    Takes shapes and dtypes only, so a call with the shapes and dtypes of an
+    earlier one costs one cache lookup (at B = 1 on a CPU the boundary's Python
+    is a good part of the call). ``draft`` is None for point-mass drafts.
+    """
+    draft_shape: tuple[int, ...] = () if draft is None else draft[0]
+    draft_dtype = None if draft is None else draft[1]
+    target_shape, target_dtype = target
+    _v.check_rank("draft_tokens", _Shaped(tokens_shape), 2, "BG")
+    if draft is not None:
+        _v.check_rank("draft_logits", _Shaped(draft_shape), 3, "BGV")
+    _v.check_rank("target_logits", _Shaped(target_shape), 3, ("B", "G+1", "V"))
+    batch, g = tokens_shape
+    vocab = target_shape[2]
+    logits_bg = (target_shape[0], target_shape[1] - 1)
+    if draft is not None and tuple(draft_shape[:2]) == logits_bg and (batch, g) != logits_bg:
+        # both logits agree: the tokens are the odd one out (B and G are read from them below)
+        raise ValueError(f"draft_tokens: expected shape (B, G) = {logits_bg} like the logits, got {(batch, g)}")
+    if draft is not None and draft_shape[2] != vocab:
+        raise ValueError(
+            f"draft_logits: expected the target's vocabulary size V = {vocab}, got {draft_shape[2]} "
+            "(pad the smaller vocabulary with -inf logits first)"
+        )
+    _v.check_shape("target_logits", _Shaped(target_shape), (batch, g + 1, vocab), ("B", "G+1", "V"))
+    if draft is not None:
+        _v.check_shape("draft_logits", _Shaped(draft_shape), (batch, g, vocab), "BGV")
+    if vocab == 0:
+        raise ValueError("target_logits: expected a vocabulary size V >= 1, got V = 0")
+    if draft is not None:
+        _v.check_float("draft_logits", _Shaped(draft_shape, draft_dtype))
+    _v.check_float("target_logits", _Shaped(target_shape, target_dtype))
+    return batch, g, vocab
+
+
+class _Shaped(NamedTuple):
+    """A shape (and dtype) standing for an array in :mod:`specjax.boundary.validation`'s checks."""
+
+    shape: tuple[int, ...]
+    dtype: Any = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
 def _verify_from_logits(
     draft_tokens: Any,
     draft_logits: Any,
@@ -285,29 +338,11 @@ def _verify_from_logits(
     if not point_masses:
         draft_logits = _v.as_array("draft_logits", draft_logits)
     target_logits = _v.as_array("target_logits", target_logits)
-    _v.check_rank("draft_tokens", draft_tokens, 2, "BG")
-    if not point_masses:
-        _v.check_rank("draft_logits", draft_logits, 3, "BGV")
-    _v.check_rank("target_logits", target_logits, 3, ("B", "G+1", "V"))
-    batch, g = draft_tokens.shape
-    vocab = target_logits.shape[2]
-    logits_bg = (target_logits.shape[0], target_logits.shape[1] - 1)
-    if not point_masses and tuple(draft_logits.shape[:2]) == logits_bg and (batch, g) != logits_bg:
-        # both logits agree: the tokens are the odd one out (B and G are read from them below)
-        raise ValueError(f"draft_tokens: expected shape (B, G) = {logits_bg} like the logits, got {(batch, g)}")
-    if not point_masses and draft_logits.shape[2] != vocab:
-        raise ValueError(
-            f"draft_logits: expected the target's vocabulary size V = {vocab}, got {draft_logits.shape[2]} "
-            "(pad the smaller vocabulary with -inf logits first)"
-        )
-    _v.check_shape("target_logits", target_logits, (batch, g + 1, vocab), ("B", "G+1", "V"))
-    if not point_masses:
-        _v.check_shape("draft_logits", draft_logits, (batch, g, vocab), "BGV")
-    if vocab == 0:
-        raise ValueError("target_logits: expected a vocabulary size V >= 1, got V = 0")
-    if not point_masses:
-        _v.check_float("draft_logits", draft_logits)
-    _v.check_float("target_logits", target_logits)
+    batch, g, vocab = _verify_shapes(
+        tuple(draft_tokens.shape),
+        None if point_masses else (tuple(draft_logits.shape), draft_logits.dtype),
+        (tuple(target_logits.shape), target_logits.dtype),
+    )
     draft_tokens = _v.as_token_ids("draft_tokens", draft_tokens)
     key = _v.as_key(key, batch)
     params = _v._prepare_params(temperature, top_k, top_p, batch, validate, impl)

@@ -120,9 +120,14 @@ def _is_integer(dt: Any) -> bool:
     return _dtype_name(dt) != "bool" and bool(jnp.issubdtype(dt, jnp.integer))
 
 
+_INT32 = np.dtype(np.int32)
+
+
 def as_token_ids(name: str, x: Any) -> Any:
     """Integer token ids as int32; int64 values are range-checked before narrowing."""
     dt = x.dtype
+    if dt is _INT32:  # the common case, first: NumPy's and JAX's native int32 are this one object
+        return x
     if isinstance(x, np.ndarray) and x.size == 0 and dt == np.float64:
         return x.astype(np.int32)  # an empty Python list (G = 0): NumPy makes it float64
     if not _is_integer(dt):
@@ -305,6 +310,8 @@ def for_jit(x: Any) -> Any:
 
 def as_key(key: Any, batch: int) -> jax.Array:
     """A typed JAX PRNG key of shape () or (B,); raw uint32 keys are wrapped."""
+    if type(key) is _key_array_type() and key.shape in ((), (batch,)):  # the common case, first
+        return key
     if key is None:
         raise ValueError("key: expected a JAX PRNG key (jax.random.key(seed)), or one per row of shape (B,), got None")
     if not isinstance(key, jax.Array):
@@ -324,6 +331,12 @@ def as_key(key: Any, batch: int) -> jax.Array:
     if typed.shape not in ((), (batch,)):
         raise ValueError(f"key: expected one key (shape ()) or one per row (shape ({batch},)), got shape {typed.shape}")
     return typed
+
+
+@functools.cache
+def _key_array_type() -> type:
+    """The class of typed PRNG keys (``jax.random.key``'s), looked up at the first call, not at import."""
+    return type(jax.random.key(0))
 
 
 @functools.lru_cache(maxsize=64)
