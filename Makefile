@@ -44,6 +44,8 @@ PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
 # spent their time spin-waiting on each other (the main session took 6.6 min with warm
 # caches; 4.4 min with this). Only the two-worker sessions: the others keep torch's default.
 XDIST_ENV := OMP_NUM_THREADS=1
+# The main session lists integration_tests first: its long modules (the default pair, the
+# demo) start at once and the short unit-test modules fill the end, on both workers.
 
 LINT_PATHS := src tests integration_tests benchmarks scripts vllm_tests
 # The mesh tests (tests/mesh/) are their own pytest process: their conftest asks
@@ -56,7 +58,7 @@ MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/mesh
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests
+	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) integration_tests tests
 	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck test-mesh
 	$(MAKE) --no-print-directory test-vllm
 

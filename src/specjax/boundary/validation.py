@@ -334,7 +334,7 @@ def as_key(key: Any, batch: int) -> jax.Array:
 
 
 @functools.cache
-def _key_array_type() -> type:
+def _key_array_type() -> Any:
     """The class of typed PRNG keys (``jax.random.key``'s), looked up at the first call, not at import."""
     return type(jax.random.key(0))
 
