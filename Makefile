@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specjax-installed
 TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
-.PHONY: install install-vllm test-vllm test test-main test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
+.PHONY: install install-vllm test-vllm test test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
 	clean train-draft train-eagle fuzz soak
 
 # --no-compile: pip would byte-compile every module of torch, JAX and transformers
@@ -50,20 +50,15 @@ LINT_PATHS := src tests integration_tests benchmarks scripts vllm_tests
 # XLA for 8 simulated CPU devices before JAX starts.
 MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/mesh
 
-# The full suite (what .ci/run calls): ruff, then the main session, mypy and the mesh
-# session side by side (mypy and the mesh session each keep one core busy for about a
-# minute and a half; beside the main session's two workers they fill its idle moments,
-# after it they made the suite 1.5 min longer on two cores; their outputs stay apart),
-# then the vLLM tests.
+# The full suite (what .ci/run calls): ruff, the main session, then mypy beside the mesh
+# session (each keeps one core busy for about a minute on a fresh clone, the mesh session
+# reusing the main session's compilations; their outputs stay apart), then the vLLM tests.
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-main typecheck test-mesh
-	$(MAKE) --no-print-directory test-vllm
-
-# The main session: tests/ and integration_tests/ on two pytest-xdist workers.
-test-main: $(STAMP)
 	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests
+	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck test-mesh
+	$(MAKE) --no-print-directory test-vllm
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
