@@ -38,6 +38,9 @@ PROMPTS = (
     "Tell me something surprising about octopuses.",
 )
 NEW_TOKENS = 32
+# The EAGLE identity test: 4 demo prompts (alone and as a ragged batch); 20 tokens is
+# several drafting steps per row, and the test was the longest of the module at 32.
+EAGLE_NEW_TOKENS = 20
 # Teacher-forced top-1 agreement of the draft with the target's greedy tokens over
 # both prompts (64 tokens). Measured 0.000 for a randomly initialised draft, 0.016 for the
 # previous shipped draft and 0.359 for the current one here (0.44 on the training script's
@@ -298,7 +301,9 @@ def test_eagle_greedy_is_the_targets_output_on_the_demo_prompts_and_a_ragged_bat
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert len(set(enc["attention_mask"].sum(1).tolist())) > 1  # ragged
     with torch.inference_mode():
-        ref = pair.target.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id)
+        ref = pair.target.generate(
+            **enc, max_new_tokens=EAGLE_NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id
+        )
     for rows in ([0], list(range(len(texts)))):  # one demo prompt alone, then the ragged batch
         ids, mask = enc["input_ids"][rows], enc["attention_mask"][rows]
         keep = int((mask.sum(0) > 0).nonzero()[0])  # drop padding columns no row of this batch uses
@@ -307,7 +312,7 @@ def test_eagle_greedy_is_the_targets_output_on_the_demo_prompts_and_a_ragged_bat
             make_pair_drafter("eagle", head=pair.head),
             ids[:, keep:],
             mask[:, keep:],
-            max_new_tokens=NEW_TOKENS,
+            max_new_tokens=EAGLE_NEW_TOKENS,
             num_draft_tokens=4,
             eos_token_id=pair.target.generation_config.eos_token_id,
             pad_token_id=tok.pad_token_id,

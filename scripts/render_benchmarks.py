@@ -378,8 +378,8 @@ def verdict_logits(rows: list[Row]) -> str:
     extra = "; ".join(f"B = {r['B']} {r['speedup']:.1f}×" for r in batched)
     return (
         f"* ≥ 3× faster than transformers' `_speculative_sampling` at B = 1, for both the jitted step and "
-        f"the public function: {_met(jit >= 3 and pub >= 3)} (`_verify_jit` {jit:.1f}×, "
-        f"`verify_from_logits(validate=False)` {pub:.1f}×; the public function for batches, where the peer "
+        f"the public function: {_met(jit >= 3 and pub >= 3)} (`_verify_jit` {jit:.2f}×, "
+        f"`verify_from_logits(validate=False)` {pub:.2f}×; the public function for batches, where the peer "
         f"needs a loop of B calls: {extra})."
     )
 
