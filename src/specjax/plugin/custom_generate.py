@@ -91,6 +91,11 @@ _STOPPING_OPTIONS = {
 _IGNORED_MODEL_KWARGS = ("position_ids", "logits_to_keep", "use_cache", "cache_position")
 
 
+def _check_one_streamer(streamer: Any, token_streamer: Any) -> None:
+    if streamer is not None and token_streamer is not None:
+        raise ValueError("speculative_decoding: got both streamer= and token_streamer=; pass one")
+
+
 def _describe(obj: Any, options: dict[str, str]) -> str:
     name = type(obj).__name__
     return f"{name} ({options[name]})" if name in options else name
@@ -285,8 +290,7 @@ def speculative_decoding(
             "assistant_model= and streamer="
         )
     draft = draft_model
-    if streamer is not None and token_streamer is not None:
-        raise ValueError("speculative_decoding: got both streamer= and token_streamer=; pass one")
+    _check_one_streamer(streamer, token_streamer)
     if generation_config is None:
         generation_config = model.generation_config
 
@@ -377,8 +381,7 @@ def generate_with_all_arguments(model: Any, **generate_arguments: Any) -> Any:
     if draft is None:
         raise ValueError("speculative_decoding: no draft model; pass assistant_model=draft (or draft_model=draft)")
     streamer = args.pop("streamer", None)
-    if streamer is not None and args.get("token_streamer") is not None:
-        raise ValueError("speculative_decoding: got both streamer= and token_streamer=; pass one")
+    _check_one_streamer(streamer, args.get("token_streamer"))
     if streamer is not None:
         args["token_streamer"] = streamer
     inputs = args.pop("inputs", None)
