@@ -391,6 +391,64 @@ def test_cached_target_is_the_gguf_load_bit_for_bit(
 
 
 @needs_target
+def test_pair_weights_are_the_gguf_tensors_dequantized(pair: Any) -> None:
+    """The load (transformers' converter, parsing the file once) against ``gguf``'s own reader and dequantizer.
+
+    Tensors transformers stores as they are (no head permutation), of each quantization
+    type the file holds, in the first and last layers.
+    """
+    import gguf
+    import numpy as np
+    import torch
+
+    reader = gguf.GGUFReader(pair.target_path)
+    tensors = {t.name: t for t in reader.tensors}
+    last = pair.target.config.num_hidden_layers - 1
+    params = dict(pair.target.named_parameters())
+    checked = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "blk.0.attn_v.weight": "model.layers.0.self_attn.v_proj.weight",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+        f"blk.{last}.ffn_up.weight": f"model.layers.{last}.mlp.up_proj.weight",
+        f"blk.{last}.attn_norm.weight": f"model.layers.{last}.input_layernorm.weight",
+    }
+    kinds = set()
+    for gguf_name, hf_name in checked.items():
+        t = tensors[gguf_name]
+        kinds.add(t.tensor_type)
+        want = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32))  # a copy
+        assert torch.equal(params[hf_name].detach(), want.reshape(params[hf_name].shape)), hf_name
+    assert kinds == {t.tensor_type for t in reader.tensors}  # here Q8_0, Q4_1 and F32
+
+
+def test_parse_gguf_once_shares_one_reader_and_restores_gguf(tmp_path: Path) -> None:
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("a.weight", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_type, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pairmod._parse_gguf_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # transformers opens it by str, three times
+        assert [t.name for t in first.tensors] == ["a.weight"]
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_type, name_map)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)  # restored: a new parse per call
+    with pytest.raises(RuntimeError, match="inside"), pairmod._parse_gguf_once():
+        raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_type, name_map)
+
+
+@needs_target
 def test_a_damaged_cache_entry_is_reported_removed_and_not_used(
     pair: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
