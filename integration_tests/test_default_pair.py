@@ -453,10 +453,17 @@ def test_a_damaged_cache_entry_is_reported_removed_and_not_used(
     pair: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
+    # A small model stands in for the target: the entry's checks read files, whatever their size
+    # (the target's 540 MB, written and hashed twice, made this the slowest test of the module).
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    )
     entry = tmp_path / "entry"
     digest = pairmod._check_gguf(Path(pairmod.default_target_path()[0]) / pairmod.TARGET_GGUF_FILE)
-    pairmod._save_cached_target(entry, digest, Path("t.gguf"), pair.target, pair.tokenizer)
+    pairmod._save_cached_target(entry, digest, Path("t.gguf"), model, pair.tokenizer)
     assert pairmod._load_cached_target(entry, digest, torch.float32) is not None  # intact: used
     weights = entry / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -466,7 +473,7 @@ def test_a_damaged_cache_entry_is_reported_removed_and_not_used(
     err = capsys.readouterr().err
     assert "unusable (model.safetensors: SHA-256 mismatch)" in err and str(entry) in err
     assert not entry.exists()
-    pairmod._save_cached_target(entry, digest, Path("t.gguf"), pair.target, pair.tokenizer)
+    pairmod._save_cached_target(entry, digest, Path("t.gguf"), model, pair.tokenizer)
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     assert pairmod._load_cached_target(entry, digest, torch.float32) is None
     assert "bytes, expected" in capsys.readouterr().err
