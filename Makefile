@@ -46,13 +46,13 @@ PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
 XDIST_ENV := OMP_NUM_THREADS=1
 
 LINT_PATHS := src tests integration_tests benchmarks scripts vllm_tests
-# The mesh tests (tests/mesh/) are their own pytest process: their conftest asks
-# XLA for 8 simulated CPU devices before JAX starts.
-MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/mesh
+# The mesh tests (tests/mesh/) are their own pytest session: their conftest asks
+# XLA for 8 simulated CPU devices before JAX starts (in each of its two workers).
+MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/mesh
 
-# The full suite (what .ci/run calls): ruff, the main session, then mypy beside the mesh
-# session (each keeps one core busy for about a minute on a fresh clone, the mesh session
-# reusing the main session's compilations; their outputs stay apart), then the vLLM tests.
+# The full suite (what .ci/run calls): ruff, the main session, then mypy (about 40 s on
+# a fresh clone) beside the mesh session's two workers (the mesh session reusing the main
+# session's compilations; their outputs stay apart), then the vLLM tests.
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)

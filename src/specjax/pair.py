@@ -449,7 +449,6 @@ class _Quiet:
         if not self.progress:
             hf_logging.disable_progress_bar()
             hf_logging.set_verbosity_error()
-            gguf_utils: Any
             try:
                 import transformers.modeling_gguf_pytorch_utils as gguf_utils
             except ImportError:  # pragma: no cover - layout of another transformers version
