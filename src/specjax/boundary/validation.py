@@ -55,9 +55,7 @@ def as_array(name: str, x: Any) -> Any:
     """
     if x is None:
         raise ValueError(f"{name}: expected an array, got None")
-    if isinstance(x, jax.Array | np.ndarray):
-        return x
-    if _is_torch(x):
+    if _is_torch(x):  # first: jax.Array is an ABC, whose isinstance test is slow for other types
         view = host_view(x)
         if view is not None:
             return view
@@ -67,6 +65,8 @@ def as_array(name: str, x: Any) -> Any:
             return to_jax(x)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{name}: {err}") from err
+    if isinstance(x, jax.Array | np.ndarray):
+        return x
     if isinstance(x, list | tuple | int | float | np.generic):
         try:
             return np.asarray(x)
@@ -433,32 +433,14 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool, impl:
     """
     if temperature is None:
         raise ValueError("temperature: expected a number >= 0 or an array of shape (B,), got None")
-    impl = cpu_kernels.resolve(impl)
     scalars = (
         type(temperature) in (float, int)
         and (top_k is None or type(top_k) is int)
         and (top_p is None or type(top_p) in (float, int))
     )
+    impl = cpu_kernels.resolve(impl)
     if scalars:  # the common case: Python numbers, prepared once per value and batch size
-        temperature = _scalar_float("temperature", temperature)
-        top_p = None if top_p is None else _scalar_float("top_p", top_p)
-        if validate:  # as the array path reports them: one value per row (a scalar is checked also at B = 0)
-            rows = max(batch, 1)
-            if top_k is not None and top_k < 0:  # before int64 arithmetic: -2**70 is an int too
-                raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {[top_k] * rows}")
-            _check_params(
-                np.full(rows, temperature, np.float64),
-                None if top_k is None else np.full(rows, min(top_k, _INT32_MAX), np.int64),
-                None if top_p is None else np.full(rows, top_p, np.float64),
-                validate,
-            )
-        return _sampling_params(
-            _scalar_row(temperature, batch, np.float32),
-            None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
-            None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32),
-            batch,
-            impl,
-        )
+        return _scalar_params(temperature, top_k, top_p, batch, validate, impl)
     temperature = _row_param("temperature", temperature, batch, "float")
     top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
     top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")
@@ -469,6 +451,39 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool, impl:
     if top_p is not None:
         top_p = np.ascontiguousarray(1.0 - top_p.astype(np.float64), np.float32)  # in float64, as transformers does
     return _sampling_params(temperature, top_k, top_p, batch, impl)
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_params(
+    temperature: float | int, top_k: int | None, top_p: float | int | None, batch: int, validate: bool, impl: str
+) -> SamplingParams:
+    """:func:`_prepare_params` for Python numbers, once per distinct call (the result is immutable).
+
+    At B = 1 on a CPU the boundary's Python is a good part of a call, and most
+    callers pass the same numbers every step. A call that raises is not cached.
+    (1 and 1.0 share an entry, as they give the same arrays.) ``impl`` comes
+    resolved (:func:`specjax.kernels.cpu_kernels.resolve`), so a cached entry
+    never outlives a change of what ``"auto"`` means.
+    """
+    temperature = _scalar_float("temperature", temperature)
+    top_p = None if top_p is None else _scalar_float("top_p", top_p)
+    if validate:  # as the array path reports them: one value per row (a scalar is checked also at B = 0)
+        rows = max(batch, 1)
+        if top_k is not None and top_k < 0:  # before int64 arithmetic: -2**70 is an int too
+            raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {[top_k] * rows}")
+        _check_params(
+            np.full(rows, temperature, np.float64),
+            None if top_k is None else np.full(rows, min(top_k, _INT32_MAX), np.int64),
+            None if top_p is None else np.full(rows, top_p, np.float64),
+            validate,
+        )
+    return _sampling_params(
+        _scalar_row(temperature, batch, np.float32),
+        None if top_k is None else _scalar_row(min(max(top_k, 0), _INT32_MAX), batch, np.int32),
+        None if top_p is None else _scalar_row(1.0 - top_p, batch, np.float32),
+        batch,
+        impl,
+    )
 
 
 def _sampling_params(temperature, top_k, one_minus_top_p, batch: int, impl: str) -> SamplingParams:
