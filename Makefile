@@ -50,8 +50,8 @@ LINT_PATHS := src tests integration_tests benchmarks scripts vllm_tests
 # XLA for 8 simulated CPU devices before JAX starts (in each of its two workers).
 MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/mesh
 
-# The full suite (what .ci/run calls): ruff, the main session, then mypy (about 40 s on
-# a fresh clone) beside the mesh session's two workers (the mesh session reusing the main
+# The full suite (what .ci/run calls): ruff, the main session, then mypy (about 40 s alone
+# on a fresh clone) beside the mesh session's two workers (the mesh session reusing the main
 # session's compilations; their outputs stay apart), then the vLLM tests.
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
