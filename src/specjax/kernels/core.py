@@ -398,17 +398,22 @@ def _key_float(key: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _smallest_float(pred: Callable[[jax.Array], jax.Array], shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def _smallest_float(
+    pred: Callable[[jax.Array], jax.Array], shape: tuple[int, ...], unroll: bool
+) -> tuple[jax.Array, jax.Array]:
     """Smallest float32 ``t`` in [-inf, +inf] with ``pred(t)`` (monotone: False…True).
 
     Bisection over the ordered bit patterns: 32 steps, each one ``pred`` call.
     Returns ``(t, pred(+inf))``; ``t`` is +inf when ``pred`` is False throughout.
 
-    The steps are unrolled: ``pred`` may hold a ``psum``, and XLA:CPU's in-process
+    ``unroll``: True on a mesh, where ``pred`` holds a ``psum``: XLA:CPU's in-process
     collectives give a collective in a loop the same rendezvous key in every
     iteration, so a device that runs ahead into the next iteration joins the
     previous one's rendezvous ("Check failed: id < num_threads", or SIGSEGV).
     It happened on busy CPUs with a simulated multi-device mesh (docs/distributed.md).
+    On one device the loop stays rolled: the same arithmetic, as fast, and a
+    program with the cutoff compiles about 30% faster (the unrolled steps were
+    ~700 fusions).
     """
     lo = jnp.full(shape, _KEY_NEG_INF, jnp.uint32)
     hi = jnp.full(shape, _KEY_POS_INF, jnp.uint32)
@@ -420,7 +425,7 @@ def _smallest_float(pred: Callable[[jax.Array], jax.Array], shape: tuple[int, ..
         ok = pred(_key_float(mid))
         return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-    lo, hi = lax.fori_loop(0, 32, step, (lo, hi), unroll=True)
+    lo, hi = lax.fori_loop(0, 32, step, (lo, hi), unroll=unroll)
     return _key_float(hi), top
 
 
@@ -443,7 +448,7 @@ def _bisection_cutoff(
             above = jnp.sum(scaled > t[..., None], axis=-1, dtype=jnp.int32)
             return (lax.psum(above, axis_name) if axis_name else above) < k
 
-        kth, _ = _smallest_float(fewer_than_k_above, rows)
+        kth, _ = _smallest_float(fewer_than_k_above, rows, unroll=bool(axis_name))
         cut = jnp.where(k > 0, kth, cut)
     if one_minus_top_p is not None:
         m = vocab_max(scaled, axis_name)
@@ -454,7 +459,7 @@ def _bisection_cutoff(
             mass = jnp.sum(jnp.where(scaled <= t[..., None], prob, 0), axis=-1)
             return (lax.psum(mass, axis_name) if axis_name else mass) > one_minus_top_p
 
-        cut_p, any_kept = _smallest_float(mass_above, rows)
+        cut_p, any_kept = _smallest_float(mass_above, rows, unroll=bool(axis_name))
         cut_p = jnp.where(any_kept, cut_p, m)
         cut = jnp.where(one_minus_top_p > 0, jnp.maximum(cut, cut_p), cut)
     return cut
