@@ -249,3 +249,25 @@ def test_generate_with_a_one_thread_jax_pool(models):
     default, one = run_cli(*common), run_cli("--jax-cpu-threads", "1", *common)
     assert default.returncode == 0 and one.returncode == 0, (default.stderr, one.stderr)
     assert json.loads(one.stdout)["token_ids"] == json.loads(default.stdout)["token_ids"]
+
+
+def test_generate_keeps_its_compiled_steps_in_the_specjax_cache(models, tmp_path):
+    """Without JAX's own cache settings, `specjax generate` keeps its programs in SPECJAX_CACHE_DIR/jax."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    # JAX_LOG_COMPILES: JAX reports each persistent-cache hit on stderr
+    env.update(HF_HUB_OFFLINE="1", SPECJAX_CACHE_DIR=str(tmp_path / "cache"), JAX_LOG_COMPILES="1")
+    args = [EXE, "generate", "--target", str(models["target"]), "--draft", str(models["draft"])]
+    args += ["--prompt", "w1 w2 w3", "--max-new-tokens", "6", "--temperature", "0.9", "--seed", "5", "--json"]
+    first = forkserver.run(args, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr
+    hit = "Persistent compilation cache hit"
+    assert list((tmp_path / "cache" / "jax").glob("*-cache")), "no compiled program was kept"
+    assert hit not in first.stderr
+    again = forkserver.run(args, timeout=300, env=env)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+    assert hit in again.stderr  # the second run loaded what the first compiled
+    env["SPECJAX_CACHE_DIR"] = "off"
+    off = forkserver.run(args, timeout=300, env=env, cwd=tmp_path)
+    assert off.returncode == 0, off.stderr
+    assert not (tmp_path / "off").exists()

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from specjax import runtime
 from specjax.runtime import set_jax_cpu_threads
 
 LINUX_2_CPUS = pytest.mark.skipif(
@@ -89,3 +90,60 @@ def test_too_late_once_jax_has_started():
 def test_bad_n(n, pattern):
     with pytest.raises(ValueError, match=pattern):
         set_jax_cpu_threads(n)
+
+
+# --- specjax's cache ----------------------------------------------------------------------------
+
+
+def test_cpu_kernels_build_in_a_directory_of_the_process_with_the_cache_off(monkeypatch, tmp_path):
+    """SPECJAX_CACHE_DIR=off: the C++ kernels build in a temporary directory, never in ./off."""
+    import tempfile
+    from pathlib import Path
+
+    from specjax.kernels import cpu_kernels
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cpu_kernels, "_scratch", None)
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+    assert cpu_kernels._cache_dir() == tmp_path / "cache"
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", "off")
+    scratch = cpu_kernels._cache_dir()
+    try:
+        assert scratch.is_dir() and scratch.parent == Path(tempfile.gettempdir())
+        assert cpu_kernels._cache_dir() == scratch  # one per process
+        assert not (tmp_path / "off").exists()
+    finally:
+        scratch.rmdir()
+
+
+def test_compilation_cache_leaves_the_users_choice_and_the_cache_off_alone(monkeypatch, tmp_path):
+    import jax
+
+    saved = {
+        name: getattr(jax.config, name)
+        for name in (
+            "jax_compilation_cache_dir",
+            "jax_persistent_cache_min_compile_time_secs",
+            "jax_compilation_cache_max_size",
+        )
+    }
+    try:
+        monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "specjax"))
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+        assert runtime.enable_compilation_cache() is None  # the user's directory stands
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "set in code"))
+        assert runtime.enable_compilation_cache() is None
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "set in code")
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv("SPECJAX_CACHE_DIR", "off")
+        assert runtime.enable_compilation_cache() is None
+        assert jax.config.jax_compilation_cache_dir is None
+        monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "specjax"))
+        monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+        assert runtime.enable_compilation_cache() == tmp_path / "specjax" / "jax"
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "specjax" / "jax")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == runtime._MIN_COMPILE_SECONDS
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)

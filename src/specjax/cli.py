@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from specjax.console import CLIError, TextStream
+from specjax.runtime import enable_compilation_cache
 
 EXIT_USAGE = 2
 
@@ -503,6 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         handler = {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.command]
+        if args.command != "bench":  # bench's scripts are processes of their own
+            # compiled steps kept for the next run (specjax's cache, unless the user set JAX's own)
+            enable_compilation_cache()
         if args.jax_cpu_threads is not None and args.command != "bench":  # bench passes it to its scripts
             _start_jax(args.jax_cpu_threads)
         return handler(args)

@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from specjax.runtime import cache_root
+
 if TYPE_CHECKING:  # torch is imported when a model is loaded
     import torch
 
@@ -296,26 +298,20 @@ def _gguf_digest(path: str, size: int, mtime_ns: int) -> str:
 # --------------------------------------------------------------------------- #
 
 _CACHE_MANIFEST = "specjax-cache.json"
-_CACHE_OFF = ("0", "off", "none", "false")
 
 
 def target_cache_dir() -> pathlib.Path | None:
     """Where :func:`load_target` keeps dequantized copies of GGUF targets, or None when off.
 
-    ``$SPECJAX_CACHE_DIR`` if set (``off``, ``0``, ``none`` or ``false`` turn
-    the cache off), else ``$XDG_CACHE_HOME/specjax``, else ``~/.cache/specjax``.
+    specjax's cache (:func:`specjax.runtime.cache_root`): ``$SPECJAX_CACHE_DIR`` if
+    set (``off``, ``0``, ``none`` or ``false`` turn the cache off), else
+    ``$XDG_CACHE_HOME/specjax``, else ``~/.cache/specjax``.
     An entry (``targets/<GGUF SHA-256 prefix>-<dtype>-transformers-<version>``)
     holds ``config.json``, ``model.safetensors`` (about 540 MB for the default
     target in float32), the tokenizer files and a manifest with the weights'
     SHA-256, checked at every load.
     """
-    env = os.environ.get("SPECJAX_CACHE_DIR")
-    if env is not None:
-        if env.strip().lower() in _CACHE_OFF or not env.strip():
-            return None
-        return pathlib.Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "specjax"
+    return cache_root()
 
 
 def _cache_entry(digest: str, torch_dtype: Any) -> pathlib.Path | None:

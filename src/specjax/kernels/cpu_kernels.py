@@ -33,8 +33,10 @@ single-device paths do too.
 
 The library is compiled from the shipped source with the system C++ compiler
 (``$CXX``, else ``g++``/``c++``) against jaxlib's FFI headers, once per source,
-compiler, jaxlib version and CPU, into ``$SPECJAX_CACHE_DIR`` (default
-``~/.cache/specjax``); a build takes a few seconds. Without a compiler, or when
+compiler, jaxlib version and CPU, into specjax's cache
+(:func:`specjax.runtime.cache_root`: ``$SPECJAX_CACHE_DIR``, default
+``~/.cache/specjax``; with the cache off, a directory of the process, removed
+at exit); a build takes a few seconds. Without a compiler, or when
 the build fails, specjax uses the JAX code on CPU too (slower, same semantics)
 and warns once when the CPU is JAX's default backend. ``SPECJAX_CPU_KERNELS=0`` turns the kernels off.
 
@@ -58,6 +60,7 @@ target.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -71,6 +74,8 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from specjax.runtime import cache_root
 
 __all__ = [
     "IMPLS",
@@ -161,10 +166,18 @@ def target_flags() -> tuple[str, ...]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SPECJAX_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specjax"
+    """specjax's cache (:func:`specjax.runtime.cache_root`); with caching off, a directory of this process."""
+    global _scratch
+    root = cache_root()
+    if root is not None:
+        return root
+    if _scratch is None:
+        _scratch = Path(tempfile.mkdtemp(prefix="specjax-cpu-kernels-"))
+        atexit.register(shutil.rmtree, _scratch, ignore_errors=True)  # a loaded library stays mapped
+    return _scratch
+
+
+_scratch: Path | None = None
 
 
 def _build(compiler: str) -> Path:
