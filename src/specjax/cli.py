@@ -504,11 +504,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         handler = {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.command]
-        if args.command != "bench":  # bench's scripts are processes of their own
+        if args.command != "bench":  # bench's scripts are processes of their own (it passes them the flag)
             # compiled steps kept for the next run (specjax's cache, unless the user set JAX's own)
             enable_compilation_cache()
-        if args.jax_cpu_threads is not None and args.command != "bench":  # bench passes it to its scripts
-            _start_jax(args.jax_cpu_threads)
+            if args.jax_cpu_threads is not None:
+                _start_jax(args.jax_cpu_threads)
         return handler(args)
     except CLIError as err:
         if debug:

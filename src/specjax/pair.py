@@ -303,10 +303,8 @@ _CACHE_MANIFEST = "specjax-cache.json"
 def target_cache_dir() -> pathlib.Path | None:
     """Where :func:`load_target` keeps dequantized copies of GGUF targets, or None when off.
 
-    specjax's cache (:func:`specjax.runtime.cache_root`): ``$SPECJAX_CACHE_DIR`` if
-    set (``off``, ``0``, ``none`` or ``false`` turn the cache off), else
-    ``$XDG_CACHE_HOME/specjax``, else ``~/.cache/specjax``.
-    An entry (``targets/<GGUF SHA-256 prefix>-<dtype>-transformers-<version>``)
+    specjax's cache, :func:`specjax.runtime.cache_root` (``$SPECJAX_CACHE_DIR``;
+    ``off`` turns it off). An entry (``targets/<GGUF SHA-256 prefix>-<dtype>-transformers-<version>``)
     holds ``config.json``, ``model.safetensors`` (about 540 MB for the default
     target in float32), the tokenizer files and a manifest with the weights'
     SHA-256, checked at every load.
