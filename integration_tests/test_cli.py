@@ -267,7 +267,9 @@ def test_generate_keeps_its_compiled_steps_in_the_specjax_cache(models, tmp_path
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
     assert hit in again.stderr  # the second run loaded what the first compiled
-    env["SPECJAX_CACHE_DIR"] = "off"
+    # caching off: nothing written, not even to ./off (the session's own JAX cache, which
+    # the CLI leaves alone, spares this run its compilations)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECJAX_CACHE_DIR="off")
     off = forkserver.run(args, timeout=300, env=env, cwd=tmp_path)
     assert off.returncode == 0, off.stderr
     assert not (tmp_path / "off").exists()
