@@ -116,3 +116,26 @@ def test_rows_that_stop_drafting_forget_slowly():
     for _ in range(150):
         s.record_outcome(np.array([0]), np.array([0]))  # steps without drafting
     assert float(s.alpha()[0]) > low + 0.2
+
+
+def test_a_plain_step_is_priced_from_the_measured_widths():
+    """Before any plain step has a time of its own, it costs what the measured widths imply (not 1 s)."""
+    s = schedule({3: 60.0, 4: 62.0}, draft_ms=1.0)
+    assert s._verify_cost(1) == pytest.approx(0.060 / 1.24)
+    for _ in range(8):
+        s.record_outcome(np.array([2]), np.array([0]))  # never accepted
+    assert s.plan(np.array([4]), np.array([True])).tolist() == [0]
+    good = schedule({3: 60.0, 4: 62.0}, draft_ms=1.0)
+    for _ in range(8):
+        good.record_outcome(np.array([2]), np.array([2]))
+    assert good.plan(np.array([4]), np.array([True]))[0] > 0
+
+
+def test_plain_and_drafting_steps_keep_their_own_overheads():
+    s = DraftSchedule(1, 4, adaptive=True, draft_cost_hint=0.0)
+    for _ in range(3):
+        s.record_overhead(0.010, drafted=True)
+    assert s._overhead(False) == pytest.approx(0.010)  # the other kind's until measured
+    for _ in range(3):
+        s.record_overhead(0.001, drafted=False)
+    assert (s._overhead(True), s._overhead(False)) == pytest.approx((0.010, 0.001))

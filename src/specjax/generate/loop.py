@@ -256,14 +256,16 @@ def run_loop(
             # 1. Draft: the schedule asks for `want` tokens per row (what a drafter that pays
             # per token drafts); free proposals (lookups) may go up to the row's cap.
             want = schedule.plan(caps, active_h)
-            t_draft = time.perf_counter()
+            draft_s = 0.0
             if caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or free_proposals):
+                t_draft = time.perf_counter()
                 proposal = drafter.propose(
                     DraftRequest(step, [contexts[i] for i in cache_rows], want, active_h, sampling, caps)
                 )
+                draft_s = time.perf_counter() - t_draft
                 _check_proposal(who, proposal, caps, b_now, target_vocab, check_ids=not trusted)
                 paid = int(want.max()) if proposal.paid_tokens is None else int(proposal.paid_tokens)
-                schedule.record_draft(paid, time.perf_counter() - t_draft)
+                schedule.record_draft(paid, draft_s)
             else:
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
             k_rows = np.minimum(schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h), caps)
@@ -338,8 +340,9 @@ def run_loop(
             drafter.commit(CommitInfo(emitted_rows, n_host, k_rows, hidden))
             schedule.record_outcome(k_rows, n_host)
             step += 1
-            # the step's time besides drafting and the target forward (verification, bookkeeping)
-            schedule.record_overhead(time.perf_counter() - t_step - (t_fwd - t_draft) - forward_s)
+            # the step's time besides drafting and the target forward (verification, bookkeeping,
+            # the drafter's commit), apart for steps that verified drafts and plain ones
+            schedule.record_overhead(time.perf_counter() - t_step - draft_s - forward_s, drafted=g > 0)
 
             # Drop finished rows from the caches once at least half of them are done
             # (fewer distinct batch sizes, so fewer recompilations).

@@ -14,18 +14,27 @@ Costs are measured, not assumed, during the call (and kept for later calls
 with the same model and batch size):
 
 * the target forward over ``q`` tokens: every step times its forward. The
-  estimate for ``q`` is the smallest of its last few times, ignoring the first
+  estimate for ``q`` is the median of its last few times, ignoring the first
   one (torch's first calls at a new shape are many times slower); until ``q``
-  has such a time, a prior of ``T(1)·(1 + 0.12·(q − 1))``. When the step needs
+  has such a time, a prior of ``T(1)·(1 + 0.12·(q − 1))``, with ``T(1)``
+  inferred the same way from the narrowest measured width while plain steps
+  have no time of their own (a plain step must never look free or
+  prohibitive for want of a measurement). When the step needs
   ``q`` tokens and ``q + 1`` has no time yet, it runs ``q + 1`` once (a filler
   token that is never tested) to learn it; a width measured to cost more than
   a larger one (on these CPUs, ``q = 3`` and ``7`` hit a slow matrix-product
   path of a large LM head) is then padded up to the cheaper width;
 * the drafter's time per proposed token and the rest of a step (verification,
-  bookkeeping), the same way;
+  bookkeeping, the drafter's bookkeeping), the same way, the rest separately
+  for steps that verify draft tokens and plain steps: it is not the same
+  work;
 * ``α`` per row: a decaying count of passed and failed tests (a prior of 0.6
   for a row that has not drafted yet). A row that stops drafting forgets
-  slowly, so it tries again later.
+  slowly, so it tries again later. The prior never decays, which keeps the
+  estimate above a low acceptance (about 0.2 for a drafter accepted 8% of the
+  time); a prior that decays with the counts drafted less on the default
+  pair and lost more on open chat than it saved on input-grounded prompts
+  (``E(α, k)`` assumes independent tests; acceptances come in runs).
 
 Estimates only improve where the schedule looks, so it looks again: after
 ``EXPLORE_EVERY`` steps without drafting, a step verifies one proposed token
@@ -87,10 +96,10 @@ class DraftSchedule:
     ) -> None:
         self.max_draft = max_draft
         self.adaptive = adaptive
-        self.passes = np.zeros(batch)
-        self.fails = np.zeros(batch)
         self.draft_cost_hint = float(draft_cost_hint)
         self.drafter_key = drafter_key
+        self.passes = np.zeros(batch)
+        self.fails = np.zeros(batch)
         self.idle_steps = 0  # steps since the last one that verified a proposal
         key = (id(model), batch)
         shared = _SHARED.get(key)
@@ -108,11 +117,18 @@ class DraftSchedule:
         self.times.setdefault(key, deque(maxlen=_KEEP + 1)).append(seconds)
 
     def _estimate(self, key: Any) -> float | None:
-        """The smallest recent time of ``key``, ignoring its very first (warm-up) time; None if unknown."""
+        """The median of the recent times of ``key``, ignoring its very first (warm-up) time; None if unknown.
+
+        The median rather than the smallest: a step's cost is what it takes on
+        average, and the smallest of several noisy times is biased low (more
+        for the wider, noisier forwards of drafting steps).
+        """
         t = self.times.get(key)
         if t is None or len(t) < 2:
             return None
-        return min(list(t)[1:] if len(t) <= _KEEP else t)
+        kept = sorted(list(t)[1:] if len(t) <= _KEEP else t)  # a handful: faster than np.median
+        mid = len(kept) // 2
+        return kept[mid] if len(kept) % 2 else 0.5 * (kept[mid - 1] + kept[mid])
 
     def record_verify(self, q: int, seconds: float) -> None:
         self._record(("verify", q), seconds)
@@ -121,22 +137,33 @@ class DraftSchedule:
         if tokens > 0:
             self._record(("draft", self.drafter_key), seconds / tokens)
 
-    def record_overhead(self, seconds: float) -> None:
-        self._record("overhead", seconds)
+    def record_overhead(self, seconds: float, drafted: bool = True) -> None:
+        """A step's time besides drafting and the target forward; ``drafted``: it verified draft tokens."""
+        self._record(("overhead", bool(drafted)), seconds)
 
     def _verify_cost(self, q: int) -> float:
         t = self._estimate(("verify", q))
         if t is not None:
             return t
-        base = self._estimate(("verify", 1)) or 1.0
-        return base * (1 + 0.12 * (q - 1))  # a prior: small q cost little more than one token
+        # a prior: small q cost little more than one token, scaled from the narrowest measured width
+        base = 1.0
+        for w in sorted(key[1] for key in self.times if key[0] == "verify"):
+            t = self._estimate(("verify", w))
+            if t is not None:
+                base = t / (1 + 0.12 * (w - 1))
+                break
+        return base * (1 + 0.12 * (q - 1))
 
     def _draft_cost(self) -> float:
         t = self._estimate(("draft", self.drafter_key))
         return self.draft_cost_hint if t is None else t
 
-    def _overhead(self) -> float:
-        return self._estimate("overhead") or 0.0
+    def _overhead(self, drafted: bool) -> float:
+        """A step's measured time besides drafting and the forward (the other kind's until measured)."""
+        t = self._estimate(("overhead", drafted))
+        if t is None:
+            t = self._estimate(("overhead", not drafted))
+        return t or 0.0
 
     def padded_width(self, q: int) -> int:
         """The width to run for ``q`` needed tokens (see the module doc): ``q``, ``q + 1`` to learn its
@@ -168,9 +195,9 @@ class DraftSchedule:
             return 0
         alpha = self.alpha()[rows]
         lim = limits[rows]
-        overhead = self._overhead()
+        overhead = self._overhead(True)
         margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
-        best_w, best_rate = 0, margin * float(len(alpha)) / (self._verify_cost(1) + overhead)
+        best_w, best_rate = 0, margin * float(len(alpha)) / (self._verify_cost(1) + self._overhead(False))
         for w in range(1, top + 1):
             gain = expected_tokens(alpha, np.minimum(w, lim)).sum()
             cost = w * draft_s_per_token + self._verify_cost(self.padded_width(w + 1)) + overhead
