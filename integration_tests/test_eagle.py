@@ -123,6 +123,61 @@ def test_never_drafts_past_max_new_tokens(target, trained):
         assert out.sequences.shape[1] == ids.shape[1] + n
 
 
+def _sampling(batch: int):
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters.base import SamplingState
+    from specjax.kernels.types import SamplingParams
+
+    return SamplingState(SamplingParams(jnp.zeros(batch, jnp.float32)), jax.random.split(jax.random.key(0), batch))
+
+
+def test_commits_are_read_when_the_head_drafts_and_all_at_once_as_one_by_one(target, trained, left_padded):
+    """A commit costs the head nothing; its next proposal reads every pending commit (and the prompt) in one
+    forward, with the features (hence proposals) of reading them one by one."""
+    from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup
+
+    head, _, _ = trained
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    batch, d = ids.shape[0], target.config.hidden_size
+    gen = torch.Generator().manual_seed(7)
+    hidden_prompt = torch.randn(batch, ids.shape[1] - 1, d, generator=gen)
+    commits = [[[3], [4, 5], [], [6]], [[7, 8, 9], [1], [2], []], [[4], [4], [4], [4]]]
+    hiddens = [torch.randn(batch, 3, d, generator=gen) for _ in commits]
+
+    def setup():
+        return DraftSetup(target, ids, mask, [[] for _ in range(batch)], V, 4, _sampling(batch), hidden_prompt)
+
+    def commit(drafter, emitted, hidden):
+        counts = np.array([len(e) for e in emitted])
+        drafter.commit(CommitInfo(emitted, np.maximum(counts - 1, 0), np.zeros(batch, np.int64), hidden))
+
+    calls = []
+    lazy, eager = EagleDrafter(head), EagleDrafter(head)
+    original = head.forward
+    head.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        lazy.start(setup())
+        eager.start(setup())
+        eager._read_commits()
+        for emitted, hidden in zip(commits, hiddens, strict=True):
+            commit(lazy, emitted, hidden)
+            commit(eager, emitted, hidden)
+            eager._read_commits()  # one forward per commit, as before the commits were deferred
+        assert len(calls) == 1 + len(commits)  # the eager one's: the lazy drafter has not run its head
+        request = DraftRequest(0, [[] for _ in range(batch)], np.full(batch, 2), np.ones(batch, bool), _sampling(batch))
+        lazy_out, eager_out = lazy.propose(request), eager.propose(request)
+    finally:
+        head.forward = original
+    # the lazy drafter read the prompt and the three commits in one forward, then drafted (one more)
+    assert len(calls) == (1 + len(commits)) + 2 + 1
+    torch.testing.assert_close(lazy._feature, eager._feature, rtol=1e-4, atol=1e-5)
+    assert lazy.cache.num_valid.tolist() == eager.cache.num_valid.tolist()
+    np.testing.assert_array_equal(lazy_out.tokens, eager_out.tokens)
+    np.testing.assert_array_equal(lazy_out.num_tokens, eager_out.num_tokens)
+
+
 def test_saved_head_loads_and_drafts_the_same(target, trained, tmp_path):
     from specjax.drafters.eagle_head import load_head, save_head
 
