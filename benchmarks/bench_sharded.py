@@ -220,10 +220,11 @@ def analytic_bytes(kernel: str, method: str, batch: int, g: int, vocab: int, sha
     probs, sharded: psum of (p_i(x_i), q_i(x_i)) 2·B·G; psum of the residual
     sums B; all-gather of the shard totals B (operand); pmax of (candidate,
     fallback) ids 2·B.
-    logits, sharded: per target position (B·(G+1)): pmax of the scaled max,
-    psum of the normaliser, pmax of the raw max and pmin of the argmax (4); the
-    same per draft position (B·G, 4); psum of the two gathered logits (2·B·G);
-    then B + B + 2·B for the draw as above.
+    logits, sharded: per target position (B·(G+1)) and per draft position
+    (B·G): pmax of the row's max, psum of its normaliser and pmin of its argmax
+    (3 each); at the draft tokens, psum of the flags saying whether a shard
+    holds the id (B·G; an id outside the vocabulary is never accepted) and of
+    the two gathered logits (2·B·G); then B + B + 2·B for the draw as above.
     naive: all-gather operands of the local vocabulary slices, B·G·V/S +
     B·(G+1)·V/S (each device receives S-1 times that).
     """
@@ -232,7 +233,7 @@ def analytic_bytes(kernel: str, method: str, batch: int, g: int, vocab: int, sha
         return 4 * (batch * g * local + batch * (g + 1) * local)
     if kernel == "probs":
         return 4 * (2 * batch * g + batch + batch + 2 * batch)
-    return 4 * (4 * batch * (g + 1) + 4 * batch * g + 2 * batch * g + batch + batch + 2 * batch)
+    return 4 * (3 * batch * (g + 1) + 3 * batch * g + batch * g + 2 * batch * g + batch + batch + 2 * batch)
 
 
 def hlo_bytes(jitted, args: tuple, **static: Any) -> tuple[int, int, int]:

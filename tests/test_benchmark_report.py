@@ -42,12 +42,17 @@ def test_the_verdict_follows_the_rows(tmp_path: Path) -> None:
     results = _copy_results(tmp_path)
     path = results / "kernel.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    (ratio,) = [r["ratio"] for r in rows if (r["method"], r["B"], r["G"], r["V"]) == ("kernel", 64, 4, 32000)]
+    last = rows[-1]["run"]  # the file may hold several runs; the report reads the last
+
+    def shown(r: dict) -> bool:
+        return r["run"] == last and (r["method"], r["B"], r["G"], r["V"]) == ("kernel", 64, 4, 32000)
+
+    (ratio,) = [r["ratio"] for r in rows if shown(r)]
     assert ratio <= 0.25, "the test below needs a met verdict to turn"
     verdict = render_benchmarks.verdict_kernel(render_benchmarks.load("kernel", results))
     assert f"**met** ({ratio:.3f}×)" in verdict, verdict
     for r in rows:
-        if (r["method"], r["B"], r["G"], r["V"]) == ("kernel", 64, 4, 32000):
+        if shown(r):
             r["ratio"] = 0.3
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = render_benchmarks.render(results=results)

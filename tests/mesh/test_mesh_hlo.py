@@ -83,3 +83,22 @@ def test_rounding_edge_s_below_one_1x8() -> None:
         assert below <= s[b] + tol and cdf[y] > s[b] - tol, (
             f"row {b}: id {y} is not within float32 rounding of the exact draw (cdf {below}..{cdf[y]})"
         )
+
+
+@pytest.mark.parametrize("kernel", ["probs", "logits"])
+def test_collective_bytes_are_the_documented_formula(kernel: str) -> None:
+    """The bytes each device sends per call (docs/distributed.md, bench_sharded.analytic_bytes) are the
+    compiled program's, at two vocabulary sizes (so independent of V); a wrong formula is caught."""
+    import bench_sharded
+    from _hlo import hlo_collectives
+
+    mesh = make_mesh("1x8")
+    batch, g = 3, 2
+    for vocab in (512, 2048):
+        inputs = bench_sharded.make_inputs(kernel, batch, g, vocab, mesh)
+        layout = bench_sharded.MeshLayout(mesh, None, "v")
+        fn = bench_sharded._rejection_sample_mesh_jit if kernel == "probs" else bench_sharded._verify_mesh_jit
+        found = hlo_collectives(fn.lower(*inputs["sharded"], layout=layout).compile().as_text())
+        sent = sum(c["operand_bytes"] * c["count"] for c in found)
+        assert sent == bench_sharded.analytic_bytes(kernel, "sharded", batch, g, vocab), (vocab, found)
+    assert bench_sharded.analytic_bytes(kernel, "sharded", batch, g + 1, 512) != sent  # the formula sees G
