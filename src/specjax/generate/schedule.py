@@ -96,10 +96,10 @@ class DraftSchedule:
     ) -> None:
         self.max_draft = max_draft
         self.adaptive = adaptive
-        self.draft_cost_hint = float(draft_cost_hint)
-        self.drafter_key = drafter_key
         self.passes = np.zeros(batch)
         self.fails = np.zeros(batch)
+        self.draft_cost_hint = float(draft_cost_hint)
+        self.drafter_key = drafter_key
         self.idle_steps = 0  # steps since the last one that verified a proposal
         key = (id(model), batch)
         shared = _SHARED.get(key)
