@@ -400,3 +400,56 @@ def test_thirdparty_drafter_installed_with_pip_is_used_by_name(tmp_path):
         assert run.returncode != 0 and "unknown drafter 'repeat_last'" in run.stderr
     finally:
         shutil.rmtree(site, ignore_errors=True)
+
+
+class _Recorded:
+    """Wraps a drafter and keeps its proposals."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.proposals: list = []
+        for name in ("name", "needs_target_hidden", "cost_per_token_hint"):
+            setattr(self, name, getattr(inner, name))
+
+    def start(self, setup):
+        self.inner.start(setup)
+
+    def propose(self, request):
+        p = self.inner.propose(request)
+        self.proposals.append(p)
+        return p
+
+    def commit(self, info):
+        self.inner.commit(info)
+
+    def select_rows(self, rows):
+        self.inner.select_rows(rows)
+
+
+def test_greedy_hybrid_rows_take_their_own_drafters_tokens(models, left_padded):
+    """Every row greedy: the model fallback proposes point masses too, and each row keeps its own drafter's tokens."""
+    rep = repetitive_prompt(4, 16)
+    distinct = np.random.default_rng(6).permutation(np.arange(1, VOCAB))[:16].tolist()
+    ids = torch.tensor([rep, distinct])
+    mask = torch.ones_like(ids)
+    ngram, fallback = _Recorded(NgramDrafter()), _Recorded(ModelDrafter(models["draft"]))
+    hybrid = _Recorded(HybridDrafter(ngram, fallback))
+    out = specjax.speculative_generate(
+        models["target"], hybrid, ids, mask, max_new_tokens=16, num_draft_tokens=4, adaptive=False
+    )
+    assert torch.equal(out.sequences, hf_greedy(models["target"], ids, mask, 16))
+    mixed = 0
+    fb = iter(fallback.proposals)
+    for ng, hy in zip(ngram.proposals, hybrid.proposals, strict=True):
+        assert hy.logits is None  # point masses
+        matched = ng.num_tokens > 0
+        if matched.all():  # the fallback did not run
+            continue
+        f = next(fb)
+        mixed += bool(matched.any())
+        for b in range(len(matched)):  # the cache's rows (finished rows leave)
+            src = ng if matched[b] else f
+            k = int(src.num_tokens[b])
+            assert int(hy.num_tokens[b]) == k
+            assert np.asarray(hy.tokens)[b, :k].tolist() == np.asarray(src.tokens)[b, :k].tolist()
+    assert mixed > 0, "no step mixed n-gram and fallback rows: the test does not test"

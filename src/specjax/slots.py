@@ -18,16 +18,22 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import numpy as np
 import torch
 
 
 class SlotCache:
     """A transformers ``Cache`` plus a validity mask and per-row valid counts.
 
+    The mask and counts live in host memory (NumPy): updating them costs
+    microseconds and never synchronises with the device; they cross to the
+    device only for a forward that needs them (when some slot is invalid).
+
     Attributes:
       cache: the model's KV cache (``DynamicCache``).
-      mask: i64[B, S], 1 where slot s of row b holds a real token.
-      num_valid: i64[B], valid slots per row (= the next position id).
+      mask: i64[B, S] (torch, on the cache's device; a fresh copy), 1 where
+        slot s of row b holds a real token.
+      num_valid: i64[B] (torch, likewise), valid slots per row (= the next position id).
       full: True while every slot of every row is valid. Forwards then pass
         neither the mask nor the positions (they are all-ones and the defaults),
         so the model takes its causal fast path, as ``generate`` does for an
@@ -44,8 +50,9 @@ class SlotCache:
             self.cache = DynamicCache(config=model.config)
         except TypeError:  # older signature
             self.cache = DynamicCache()
-        self.mask = torch.zeros((batch, 0), dtype=torch.long, device=device)
-        self.num_valid = torch.zeros((batch,), dtype=torch.long, device=device)
+        self.device = device
+        self._mask = np.zeros((batch, 0), bool)  # bool[B, S], host
+        self._num_valid = np.zeros((batch,), np.int64)  # i64[B], host
         self.full = True
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -55,14 +62,23 @@ class SlotCache:
 
     @property
     def length(self) -> int:
-        return self.mask.shape[1]
+        return self._mask.shape[1]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return torch.as_tensor(self._mask.astype(np.int64), device=self.device)
+
+    @property
+    def num_valid(self) -> torch.Tensor:
+        return torch.as_tensor(self._num_valid.copy(), device=self.device)
 
     def forward(
         self,
         tokens: torch.Tensor,
-        valid: torch.Tensor,
+        valid: Any,
         *,
-        last_only: bool,
+        last_only: bool = False,
+        keep_last: int | None = None,
         all_valid: bool | None = None,
         hidden: bool = False,
     ) -> Any:
@@ -70,84 +86,92 @@ class SlotCache:
 
         Args:
           tokens: i64[B, W], the tokens of the new slots (filler where invalid).
-          valid: bool[B, W], which new slots hold real tokens.
-          last_only: return logits for the last slot only.
+          valid: bool[B, W], which new slots hold real tokens: a NumPy array,
+            or a torch tensor (read on the host: on a GPU, one device→host sync).
+          last_only: return logits for the last slot only (``keep_last=1``).
+          keep_last: return logits for the last ``keep_last`` slots only; None:
+            every slot (unless ``last_only``).
           all_valid: whether every entry of ``valid`` is True, when the caller
-            knows it on the host; None reads it from ``valid`` (on a GPU, one
-            device→host sync).
+            knows it (else read from ``valid``).
           hidden: also return the model's final hidden states (the last entry of
             ``output_hidden_states``, f[B, W, d]) from the same forward.
 
         Returns:
-          f32[B, W, V] logits (or f32[B, 1, V] with ``last_only``), as the model
-          produced them (a fresh tensor each call); with ``hidden``, the pair
-          ``(logits, hidden_states)``.
+          f32[B, K, V] logits of the last K slots (K = ``keep_last``, 1 with
+          ``last_only``, else W), as the model produced them (a fresh tensor each
+          call); with ``hidden``, the pair ``(logits, hidden_states)``, the
+          latter f[B, W, d] (every new slot, whatever ``keep_last``).
         """
+        keep = 1 if last_only else keep_last
         if self.input_vocab is not None:
             tokens = torch.where(tokens < self.input_vocab, tokens, torch.zeros_like(tokens))
-        v = valid.long()
-        positions = self.num_valid[:, None] + torch.cumsum(v, dim=1) - v
-        self.mask = torch.cat([self.mask, v], dim=1)
-        self.num_valid = self.num_valid + v.sum(dim=1)
-        self.full = self.full and (bool(valid.all()) if all_valid is None else all_valid)
+        v = _host(valid).astype(bool)
+        self._mask = np.concatenate([self._mask, v], axis=1)
+        self.full = self.full and (bool(v.all()) if all_valid is None else all_valid)
         kwargs: dict[str, Any] = {
             "input_ids": tokens,
             self._cache_kw: self.cache,
             "use_cache": True,
         }
         if not self.full:
+            vi = v.astype(np.int64)
+            positions = self._num_valid[:, None] + np.cumsum(vi, axis=1) - vi
             kwargs["attention_mask"] = self.mask
-            kwargs["position_ids"] = positions
-        if last_only and self._keep_kw:
-            kwargs[self._keep_kw] = 1
+            kwargs["position_ids"] = torch.as_tensor(positions, device=self.device)
+        self._num_valid = self._num_valid + v.sum(axis=1)
+        if keep is not None and self._keep_kw:
+            kwargs[self._keep_kw] = keep
         if hidden:
             kwargs["output_hidden_states"] = True
         with torch.inference_mode():
             out = self.model(**kwargs)
         self.forwards += 1
-        logits = out.logits[:, -1:] if last_only else out.logits
+        if keep is None:
+            return (out.logits, out.hidden_states[-1]) if hidden else out.logits
+        logits = out.logits[:, -keep:]
         return (logits, out.hidden_states[-1]) if hidden else logits
 
-    def invalidate(self, start: int, keep: torch.Tensor) -> None:
+    def invalidate(self, start: int, keep: Any) -> None:
         """Mark slots ``start + j`` invalid for every ``j >= keep[b]`` in row b, then crop.
 
         Args:
           start: first slot of the span written by the last step.
-          keep: i64[B], how many slots of that span stay valid per row.
+          keep: i64[B] (NumPy, or a torch tensor read on the host), how many
+            slots of that span stay valid per row.
         """
         span = self.length - start
         if span <= 0:
             return
-        j = torch.arange(span, device=self.mask.device)[None, :]
-        drop = (j >= keep[:, None]) & (self.mask[:, start:] == 1)
-        self.num_valid = self.num_valid - drop.sum(dim=1)
-        self.mask[:, start:] = torch.where(drop, torch.zeros_like(self.mask[:, start:]), self.mask[:, start:])
+        keep_h = _host(keep).astype(np.int64)
+        tail = self._mask[:, start:]
+        drop = (np.arange(span)[None, :] >= keep_h[:, None]) & tail
+        self._num_valid = self._num_valid - drop.sum(axis=1)
+        self._mask[:, start:] = tail & ~drop
         self.crop_trailing()
-        self.full = bool(self.mask.all())
+        self.full = bool(self._mask.all())
 
     def crop_trailing(self) -> None:
         """Remove slots at the end of the cache that are invalid in every row."""
-        any_valid = self.mask.any(dim=0)
-        nonzero = torch.nonzero(any_valid)
-        new_len = int(nonzero[-1]) + 1 if nonzero.numel() else 0
+        nonzero = np.flatnonzero(self._mask.any(axis=0))
+        new_len = int(nonzero[-1]) + 1 if nonzero.size else 0
         remove = self.length - new_len
         if remove > 0:
             crop_cache(self.cache, remove)
-            self.mask = self.mask[:, :new_len]
+            self._mask = self._mask[:, :new_len]
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (i64[B']) of the batch."""
-        self.cache.batch_select_indices(rows)
-        self.mask = self.mask[rows]
-        self.num_valid = self.num_valid[rows]
+    def select_rows(self, rows: Any) -> None:
+        """Keep only ``rows`` (i64[B'], NumPy or torch) of the batch."""
+        rows_h = _host(rows).astype(np.int64)
+        self.cache.batch_select_indices(torch.as_tensor(rows_h, device=self.device))
+        self._mask = self._mask[rows_h]
+        self._num_valid = self._num_valid[rows_h]
         self.crop_leading()
-        self.full = bool(self.mask.all())
+        self.full = bool(self._mask.all())
 
     def crop_leading(self) -> None:
         """Drop leading slots that are invalid in every row (e.g. after rows left)."""
-        any_valid = self.mask.any(dim=0)
-        nonzero = torch.nonzero(any_valid)
-        first = int(nonzero[0]) if nonzero.numel() else self.length
+        nonzero = np.flatnonzero(self._mask.any(axis=0))
+        first = int(nonzero[0]) if nonzero.size else self.length
         if first == 0:
             return
         for layer in getattr(self.cache, "layers", []):
@@ -164,7 +188,14 @@ class SlotCache:
                 # DynamicSlidingWindowLayer reports this as its length (the mask sizes
                 # and cache positions follow it): it must drop the slots too.
                 layer.cumulative_length = layer.keys.shape[-2]
-        self.mask = self.mask[:, first:]
+        self._mask = self._mask[:, first:]
+
+
+def _host(x: Any) -> np.ndarray:
+    """A NumPy array of ``x`` (a torch tensor is read on the host)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
 
 
 def crop_cache(cache: Any, remove: int) -> None:

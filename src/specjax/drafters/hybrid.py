@@ -7,7 +7,9 @@ fallback does not run. Otherwise the fallback proposes for the whole batch
 n-gram proposals instead: their draft logits are replaced by logits that are
 0 at the proposed token and -inf elsewhere, whose processed distribution at
 any temperature, top-k and top-p is exactly the point mass at that token, so
-one acceptance step verifies both kinds of rows exactly.
+one acceptance step verifies both kinds of rows exactly. When the fallback
+proposes point masses too (every row greedy), the rows simply take their
+tokens from one drafter or the other.
 """
 
 from __future__ import annotations
@@ -70,11 +72,16 @@ class HybridDrafter:
             return ng
         self.last_source = "fallback" if not use.any() else "both"
         fb = self.fallback.propose(request)
-        if fb.logits is None or not use.any():
+        if not use.any():
             return fb
         g = max(fb.width, ng.width)
         ng_tokens = np.zeros((len(use), g), np.int32)
         ng_tokens[:, : ng.width] = np.asarray(ng.tokens)
+        counts = np.where(use, ng.num_tokens, fb.num_tokens).astype(np.int64)
+        if fb.logits is None:  # point masses from both: each row takes its drafter's tokens
+            fb_host = np.zeros((len(use), g), np.int32)
+            fb_host[:, : fb.width] = np.asarray(fb.tokens)[:, : fb.width]
+            return Proposal(np.where(use[:, None], ng_tokens, fb_host), counts, None, paid_tokens=fb.width)
         fb_tokens = jnp.asarray(fb.tokens).astype(jnp.int32)
         if g > fb.width:  # positions only n-gram rows reach: the fallback's rows never test them
             fb_tokens = jnp.pad(fb_tokens, ((0, 0), (0, g - fb.width)))
@@ -83,7 +90,6 @@ class HybridDrafter:
         # n-gram rows: logits whose processed distribution is the point mass at their token
         fb_logits = list(fb.logits) + [fb.logits[-1]] * (g - fb.width)
         logits = tuple(_point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb_logits))
-        counts = np.where(use, ng.num_tokens, fb.num_tokens).astype(np.int64)
         return Proposal(tokens, counts, logits, paid_tokens=fb.width)
 
     def commit(self, info: CommitInfo) -> None:

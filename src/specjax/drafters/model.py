@@ -6,6 +6,10 @@ proposal), then draws ``g`` tokens autoregressively through
 :func:`specjax.kernels.steps.draft_draw`: the front end's processing
 (temperature / top-k / top-p / greedy) of its logits, so the tokens come from
 exactly the ``q`` the acceptance step recomputes from the returned logits.
+When every row is greedy the proposal is deterministic: the first argmax of
+the draft's logits (over the target's vocabulary), proposed as point masses
+(no logits; :func:`specjax.verify_from_logits` with ``draft_logits=None``),
+drawn by torch on the model's device: no JAX call per draft token.
 
 Its KV cache is a :class:`~specjax.slots.SlotCache`: after a step,
 the fed proposals that were committed stay valid, the rest are marked invalid.
@@ -56,9 +60,12 @@ class ModelDrafter:
         self.cache = SlotCache(model, batch, device, input_vocab=embed if embed < setup.target_vocab else None)
         if prompt_len > 1:
             # all but the last prompt token: it is the first pending token
-            self.cache.forward(setup.input_ids[:, :-1], setup.attention_mask[:, :-1].bool(), last_only=True)
+            valid = setup.attention_mask[:, :-1].bool().cpu().numpy()
+            self.cache.forward(setup.input_ids[:, :-1], valid, last_only=True)
         self.pending = [[int(t)] for t in setup.input_ids[:, -1].tolist()]
         self.sampling = setup.sampling
+        # every row greedy (fixed for the generation): point-mass proposals, no logits
+        self._greedy = bool(np.all(np.asarray(setup.sampling.temperature) == 0))
         self._proposed = False
 
     def propose(self, request: DraftRequest) -> Proposal:
@@ -73,7 +80,7 @@ class ModelDrafter:
         if g == 0:
             self._proposed = False
             return Proposal(np.zeros((b, 0), np.int32), np.zeros(b, np.int64), None)
-        device = self.cache.mask.device
+        device = self.cache.device
         active = request.active
         width = max(len(p) for p in self.pending)
         # Left-pad each row's pending tokens so that its last real token is in the last slot.
@@ -83,15 +90,17 @@ class ModelDrafter:
             feed_h[j, width - len(p) :] = p
             valid_h[j, width - len(p) :] = active[j]
         feed = torch.as_tensor(feed_h, device=device)
-        feed_valid = torch.as_tensor(valid_h, device=device)
         all_valid = bool(valid_h.all())
         all_active = bool(active.all())
-        active_t = torch.as_tensor(active, device=device)[:, None]
+        active_col = active[:, None]  # bool[B', 1]: the validity of each drafted slot
         s = request.sampling
         self._fed_start = self.cache.length + width
+        if self._greedy:
+            return self._propose_greedy(request, feed, valid_h, all_valid, active_col, all_active, g)
         draws: list[Any] = []
         logits_out: list[Any] = []
         self._held: list[torch.Tensor] = []  # torch buffers JAX reads, kept until the step is done
+        feed_valid: np.ndarray = valid_h
         for i in range(g):
             logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
             self._held.append(logits)
@@ -108,13 +117,40 @@ class ModelDrafter:
             draws.append(x)
             if i < g - 1:
                 feed = to_torch(x).to(torch.long)[:, None]
-                feed_valid, all_valid = active_t, all_active
+                feed_valid, all_valid = active_col, all_active
         tokens = jnp.stack(draws, axis=1)
         self._fed = tokens[:, : g - 1]
         self._active = active.copy()
         self._proposed = True
         k = np.where(active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
         return Proposal(tokens, k, tuple(logits_out))
+
+    def _propose_greedy(
+        self,
+        request: DraftRequest,
+        feed: torch.Tensor,
+        feed_valid: np.ndarray,
+        all_valid: bool,
+        active_col: np.ndarray,
+        all_active: bool,
+        g: int,
+    ) -> Proposal:
+        """Every row greedy: ``g`` first argmaxes over the target's vocabulary, as point masses."""
+        assert self.cache is not None
+        drawn: list[torch.Tensor] = []
+        for i in range(g):
+            logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
+            x = logits[:, : self.vocab].argmax(dim=-1)  # i64[B']: the first maximum, as the kernel's argmax
+            drawn.append(x)
+            if i < g - 1:
+                feed = x[:, None]
+                feed_valid, all_valid = active_col, all_active
+        tokens = torch.stack(drawn, dim=1).to(torch.int32).cpu().numpy()  # i32[B', g]
+        self._fed = tokens[:, : g - 1]
+        self._active = request.active.copy()
+        self._proposed = True
+        k = np.where(request.active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
+        return Proposal(tokens, k, None)
 
     def commit(self, info: CommitInfo) -> None:
         assert self.cache is not None
@@ -135,9 +171,9 @@ class ModelDrafter:
                 m += 1
             keep[j] = m
             self.pending[j] = list(e[m:])
-        self.cache.invalidate(self._fed_start, torch.as_tensor(keep, device=self.cache.mask.device))
+        self.cache.invalidate(self._fed_start, keep)
 
     def select_rows(self, rows: list[int]) -> None:
         assert self.cache is not None
-        self.cache.select_rows(torch.as_tensor(rows, device=self.cache.mask.device))
+        self.cache.select_rows(np.asarray(rows, np.int64))
         self.pending = [self.pending[j] for j in rows]

@@ -9,7 +9,9 @@ Chen et al. 2023, arXiv:2302.01318):
    front end's processing (temperature / top-k / top-p / greedy), so the draft
    tokens come from exactly the ``q`` the acceptance test will use.
 2. **Score.** The target model scores ``[last committed token, x_0 .. x_{G-1}]``
-   in one forward pass: G+1 distributions ``p_0 .. p_G``.
+   in one forward pass: G+1 distributions ``p_0 .. p_G``. The first step's
+   forward also carries the rest of the prompt (no separate prefill, unless
+   the drafter reads the target's hidden states of the prompt).
 3. **Verify.** Draft and target logits cross to JAX zero-copy
    (:func:`specjax.adapters.jit_input`: DLPack on GPU, a NumPy view that XLA:CPU
    reads in place on a CPU-only JAX); the sampler decides ``n`` and draws the
@@ -18,9 +20,10 @@ Chen et al. 2023, arXiv:2302.01318):
    stops at EOS or ``max_new_tokens``; both caches mark the rejected slots
    invalid (see :mod:`specjax.slots`).
 
-Host synchronisation: once per draft draw (the drawn token ids are the next
+Host synchronisation: once per sampled draft draw (the drawn token ids are the next
 draft input, and torch's CPU/CUDA forward needs them; on GPU this is a device
-round trip only for the tiny (B,) token tensor, which stays on the device) and
+round trip only for the tiny (B,) token tensor, which stays on the device;
+greedy drafts are torch argmaxes, read on the host once per step) and
 once per step after verification (the per-row accepted counts decide the
 bookkeeping: EOS, lengths, cache masks). Logits never leave the device.
 """
@@ -182,7 +185,7 @@ def run_loop(
     import jax
     import jax.numpy as jnp
 
-    from specjax.adapters import count_copies, jit_input, to_torch
+    from specjax.adapters import count_copies, jit_input
     from specjax.kernels import steps
 
     t_start = time.perf_counter()
@@ -202,15 +205,18 @@ def run_loop(
         t_cache = SlotCache(target, batch, device)
         hidden_kw = bool(getattr(drafter, "needs_target_hidden", False))
         prompt_hidden = None
-        if prompt_len > 1:
-            # Prefill all but the last prompt token: the target scores that one
-            # with the first proposals.
-            prefix, prefix_valid = input_ids[:, :-1], attention_mask[:, :-1].bool()
-            if hidden_kw:
-                prompt_hidden = t_cache.forward(prefix, prefix_valid, last_only=True, hidden=True)[1]
-            else:
-                t_cache.forward(prefix, prefix_valid, last_only=True)
         mask_h = attention_mask.bool().cpu().numpy()
+        # All but the last prompt token: the target scores that one with the first proposals.
+        # A drafter that reads the target's hidden states needs the prompt's before it first
+        # drafts: a prefill of its own. Otherwise the prefix goes into the first verification
+        # forward (one target forward fewer per call, as transformers' assisted generation).
+        prefix: tuple[torch.Tensor, np.ndarray, bool] | None = None
+        if prompt_len > 1:
+            prefix_ids, prefix_valid = input_ids[:, :-1], mask_h[:, :-1]
+            if hidden_kw:
+                prompt_hidden = t_cache.forward(prefix_ids, prefix_valid, last_only=True, hidden=True)[1]
+            else:
+                prefix = (prefix_ids, prefix_valid, bool(mask_h[:, :-1].all()))
         ids_h = input_ids.cpu().numpy()
         contexts = [ids_h[b][mask_h[b]].tolist() for b in range(batch)]
         drafter.start(
@@ -248,7 +254,6 @@ def run_loop(
             remaining = np.array([0 if r.done else max_new_tokens - len(r.generated) for r in state])
             active_h = remaining > 0
             all_active = bool(active_h.all())  # host copies of the validity: no device sync
-            active = torch.as_tensor(active_h, device=device)[:, None]  # bool[B', 1]
             # A row may draft at most G tokens and never past max_new_tokens (the
             # emitted token comes on top of the accepted ones).
             caps = np.where(active_h, np.minimum(num_draft_tokens, np.maximum(remaining - 1, 0)), 0)
@@ -272,24 +277,27 @@ def run_loop(
             stats.draft_steps += int(k_rows.max(initial=0) > 0)
             g = int(k_rows.max(initial=0))
             width = schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
-            last = torch.as_tensor(last_h, device=device)
-            x_t, x_j = _draft_columns(proposal.tokens, k_rows, g, width, last, to_torch, jnp)
+            x_t, x_j = _draft_columns(proposal.tokens, k_rows, g, width, last_h, device, jnp)
             d_logits = None
             if proposal.logits is not None and g:
                 d_logits = tuple(jit_input(lg) if isinstance(lg, torch.Tensor) else lg for lg in proposal.logits[:g])
                 d_logits += (d_logits[-1],) * (width - g)
 
-            # 2. Score [last, x_0 .. x_{width-1}] in one target forward.
-            t_start_slot = t_cache.length
-            t_in = torch.cat([last[:, None], x_t], dim=1)
+            # 2. Score [last, x_0 .. x_{width-1}] in one target forward (after the prompt's
+            # prefix at the first step).
+            t_in = torch.cat([torch.as_tensor(last_h, device=device)[:, None], x_t], dim=1)
+            t_valid, all_valid = np.broadcast_to(active_h[:, None], t_in.shape), all_active
+            if prefix is not None:
+                t_in, t_valid = torch.cat([prefix[0], t_in], dim=1), np.concatenate([prefix[1], t_valid], axis=1)
+                all_valid = all_valid and prefix[2]
+            t_start_slot = t_cache.length + t_in.shape[1] - (width + 1)
             t_fwd = time.perf_counter()
-            target_logits, hidden = (
-                t_cache.forward(t_in, active.expand(t_in.shape), last_only=False, all_valid=all_active, hidden=True)
-                if hidden_kw
-                else (t_cache.forward(t_in, active.expand(t_in.shape), last_only=False, all_valid=all_active), None)
-            )
+            out_fwd = t_cache.forward(t_in, t_valid, keep_last=width + 1, all_valid=all_valid, hidden=hidden_kw)
+            target_logits, hidden = out_fwd if hidden_kw else (out_fwd, None)
             forward_s = time.perf_counter() - t_fwd
-            schedule.record_verify(width + 1, forward_s)
+            if prefix is None:  # a merged prefill would price verification far too high
+                schedule.record_verify(width + 1, forward_s)
+            prefix = None
             tj = jit_input(target_logits)
 
             # 3. Verify.
@@ -336,7 +344,7 @@ def run_loop(
                 last_h[j] = emitted[-1]
                 emitted_rows.append(emitted)
             # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
-            t_cache.invalidate(t_start_slot, torch.as_tensor(1 + kept, device=device))
+            t_cache.invalidate(t_start_slot, 1 + kept)
             drafter.commit(CommitInfo(emitted_rows, n_host, k_rows, hidden))
             schedule.record_outcome(k_rows, n_host)
             step += 1
@@ -348,7 +356,7 @@ def run_loop(
             # (fewer distinct batch sizes, so fewer recompilations).
             live = [j for j, i in enumerate(cache_rows) if not rows[i].done]
             if live and len(live) <= b_now // 2:
-                t_cache.select_rows(torch.as_tensor(live, device=device))
+                t_cache.select_rows(np.asarray(live, np.int64))
                 drafter.select_rows(live)
                 schedule.select_rows(live)
                 cache_rows = [cache_rows[j] for j in live]
@@ -412,34 +420,51 @@ def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab
 
 
 def _draft_columns(
-    tokens: Any, k_rows: np.ndarray, g: int, width: int, last: torch.Tensor, to_torch: Any, jnp: Any
+    tokens: Any, k_rows: np.ndarray, g: int, width: int, last_h: np.ndarray, device: torch.device, jnp: Any
 ) -> tuple[torch.Tensor, Any]:
     """The draft columns as torch i64[B', width] (target input) and JAX i32[B', width] (verify input).
 
     Row b's entries at positions >= k_b (and the filler columns past g) are its
-    last token: a valid id that is never tested.
+    last token (``last_h``, i64[B']): a valid id that is never tested. Tokens
+    held in host memory (NumPy, or a torch or JAX array on the CPU) are
+    assembled with NumPy; device arrays stay on their device.
     """
-    b = last.shape[0]
+    from specjax.adapters import to_torch
+
+    b = len(last_h)
     if width == 0:
-        return last.new_zeros((b, 0)), jnp.zeros((b, 0), jnp.int32)
+        return torch.zeros((b, 0), dtype=torch.long, device=device), jnp.zeros((b, 0), jnp.int32)
     used = np.arange(width)[None, :] < k_rows[:, None]
-    if isinstance(tokens, np.ndarray):
-        cols = np.zeros((b, width), np.int64)
-        cols[:, :g] = tokens[:, :g]
-        cols = np.where(used, cols, last.cpu().numpy()[:, None])
-        x_t = torch.as_tensor(cols, device=last.device)
-        return x_t, jnp.asarray(cols.astype(np.int32))
+    host = _host_array(tokens)
+    if host is not None:
+        cols = np.empty((b, width), np.int64)
+        cols[:, :g] = host[:, :g]
+        cols = np.where(used, cols, last_h[:, None])
+        return torch.as_tensor(cols, device=device), jnp.asarray(cols.astype(np.int32))
+    fill = torch.as_tensor(last_h, device=device)[:, None]
     if isinstance(tokens, torch.Tensor):
-        x = tokens[:, :g].to(device=last.device, dtype=torch.long)
-        x = torch.cat([x, last[:, None].expand(b, width - g)], dim=1)
-        x_t = torch.where(torch.as_tensor(used, device=last.device), x, last[:, None])
+        x = tokens[:, :g].to(device=device, dtype=torch.long)
+        x = torch.cat([x, fill.expand(b, width - g)], dim=1)
+        x_t = torch.where(torch.as_tensor(used, device=device), x, fill)
         return x_t, jnp.asarray(x_t.cpu().numpy().astype(np.int32))
     x = jnp.asarray(tokens)[:, :g].astype(jnp.int32)
-    fill = jnp.asarray(last.cpu().numpy().astype(np.int32))[:, None]
+    fill_j = jnp.asarray(last_h.astype(np.int32))[:, None]
     if width > g:
-        x = jnp.concatenate([x, jnp.broadcast_to(fill, (b, width - g))], axis=1)
-    x = jnp.where(jnp.asarray(used), x, fill)
+        x = jnp.concatenate([x, jnp.broadcast_to(fill_j, (b, width - g))], axis=1)
+    x = jnp.where(jnp.asarray(used), x, fill_j)
     return to_torch(x).to(torch.long), x
+
+
+def _host_array(x: Any) -> np.ndarray | None:
+    """A NumPy view of ``x`` when it lives in host memory (NumPy, a CPU torch tensor, a CPU JAX array), else None."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.numpy() if x.device.type == "cpu" else None
+    devices = getattr(x, "devices", None)
+    if devices is not None and all(d.platform == "cpu" for d in devices()):
+        return np.asarray(x)
+    return None
 
 
 def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):
