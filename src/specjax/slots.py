@@ -200,8 +200,14 @@ def _host(x: Any) -> np.ndarray:
 
 def crop_cache(cache: Any, remove: int) -> None:
     """Remove the last ``remove`` slots, across transformers' two ``crop`` conventions."""
-    params = inspect.signature(cache.crop).parameters
-    if "tokens_to_remove" in params:
+    kind = type(cache)
+    takes_count = _CROP_TAKES_COUNT.get(kind)
+    if takes_count is None:  # read once per cache class: inspect is slow
+        takes_count = _CROP_TAKES_COUNT[kind] = "tokens_to_remove" in inspect.signature(cache.crop).parameters
+    if takes_count:
         cache.crop(-remove)
     else:
         cache.crop(cache.get_seq_length() - remove)
+
+
+_CROP_TAKES_COUNT: dict[type, bool] = {}
