@@ -31,9 +31,12 @@ Prompt categories (``--categories``): ``open`` (open chat) and ``grounded``
 quoting a document, chats quoting earlier turns), from :mod:`specjax.prompts`;
 the synthetic pair has only random prompts (category ``synthetic``).
 
-Every method is warmed up once with exactly the calls it is then timed on (JAX
-compiles the loop's steps for the shapes they meet; greedy runs meet the same
-shapes again). Timing goes call by call: for each prompt (B=1) or the batch
+Every method is warmed up with exactly the calls it is then timed on, each
+call again (up to ``WARMUP_CALLS`` times) while it still compiles: JAX
+compiles the loop's steps for the shapes they meet, and the adaptive length
+meets new ones (a batch size and draft width) for a few calls. What the timed
+calls still compile stays in their times; ``compile_s`` in the JSON rows says
+how much. Timing goes call by call: for each prompt (B=1) or the batch
 (B=8), every method of the group runs back to back, in rotating order, and this
 is repeated ``reps`` times, so that the shared machine's changing load hits the
 methods compared alike. tokens/s is total tokens over total wall time; the
@@ -87,6 +90,7 @@ PROMPTS = (
     "Why is the sky blue?",
 )
 SYNTHETIC_NAME = "synthetic Llama 8L-d512-V8192 + built 1L-d64 draft"
+WARMUP_CALLS = 4  # warm-up calls per timed call, at most (see the module doc)
 
 
 # --------------------------------------------------------------------------- #
@@ -294,6 +298,7 @@ class Result:
     per_position: list[float] | None = None  # acceptance rate per draft position
     steps: int = 0
     draft_steps: int = 0
+    compile_seconds: float = 0.0  # JAX compilation inside the call (specjax's stats)
 
 
 @dataclass
@@ -338,6 +343,7 @@ class Method:
                 res.first_position = stats.acceptance_rate_per_position[0]
                 res.per_position = list(stats.acceptance_rate_per_position)
             res.steps, res.draft_steps = stats.steps, stats.draft_steps
+            res.compile_seconds = stats.compile_time_s
         return res
 
 
@@ -542,10 +548,12 @@ def bench_generate(
         f"{reps} repetitions; load average {os.getloadavg()[0]:.1f}"
     )
     t0 = time.perf_counter()
-    for group in groups:  # warm-up: the same calls as timed below
+    for group in groups:  # warm-up: the same calls as timed below, again while they compile
         for m in group:
             for u in range(len(m.units)):
-                m.run(u)
+                for _ in range(WARMUP_CALLS):
+                    if m.run(u).compile_seconds == 0.0:
+                        break
     say(f"warm-up done in {time.perf_counter() - t0:.0f} s")
     # Call by call, every method of a group back to back (rotating the order), so
     # that the shared machine's changing load hits the methods of a pair alike.
@@ -598,6 +606,7 @@ def bench_generate(
                 "drafter": m.drafter or None,
                 "adaptive": adaptive if m.name == "specjax" else None,
                 "impl": m.impl or None,
+                "compile_s": sum(r.compile_seconds for r in runs),
                 "speedup": _paired_ratio(runs, base.results),
                 "speedup_cpu_time": _paired_ratio(runs, base.results, cpu=True),
                 "same_as_target": same,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specjax.generate.schedule import EXPLORE_EVERY, DraftSchedule, expected_tokens
+from specjax.generate.schedule import EXPLORE_EVERY, EXPLORE_PLAIN_AFTER, DraftSchedule, expected_tokens
 
 
 def schedule(
@@ -126,7 +126,7 @@ def test_a_plain_step_is_priced_from_the_measured_widths():
         s.record_outcome(np.array([2]), np.array([0]))  # never accepted
     assert s.plan(np.array([4]), np.array([True])).tolist() == [0]
     good = schedule({3: 60.0, 4: 62.0}, draft_ms=1.0)
-    for _ in range(8):
+    for _ in range(EXPLORE_PLAIN_AFTER - 1):  # (then it would try a plain step: the next test)
         good.record_outcome(np.array([2]), np.array([2]))
     assert good.plan(np.array([4]), np.array([True]))[0] > 0
 
@@ -139,3 +139,50 @@ def test_plain_and_drafting_steps_keep_their_own_overheads():
     for _ in range(3):
         s.record_overhead(0.001, drafted=False)
     assert (s._overhead(True), s._overhead(False)) == pytest.approx((0.010, 0.001))
+
+
+def test_plain_steps_are_tried_while_they_have_no_time():
+    """Drafting pays on the prior, but a plain step has no time of its own: every
+    EXPLORE_PLAIN_AFTER-th drafting step is a plain one until two plain steps were timed."""
+    s = DraftSchedule(1, 4, adaptive=True, draft_cost_hint=0.0)
+    for _ in range(3):
+        s.record_verify(5, 0.010)
+        s.record_overhead(0.001)
+    caps, active = np.array([4]), np.array([True])
+    for _ in range(EXPLORE_PLAIN_AFTER - 1):
+        assert s.plan(caps, active)[0] > 0  # negative control: not yet
+        s.record_outcome(np.array([4]), np.array([2]))
+    s.record_outcome(np.array([4]), np.array([2]))
+    assert s.plan(caps, active).tolist() == [0]
+    assert s.trim(np.array([4]), active).tolist() == [0]
+    s.record_verify(1, 0.020)  # warm-up time
+    s.record_outcome(np.array([0]), np.array([0]))
+    for _ in range(EXPLORE_PLAIN_AFTER):
+        s.record_outcome(np.array([4]), np.array([2]))
+    assert s.plan(caps, active).tolist() == [0]  # one time is still the warm-up's
+    s.record_verify(1, 0.009)
+    for _ in range(EXPLORE_PLAIN_AFTER + 3):
+        s.record_outcome(np.array([4]), np.array([2]))
+    # measured: 5 tokens (~2.3 expected) in 10 ms beat 1 in 9 ms, so it drafts again
+    assert s.plan(caps, active)[0] > 0
+
+
+class _Model:
+    """Stands for a target model: the schedule shares timings per model object and batch size."""
+
+
+def test_costs_follow_the_batch_size_when_rows_leave():
+    model = _Model()
+    s = DraftSchedule(4, 4, adaptive=True, draft_cost_hint=0.0, model=model)
+    for _ in range(3):
+        s.record_verify(5, 0.040)
+    assert s._estimate(("verify", 5)) == pytest.approx(0.040)
+    s.select_rows([0, 2])
+    assert s._estimate(("verify", 5)) is None  # two rows cost less than four: not the same table
+    for _ in range(3):
+        s.record_verify(5, 0.015)
+    later = DraftSchedule(2, 4, adaptive=True, draft_cost_hint=0.0, model=model)
+    assert later._estimate(("verify", 5)) == pytest.approx(0.015)
+    assert DraftSchedule(4, 4, adaptive=True, draft_cost_hint=0.0, model=model)._estimate(
+        ("verify", 5)
+    ) == pytest.approx(0.040)

@@ -11,6 +11,9 @@ Public API (imported lazily; ``import specjax.adapters`` loads neither torch nor
   JAX, a NumPy view of an aligned float16/float32 CPU tensor, which XLA:CPU
   uses in place; else :func:`to_jax`).
 * :func:`to_torch` ``(array, *, copy=None) -> torch.Tensor``
+* :func:`host_array` ``(x) -> numpy.ndarray | None``: ids in host memory
+  (NumPy, a CPU torch tensor, a CPU JAX array) as NumPy without a copy; None
+  on a device.
 * :func:`borrowed` ``(*tensors, copy=None)`` — context manager enforcing the
   aliasing rule; yields a :class:`Borrow` (``.arrays``, ``.reads(results)``).
 * :func:`copy_stats` ``() -> CopyStats``, :func:`count_copies` ``()`` (context
@@ -95,6 +98,7 @@ _EXPORTS = {
     "CopyStats": "specjax.adapters.copies",
     "CopyCounter": "specjax.adapters.copies",
     "COPY_REASONS": "specjax.adapters.copies",
+    "host_array": "specjax.adapters.host",
     "configure_jax_memory": "specjax.adapters.memory",
     "jax_backends_initialized": "specjax.adapters.memory",
 }

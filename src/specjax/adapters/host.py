@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["host_view", "jax_on_cpu"]
+__all__ = ["host_array", "host_view", "jax_on_cpu"]
 
 
 @functools.cache
@@ -52,3 +52,16 @@ def host_view(x: Any) -> np.ndarray | None:
         return (x.detach() if x.requires_grad else x).numpy()
     except (RuntimeError, TypeError):  # e.g. a negative-bit view, or a dtype NumPy lacks
         return None
+
+
+def host_array(x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy array when it lives in host memory (NumPy, a CPU torch tensor, a JAX array on
+    the CPU; no copy), else None (a GPU array: it stays where it is)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "is_cpu") and hasattr(x, "numpy"):  # a torch tensor (torch is imported: it made x)
+        return (x.detach() if x.requires_grad else x).numpy() if x.is_cpu else None
+    devices = getattr(x, "devices", None)
+    if isinstance(x, jax.Array) and devices is not None and all(d.platform == "cpu" for d in devices()):
+        return np.asarray(x)
+    return None

@@ -71,7 +71,7 @@ class ModelDrafter:
     def propose(self, request: DraftRequest) -> Proposal:
         import jax.numpy as jnp
 
-        from specjax.adapters import jit_input, to_torch
+        from specjax.adapters import host_array, jit_input, to_torch
         from specjax.kernels import steps
 
         assert self.cache is not None, "start() first"
@@ -118,7 +118,8 @@ class ModelDrafter:
             if i < g - 1:
                 feed = to_torch(x).to(torch.long)[:, None]
                 feed_valid, all_valid = active_col, all_active
-        tokens = jnp.stack(draws, axis=1)
+        host = [host_array(x) for x in draws]  # on a CPU: NumPy (no eager JAX op, no compilation per shape)
+        tokens = np.stack(host, axis=1) if all(h is not None for h in host) else jnp.stack(draws, axis=1)
         self._fed = tokens[:, : g - 1]
         self._active = active.copy()
         self._proposed = True

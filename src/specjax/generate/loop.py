@@ -249,6 +249,7 @@ def run_loop(
         step = 0
         while not all(r.done for r in rows):
             t_step = time.perf_counter()
+            compiled_before = compiles.seconds  # a step that compiles is not timed for the schedule
             state = [rows[i] for i in cache_rows]
             b_now = len(state)
             remaining = np.array([0 if r.done else max_new_tokens - len(r.generated) for r in state])
@@ -270,7 +271,8 @@ def run_loop(
                 draft_s = time.perf_counter() - t_draft
                 _check_proposal(who, proposal, caps, b_now, target_vocab, check_ids=not trusted)
                 paid = int(want.max()) if proposal.paid_tokens is None else int(proposal.paid_tokens)
-                schedule.record_draft(paid, draft_s)
+                if compiles.seconds == compiled_before:
+                    schedule.record_draft(paid, draft_s)
             else:
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
             k_rows = np.minimum(schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h), caps)
@@ -350,19 +352,26 @@ def run_loop(
             step += 1
             # the step's time besides drafting and the target forward (verification, bookkeeping,
             # the drafter's commit), apart for steps that verified drafts and plain ones
-            schedule.record_overhead(time.perf_counter() - t_step - draft_s - forward_s, drafted=g > 0)
+            if compiles.seconds == compiled_before:
+                schedule.record_overhead(time.perf_counter() - t_step - draft_s - forward_s, drafted=g > 0)
 
-            # Drop finished rows from the caches once at least half of them are done
-            # (fewer distinct batch sizes, so fewer recompilations).
+            # Drop finished rows from the caches once at least half of them are done, halving
+            # the batch (B, B/2, B/4, ... rows, finished ones filling in): every batch size
+            # compiles the jitted steps again, for each draft width.
             live = [j for j, i in enumerate(cache_rows) if not rows[i].done]
             if live and len(live) <= b_now // 2:
-                t_cache.select_rows(np.asarray(live, np.int64))
-                drafter.select_rows(live)
-                schedule.select_rows(live)
-                cache_rows = [cache_rows[j] for j in live]
-                last_h = last_h[live]
+                size = b_now // 2
+                while size // 2 >= len(live):
+                    size //= 2
+                finished = [j for j, i in enumerate(cache_rows) if rows[i].done]
+                keep = sorted(live + finished[: size - len(live)])
+                t_cache.select_rows(np.asarray(keep, np.int64))
+                drafter.select_rows(keep)
+                schedule.select_rows(keep)
+                cache_rows = [cache_rows[j] for j in keep]
+                last_h = last_h[keep]
                 # per-row parameters and keys follow their rows (gathered once per change)
-                sampling = sampling.select(jnp.asarray(np.asarray(live, np.int32)))
+                sampling = sampling.select(jnp.asarray(np.asarray(keep, np.int32)))
 
     stats.target_forwards = t_cache.forwards
     d_cache = getattr(drafter, "cache", None)
@@ -429,13 +438,13 @@ def _draft_columns(
     held in host memory (NumPy, or a torch or JAX array on the CPU) are
     assembled with NumPy; device arrays stay on their device.
     """
-    from specjax.adapters import to_torch
+    from specjax.adapters import host_array, to_torch
 
     b = len(last_h)
     if width == 0:
         return torch.zeros((b, 0), dtype=torch.long, device=device), jnp.zeros((b, 0), jnp.int32)
     used = np.arange(width)[None, :] < k_rows[:, None]
-    host = _host_array(tokens)
+    host = host_array(tokens)
     if host is not None:
         cols = np.empty((b, width), np.int64)
         cols[:, :g] = host[:, :g]
@@ -454,18 +463,6 @@ def _draft_columns(
         x = jnp.concatenate([x, jnp.broadcast_to(fill_j, (b, width - g))], axis=1)
     x = jnp.where(jnp.asarray(used), x, fill_j)
     return to_torch(x).to(torch.long), x
-
-
-def _host_array(x: Any) -> np.ndarray | None:
-    """A NumPy view of ``x`` when it lives in host memory (NumPy, a CPU torch tensor, a CPU JAX array), else None."""
-    if isinstance(x, np.ndarray):
-        return x
-    if isinstance(x, torch.Tensor):
-        return x.numpy() if x.device.type == "cpu" else None
-    devices = getattr(x, "devices", None)
-    if devices is not None and all(d.platform == "cpu" for d in devices()):
-        return np.asarray(x)
-    return None
 
 
 def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):

@@ -39,7 +39,13 @@ with the same model and batch size):
 Estimates only improve where the schedule looks, so it looks again: after
 ``EXPLORE_EVERY`` steps without drafting, a step verifies one proposed token
 even if the estimates say no (at most one slightly wider forward in that many
-steps), which refreshes the costs and the acceptance. Drafting that must be
+steps), which refreshes the costs and the acceptance. The other way round,
+while a plain step has no time of its own (its prior comes from a drafting
+width, and a forward's cost grows with its width faster at larger batches:
+at B = 8 the synthetic target's forward over 5 tokens costs 1.8 times one
+over 1 token, not the prior's 1.5), every ``EXPLORE_PLAIN_AFTER``-th step
+that would draft is a plain step instead, until two have been timed (the
+first is the warm-up); the timings are kept for later calls. Drafting that must be
 paid for (a model) is chosen only when its expected rate beats a plain step's
 by ``PAID_MARGIN``: estimates are noisy, and a wasted draft costs more than a
 missed one.
@@ -59,6 +65,7 @@ _PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
 _DECAY = 0.85  # per step, for the pass/fail counts
 _KEEP = 6  # recent times kept per cost
 EXPLORE_EVERY = 12  # steps without drafting before one exploring step
+EXPLORE_PLAIN_AFTER = 4  # drafting steps before a plain one, while plain steps have no time
 PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
 _FORGET = 0.99  # per step without drafting, for the pass/fail counts
 # Timings shared between calls: {(id(model), batch): (weakref, timings)}.
@@ -101,14 +108,23 @@ class DraftSchedule:
         self.draft_cost_hint = float(draft_cost_hint)
         self.drafter_key = drafter_key
         self.idle_steps = 0  # steps since the last one that verified a proposal
+        self.busy_steps = 0  # steps since the last one that did not
+        self._model = weakref.ref(model) if model is not None else None
+        self._own: dict[int, dict[Any, deque[float]]] = {}  # without a model: this call's, per batch size
+        self.times = self._table(batch)
+
+    def _table(self, batch: int) -> dict[Any, deque[float]]:
+        """The timings of the model at ``batch`` rows (shared between calls)."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return self._own.setdefault(batch, {})
         key = (id(model), batch)
         shared = _SHARED.get(key)
-        if model is not None and shared is not None and shared[0]() is model:
-            self.times = shared[1]
-        else:
-            self.times = {}
-            if model is not None:
-                _SHARED[key] = (weakref.ref(model), self.times)
+        if shared is not None and shared[0]() is model:
+            return shared[1]
+        times: dict[Any, deque[float]] = {}
+        _SHARED[key] = (weakref.ref(model), times)
+        return times
 
     # ------------------------------------------------------------------ #
     # Costs
@@ -210,18 +226,22 @@ class DraftSchedule:
         """i64[B']: how many tokens to ask the drafter for, per row (before it proposes)."""
         if not self.adaptive:
             return caps
-        w = self._best_width(caps, active & (caps > 0), self._draft_cost())
-        if w == 0 and self.idle_steps >= EXPLORE_EVERY:
-            w = 1  # look again (see the module doc)
+        w = self._explore(self._best_width(caps, active & (caps > 0), self._draft_cost()))
         return np.minimum(caps, w)
+
+    def _explore(self, w: int) -> int:
+        """The chosen width, or an exploring step's (see the module doc)."""
+        if w == 0 and self.idle_steps >= EXPLORE_EVERY:
+            return 1
+        if w > 0 and self.busy_steps >= EXPLORE_PLAIN_AFTER and self._estimate(("verify", 1)) is None:
+            return 0
+        return w
 
     def trim(self, proposed: np.ndarray, active: np.ndarray) -> np.ndarray:
         """i64[B']: how many of the proposed tokens to verify (the drafting is paid already)."""
         if not self.adaptive:
             return proposed
-        w = self._best_width(proposed, active & (proposed > 0), 0.0)
-        if w == 0 and self.idle_steps >= EXPLORE_EVERY:
-            w = 1
+        w = self._explore(self._best_width(proposed, active & (proposed > 0), 0.0))
         return np.minimum(proposed, w)
 
     # ------------------------------------------------------------------ #
@@ -231,8 +251,11 @@ class DraftSchedule:
         """Per row: ``tested`` = k_b, ``accepted`` = n_b (a failed test when n_b < k_b)."""
         drafted = tested > 0
         self.idle_steps = 0 if drafted.any() else self.idle_steps + 1
+        self.busy_steps = self.busy_steps + 1 if drafted.any() else 0
         self.passes = np.where(drafted, _DECAY * self.passes + accepted, self.passes * _FORGET)
         self.fails = np.where(drafted, _DECAY * self.fails + (accepted < tested), self.fails * _FORGET)
 
     def select_rows(self, rows: list[int]) -> None:
+        """Keep ``rows``; costs are then those measured at the new batch size (forwards cost less)."""
         self.passes, self.fails = self.passes[rows], self.fails[rows]
+        self.times = self._table(len(rows))
