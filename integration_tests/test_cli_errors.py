@@ -215,6 +215,8 @@ def test_stats_line_reports_one_time_work_apart(models):
         "w1 w2 w3",
         "--max-new-tokens",
         "5",
+        "--temperature",  # sampled: the draws and the acceptance step are jitted (greedy ones are torch argmaxes)
+        "0.7",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(
@@ -237,6 +239,8 @@ def test_json_records_carry_compile_and_load_time(models):
         "w1 w2 w3",
         "--max-new-tokens",
         "3",
+        "--temperature",
+        "0.7",
         "--json",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -141,7 +141,7 @@ class ModelDrafter:
         drawn: list[torch.Tensor] = []
         for i in range(g):
             logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
-            x = logits[:, : self.vocab].argmax(dim=-1)  # i64[B']: the first maximum, as the kernel's argmax
+            x = logits[:, : self.vocab].max(dim=-1).indices  # i64[B']: the first maximum (faster than argmax)
             drawn.append(x)
             if i < g - 1:
                 feed = x[:, None]
