@@ -10,8 +10,9 @@ Chen et al. 2023, arXiv:2302.01318):
    tokens come from exactly the ``q`` the acceptance test will use.
 2. **Score.** The target model scores ``[last committed token, x_0 .. x_{G-1}]``
    in one forward pass: G+1 distributions ``p_0 .. p_G``. The first step's
-   forward also carries the rest of the prompt (no separate prefill, unless
-   the drafter reads the target's hidden states of the prompt).
+   forward also carries the rest of the prompt (no separate prefill); for a
+   drafter that reads the target's hidden states, the whole prompt is scored
+   first and the first step is a plain step on its last logits.
 3. **Verify.** Draft and target logits cross to JAX zero-copy
    (:func:`specjax.adapters.jit_input`: DLPack on GPU, a NumPy view that XLA:CPU
    reads in place on a CPU-only JAX); the sampler decides ``n`` and draws the
@@ -206,17 +207,20 @@ def run_loop(
         hidden_kw = bool(getattr(drafter, "needs_target_hidden", False))
         prompt_hidden = None
         mask_h = attention_mask.bool().cpu().numpy()
-        # All but the last prompt token: the target scores that one with the first proposals.
-        # A drafter that reads the target's hidden states needs the prompt's before it first
-        # drafts: a prefill of its own. Otherwise the prefix goes into the first verification
-        # forward (one target forward fewer per call, as transformers' assisted generation).
+        # No prefill forward of its own (one target forward fewer per call, as transformers'
+        # assisted generation): all but the last prompt token go into the first verification
+        # forward, which scores the last one with the first proposals. A drafter that reads the
+        # target's hidden states needs the prompt's before it drafts: then the whole prompt is
+        # scored at once, and the first step is a plain step on its last logits.
         prefix: tuple[torch.Tensor, np.ndarray, bool] | None = None
+        first_scored: tuple[torch.Tensor, torch.Tensor] | None = None  # logits f[B, 1, V], hidden f[B, 1, d]
         if prompt_len > 1:
-            prefix_ids, prefix_valid = input_ids[:, :-1], mask_h[:, :-1]
             if hidden_kw:
-                prompt_hidden = t_cache.forward(prefix_ids, prefix_valid, last_only=True, hidden=True)[1]
+                logits0, hidden_all = t_cache.forward(input_ids, mask_h, last_only=True, hidden=True)
+                prompt_hidden = hidden_all[:, :-1]
+                first_scored = (logits0, hidden_all[:, -1:])
             else:
-                prefix = (prefix_ids, prefix_valid, bool(mask_h[:, :-1].all()))
+                prefix = (input_ids[:, :-1], mask_h[:, :-1], bool(mask_h[:, :-1].all()))
         ids_h = input_ids.cpu().numpy()
         contexts = [ids_h[b][mask_h[b]].tolist() for b in range(batch)]
         drafter.start(
@@ -264,9 +268,9 @@ def run_loop(
 
             # 1. Draft: the schedule asks for `want` tokens per row (what a drafter that pays
             # per token drafts); free proposals (lookups) may go up to the row's cap.
-            want = schedule.plan(caps, active_h)
+            want = schedule.plan(caps, active_h) if first_scored is None else np.zeros_like(caps)
             draft_s = 0.0
-            if caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or free_proposals):
+            if first_scored is None and caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or free_proposals):
                 t_draft = time.perf_counter()
                 proposal = drafter.propose(
                     DraftRequest(step, [contexts[i] for i in cache_rows], want, active_h, sampling, caps)
@@ -295,14 +299,19 @@ def run_loop(
             if prefix is not None:
                 t_in, t_valid = torch.cat([prefix[0], t_in], dim=1), np.concatenate([prefix[1], t_valid], axis=1)
                 all_valid = all_valid and prefix[2]
-            t_start_slot = t_cache.length + t_in.shape[1] - (width + 1)
-            t_fwd = time.perf_counter()
-            out_fwd = t_cache.forward(t_in, t_valid, keep_last=width + 1, all_valid=all_valid, hidden=hidden_kw)
-            target_logits, hidden = out_fwd if hidden_kw else (out_fwd, None)
-            forward_s = time.perf_counter() - t_fwd
-            if prefix is None:  # a merged prefill would price verification far too high
-                schedule.record_verify(width + 1, forward_s)
-            prefix = None
+            hidden: torch.Tensor | None
+            if first_scored is not None:  # the prompt's forward scored this plain step
+                (target_logits, hidden), first_scored = first_scored, None
+                t_start_slot, forward_s = t_cache.length - 1, 0.0
+            else:
+                t_start_slot = t_cache.length + t_in.shape[1] - (width + 1)
+                t_fwd = time.perf_counter()
+                out_fwd = t_cache.forward(t_in, t_valid, keep_last=width + 1, all_valid=all_valid, hidden=hidden_kw)
+                target_logits, hidden = out_fwd if hidden_kw else (out_fwd, None)
+                forward_s = time.perf_counter() - t_fwd
+                if prefix is None:  # a merged prefill would price verification far too high
+                    schedule.record_verify(width + 1, forward_s)
+                prefix = None
             tj = jit_input(target_logits)
 
             # 3. Verify.
