@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from reference import reference_rejection_sample
 
 from specjax.boundary.api import rejection_sample
-from specjax.generate.loop import _host
 from specjax.kernels import cpu_kernels
 from specjax.plugin.reference_samplers import numpy_rejection_sample, torch_rejection_sample
+from specjax.slots import to_host as _host
 
 SAMPLERS = {"numpy": numpy_rejection_sample, "torch": torch_rejection_sample, "jax": rejection_sample}
 # Every implementation of the JAX kernel on this machine: the JAX code and, where
@@ -248,7 +248,7 @@ def test_numpy_sampler_accepts_torch_and_jax() -> None:
 
 
 def test_loop_host_conversion_of_every_result_type() -> None:
-    """``_host`` in the generation loop turns each sampler's outputs into NumPy int32."""
+    """``slots.to_host``, which the generation loop reads samplers' outputs with, turns each into NumPy int32."""
     x, q, p, u, s = _small()
     for name in SAMPLERS:
         out = SAMPLERS[name](*(np.asarray(a) for a in (x, q, p, u, s)))

@@ -105,7 +105,7 @@ class SlotCache:
         keep = 1 if last_only else keep_last
         if self.input_vocab is not None:
             tokens = torch.where(tokens < self.input_vocab, tokens, torch.zeros_like(tokens))
-        v = _host(valid).astype(bool)
+        v = to_host(valid).astype(bool)
         self._mask = np.concatenate([self._mask, v], axis=1)
         self.full = self.full and (bool(v.all()) if all_valid is None else all_valid)
         kwargs: dict[str, Any] = {
@@ -142,7 +142,7 @@ class SlotCache:
         span = self.length - start
         if span <= 0:
             return
-        keep_h = _host(keep).astype(np.int64)
+        keep_h = to_host(keep).astype(np.int64)
         tail = self._mask[:, start:]
         drop = (np.arange(span)[None, :] >= keep_h[:, None]) & tail
         self._num_valid = self._num_valid - drop.sum(axis=1)
@@ -161,7 +161,7 @@ class SlotCache:
 
     def select_rows(self, rows: Any) -> None:
         """Keep only ``rows`` (i64[B'], NumPy or torch) of the batch."""
-        rows_h = _host(rows).astype(np.int64)
+        rows_h = to_host(rows).astype(np.int64)
         self.cache.batch_select_indices(torch.as_tensor(rows_h, device=self.device))
         self._mask = self._mask[rows_h]
         self._num_valid = self._num_valid[rows_h]
@@ -191,8 +191,8 @@ class SlotCache:
         self._mask = self._mask[:, first:]
 
 
-def _host(x: Any) -> np.ndarray:
-    """A NumPy array of ``x`` (a torch tensor is read on the host)."""
+def to_host(x: Any) -> np.ndarray:
+    """A NumPy array of ``x`` (a torch tensor is read on the host; on a GPU, a device→host copy)."""
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()
     return np.asarray(x)

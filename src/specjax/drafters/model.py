@@ -120,11 +120,7 @@ class ModelDrafter:
                 feed_valid, all_valid = active_col, all_active
         host = [host_array(x) for x in draws]  # on a CPU: NumPy (no eager JAX op, no compilation per shape)
         tokens = np.stack(host, axis=1) if all(h is not None for h in host) else jnp.stack(draws, axis=1)
-        self._fed = tokens[:, : g - 1]
-        self._active = active.copy()
-        self._proposed = True
-        k = np.where(active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
-        return Proposal(tokens, k, tuple(logits_out))
+        return self._proposal(request, tokens, tuple(logits_out), g)
 
     def _propose_greedy(
         self,
@@ -146,12 +142,15 @@ class ModelDrafter:
             if i < g - 1:
                 feed = x[:, None]
                 feed_valid, all_valid = active_col, all_active
-        tokens = torch.stack(drawn, dim=1).to(torch.int32).cpu().numpy()  # i32[B', g]
+        return self._proposal(request, torch.stack(drawn, dim=1).to(torch.int32).cpu().numpy(), None, g)
+
+    def _proposal(self, request: DraftRequest, tokens: Any, logits: tuple[Any, ...] | None, g: int) -> Proposal:
+        """Keep what :meth:`commit` needs (the fed proposals, the rows that drafted) and answer."""
         self._fed = tokens[:, : g - 1]
         self._active = request.active.copy()
         self._proposed = True
         k = np.where(request.active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
-        return Proposal(tokens, k, None)
+        return Proposal(tokens, k, logits)
 
     def commit(self, info: CommitInfo) -> None:
         assert self.cache is not None

@@ -43,7 +43,7 @@ from specjax.generate import checks
 from specjax.generate.checks import check_step_output
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.schedule import DraftSchedule
-from specjax.slots import SlotCache
+from specjax.slots import SlotCache, to_host
 
 
 @dataclass
@@ -287,10 +287,6 @@ def run_loop(
             g = int(k_rows.max(initial=0))
             width = schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
             x_t, x_j = _draft_columns(proposal.tokens, k_rows, g, width, last_h, device, jnp)
-            d_logits = None
-            if proposal.logits is not None and g:
-                d_logits = tuple(jit_input(lg) if isinstance(lg, torch.Tensor) else lg for lg in proposal.logits[:g])
-                d_logits += (d_logits[-1],) * (width - g)
 
             # 2. Score [last, x_0 .. x_{width-1}] in one target forward (after the prompt's
             # prefix at the first step).
@@ -312,13 +308,17 @@ def run_loop(
                 if prefix is None:  # a merged prefill would price verification far too high
                     schedule.record_verify(width + 1, forward_s)
                 prefix = None
-            tj = jit_input(target_logits)
 
             # 3. Verify.
             s = sampling
             if greedy:
                 n_host, tok_host = greedy_verify(x_t, target_logits, k_rows)
             else:
+                tj = jit_input(target_logits)
+                d_logits = None
+                if proposal.logits is not None and g:
+                    d_logits = tuple(jit_input(x) if isinstance(x, torch.Tensor) else x for x in proposal.logits[:g])
+                    d_logits += (d_logits[-1],) * (width - g)
                 if sampler is None:
                     result = steps.verify_step(x_j, d_logits, tj, s.keys, step, s.params, k_rows.astype(np.int32))
                     n_j, tok_j = result.num_accepted, result.tokens
@@ -326,8 +326,9 @@ def run_loop(
                     n_j, tok_j = _run_sampler(sampler, x_j, d_logits, tj, s, step, k_rows)
                 tok_host = np.asarray(jax.block_until_ready(tok_j))  # i32[B', width+1]: the one host sync per step
                 n_host = np.asarray(n_j).astype(np.int64)
+                del d_logits, tj  # JAX has finished reading the torch buffers
             check_step_output("the verification step", n_host, tok_host, k_rows, target_vocab)
-            del d_logits, tj, target_logits  # JAX has finished reading the torch buffers
+            del target_logits
 
             # 4. Commit.
             stats.steps += 1
@@ -491,10 +492,8 @@ def greedy_verify(
     both the residual at the first failure and the bonus token are ``a_n``.
     So the result is :func:`specjax.kernels.steps.verify_step`'s for any draft
     distribution and any keys (``tests/test_greedy_verify.py`` compares them),
-    at the cost of one max over the logits: at B = 1 on the default target
-    (V = 49152), ~0.1 ms per plain step in the loop against ~0.6 ms for the
-    JAX step and its host sync, which summarise every row (line profile,
-    CHANGELOG.md); a plain step takes ~35 ms.
+    at the cost of one max over the logits, where the JAX step summarises
+    every row and syncs (docs/design.md, "Host synchronisation").
 
     Args:
       draft: i64[B', W] draft tokens (torch, any device).
@@ -535,15 +534,9 @@ def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):
         # row b's sampling uniform is u[b, k_b] (steps.sampling_uniform), not u[b, g]
         q_k = None if q is None else q[ji, :k]
         res = sampler(xj[ji, :k], q_k, p[ji, : k + 1], u[ji, :k], u[ji, k], validate=False)
-        n_out[idx] = np.asarray(_host(res.num_accepted))
-        tok_out[idx, : k + 1] = np.asarray(_host(res.tokens))
+        n_out[idx] = to_host(res.num_accepted)
+        tok_out[idx, : k + 1] = to_host(res.tokens)
     return jnp.asarray(n_out), jnp.asarray(tok_out)
-
-
-def _host(x: Any) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
 
 
 def _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start) -> None:
