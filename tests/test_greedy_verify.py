@@ -39,6 +39,9 @@ def _case(seed: int, b: int, g: int, vocab: int):
     draft = np.where(again, best[:, :g], draft)
     k_rows = rng.integers(0, g + 1, size=b)
     k_rows[: min(b, g + 1)] = g  # the full-length rows reach every acceptance count
+    # short rows that match everywhere, also past k_b (stale values there must never count)
+    short = np.arange(b) >= g + 1
+    draft[short] = best[short, :g]
     return logits, draft.astype(np.int64), k_rows.astype(np.int64)
 
 

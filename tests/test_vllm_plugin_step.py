@@ -60,13 +60,40 @@ def greedy_reference(draft, ks, logits, bonus):
 
 
 @pytest.mark.parametrize("ks", [[4], [2, 0, 3], [0, 0], [1, 4, 4, 0, 2], [3] * 9])
-def test_greedy_rows_follow_vllms_rule(ks):
+@pytest.mark.parametrize("path", ["host", "kernel"])
+def test_greedy_rows_follow_vllms_rule(ks, path):
+    """All-greedy steps take the host path (torch argmax); with one sampled request, the JAX kernel."""
     draft, logits, bonus = flat_inputs(ks)
+    # ties: a second maximum at a later index in every third row (the first one wins)
+    top = logits.argmax(-1)
+    for r in range(0, len(top), 3):
+        logits[r, min(int(top[r]) + 1, V - 1)] = logits[r, top[r]]
     # make some drafts the argmax, so rows accept a few tokens
     draft[::2] = logits.argmax(-1)[::2].to(torch.int32)
-    out = plugin._step(draft, ks, max(ks), None, logits, bonus, metadata(None))
-    assert out.dtype == torch.int32 and out.shape == (len(ks), max(ks) + 1)
-    np.testing.assert_array_equal(out.numpy(), greedy_reference(draft, ks, logits, bonus))
+    expected = greedy_reference(draft, ks, logits, bonus)
+    ks_in, draft_in, logits_in, bonus_in, meta = ks, draft, logits, bonus, metadata(None)
+    if path == "kernel":  # one more request, sampled, with one draft token
+        ks_in = [*ks, 1]
+        draft_in = torch.cat([draft, torch.tensor([0], dtype=torch.int32)])
+        logits_in = torch.cat([logits, torch.zeros(1, V)])
+        bonus_in = torch.cat([bonus, torch.tensor([[0]], dtype=torch.int32)])
+        meta = metadata([0.0] * len(ks) + [1.0], {len(ks): torch.Generator().manual_seed(0)})
+    g = max(ks_in)
+    out = plugin._step(draft_in, ks_in, g, None, logits_in, bonus_in, meta)
+    assert out.dtype == torch.int32 and out.shape == (len(ks_in), g + 1)
+    np.testing.assert_array_equal(out.numpy()[: len(ks), : expected.shape[1]], expected)
+    assert (out.numpy()[: len(ks), expected.shape[1] :] == -1).all()
+
+
+def test_all_greedy_steps_are_counted_apart():
+    ks = [3, 1]
+    draft, logits, bonus = flat_inputs(ks, seed=4)
+    calls, greedy = plugin.calls(), plugin.greedy_calls()
+    plugin.rejection_sample(draft, ks, 3, None, None, logits, bonus, metadata(None))
+    assert (plugin.calls(), plugin.greedy_calls()) == (calls + 1, greedy + 1)
+    gens = {0: torch.Generator().manual_seed(1)}
+    plugin.rejection_sample(draft, ks, 3, None, None, logits, bonus, metadata([0.0, 0.9], gens))
+    assert (plugin.calls(), plugin.greedy_calls()) == (calls + 2, greedy + 1)
 
 
 @pytest.mark.parametrize("given_probs", [False, True])

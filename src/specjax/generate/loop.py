@@ -43,6 +43,7 @@ from specjax.generate import checks
 from specjax.generate.checks import check_step_output
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.schedule import DraftSchedule
+from specjax.kernels.greedy import accept_greedy
 from specjax.slots import SlotCache, to_host
 
 
@@ -486,14 +487,11 @@ def greedy_verify(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The acceptance step when every row is greedy (temperature 0), from torch's argmax.
 
-    With a greedy target, ``p_i`` is the point mass at ``a_i``, the first
-    argmax of the target's logits at position i: a draft token passes iff it is
-    ``a_i`` (``min(1, p/q)`` is 1 there and 0 elsewhere, whatever ``q``), and
-    both the residual at the first failure and the bonus token are ``a_n``.
-    So the result is :func:`specjax.kernels.steps.verify_step`'s for any draft
-    distribution and any keys (``tests/test_greedy_verify.py`` compares them),
-    at the cost of one max over the logits, where the JAX step summarises
-    every row and syncs (docs/design.md, "Host synchronisation").
+    :func:`specjax.kernels.greedy.accept_greedy` on the first argmax of the
+    target's logits: :func:`specjax.kernels.steps.verify_step`'s result for any
+    draft distribution and any keys (``tests/test_greedy_verify.py`` compares
+    them), at the cost of one max over the logits, where the JAX step
+    summarises every row and syncs (docs/design.md, "Host synchronisation").
 
     Args:
       draft: i64[B', W] draft tokens (torch, any device).
@@ -504,17 +502,10 @@ def greedy_verify(
       ``(n, tokens)``: i64[B'] accepted counts and i32[B', W+1] tokens, -1 after
       each row's ``n_b + 1`` tokens (the kernel's output contract).
     """
-    # i64[B', W+1]: the first maximum (torch's max over a dim returns the first index on ties,
-    # as argmax does, and runs 2.5 times faster here over V = 49152)
+    # the first maximum (torch's max over a dim returns the first index on ties, as
+    # argmax does, and runs 2.5 times faster here over V = 49152)
     best = target_logits.max(dim=-1).indices.cpu().numpy()
-    width = draft.shape[1]
-    x = draft.cpu().numpy()
-    passed = (x == best[:, :width]) & (np.arange(width)[None, :] < k_rows[:, None])
-    n = np.cumprod(passed, axis=1).sum(axis=1).astype(np.int64)
-    cols = np.arange(width + 1)[None, :]
-    padded = np.concatenate([x, np.zeros((len(n), 1), x.dtype)], axis=1)
-    tokens = np.where(cols < n[:, None], padded, np.where(cols == n[:, None], best, -1)).astype(np.int32)
-    return n, tokens
+    return accept_greedy(draft.cpu().numpy(), best, k_rows)
 
 
 def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):

@@ -13,7 +13,13 @@ vLLM, before the step), the bonus token (sampled by vLLM's sampler from the
 position after the last draft token) and the logprobs. What specjax does: given
 the processed target logits of the draft positions, decide how many draft
 tokens each request keeps and draw the correction token (Leviathan et al. 2023,
-arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318), in jitted JAX calls:
+arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318). A step whose requests
+are all greedy needs no draw: its result is the target's first argmax at each
+draft position compared with the draft (:mod:`specjax.kernels.greedy`, the
+kernel's result for a greedy target, checked against it in the tests), from
+one torch reduction over the logits; on a CPU a JAX dispatch right after the
+engine's torch forward costs more than that whole step (docs/vllm.md). Steps
+with a sampled request run in jitted JAX calls:
 
 * ``draft_probs=None`` (n-gram, EAGLE, suffix and greedy draft-model proposals):
   each ``q_i`` is the point mass at the draft token; the step is
@@ -66,6 +72,7 @@ __all__ = [
     "SUPPORTED_VLLM_VERSIONS",
     "calls",
     "fallbacks",
+    "greedy_calls",
     "is_registered",
     "register",
     "rejection_sample",
@@ -96,22 +103,34 @@ _EXPECTED_PARAMETERS = (
 _lock = threading.Lock()
 _original: Callable[..., Any] | None = None
 _calls = {"point_mass": 0, "draft_probs": 0}
+_greedy_calls = [0]
 _fallbacks = 0
 _failure_logged = False
 
 
 def calls(mode: str | None = None) -> int:
-    """How many acceptance steps specjax's kernel ran in this process.
+    """How many acceptance steps specjax decided in this process (not vLLM's function).
 
     ``mode``: None (all), ``"point_mass"`` (``draft_probs=None``) or
     ``"draft_probs"`` (given draft probabilities). Steps without any draft
-    token (every row emits vLLM's bonus token) are counted too.
+    token (every row emits vLLM's bonus token) are counted too. The steps with
+    a sampled request ran the JAX kernel: ``calls() - greedy_calls()``.
     """
     if mode is None:
         return sum(_calls.values())
     if mode not in _calls:
         raise ValueError(f"mode: expected None, 'point_mass' or 'draft_probs', got {mode!r}")
     return _calls[mode]
+
+
+def greedy_calls() -> int:
+    """How many of :func:`calls`'s steps had only greedy requests.
+
+    Those are decided from torch's argmax of the target logits
+    (:func:`specjax.kernels.greedy.accept_greedy`, the kernel's result for a
+    greedy target), without a JAX call; the others run the jitted kernel.
+    """
+    return _greedy_calls[0]
 
 
 def fallbacks() -> int:
@@ -300,9 +319,11 @@ def rejection_sample(
             )
         return _vllm_rejection_sample()(*args, **options)
     mode = "point_mass" if draft_probs is None else "draft_probs"
+    greedy = _all_greedy(sampling_metadata)
     with _lock:
         first = _calls[mode] == 0
         _calls[mode] += 1
+        _greedy_calls[0] += greedy
     if first:
         logger.info(
             "specjax vLLM plugin: first acceptance step (%s drafts) ran in specjax's kernel", mode.replace("_", " ")
@@ -470,11 +491,15 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
     batch = len(num_draft_tokens)
     device = target_logits.device
     bonus = bonus_token_ids.reshape(batch).to(torch.int32)
-    out = torch.full((batch, g + 1), -1, dtype=torch.int32, device=device)
     num_tokens = int(draft_token_ids.shape[0])
     if num_tokens == 0 or g == 0:  # no drafts in this batch: every row emits its bonus token
+        out = torch.full((batch, g + 1), -1, dtype=torch.int32, device=device)
         out[:, 0] = bonus
         return out
+    if _all_greedy(sampling_metadata):
+        tokens = _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus)
+        return torch.from_numpy(tokens).to(device)
+    out = torch.full((batch, g + 1), -1, dtype=torch.int32, device=device)
     vocab = int(target_logits.shape[-1])
     if target_logits.dtype != torch.float32:
         target_logits = target_logits.float()
@@ -523,6 +548,51 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
         tokens = _given_probs_step(draft, q, target, keys, temperature, k, bonus_p)
     out.copy_(_from_kernel(tokens, device)[:batch, : g + 1])
     return out
+
+
+def _all_greedy(sampling_metadata: Any) -> bool:
+    """Whether every request of the step is greedy (vLLM's temperature 0)."""
+    return sampling_metadata.temperature is None or bool(sampling_metadata.all_greedy)
+
+
+def _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus) -> Any:
+    """An all-greedy step on vLLM's flattened rows: :func:`specjax.kernels.greedy.accept_greedy`.
+
+    A greedy row's result needs only the target's first argmax at each draft
+    position (and vLLM's bonus token, its greedy token after the last draft):
+    one torch reduction over the T rows, then integer compares on the host. The
+    JAX step would give the same tokens (``tests/test_vllm_plugin_step.py``)
+    but pays, right after the engine's torch forward, more for its dispatch
+    than this whole step costs (docs/vllm.md).
+
+    Args:
+      draft_token_ids: i32/i64[T] (torch), ``num_draft_tokens``: B host ints,
+      g: max ``k_b``, target_logits: f[T, V] (torch), bonus: i32[B] (torch).
+
+    Returns:
+      i32[B, g + 1] (NumPy).
+    """
+    import numpy as np
+
+    from specjax.kernels.greedy import accept_greedy
+
+    best = target_logits.max(dim=-1).indices.cpu().numpy()
+    draft = draft_token_ids.cpu().numpy()
+    bonus_host = bonus.cpu().numpy()
+    batch = len(num_draft_tokens)
+    k = np.asarray(num_draft_tokens, np.int64)
+    if batch * g == len(draft):  # every request drafted g tokens: the grid is a reshape
+        grid_draft = draft.reshape(batch, g)
+        grid_best = np.concatenate([best.reshape(batch, g), bonus_host[:, None]], axis=1)
+    else:
+        request = np.repeat(np.arange(batch), k)
+        position = np.arange(len(draft)) - (np.cumsum(k) - k)[request]
+        grid_draft = np.zeros((batch, g), draft.dtype)
+        grid_draft[request, position] = draft
+        grid_best = np.zeros((batch, g + 1), best.dtype)
+        grid_best[request, position] = best
+        grid_best[np.arange(batch), k] = bonus_host
+    return accept_greedy(grid_draft, grid_best, k)[1]
 
 
 def _row_keys(batch, bp, num_draft_tokens, generators, device, all_greedy) -> Any:
