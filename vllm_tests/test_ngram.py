@@ -74,9 +74,10 @@ def test_plugin_registered_and_inert_without_speculation(reference):
 
 
 def test_greedy_outputs_identical_to_vllm_and_to_no_speculation(llm, reference):
-    calls = plugin.calls("point_mass")
+    calls, greedy_calls = plugin.calls("point_mass"), plugin.greedy_calls()
     with_plugin = token_ids(llm.generate(prompts(*GREEDY_PROMPTS), greedy()))
     assert plugin.calls("point_mass") > calls, "the n-gram run never reached specjax's step"
+    assert plugin.greedy_calls() - greedy_calls == plugin.calls("point_mass") - calls  # all decided on the host
     assert plugin.unregister()
     try:
         calls = plugin.calls()
@@ -98,9 +99,9 @@ def test_greedy_rows_unchanged_in_a_batch_with_sampled_rows(llm, reference):
     sampled = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True)
     batch = prompts(*GREEDY_PROMPTS) * 2
     params = [greedy()] * len(GREEDY_PROMPTS) + [sampled] * len(GREEDY_PROMPTS)
-    calls = plugin.calls()
+    calls, greedy_calls = plugin.calls(), plugin.greedy_calls()
     out = token_ids(llm.generate(batch, params))
-    assert plugin.calls() > calls
+    assert plugin.calls() - plugin.greedy_calls() > calls - greedy_calls  # the JAX kernel ran
     assert out[: len(GREEDY_PROMPTS)] == reference["greedy"]
     assert out[len(GREEDY_PROMPTS) :] != reference["greedy"]  # the sampled rows did sample
 
@@ -128,9 +129,10 @@ def test_seeded_request_reproducible_and_independent_of_its_batch(llm):
 
 def test_sampled_tokens_follow_the_law_of_vllm_without_speculation(llm, reference):
     """Chi-square over seeded requests; the negative control applies the temperature twice (T²)."""
-    calls, fallbacks = plugin.calls("point_mass"), plugin.fallbacks()
+    calls, fallbacks, greedy_calls = plugin.calls("point_mass"), plugin.fallbacks(), plugin.greedy_calls()
     law = sampled_columns(llm.generate(prompts(LAW_PROMPT) * LAW_REQUESTS, law_params()), LAW_POSITIONS)
     assert plugin.calls("point_mass") > calls
+    assert plugin.greedy_calls() == greedy_calls  # every step ran the JAX kernel
     assert plugin.fallbacks() == fallbacks, "some steps fell back to vLLM's function"
     control = sampled_columns(llm.generate(prompts(LAW_PROMPT) * LAW_REQUESTS, law_params(0.7 * 0.7)), LAW_POSITIONS)
     p_values = {i: chi_square_p(reference["law"][i], law[i]) for i in LAW_POSITIONS}
@@ -156,6 +158,7 @@ def test_kernel_failure_is_logged_once_and_the_step_falls_back(llm, reference, m
     handler = Collect(level=logging.WARNING)
     logging.getLogger("vllm.specjax").addHandler(handler)
     monkeypatch.setattr(plugin, "_point_mass_fns", failing_step)
+    monkeypatch.setattr(plugin, "_greedy_flat", failing_step()[0])  # the all-greedy steps' path
     try:
         fallbacks = plugin.fallbacks()
         out = token_ids(llm.generate(prompts(*GREEDY_PROMPTS), greedy()))

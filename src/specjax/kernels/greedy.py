@@ -23,15 +23,37 @@ No JAX, no torch: NumPy in and out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-__all__ = ["accept_greedy"]
+__all__ = ["accept_greedy", "greedy_row"]
+
+
+def greedy_row(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> list[int]:
+    """One row's emitted tokens: the accepted draft prefix, then the target's choice there.
+
+    Args:
+      draft_tokens: the row's ``k`` draft tokens ``x_0 .. x_{k-1}``.
+      target_argmax: ``k + 1`` ids, ``a_0 .. a_k``: the target's first argmax at
+        each draft position and after the last (the bonus token).
+
+    Returns:
+      ``x_0 .. x_{n-1}, a_n``: ``n`` is the length of the longest prefix with
+      ``x_i == a_i``.
+    """
+    n = 0
+    for x, a in zip(draft_tokens, target_argmax, strict=False):  # target_argmax: one id more
+        if x != a:
+            break
+        n += 1
+    return [*draft_tokens[:n], target_argmax[n]]
 
 
 def accept_greedy(
     draft_tokens: np.ndarray, target_argmax: np.ndarray, num_draft_tokens: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Accepted counts and emitted tokens of a greedy target.
+    """Accepted counts and emitted tokens of a greedy target, on a (B, G) grid (:func:`greedy_row` per row).
 
     Args:
       draft_tokens: int[B, G], ``x_i`` (any value at positions >= ``k_b``).
@@ -41,15 +63,16 @@ def accept_greedy(
       num_draft_tokens: int[B], ``k_b`` in [0, G].
 
     Returns:
-      ``(n, tokens)``: i64[B] accepted counts (the longest prefix of the first
-      ``k_b`` positions where ``x_i == a_i``) and i32[B, G+1] tokens: the
+      ``(n, tokens)``: i64[B] accepted counts and i32[B, G+1] tokens: the
       accepted draft tokens, then ``a_n``, then -1 (the kernel's output
       contract).
     """
     b, g = draft_tokens.shape
-    cols = np.arange(g + 1)[None, :]
-    passed = (draft_tokens == target_argmax[:, :g]) & (cols[:, :g] < num_draft_tokens[:, None])
-    n = np.cumprod(passed, axis=1).sum(axis=1).astype(np.int64)
-    padded = np.concatenate([draft_tokens, np.zeros((b, 1), draft_tokens.dtype)], axis=1)
-    emitted = np.where(cols == n[:, None], target_argmax, -1)
-    return n, np.where(cols < n[:, None], padded, emitted).astype(np.int32)
+    tokens = np.full((b, g + 1), -1, np.int32)
+    n = np.zeros(b, np.int64)
+    drafts, best = draft_tokens.tolist(), target_argmax.tolist()
+    for row, k in enumerate(num_draft_tokens.tolist()):
+        emitted = greedy_row(drafts[row][:k], best[row][: k + 1])
+        tokens[row, : len(emitted)] = emitted
+        n[row] = len(emitted) - 1
+    return n, tokens

@@ -488,18 +488,16 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
     import numpy as np
     import torch
 
+    if _all_greedy(sampling_metadata):
+        return _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus_token_ids)
     batch = len(num_draft_tokens)
     device = target_logits.device
     bonus = bonus_token_ids.reshape(batch).to(torch.int32)
+    out = torch.full((batch, g + 1), -1, dtype=torch.int32, device=device)
     num_tokens = int(draft_token_ids.shape[0])
     if num_tokens == 0 or g == 0:  # no drafts in this batch: every row emits its bonus token
-        out = torch.full((batch, g + 1), -1, dtype=torch.int32, device=device)
         out[:, 0] = bonus
         return out
-    if _all_greedy(sampling_metadata):
-        tokens = _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus)
-        return torch.from_numpy(tokens).to(device)
-    out = torch.full((batch, g + 1), -1, dtype=torch.int32, device=device)
     vocab = int(target_logits.shape[-1])
     if target_logits.dtype != torch.float32:
         target_logits = target_logits.float()
@@ -555,44 +553,40 @@ def _all_greedy(sampling_metadata: Any) -> bool:
     return sampling_metadata.temperature is None or bool(sampling_metadata.all_greedy)
 
 
-def _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus) -> Any:
-    """An all-greedy step on vLLM's flattened rows: :func:`specjax.kernels.greedy.accept_greedy`.
+def _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus_token_ids) -> Any:
+    """An all-greedy step on vLLM's flattened rows, by :func:`specjax.kernels.greedy.greedy_row`.
 
     A greedy row's result needs only the target's first argmax at each draft
     position (and vLLM's bonus token, its greedy token after the last draft):
-    one torch reduction over the T rows, then integer compares on the host. The
-    JAX step would give the same tokens (``tests/test_vllm_plugin_step.py``)
+    one torch reduction over the T rows, then integer compares on the host.
+    The JAX step gives the same tokens (``tests/test_vllm_plugin_step.py``)
     but pays, right after the engine's torch forward, more for its dispatch
     than this whole step costs (docs/vllm.md).
 
     Args:
-      draft_token_ids: i32/i64[T] (torch), ``num_draft_tokens``: B host ints,
-      g: max ``k_b``, target_logits: f[T, V] (torch), bonus: i32[B] (torch).
+      draft_token_ids: int[T] (torch); num_draft_tokens: B host ints ``k_b``;
+      g: max ``k_b``; target_logits: f[T, V] (torch);
+      bonus_token_ids: int[B, 1] (torch).
 
     Returns:
-      i32[B, g + 1] (NumPy).
+      i32[B, g + 1] (torch, on the logits' device).
     """
-    import numpy as np
+    import torch
 
-    from specjax.kernels.greedy import accept_greedy
+    from specjax.kernels.greedy import greedy_row
 
-    best = target_logits.max(dim=-1).indices.cpu().numpy()
-    draft = draft_token_ids.cpu().numpy()
-    bonus_host = bonus.cpu().numpy()
-    batch = len(num_draft_tokens)
-    k = np.asarray(num_draft_tokens, np.int64)
-    if batch * g == len(draft):  # every request drafted g tokens: the grid is a reshape
-        grid_draft = draft.reshape(batch, g)
-        grid_best = np.concatenate([best.reshape(batch, g), bonus_host[:, None]], axis=1)
-    else:
-        request = np.repeat(np.arange(batch), k)
-        position = np.arange(len(draft)) - (np.cumsum(k) - k)[request]
-        grid_draft = np.zeros((batch, g), draft.dtype)
-        grid_draft[request, position] = draft
-        grid_best = np.zeros((batch, g + 1), best.dtype)
-        grid_best[request, position] = best
-        grid_best[np.arange(batch), k] = bonus_host
-    return accept_greedy(grid_draft, grid_best, k)[1]
+    # the first maximum: torch's max over a dim returns the first index on ties, as argmax
+    # does, and runs 2.5 times faster here over V = 49152
+    best = target_logits.max(dim=-1).indices.tolist()
+    draft = draft_token_ids.tolist()
+    bonus = bonus_token_ids.reshape(-1).tolist()
+    rows = []
+    start = 0
+    for b, k in enumerate(num_draft_tokens):
+        emitted = greedy_row(draft[start : start + k], [*best[start : start + k], bonus[b]])
+        rows.append(emitted + [-1] * (g + 1 - len(emitted)))
+        start += k
+    return torch.tensor(rows, dtype=torch.int32, device=target_logits.device)
 
 
 def _row_keys(batch, bp, num_draft_tokens, generators, device, all_greedy) -> Any:
