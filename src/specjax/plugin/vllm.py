@@ -506,12 +506,9 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
 
     # Kernel temperature per request: 0 = greedy (vLLM's temperature 0), 1 = the logits
     # are already processed by vLLM. Padding requests are greedy (the cheapest).
+    # (Not every request is greedy here: all-greedy steps took _greedy_flat.)
     temperature = np.zeros(bp, np.float32)
-    if sampling_metadata.temperature is None:  # every row greedy
-        all_greedy = True
-    else:
-        temperature[:batch] = (sampling_metadata.temperature[:batch] != 0).cpu().numpy()
-        all_greedy = bool(sampling_metadata.all_greedy)
+    temperature[:batch] = (sampling_metadata.temperature[:batch] != 0).cpu().numpy()
     k = np.zeros(bp, np.int32)
     k[:batch] = num_draft_tokens
     starts = np.cumsum(k, dtype=np.int64) - k
@@ -519,7 +516,7 @@ def _step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonu
     position = np.arange(num_tokens) - starts[request]
     bonus_p = np.full(bp, -1, np.int32)
     bonus_p[:batch] = bonus.cpu().numpy()
-    keys = _row_keys(batch, bp, num_draft_tokens, sampling_metadata.generators, device, all_greedy)
+    keys = _row_keys(batch, bp, num_draft_tokens, sampling_metadata.generators, device)
 
     if draft_probs is None:
         tokens = _point_mass_flat(
@@ -589,20 +586,18 @@ def _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus_toke
     return torch.tensor(rows, dtype=torch.int32, device=target_logits.device)
 
 
-def _row_keys(batch, bp, num_draft_tokens, generators, device, all_greedy) -> Any:
+def _row_keys(batch, bp, num_draft_tokens, generators, device) -> Any:
     """i32[B', 2] (host): each row's key data (a threefry2x32 key's two words, as int32).
 
     A seeded request's words come from its own generator (so its draws do not
     depend on the batch), and only in steps where it has draft tokens, as
     vLLM's own step consumes its generators; other rows share one draw from
-    torch's default generator. An all-greedy batch draws nothing.
+    torch's default generator. (All-greedy steps draw nothing: they never get here.)
     """
     import numpy as np
     import torch
 
     keys = np.zeros((bp, 2), dtype=np.int32)
-    if all_greedy:
-        return keys
     lo, hi = -(2**31), 2**31
     keys[:batch] = torch.randint(lo, hi, (batch, 2), dtype=torch.int32, device=device).cpu().numpy()
     for row, gen in generators.items():
@@ -674,7 +669,6 @@ def _point_mass_flat(draft_token_ids, target_logits, width, k, starts, request, 
         temperature,
         k,
         bonus,
-        all_greedy=not temperature.any(),
     )
     tokens = np.array(tokens)
     needs_draw = np.asarray(needs_draw)
@@ -703,14 +697,12 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
     slice and accepts on the grid in the same call, so a step whose T is a power
     of two (one slice: B = 1 with k = 4, B = 8 with k = 4...) is one dispatch.
     ``summarise`` recompiles per slice length (a power of two), V and B'·G;
-    ``finish`` per slice length, V, B' and G (and whether every row is greedy:
-    then no uniforms are drawn); ``draw`` per R' (a power of two) and V. Never
+    ``finish`` per slice length, V, B' and G; ``draw`` per R' (a power of two) and V. Never
     for values.
     """
     from functools import partial
 
     import jax
-    import jax.numpy as jnp
 
     from specjax.kernels import cpu_kernels, flat
     from specjax.kernels.compile_options import VECTOR_OPTIONS
@@ -718,7 +710,7 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
     impl = cpu_kernels.resolve("auto")  # eager, here: never while tracing
     summarise = jax.jit(partial(flat.summarise_rows, impl=impl), compiler_options=VECTOR_OPTIONS)
 
-    @partial(jax.jit, static_argnames=("all_greedy",), compiler_options=VECTOR_OPTIONS)
+    @partial(jax.jit, compiler_options=VECTOR_OPTIONS)
     def finish(
         grid_p,
         grid_argmax,
@@ -731,14 +723,11 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
         temperature,
         k,
         bonus,
-        *,
-        all_greedy,
     ):
         grid_p, grid_argmax = flat.summarise_rows(grid_p, grid_argmax, logits, row_temperature, draft, slots, impl)
         b = k.shape[0]
         g = grid_p.shape[0] // b
-        # a point mass p gives p(x) in {0, 1}: every uniform in [0, 1) decides alike
-        u = jnp.zeros((b, g + 1), jnp.float32) if all_greedy else _uniforms(key_words, g + 1)
+        u = _uniforms(key_words, g + 1)
         tokens, n, needs_draw = flat.accept(
             grid_p.reshape(b, g),
             grid_argmax.reshape(b, g),
