@@ -443,6 +443,8 @@ def test_greedy_hybrid_rows_take_their_own_drafters_tokens(models, left_padded):
     for ng, hy in zip(ngram.proposals, hybrid.proposals, strict=True):
         assert hy.logits is None  # point masses
         matched = ng.num_tokens > 0
+        # the n-gram rows are marked, for the schedule to learn their acceptance apart
+        assert hy.free_rows is not None and hy.free_rows.tolist() == matched.tolist()
         if matched.all():  # the fallback did not run
             continue
         f = next(fb)

@@ -186,3 +186,23 @@ def test_costs_follow_the_batch_size_when_rows_leave():
     assert DraftSchedule(4, 4, adaptive=True, draft_cost_hint=0.0, model=model)._estimate(
         ("verify", 5)
     ) == pytest.approx(0.040)
+
+
+def test_free_lookups_and_paid_drafts_are_learned_apart():
+    """A hybrid's n-gram rows pass, its model's fail: pay for no model draft, keep verifying lookups."""
+    free = np.array([True])
+    s = schedule(CPU_LIKE, draft_ms=3.0)
+    for _ in range(6):
+        s.record_outcome(np.array([4]), np.array([4]), free)  # lookups: all accepted
+        s.record_outcome(np.array([4]), np.array([0]), ~free)  # the model's drafts: none
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [0]
+    assert s.trim(np.array([4]), np.array([True]), free).tolist() == [4]
+    assert s.trim(np.array([4]), np.array([True]), ~free).tolist() == [0]
+    assert float(s.alpha(free)[0]) > 0.8 > 0.2 > float(s.alpha()[0])
+    # negative control: without the marks both kinds mix into one estimate, and the
+    # model's drafts look worth paying for
+    mixed = schedule(CPU_LIKE, draft_ms=3.0)
+    for _ in range(6):
+        mixed.record_outcome(np.array([4]), np.array([4]))
+        mixed.record_outcome(np.array([4]), np.array([0]))
+    assert mixed.plan(np.array([6]), np.array([True]))[0] > 0

@@ -156,12 +156,17 @@ class Proposal:
       paid_tokens: how many tokens per row the drafter paid for (a model's
         draft positions), for the schedule's cost per token; None: the
         request's ``max(max_tokens)``; 0 for free proposals.
+      free_rows: None, or bool[B'] host array: the rows whose proposals are
+        free lookups mixed in by a drafter that otherwise pays (the
+        ``hybrid`` drafter's n-gram rows). The schedule keeps their
+        acceptance apart from the drafter's own proposals'.
     """
 
     tokens: Any
     num_tokens: np.ndarray
     logits: tuple[Any, ...] | None = None
     paid_tokens: int | None = None
+    free_rows: np.ndarray | None = None
 
     @property
     def width(self) -> int:

@@ -9,11 +9,15 @@ n-gram proposals instead: their draft logits are replaced by logits that are
 any temperature, top-k and top-p is exactly the point mass at that token, so
 one acceptance step verifies both kinds of rows exactly. When the fallback
 proposes point masses too (every row greedy), the rows simply take their
-tokens from one drafter or the other.
+tokens from one drafter or the other. The proposal marks the n-gram rows
+(``free_rows``), so the loop's draft schedule learns the two drafters'
+acceptance apart: whether to pay for the fallback is decided from the
+fallback's acceptance alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -69,11 +73,11 @@ class HybridDrafter:
         missing = (request.max_tokens > 0) & ~use
         if not missing.any():  # the fallback is not needed (or not wanted) this step
             self.last_source = "ngram"
-            return ng
+            return dataclasses.replace(ng, free_rows=use)
         self.last_source = "fallback" if not use.any() else "both"
         fb = self.fallback.propose(request)
         if not use.any():
-            return fb
+            return dataclasses.replace(fb, free_rows=use)
         g = max(fb.width, ng.width)
         ng_tokens = np.zeros((len(use), g), np.int32)
         ng_tokens[:, : ng.width] = np.asarray(ng.tokens)
@@ -81,7 +85,9 @@ class HybridDrafter:
         if fb.logits is None:  # point masses from both: each row takes its drafter's tokens
             fb_host = np.zeros((len(use), g), np.int32)
             fb_host[:, : fb.width] = np.asarray(fb.tokens)[:, : fb.width]
-            return Proposal(np.where(use[:, None], ng_tokens, fb_host), counts, None, paid_tokens=fb.width)
+            return Proposal(
+                np.where(use[:, None], ng_tokens, fb_host), counts, None, paid_tokens=fb.width, free_rows=use
+            )
         fb_tokens = jnp.asarray(fb.tokens).astype(jnp.int32)
         if g > fb.width:  # positions only n-gram rows reach: the fallback's rows never test them
             fb_tokens = jnp.pad(fb_tokens, ((0, 0), (0, g - fb.width)))
@@ -90,7 +96,7 @@ class HybridDrafter:
         # n-gram rows: logits whose processed distribution is the point mass at their token
         fb_logits = list(fb.logits) + [fb.logits[-1]] * (g - fb.width)
         logits = tuple(_point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb_logits))
-        return Proposal(tokens, counts, logits, paid_tokens=fb.width)
+        return Proposal(tokens, counts, logits, paid_tokens=fb.width, free_rows=use)
 
     def commit(self, info: CommitInfo) -> None:
         self.ngram.commit(info)

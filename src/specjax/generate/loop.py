@@ -283,7 +283,8 @@ def run_loop(
                     schedule.record_draft(paid, draft_s)
             else:
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
-            k_rows = np.minimum(schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h), caps)
+            free_rows = proposal.free_rows
+            k_rows = np.minimum(schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h, free_rows), caps)
             stats.draft_steps += int(k_rows.max(initial=0) > 0)
             g = int(k_rows.max(initial=0))
             width = schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
@@ -365,7 +366,7 @@ def run_loop(
             # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
             t_cache.invalidate(t_start_slot, 1 + kept)
             drafter.commit(CommitInfo(emitted_rows, n_host, k_rows, hidden))
-            schedule.record_outcome(k_rows, n_host)
+            schedule.record_outcome(k_rows, n_host, free_rows)
             step += 1
             # the step's time besides drafting and the target forward (verification, bookkeeping,
             # the drafter's commit), apart for steps that verified drafts and plain ones
@@ -441,6 +442,13 @@ def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab
                 raise checks.PluginOutputError(
                     f"{who} returned draft logits of shape {tuple(lg.shape)}, expected ({batch}, V)"
                 )
+    if proposal.free_rows is not None:
+        free = np.asarray(proposal.free_rows)
+        if free.shape != (batch,) or free.dtype != np.bool_:
+            raise checks.PluginOutputError(
+                f"{who} returned free_rows of shape {free.shape} and dtype {free.dtype}, expected bool of shape "
+                f"({batch},)"
+            )
     if check_ids:
         checks.check_draft_output(who, proposal.tokens, batch, shape[1], vocab, k)
 

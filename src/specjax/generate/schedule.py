@@ -29,7 +29,12 @@ with the same model and batch size):
   for steps that verify draft tokens and plain steps: it is not the same
   work;
 * ``α`` per row: a decaying count of passed and failed tests (a prior of 0.6
-  for a row that has not drafted yet). A row that stops drafting forgets
+  for a row that has not drafted yet), kept apart for a drafter's own
+  proposals and for free lookups it mixes in (``Proposal.free_rows``: the
+  ``hybrid`` drafter's n-gram rows, whose acceptance on input-grounded text is
+  several times its fallback model's); a paid draft is planned from the
+  acceptance of paid drafts, and each row's proposal is trimmed by the
+  acceptance of its kind. A row that stops drafting forgets
   slowly, so it tries again later. The prior never decays, which keeps the
   estimate above a low acceptance (about 0.2 for a drafter accepted 8% of the
   time); a prior that decays with the counts drafted less on the default
@@ -103,8 +108,9 @@ class DraftSchedule:
     ) -> None:
         self.max_draft = max_draft
         self.adaptive = adaptive
-        self.passes = np.zeros(batch)
-        self.fails = np.zeros(batch)
+        # [:, 0] the drafter's own proposals, [:, 1] free lookups mixed in (Proposal.free_rows)
+        self.passes = np.zeros((batch, 2))
+        self.fails = np.zeros((batch, 2))
         self.draft_cost_hint = float(draft_cost_hint)
         self.drafter_key = drafter_key
         self.idle_steps = 0  # steps since the last one that verified a proposal
@@ -201,15 +207,23 @@ class DraftSchedule:
     # ------------------------------------------------------------------ #
     # Decisions
     # ------------------------------------------------------------------ #
-    def alpha(self) -> np.ndarray:
-        return (self.passes + _PRIOR_PASS) / (self.passes + self.fails + _PRIOR_PASS + _PRIOR_FAIL)
+    def alpha(self, free_rows: np.ndarray | None = None) -> np.ndarray:
+        """f64[B']: each row's acceptance estimate for its own kind of proposal.
 
-    def _best_width(self, limits: np.ndarray, rows: np.ndarray, draft_s_per_token: float) -> int:
+        ``free_rows``: bool[B'], rows whose proposal is a free lookup mixed in by
+        the drafter (their estimate is kept apart); None: the drafter's own.
+        """
+        both = (self.passes + _PRIOR_PASS) / (self.passes + self.fails + _PRIOR_PASS + _PRIOR_FAIL)
+        return both[:, 0] if free_rows is None else np.where(free_rows, both[:, 1], both[:, 0])
+
+    def _best_width(
+        self, limits: np.ndarray, rows: np.ndarray, draft_s_per_token: float, free_rows: np.ndarray | None = None
+    ) -> int:
         """argmax over w of Σ_b E(α_b, min(w, limit_b)) / (w·draft cost + verify(w + 1) + overhead)."""
         top = int(limits.max(initial=0))
         if top == 0 or not rows.any():
             return 0
-        alpha = self.alpha()[rows]
+        alpha = self.alpha(free_rows)[rows]
         lim = limits[rows]
         overhead = self._overhead(True)
         margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
@@ -237,23 +251,33 @@ class DraftSchedule:
             return 0
         return w
 
-    def trim(self, proposed: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """i64[B']: how many of the proposed tokens to verify (the drafting is paid already)."""
+    def trim(self, proposed: np.ndarray, active: np.ndarray, free_rows: np.ndarray | None = None) -> np.ndarray:
+        """i64[B']: how many of the proposed tokens to verify (the drafting is paid already).
+
+        ``free_rows``: the proposal's rows that are free lookups (see :meth:`alpha`).
+        """
         if not self.adaptive:
             return proposed
-        w = self._explore(self._best_width(proposed, active & (proposed > 0), 0.0))
+        w = self._explore(self._best_width(proposed, active & (proposed > 0), 0.0, free_rows))
         return np.minimum(proposed, w)
 
     # ------------------------------------------------------------------ #
     # Learning
     # ------------------------------------------------------------------ #
-    def record_outcome(self, tested: np.ndarray, accepted: np.ndarray) -> None:
-        """Per row: ``tested`` = k_b, ``accepted`` = n_b (a failed test when n_b < k_b)."""
+    def record_outcome(self, tested: np.ndarray, accepted: np.ndarray, free_rows: np.ndarray | None = None) -> None:
+        """Per row: ``tested`` = k_b, ``accepted`` = n_b (a failed test when n_b < k_b).
+
+        ``free_rows``: the rows whose proposal was a free lookup (see :meth:`alpha`).
+        """
         drafted = tested > 0
         self.idle_steps = 0 if drafted.any() else self.idle_steps + 1
         self.busy_steps = self.busy_steps + 1 if drafted.any() else 0
-        self.passes = np.where(drafted, _DECAY * self.passes + accepted, self.passes * _FORGET)
-        self.fails = np.where(drafted, _DECAY * self.fails + (accepted < tested), self.fails * _FORGET)
+        kind = np.zeros(len(tested), np.int64) if free_rows is None else np.asarray(free_rows, np.int64)
+        # the counts of the row's kind of proposal learn, the other kind's forget
+        learned = drafted[:, None] & (np.arange(2)[None, :] == kind[:, None])
+        passes, fails = accepted[:, None], (accepted < tested)[:, None]
+        self.passes = np.where(learned, _DECAY * self.passes + passes, self.passes * _FORGET)
+        self.fails = np.where(learned, _DECAY * self.fails + fails, self.fails * _FORGET)
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep ``rows``; costs are then those measured at the new batch size (forwards cost less)."""
