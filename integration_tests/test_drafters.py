@@ -455,3 +455,48 @@ def test_greedy_hybrid_rows_take_their_own_drafters_tokens(models, left_padded):
             assert int(hy.num_tokens[b]) == k
             assert np.asarray(hy.tokens)[b, :k].tolist() == np.asarray(src.tokens)[b, :k].tolist()
     assert mixed > 0, "no step mixed n-gram and fallback rows: the test does not test"
+
+
+def test_model_drafter_scores_plain_steps_in_hindsight(models):
+    """Greedy: tokens the target committed without testing a proposal are scored at the next proposal,
+    against the draft's own first argmax after each prefix."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
+    from specjax.kernels.types import SamplingParams
+
+    draft = models["draft"]
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, VOCAB, size=7).tolist(), rng.integers(1, VOCAB, size=7).tolist()]
+    ids = torch.tensor(prompts)
+    sampling = SamplingState(SamplingParams(jnp.zeros(2, jnp.float32)), jax.random.split(jax.random.key(0), 2))
+    drafter = ModelDrafter(draft)
+    setup = DraftSetup(models["target"], ids, torch.ones_like(ids), [list(p) for p in prompts], VOCAB, 4, sampling)
+    drafter.start(setup)
+
+    def draft_choice(context):
+        with torch.no_grad():
+            return int(draft(torch.tensor([context])).logits[0, -1, :VOCAB].argmax())
+
+    contexts = [list(p) for p in prompts]
+    expected_hits = [0, 0]
+    for _ in range(4):  # plain steps: row 0 commits the draft's choice, row 1 something else
+        emitted = []
+        for j in range(2):
+            choice = draft_choice(contexts[j])
+            token = choice if j == 0 else (choice + 1) % VOCAB
+            expected_hits[j] += int(token == choice)
+            emitted.append([token])
+            contexts[j].append(token)
+        drafter.commit(CommitInfo(emitted, np.zeros(2, np.int64), np.zeros(2, np.int64)))
+    active = np.ones(2, bool)
+    p = drafter.propose(DraftRequest(4, contexts, np.array([2, 2]), active, sampling))
+    assert p.hindsight is not None
+    assert p.hindsight[1].tolist() == [4, 4]
+    assert p.hindsight[0].tolist() == expected_hits == [4, 0]
+    # a step that drafted and tested (one accepted, then a bonus token): nothing to score in hindsight
+    first = np.asarray(p.tokens)[:, 0].tolist()
+    drafter.commit(CommitInfo([[first[0], 5], [first[1], 6]], np.array([1, 1]), np.array([1, 1])))
+    again = drafter.propose(DraftRequest(5, contexts, np.array([2, 2]), active, sampling))
+    assert again.hindsight is not None and again.hindsight[1].tolist() == [0, 0]

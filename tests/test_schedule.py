@@ -206,3 +206,13 @@ def test_free_lookups_and_paid_drafts_are_learned_apart():
         mixed.record_outcome(np.array([4]), np.array([4]))
         mixed.record_outcome(np.array([4]), np.array([0]))
     assert mixed.plan(np.array([6]), np.array([True]))[0] > 0
+
+
+def test_hindsight_counts_as_tests_of_the_drafters_own_kind():
+    s = schedule(CPU_LIKE, draft_ms=3.0)
+    for _ in range(8):
+        s.record_outcome(np.array([4]), np.array([0]))  # drafts that fail: it stops paying
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [0]
+    s.record_hindsight(np.array([20]), np.array([20]))  # then, in plain steps, it would have been right
+    assert s.plan(np.array([6]), np.array([True]))[0] > 0
+    assert float(s.alpha(np.array([True]))[0]) == pytest.approx(0.6)  # the free kind's prior: untouched

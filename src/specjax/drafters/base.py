@@ -160,6 +160,12 @@ class Proposal:
         free lookups mixed in by a drafter that otherwise pays (the
         ``hybrid`` drafter's n-gram rows). The schedule keeps their
         acceptance apart from the drafter's own proposals'.
+      hindsight: None, or ``(hits, tests)``, two i64[B'] host arrays: tests
+        the drafter scored after the fact on tokens the target committed
+        without testing a proposal of its own there (plain steps), ``hits``
+        of them being what it would have proposed (greedy). The schedule
+        counts them with the drafter's acceptance, so it keeps learning
+        while it does not pay for drafts.
     """
 
     tokens: Any
@@ -167,6 +173,7 @@ class Proposal:
     logits: tuple[Any, ...] | None = None
     paid_tokens: int | None = None
     free_rows: np.ndarray | None = None
+    hindsight: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def width(self) -> int:

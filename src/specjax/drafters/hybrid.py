@@ -86,7 +86,12 @@ class HybridDrafter:
             fb_host = np.zeros((len(use), g), np.int32)
             fb_host[:, : fb.width] = np.asarray(fb.tokens)[:, : fb.width]
             return Proposal(
-                np.where(use[:, None], ng_tokens, fb_host), counts, None, paid_tokens=fb.width, free_rows=use
+                np.where(use[:, None], ng_tokens, fb_host),
+                counts,
+                None,
+                paid_tokens=fb.width,
+                free_rows=use,
+                hindsight=fb.hindsight,
             )
         fb_tokens = jnp.asarray(fb.tokens).astype(jnp.int32)
         if g > fb.width:  # positions only n-gram rows reach: the fallback's rows never test them
@@ -96,7 +101,7 @@ class HybridDrafter:
         # n-gram rows: logits whose processed distribution is the point mass at their token
         fb_logits = list(fb.logits) + [fb.logits[-1]] * (g - fb.width)
         logits = tuple(_point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb_logits))
-        return Proposal(tokens, counts, logits, paid_tokens=fb.width, free_rows=use)
+        return Proposal(tokens, counts, logits, paid_tokens=fb.width, free_rows=use, hindsight=fb.hindsight)
 
     def commit(self, info: CommitInfo) -> None:
         self.ngram.commit(info)

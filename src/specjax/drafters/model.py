@@ -17,6 +17,7 @@ the fed proposals that were committed stay valid, the rest are marked invalid.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,11 @@ class ModelDrafter:
         self._fed: Any = None  # the proposals fed to the model during the last propose (JAX, g - 1 columns)
         self._fed_start = 0
         self._proposed = False
+        # greedy: per row, how many trailing pending tokens the target committed without
+        # testing a proposal (plain steps), and after-the-fact tests not yet reported
+        self._untested: list[int] = []
+        self._late = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._first: np.ndarray | None = None
 
     # ------------------------------------------------------------------ #
     def start(self, setup: DraftSetup) -> None:
@@ -67,6 +73,8 @@ class ModelDrafter:
         # every row greedy (fixed for the generation): point-mass proposals, no logits
         self._greedy = bool(np.all(np.asarray(setup.sampling.temperature) == 0))
         self._proposed = False
+        self._untested = [0] * batch
+        self._late = (np.zeros(batch, np.int64), np.zeros(batch, np.int64))
 
     def propose(self, request: DraftRequest) -> Proposal:
         import jax.numpy as jnp
@@ -132,17 +140,59 @@ class ModelDrafter:
         all_active: bool,
         g: int,
     ) -> Proposal:
-        """Every row greedy: ``g`` first argmaxes over the target's vocabulary, as point masses."""
+        """Every row greedy: ``g`` first argmaxes over the target's vocabulary, as point masses.
+
+        The first forward also scores the pending tokens the target committed in
+        plain steps (:meth:`_hindsight`): logits for the last ``u + 1`` slots,
+        ``u`` the most such tokens in a row.
+        """
         assert self.cache is not None
         drawn: list[torch.Tensor] = []
+        width = feed.shape[1]
+        keep = min(width, max(self._untested, default=0) + 1)
+        hindsight = None
         for i in range(g):
-            logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
+            if i == 0 and keep > 1:
+                scored = self.cache.forward(feed, feed_valid, keep_last=keep, all_valid=all_valid)
+                hindsight = self._hindsight(scored[:, :-1], request.active)
+                logits = scored[:, -1]
+            else:
+                logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
             x = logits[:, : self.vocab].max(dim=-1).indices  # i64[B']: the first maximum (faster than argmax)
             drawn.append(x)
             if i < g - 1:
                 feed = x[:, None]
                 feed_valid, all_valid = active_col, all_active
-        return self._proposal(request, torch.stack(drawn, dim=1).to(torch.int32).cpu().numpy(), None, g)
+        tokens = torch.stack(drawn, dim=1).to(torch.int32).cpu().numpy()
+        self._first = tokens[:, 0].copy()
+        hits, tests = self._late
+        if hindsight is not None:
+            hits, tests = hits + hindsight[0], tests + hindsight[1]
+        self._late = (np.zeros_like(hits), np.zeros_like(tests))
+        return dataclasses.replace(self._proposal(request, tokens, None, g), hindsight=(hits, tests))
+
+    def _hindsight(self, logits: torch.Tensor, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: of its pending tokens the target committed in plain steps, how many the model predicted.
+
+        ``logits``: f[B', K, V], the slots before the last K + 1 ... before the
+        last one of this step's feed (pending tokens right-aligned): column c
+        predicts the token in slot ``width - K + c``. A row's first pending
+        token has no prediction here (its predecessor was fed before).
+        """
+        k = logits.shape[1]
+        best = logits[:, :, : self.vocab].max(dim=-1).indices.cpu().numpy()
+        hits = np.zeros(len(self.pending), np.int64)
+        tests = np.zeros(len(self.pending), np.int64)
+        for j, p in enumerate(self.pending):
+            n = len(p)
+            u = min(self._untested[j], n - 1, k)
+            if u <= 0 or not active[j]:
+                continue
+            # pending token i sits in slot width - n + i, predicted by column k - n + i: the
+            # last u tokens by the last u columns
+            hits[j] = int(np.sum(best[j, k - u :] == np.asarray(p[n - u :])))
+            tests[j] = u
+        return hits, tests
 
     def _proposal(self, request: DraftRequest, tokens: Any, logits: tuple[Any, ...] | None, g: int) -> Proposal:
         """Keep what :meth:`commit` needs (the fed proposals, the rows that drafted) and answer."""
@@ -156,8 +206,9 @@ class ModelDrafter:
         assert self.cache is not None
         self._held = []
         if not self._proposed:
-            for p, e in zip(self.pending, info.emitted, strict=True):
+            for j, (p, e) in enumerate(zip(self.pending, info.emitted, strict=True)):
                 p.extend(e)
+                self._untested[j] += len(e)
             return
         self._proposed = False
         fed = np.asarray(self._fed)  # i32[B', g - 1]: ready (the step already synchronised)
@@ -165,15 +216,23 @@ class ModelDrafter:
         for j, e in enumerate(info.emitted):
             if not self._active[j]:  # not fed this step: its pending tokens wait
                 self.pending[j].extend(e)
+                self._untested[j] += len(e)
                 continue
+            if self._greedy and e and int(info.num_proposed[j]) == 0 and self._first is not None:
+                # proposed, but the loop tested none: its first token is still a test, after the fact
+                self._late[0][j] += int(self._first[j]) == e[0]
+                self._late[1][j] += 1
             m = 0  # the fed proposals that the row committed, in order
             while m < fed.shape[1] and m < len(e) and int(fed[j, m]) == e[m]:
                 m += 1
             keep[j] = m
             self.pending[j] = list(e[m:])
+            self._untested[j] = 0
         self.cache.invalidate(self._fed_start, keep)
 
     def select_rows(self, rows: list[int]) -> None:
         assert self.cache is not None
         self.cache.select_rows(np.asarray(rows, np.int64))
         self.pending = [self.pending[j] for j in rows]
+        self._untested = [self._untested[j] for j in rows]
+        self._late = (self._late[0][rows], self._late[1][rows])

@@ -281,6 +281,8 @@ def run_loop(
                 paid = int(want.max()) if proposal.paid_tokens is None else int(proposal.paid_tokens)
                 if compiles.seconds == compiled_before:
                     schedule.record_draft(paid, draft_s)
+                if proposal.hindsight is not None:
+                    schedule.record_hindsight(*proposal.hindsight)
             else:
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
             free_rows = proposal.free_rows
@@ -448,6 +450,13 @@ def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab
             raise checks.PluginOutputError(
                 f"{who} returned free_rows of shape {free.shape} and dtype {free.dtype}, expected bool of shape "
                 f"({batch},)"
+            )
+    if proposal.hindsight is not None:
+        hits, tests = (np.asarray(a) for a in proposal.hindsight)
+        if hits.shape != (batch,) or tests.shape != (batch,) or bool(((hits < 0) | (hits > tests)).any()):
+            raise checks.PluginOutputError(
+                f"{who} returned hindsight of shapes {hits.shape} and {tests.shape}, expected two integer arrays "
+                f"of shape ({batch},) with 0 <= hits <= tests"
             )
     if check_ids:
         checks.check_draft_output(who, proposal.tokens, batch, shape[1], vocab, k)

@@ -34,7 +34,11 @@ with the same model and batch size):
   ``hybrid`` drafter's n-gram rows, whose acceptance on input-grounded text is
   several times its fallback model's); a paid draft is planned from the
   acceptance of paid drafts, and each row's proposal is trimmed by the
-  acceptance of its kind. A row that stops drafting forgets
+  acceptance of its kind. A drafter may also score itself after the fact
+  on the tokens the target committed in plain steps (``Proposal.hindsight``:
+  the ``model`` drafter, greedy, from its catch-up forward over them): those
+  count as tests too, so a drafter that does not pay keeps being measured,
+  and one that starts paying again is chosen on evidence, not on the prior. A row that stops drafting forgets
   slowly, so it tries again later. The prior never decays, which keeps the
   estimate above a low acceptance (about 0.2 for a drafter accepted 8% of the
   time); a prior that decays with the counts drafted less on the default
@@ -278,6 +282,15 @@ class DraftSchedule:
         passes, fails = accepted[:, None], (accepted < tested)[:, None]
         self.passes = np.where(learned, _DECAY * self.passes + passes, self.passes * _FORGET)
         self.fails = np.where(learned, _DECAY * self.fails + fails, self.fails * _FORGET)
+
+    def record_hindsight(self, hits: np.ndarray, tests: np.ndarray) -> None:
+        """Per row: ``tests`` after-the-fact tests of the drafter's own kind, ``hits`` of them passed.
+
+        (:attr:`specjax.drafters.Proposal.hindsight`: what the drafter would have
+        proposed where the target committed tokens without testing it.)
+        """
+        self.passes[:, 0] += hits
+        self.fails[:, 0] += tests - hits
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep ``rows``; costs are then those measured at the new batch size (forwards cost less)."""
