@@ -283,3 +283,45 @@ def test_cli_head_errors_are_one_line_exit_2(tmp_path, capsys, setup, match):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
     assert match in err[0]
+
+
+def test_plain_steps_are_scored_in_hindsight(target, trained):
+    """Greedy: the next proposal reports, per row, how many tokens committed in plain steps were the
+    head's first choice just before them (a reference drafter reads every commit as it comes)."""
+    from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup
+
+    head, _, _ = trained
+    ids = torch.tensor([PROMPT, PROMPT[::-1], PROMPT[1:] + PROMPT[:1]])
+    batch, d = ids.shape[0], target.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    hidden_prompt = torch.randn(batch, ids.shape[1] - 1, d, generator=gen)
+    setup = DraftSetup(
+        target, ids, torch.ones_like(ids), [[] for _ in range(batch)], V, 4, _sampling(batch), hidden_prompt
+    )
+    lazy, eager = EagleDrafter(head), EagleDrafter(head)
+    lazy.start(setup)
+    eager.start(setup)
+    eager._read_commits()
+    hits = np.zeros(batch, np.int64)
+    for step in range(4):
+        with torch.inference_mode():
+            choice = head.token_ids[eager._scores(eager._feature).max(dim=-1).indices].tolist()
+        # row 0 always commits the head's choice, row 1 never, row 2 every other step
+        take = [True, False, step % 2 == 0]
+        emitted = [[c if t else (c + 1) % V] for c, t in zip(choice, take, strict=True)]
+        hits += np.array(take)
+        hidden = torch.randn(batch, 1, d, generator=gen)
+        for drafter in (lazy, eager):
+            drafter.commit(CommitInfo(emitted, np.zeros(batch, np.int64), np.zeros(batch, np.int64), hidden))
+        eager._read_commits()
+    request = DraftRequest(4, [[] for _ in range(batch)], np.full(batch, 2), np.ones(batch, bool), _sampling(batch))
+    p = lazy.propose(request)
+    assert p.hindsight is not None
+    assert p.hindsight[1].tolist() == [4, 4, 4]
+    assert p.hindsight[0].tolist() == hits.tolist() == [4, 0, 2]
+    # reported once; a tested step (num_proposed > 0) adds nothing
+    tokens = np.asarray(p.tokens)[:, 0].tolist()
+    hidden = torch.randn(batch, 2, d, generator=gen)
+    lazy.commit(CommitInfo([[t, 1] for t in tokens], np.ones(batch, np.int64), np.ones(batch, np.int64), hidden))
+    again = lazy.propose(request)
+    assert again.hindsight is not None and again.hindsight[1].tolist() == [0, 0, 0]

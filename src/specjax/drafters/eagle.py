@@ -23,7 +23,10 @@ prompt of one token: there is no pair before the target scores it).
 
 A commit only keeps its pairs; the head reads them when it next drafts (or
 when rows are dropped), all pending commits (and at first the prompt's
-pairs) in one forward. Steps where the loop's adaptive length does not draft
+pairs) in one forward; when every row is greedy, that forward also scores the
+head in hindsight on the tokens the target committed in plain steps (its first
+choice just before each), which the proposal reports to the loop's schedule
+(``Proposal.hindsight``). Steps where the loop's adaptive length does not draft
 (a plain decoding step) then cost the head nothing: running it on every
 commit was a head forward per step, about the margin between a plain step of
 the loop and one of transformers' ``generate`` at batch 1. Positions
@@ -65,6 +68,11 @@ class EagleDrafter:
         self._committed_length = 0
         # commits the head has not read yet: (features f[B', w, d], token ids i64[B', w], valid bool[B', w])
         self._unread: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # greedy: per unread commit, bool[B', w]: tokens the target committed without testing a
+        # proposal (plain steps); and after-the-fact tests not yet reported (hits, tests)
+        self._untested: list[np.ndarray] = []
+        self._late = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._read_any = np.zeros(0, bool)
 
     # ------------------------------------------------------------------ #
     def start(self, setup: DraftSetup) -> None:
@@ -95,6 +103,9 @@ class EagleDrafter:
         self._has_feature = np.zeros(batch, bool)
         self._committed_length = 0
         self._unread = []
+        self._untested = []
+        self._late = (np.zeros(batch, np.int64), np.zeros(batch, np.int64))
+        self._read_any = np.zeros(batch, bool)  # rows whose kept feature comes from a read pair
         # every row greedy (fixed for the generation): point-mass proposals, no logits
         self._greedy = bool(np.all(np.asarray(setup.sampling.temperature) == 0))
         hidden = setup.target_hidden
@@ -105,6 +116,7 @@ class EagleDrafter:
             mask = setup.attention_mask.bool()
             valid = mask[:, :-1] & mask[:, 1:]
             self._unread.append((hidden.to(dtype), setup.input_ids[:, 1:], valid))
+            self._untested.append(np.zeros(tuple(valid.shape), bool))  # the prompt: not the target's choices
             self._has_feature = valid[:, -1].cpu().numpy().copy()
         self._committed_length = self.cache.length
 
@@ -161,7 +173,8 @@ class EagleDrafter:
                     feature = self.head(feature[:, None], self._embed(x)[:, None], rows, self.cache)[:, 0]
         if greedy:
             stacked: Any = torch.stack(tokens, dim=1).to(torch.int32).cpu().numpy()
-            return Proposal(stacked, want, None, paid_tokens=g)
+            hindsight, self._late = self._late, (np.zeros(b, np.int64), np.zeros(b, np.int64))
+            return Proposal(stacked, want, None, paid_tokens=g, hindsight=hindsight)
         return Proposal(jnp.stack(tokens, axis=1), want, tuple(logits_out), paid_tokens=g)
 
     def commit(self, info: CommitInfo) -> None:
@@ -186,6 +199,8 @@ class EagleDrafter:
         self._unread.append(
             (hidden[:, :w].to(self._feature.dtype, copy=True), torch.as_tensor(ids, device=device), valid)
         )
+        plain = np.asarray(info.num_proposed) == 0
+        self._untested.append(plain[:, None] & (np.arange(w)[None, :] < counts[:, None]))
         self._has_feature |= counts > 0
 
     def _read_commits(self) -> None:
@@ -194,15 +209,43 @@ class EagleDrafter:
         if not self._unread:
             return
         features, ids, valid = (torch.cat(parts, dim=1) for parts in zip(*self._unread, strict=True))
-        self._unread = []
+        untested = np.concatenate(self._untested, axis=1)
+        self._unread, self._untested = [], []
         b, w = valid.shape
         with torch.inference_mode():
             out = self.head(features, self._embed(ids), valid, self.cache)
+            if self._greedy and untested.any():
+                self._score_in_hindsight(out, ids, valid, untested)
             # each row's last valid slot (rows without one keep their feature)
             last = (valid.long() * torch.arange(1, w + 1, device=valid.device)).argmax(dim=1)
             picked = out[torch.arange(b, device=valid.device), last]
             self._feature = torch.where(valid.any(dim=1)[:, None], picked, self._feature)
+        self._read_any |= valid.any(dim=1).cpu().numpy()
         self._committed_length = self.cache.length
+
+    def _score_in_hindsight(
+        self, out: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, untested: np.ndarray
+    ) -> None:
+        """Add to the after-the-fact tests: the head's first choice before each untested committed token.
+
+        The token of a row's valid pair ``i`` was predicted from the head's
+        output at the row's previous valid pair (or, for its first unread pair,
+        from the feature kept at the last read one).
+        """
+        assert self._feature is not None
+        b = out.shape[0]
+        # predictions from [kept feature, out[:, 0], ..., out[:, w-2]]: f[B', w, d] -> ids i64[B', w]
+        before = torch.cat([self._feature[:, None], out[:, :-1]], dim=1)
+        predicted = self.head.token_ids[self._scores(before).max(dim=-1).indices].cpu().numpy()
+        ids_h, valid_h = ids.cpu().numpy(), valid.cpu().numpy()
+        hits, tests = self._late
+        for j in range(b):
+            slots = np.flatnonzero(valid_h[j])
+            # slot s's token was predicted at the previous valid slot's output (column prev + 1)
+            prev = np.concatenate([[-1], slots[:-1]])
+            use = untested[j, slots] & ((prev >= 0) | self._read_any[j])
+            hits[j] += int(np.sum(predicted[j, prev[use] + 1] == ids_h[j, slots[use]]))
+            tests[j] += int(use.sum())
 
     def select_rows(self, rows: list[int]) -> None:
         assert self.cache is not None and self._feature is not None
@@ -211,3 +254,5 @@ class EagleDrafter:
         self.cache.select_rows(index)
         self._feature = self._feature[index]
         self._has_feature = self._has_feature[rows]
+        self._read_any = self._read_any[rows]
+        self._late = (self._late[0][rows], self._late[1][rows])

@@ -36,7 +36,8 @@ with the same model and batch size):
   acceptance of paid drafts, and each row's proposal is trimmed by the
   acceptance of its kind. A drafter may also score itself after the fact
   on the tokens the target committed in plain steps (``Proposal.hindsight``:
-  the ``model`` drafter, greedy, from its catch-up forward over them): those
+  the ``model`` and ``eagle`` drafters, greedy, from the forward that catches
+  up on them when they next draft): those
   count as tests too, so a drafter that does not pay keeps being measured,
   and one that starts paying again is chosen on evidence, not on the prior. A row that stops drafting forgets
   slowly, so it tries again later. The prior never decays, which keeps the
