@@ -216,3 +216,16 @@ def test_hindsight_counts_as_tests_of_the_drafters_own_kind():
     s.record_hindsight(np.array([20]), np.array([20]))  # then, in plain steps, it would have been right
     assert s.plan(np.array([6]), np.array([True]))[0] > 0
     assert float(s.alpha(np.array([True]))[0]) == pytest.approx(0.6)  # the free kind's prior: untouched
+
+
+def test_paid_drafts_widen_with_the_evidence():
+    s = schedule(CPU_LIKE, draft_ms=0.5)
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [1]  # the prior alone: one token
+    s.record_outcome(np.array([1]), np.array([1]))
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [2]
+    for _ in range(4):
+        s.record_outcome(np.array([2]), np.array([2]))
+    assert s.plan(np.array([6]), np.array([True]))[0] > 2
+    # free proposals are trimmed by the estimate alone (nothing was paid for them)
+    fresh = schedule(CPU_LIKE)
+    assert fresh.trim(np.array([6]), np.array([True]))[0] > 1

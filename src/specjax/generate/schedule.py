@@ -46,6 +46,10 @@ with the same model and batch size):
   pair and lost more on open chat than it saved on input-grounded prompts
   (``E(α, k)`` assumes independent tests; acceptances come in runs).
 
+A paid draft widens with the evidence behind its estimate: a row drafts at most
+one token more than the (decayed) number of tests of the drafter it has seen,
+so the first drafts of a call, priced by the prior, are narrow.
+
 Estimates only improve where the schedule looks, so it looks again: after
 ``EXPLORE_EVERY`` steps without drafting, a step verifies one proposed token
 even if the estimates say no (at most one slightly wider forward in that many
@@ -242,11 +246,19 @@ class DraftSchedule:
         return best_w
 
     def plan(self, caps: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """i64[B']: how many tokens to ask the drafter for, per row (before it proposes)."""
+        """i64[B']: how many tokens to ask the drafter for, per row (before it proposes).
+
+        A row drafts at most one token more than it has tests of the drafter
+        behind it (decayed counts, hindsight included): while its acceptance is
+        mostly the prior, a wide draft that fails costs a wide forward for
+        nothing.
+        """
         if not self.adaptive:
             return caps
-        w = self._explore(self._best_width(caps, active & (caps > 0), self._draft_cost()))
-        return np.minimum(caps, w)
+        evidence = np.floor(self.passes[:, 0] + self.fails[:, 0]).astype(np.int64)
+        limits = np.minimum(caps, 1 + evidence)
+        w = self._explore(self._best_width(limits, active & (limits > 0), self._draft_cost()))
+        return np.minimum(limits, w)
 
     def _explore(self, w: int) -> int:
         """The chosen width, or an exploring step's (see the module doc)."""
