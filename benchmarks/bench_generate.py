@@ -449,6 +449,7 @@ def bench_generate(
     adaptive: bool = True,
     batch_sizes: Sequence[int] = (1, 8),
     impls: Sequence[str] = ("auto",),
+    num_prompts: int | None = None,
 ) -> list[dict]:
     """Run every method; one row per method (see the module docstring)."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -456,7 +457,7 @@ def bench_generate(
     g = num_draft_tokens
     max_new = max_new_tokens or (32 if quick else 64)
     reps = reps or (2 if quick else 4)
-    n_single = 2 if quick else 4
+    n_single = num_prompts or (2 if quick else 4)
     temperatures = tuple(temperatures) if temperatures else ((0.0,) if quick else (0.0, 0.7))
     if categories is None:
         categories = ("synthetic",) if pair.tokenizer is None else ("open",)
@@ -657,6 +658,12 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts, tokens and repetitions")
+    parser.add_argument(
+        "--prompts",
+        type=int,
+        metavar="N",
+        help="prompts per category timed at B = 1 (default 4, --quick 2; a category has 6: more takes them all)",
+    )
     parser.add_argument("--jsonl", metavar="PATH", help="append one JSON row per method to PATH")
     parser.add_argument("--target", help="target model directory (default: the embedded pair, else synthetic)")
     parser.add_argument("--draft", help="draft model directory (with --target)")
@@ -698,6 +705,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     if categories and any(c not in ("open", "grounded") for c in categories):
         parser.error(f"--categories: expected open and/or grounded, got {args.categories!r}")
+    if args.prompts is not None and args.prompts < 1:
+        parser.error(f"--prompts: expected an integer >= 1, got {args.prompts}")
     try:
         temps = [float(t) for t in args.temperatures.split(",")] if args.temperatures else None
         sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -722,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         adaptive=not args.fixed,
         batch_sizes=sizes,
         impls=impls,
+        num_prompts=args.prompts,
     )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))
