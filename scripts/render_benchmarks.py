@@ -247,8 +247,8 @@ def table_draft_sweep(rows: list[Row]) -> str:
 
 
 def table_generate_drafters(rows: list[Row]) -> str:
-    """One line per method and drafter, one column per prompt category (and temperature, when not greedy)."""
-    cols = list(dict.fromkeys((r["category"], r["temperature"]) for r in rows))
+    """One line per method and drafter, one column per prompt category (and batch size and temperature)."""
+    cols = list(dict.fromkeys((r["category"], r["batch_size"], r["temperature"]) for r in rows))
     kinds = list(dict.fromkeys((r["method"], r.get("drafter")) for r in rows))
 
     def cell(r: Row) -> str:
@@ -258,18 +258,17 @@ def table_generate_drafters(rows: list[Row]) -> str:
             return _f(r["speedup"], ".2f", "×")
         return f"{r['speedup']:.2f}× ({r['mean_accepted_length']:.2f}, {r['draft_step_fraction']:.0%})"
 
-    def header(category: str, temperature: float) -> str:
-        return category if temperature == 0 else f"{category}, T = {temperature:g}"
+    def header(category: str, batch: int, temperature: float) -> str:
+        return ", ".join(
+            [category, *([f"B = {batch}"] if batch != 1 else []), *([f"T = {temperature:g}"] if temperature else [])]
+        )
 
-    by = {(r["method"], r.get("drafter"), r["category"], r["temperature"]): r for r in rows}
+    by = {(r["method"], r.get("drafter"), r["category"], r["batch_size"], r["temperature"]): r for r in rows}
     return _table(
-        ["method", *(header(c, t) for c, t in cols)],
+        ["method", *(header(*col) for col in cols)],
         list("l" + "r" * len(cols)),
         [
-            [
-                m if d is None else f"{m} `{d}`",
-                *(cell(by[(m, d, c, t)]) if (m, d, c, t) in by else "" for c, t in cols),
-            ]
+            [m if d is None else f"{m} `{d}`", *(cell(by[(m, d, *col)]) if (m, d, *col) in by else "" for col in cols)]
             for m, d in kinds
         ],
     )
@@ -464,7 +463,10 @@ def verdict_generate_drafters(rows: list[Row]) -> str:
             (
                 r
                 for r in ours
-                if r["category"] == category and r["temperature"] == temperature and r["drafter"] in ("ngram", "hybrid")
+                if r["category"] == category
+                and r["batch_size"] == 1
+                and r["temperature"] == temperature
+                and r["drafter"] in ("ngram", "hybrid")
             ),
             key=lambda r: r["speedup"],
             default=None,
@@ -479,7 +481,9 @@ def verdict_generate_drafters(rows: list[Row]) -> str:
     same = all(r["same_as_target"] for r in rows if r.get("same_as_target") is not None)
 
     def where(r: Row) -> str:
-        return r["category"] if r["temperature"] == 0 else f"{r['category']} T = {r['temperature']:g}"
+        batch = f" B = {r['batch_size']}" if r["batch_size"] != 1 else ""
+        temperature = f" T = {r['temperature']:g}" if r["temperature"] else ""
+        return f"{r['category']}{batch}{temperature}"
 
     below = ", ".join(f"{where(r)} `{r['drafter']}` {r['speedup']:.2f}×" for r in slow)
     return (
