@@ -229,3 +229,18 @@ def test_paid_drafts_widen_with_the_evidence():
     # free proposals are trimmed by the estimate alone (nothing was paid for them)
     fresh = schedule(CPU_LIKE)
     assert fresh.trim(np.array([6]), np.array([True]))[0] > 1
+
+
+def test_rows_without_proposals_count_in_the_batch():
+    """B = 8, one row has a good lookup: widening the whole batch's forward for it does not pay."""
+    costs = {1: 40.0, 2: 60.0, 3: 66.0, 4: 70.0, 5: 72.0}
+    active = np.ones(8, bool)
+    one = schedule(costs, batch=8, g=4)
+    for _ in range(6):
+        one.record_outcome(np.array([4] + [0] * 7), np.array([3] + [0] * 7))
+    assert one.trim(np.array([4] + [0] * 7), active).tolist() == [0] * 8
+    # negative control: every row with such a lookup
+    every = schedule(costs, batch=8, g=4)
+    for _ in range(6):
+        every.record_outcome(np.full(8, 4), np.full(8, 3))
+    assert every.trim(np.full(8, 4), active).max() > 0

@@ -228,12 +228,17 @@ class DraftSchedule:
     def _best_width(
         self, limits: np.ndarray, rows: np.ndarray, draft_s_per_token: float, free_rows: np.ndarray | None = None
     ) -> int:
-        """argmax over w of Σ_b E(α_b, min(w, limit_b)) / (w·draft cost + verify(w + 1) + overhead)."""
-        top = int(limits.max(initial=0))
-        if top == 0 or not rows.any():
-            return 0
+        """argmax over w of Σ_b E(α_b, min(w, limit_b)) / (w·draft cost + verify(w + 1) + overhead).
+
+        ``rows``: the rows that decode this step, whether they may draft or not
+        (a row with ``limit_b = 0`` gains its one token either way, and the
+        forward's width is paid for it too).
+        """
         alpha = self.alpha(free_rows)[rows]
         lim = limits[rows]
+        top = int(lim.max(initial=0))
+        if top == 0:
+            return 0
         overhead = self._overhead(True)
         margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
         best_w, best_rate = 0, margin * float(len(alpha)) / (self._verify_cost(1) + self._overhead(False))
@@ -257,7 +262,7 @@ class DraftSchedule:
             return caps
         evidence = np.floor(self.passes[:, 0] + self.fails[:, 0]).astype(np.int64)
         limits = np.minimum(caps, 1 + evidence)
-        w = self._explore(self._best_width(limits, active & (limits > 0), self._draft_cost()))
+        w = self._explore(self._best_width(limits, active, self._draft_cost()))
         return np.minimum(limits, w)
 
     def _explore(self, w: int) -> int:
@@ -275,7 +280,7 @@ class DraftSchedule:
         """
         if not self.adaptive:
             return proposed
-        w = self._explore(self._best_width(proposed, active & (proposed > 0), 0.0, free_rows))
+        w = self._explore(self._best_width(proposed, active, 0.0, free_rows))
         return np.minimum(proposed, w)
 
     # ------------------------------------------------------------------ #
