@@ -23,6 +23,7 @@ import argparse
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -99,8 +100,9 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--jsonl", metavar="PATH", help="append one JSON row per configuration to PATH")
     args = parser.parse_args()
-
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import numpy as np
+    from results_io import append_jsonl  # imported now: it records the load at the start
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.sample import rejection_sampler
@@ -226,11 +228,6 @@ def main() -> None:
         "vLLM's call of rejection_sample in steps with draft tokens; step ratio > 1 = specjax's faster."
     )
     if args.jsonl:
-        import sys
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from results_io import append_jsonl
-
         append_jsonl(args.jsonl, [{**r, "rounds": args.rounds, "vocab": args.vocab} for r in rows])
 
 

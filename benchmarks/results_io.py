@@ -1,7 +1,7 @@
 """Shared output of the benchmark scripts: result rows appended to a JSONL file.
 
 Every row gets a ``run`` field saying what produced it (commit, command, time,
-load average, machine), the same for all rows of one process, so that
+load average at the start and at the end, machine), the same for all rows of one process, so that
 ``scripts/render_benchmarks.py`` can tell runs apart and render the latest
 run of each file (``benchmarks/results/*.jsonl`` are the committed ones).
 """
@@ -18,10 +18,14 @@ from collections.abc import Iterable
 from functools import cache
 from typing import Any
 
+# The load average when the benchmark started (this module is imported first thing): the one that
+# says whether the machine was quiet; one read at the end includes the benchmark's own load.
+_LOAD_AT_START = os.getloadavg()
+
 
 @cache
 def run_info() -> dict[str, Any]:
-    """What produced this process's rows: commit (``+dirty`` with local changes), command, time, load."""
+    """What produced this process's rows: commit (``+dirty`` with local changes), command, time, loads."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args: str) -> str | None:
@@ -38,7 +42,8 @@ def run_info() -> dict[str, Any]:
         "commit": commit,
         "command": " ".join(["python", os.path.relpath(sys.argv[0], root), *sys.argv[1:]]),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "loadavg": " ".join(f"{x:.2f}" for x in _LOAD_AT_START),
+        "loadavg_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
     }
 

@@ -560,7 +560,8 @@ def run_line(rows: list[Row]) -> str:
     if run.get("time"):
         parts.append(run["time"])
     if run.get("loadavg"):
-        parts.append(f"load average {run['loadavg']}")
+        # rows written before the start was recorded apart carry the load at the end only
+        parts.append(f"load average {'at start ' if 'loadavg_end' in run else ''}{run['loadavg']}")
     if run.get("note"):
         parts.append(run["note"])
     text = f"Reproduce: `{run.get('command', '?')}`" + (f" (rows: {', '.join(parts)})." if parts else ".")
