@@ -244,3 +244,33 @@ def test_rows_without_proposals_count_in_the_batch():
     for _ in range(6):
         every.record_outcome(np.full(8, 4), np.full(8, 3))
     assert every.trim(np.full(8, 4), active).max() > 0
+
+
+def test_acceptance_is_carried_into_later_calls_on_the_same_model_and_drafter():
+    """A later call starts from what earlier ones measured: wide at once for a drafter that passes,
+    not at all for one that fails; other drafters, sampled calls and other models start from the prior."""
+    model, caps, active = _Model(), np.array([6]), np.array([True])
+
+    def fresh(drafter: str, greedy: bool = True, on: object = model) -> DraftSchedule:
+        s = DraftSchedule(1, 6, adaptive=True, draft_cost_hint=0.0, model=on, drafter_key=drafter, greedy=greedy)
+        for q, ms in CPU_LIKE.items():
+            for _ in range(3):
+                s.record_verify(q, ms / 1000)
+        for _ in range(3):
+            s.record_overhead(0.001)
+        return s
+
+    first = fresh("good")
+    assert first.plan(caps, active).tolist() == [1]  # the prior alone: a narrow first draft
+    for _ in range(10):
+        first.record_outcome(np.array([6]), np.array([6]))
+    assert fresh("good").plan(caps, active).tolist() == [5]  # evidence of 4 tests carried: up to 5 at once
+    bad = fresh("bad")
+    for _ in range(10):
+        bad.record_outcome(np.array([3]), np.array([0]))
+    bad.record_hindsight(np.array([0]), np.array([20]))
+    assert fresh("bad").plan(caps, active).tolist() == [0]
+    # negative controls: what was carried belongs to its model, drafter and kind of call
+    assert fresh("bad", greedy=False).plan(caps, active).tolist() == [1]
+    assert fresh("bad", on=_Model()).plan(caps, active).tolist() == [1]
+    assert fresh("other").plan(caps, active).tolist() == [1]

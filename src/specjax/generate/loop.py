@@ -244,6 +244,7 @@ def run_loop(
             draft_cost_hint=float(getattr(drafter, "cost_per_token_hint", 0.003)),
             model=target,
             drafter_key=stats.drafter,
+            greedy=bool(np.all(np.asarray(sampling.temperature) == 0)),
         )
         last_h = ids_h[:, -1].astype(np.int64).copy()  # i64[B']: last committed token, not in the target cache
 

@@ -48,7 +48,12 @@ with the same model and batch size):
 
 A paid draft widens with the evidence behind its estimate: a row drafts at most
 one token more than the (decayed) number of tests of the drafter it has seen,
-so the first drafts of a call, priced by the prior, are narrow.
+so the first drafts of a call, priced by the prior, are narrow. A call does
+not start from the prior alone, though: the tests of earlier calls on the same
+target with the same drafter, greedy or sampled as this one, are carried in
+(halved per call), at the weight of at most ``_CARRY_WEIGHT`` tests per row, as
+if seen a few steps ago; so a drafter that passed drafts wide from the first
+step, and one that failed does not pay for the first steps of every call.
 
 Estimates only improve where the schedule looks, so it looks again: after
 ``EXPLORE_EVERY`` steps without drafting, a step verifies one proposed token
@@ -84,6 +89,11 @@ PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
 _FORGET = 0.99  # per step without drafting, for the pass/fail counts
 # Timings shared between calls: {(id(model), batch): (weakref, timings)}.
 _SHARED: dict[tuple[int, int], tuple[Any, dict[Any, deque[float]]]] = {}
+_CARRY_WEIGHT = 4.0  # at most this many tests' weight carried into a new call's rows
+_CARRY_DECAY = 0.5  # per call, for the carried tallies
+# Acceptance tallies carried between calls: {(id(model), drafter, greedy): (weakref, f64[2 kinds, 2])},
+# [kind, 0] tokens that passed, [kind, 1] tests that failed.
+_CARRIED: dict[tuple[int, str, bool], tuple[Any, np.ndarray]] = {}
 
 
 def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -102,7 +112,11 @@ class DraftSchedule:
         fixed schedule of classic speculative decoding).
       draft_cost_hint: seconds per drafted token assumed until measured.
       model: the target (timings are shared between calls on the same model
-        and batch size).
+        and batch size, and acceptance between calls on the same model,
+        drafter and ``greedy``).
+      drafter_key: the drafter's name (keys its cost and its carried acceptance).
+      greedy: every row greedy (acceptance differs between greedy and sampled
+        calls, so each carries its own).
     """
 
     def __init__(
@@ -114,6 +128,7 @@ class DraftSchedule:
         draft_cost_hint: float,
         model: Any = None,
         drafter_key: str = "",
+        greedy: bool = False,
     ) -> None:
         self.max_draft = max_draft
         self.adaptive = adaptive
@@ -127,6 +142,26 @@ class DraftSchedule:
         self._model = weakref.ref(model) if model is not None else None
         self._own: dict[int, dict[Any, deque[float]]] = {}  # without a model: this call's, per batch size
         self.times = self._table(batch)
+        self.tally = self._carried(greedy)
+        # a new call's rows start from what earlier calls measured, as if seen a few tests ago
+        tests = self.tally.sum(axis=1)
+        scale = np.where(tests > 0, np.minimum(tests, _CARRY_WEIGHT) / np.maximum(tests, 1e-9), 0.0)
+        self.passes += self.tally[:, 0] * scale
+        self.fails += self.tally[:, 1] * scale
+
+    def _carried(self, greedy: bool) -> np.ndarray:
+        """f64[2, 2]: the acceptance tallies of earlier calls (decayed once more), updated in place by this one."""
+        model = self._model() if self._model is not None else None
+        if model is None:
+            return np.zeros((2, 2))
+        key = (id(model), self.drafter_key, bool(greedy))
+        carried = _CARRIED.get(key)
+        if carried is None or carried[0]() is not model:
+            carried = (weakref.ref(model), np.zeros((2, 2)))
+            _CARRIED[key] = carried
+        tally = carried[1]
+        tally *= _CARRY_DECAY
+        return tally
 
     def _table(self, batch: int) -> dict[Any, deque[float]]:
         """The timings of the model at ``batch`` rows (shared between calls)."""
@@ -298,6 +333,8 @@ class DraftSchedule:
         # the counts of the row's kind of proposal learn, the other kind's forget
         learned = drafted[:, None] & (np.arange(2)[None, :] == kind[:, None])
         passes, fails = accepted[:, None], (accepted < tested)[:, None]
+        self.tally[:, 0] += np.where(learned, passes, 0).sum(axis=0)
+        self.tally[:, 1] += np.where(learned, fails, 0).sum(axis=0)
         self.passes = np.where(learned, _DECAY * self.passes + passes, self.passes * _FORGET)
         self.fails = np.where(learned, _DECAY * self.fails + fails, self.fails * _FORGET)
 
@@ -309,6 +346,7 @@ class DraftSchedule:
         """
         self.passes[:, 0] += hits
         self.fails[:, 0] += tests - hits
+        self.tally[0] += (np.sum(hits), np.sum(tests) - np.sum(hits))
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep ``rows``; costs are then those measured at the new batch size (forwards cost less)."""
