@@ -274,3 +274,14 @@ def test_acceptance_is_carried_into_later_calls_on_the_same_model_and_drafter():
     assert fresh("bad", greedy=False).plan(caps, active).tolist() == [1]
     assert fresh("bad", on=_Model()).plan(caps, active).tolist() == [1]
     assert fresh("other").plan(caps, active).tolist() == [1]
+
+
+def test_an_unmeasured_width_between_measured_ones_costs_the_line_between_them():
+    """q = 2 unmeasured between q = 1 (16 ms) and q = 3 (24 ms): 20 ms, not the one-sided prior's 17.9 ms
+    that made a one-token draft look cheap; beyond the measured widths the prior still scales."""
+    s = schedule({1: 16.0, 3: 24.0, 5: 26.0})
+    assert s._verify_cost(2) == pytest.approx(0.020)
+    assert s._verify_cost(4) == pytest.approx(0.025)
+    assert s._verify_cost(7) == pytest.approx(0.026 * (1 + 0.12 * 6) / (1 + 0.12 * 4))
+    only_wide = schedule({5: 26.0})  # no plain-step time yet: T(1) inferred from the nearest width
+    assert only_wide._verify_cost(1) == pytest.approx(0.026 / (1 + 0.12 * 4))

@@ -16,10 +16,14 @@ with the same model and batch size):
 * the target forward over ``q`` tokens: every step times its forward. The
   estimate for ``q`` is the median of its last few times, ignoring the first
   one (torch's first calls at a new shape are many times slower); until ``q``
-  has such a time, a prior of ``T(1)·(1 + 0.12·(q − 1))``, with ``T(1)``
-  inferred the same way from the narrowest measured width while plain steps
+  has such a time, the straight line between the measured widths on either
+  side, or beyond them a prior of ``T(1)·(1 + 0.12·(q − 1))``, with ``T(1)``
+  inferred the same way from the nearest measured width while plain steps
   have no time of their own (a plain step must never look free or
-  prohibitive for want of a measurement). When the step needs
+  prohibitive for want of a measurement; and an unmeasured q = 2 between
+  measured 1 and 3 must not look cheaper than the line through them: the
+  prior alone made a synthetic target's q = 2 look 20% cheaper than it
+  was, and its drafts one token wide after every failure). When the step needs
   ``q`` tokens and ``q + 1`` has no time yet, it runs ``q + 1`` once (a filler
   token that is never tested) to learn it; a width measured to cost more than
   a larger one (on these CPUs, ``q = 3`` and ``7`` hit a slow matrix-product
@@ -211,14 +215,22 @@ class DraftSchedule:
         t = self._estimate(("verify", q))
         if t is not None:
             return t
-        # a prior: small q cost little more than one token, scaled from the narrowest measured width
-        base = 1.0
+        # a prior: between two measured widths, the straight line between their costs; outside
+        # them, small q cost little more than one token, scaled from the nearest measured width
+        below = above = None
         for w in sorted(key[1] for key in self.times if key[0] == "verify"):
             t = self._estimate(("verify", w))
-            if t is not None:
-                base = t / (1 + 0.12 * (w - 1))
-                break
-        return base * (1 + 0.12 * (q - 1))
+            if t is None:
+                continue
+            if w < q:
+                below = (w, t)
+            elif above is None:
+                above = (w, t)
+        if below is not None and above is not None:
+            (w0, t0), (w1, t1) = below, above
+            return t0 + (t1 - t0) * (q - w0) / (w1 - w0)
+        w, t = above or below or (1, 1.0)
+        return t * (1 + 0.12 * (q - 1)) / (1 + 0.12 * (w - 1))
 
     def _draft_cost(self) -> float:
         t = self._estimate(("draft", self.drafter_key))
