@@ -9,7 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specjax.generate.schedule import EXPLORE_EVERY, EXPLORE_PLAIN_AFTER, DraftSchedule, expected_tokens
+from specjax.generate.schedule import (
+    EXPLORE_BACKOFF,
+    EXPLORE_EVERY,
+    EXPLORE_PLAIN_AFTER,
+    DraftSchedule,
+    expected_tokens,
+)
 
 
 def schedule(
@@ -285,3 +291,54 @@ def test_an_unmeasured_width_between_measured_ones_costs_the_line_between_them()
     assert s._verify_cost(7) == pytest.approx(0.026 * (1 + 0.12 * 6) / (1 + 0.12 * 4))
     only_wide = schedule({5: 26.0})  # no plain-step time yet: T(1) inferred from the nearest width
     assert only_wide._verify_cost(1) == pytest.approx(0.026 / (1 + 0.12 * 4))
+
+
+def test_an_exploring_step_refreshed_by_hindsight_verifies_only_what_pays():
+    """After EXPLORE_EVERY plain steps the schedule asks for one token; a drafter that then reports
+    fresh failed tests in hindsight gets nothing verified, while without hindsight the token is."""
+
+    def idle() -> DraftSchedule:
+        s = schedule(CPU_LIKE, draft_ms=3.0)
+        for _ in range(8):
+            s.record_outcome(np.array([4]), np.array([0]))
+        for _ in range(EXPLORE_EVERY):
+            s.record_outcome(np.array([0]), np.array([0]))
+        assert s.plan(np.array([6]), np.array([True])).tolist() == [1]
+        return s
+
+    s = idle()
+    s.record_hindsight(np.array([1]), np.array([10]))
+    assert s.trim(np.array([1]), np.array([True])).tolist() == [0]
+    s.record_outcome(np.array([0]), np.array([0]))
+    assert s.plan(np.array([6]), np.array([True])).tolist() == [0]  # and the next step does not explore again
+    assert idle().trim(np.array([1]), np.array([True])).tolist() == [1]  # negative control: no hindsight
+    good = idle()  # hindsight that passes: verified
+    good.record_hindsight(np.array([10]), np.array([10]))
+    assert good.trim(np.array([1]), np.array([True])).tolist() == [1]
+
+
+def test_exploring_backs_off_while_it_finds_nothing_and_resets_when_drafting_pays():
+    s = schedule(CPU_LIKE, draft_ms=3.0)
+    caps, active = np.array([6]), np.array([True])
+    for _ in range(8):
+        s.record_outcome(np.array([4]), np.array([0]))
+
+    def steps_to_explore() -> int:
+        n = 0
+        while s.plan(caps, active).tolist() != [1]:
+            s.record_outcome(np.array([0]), np.array([0]))
+            n += 1
+        s.record_outcome(np.array([1]), np.array([0]))  # the exploring token fails
+        return n
+
+    gaps = [steps_to_explore() for _ in range(EXPLORE_BACKOFF + 2)]
+    assert gaps == [EXPLORE_EVERY << min(i, EXPLORE_BACKOFF) for i in range(len(gaps))]
+    # a step that drafts on the estimates resets the interval
+    for _ in range(6):
+        s.record_outcome(np.array([4]), np.array([4]))
+    assert s.plan(caps, active)[0] > 1
+    s.record_outcome(np.array([4]), np.array([4]))
+    while s.plan(caps, active)[0] > 0:
+        s.record_outcome(np.array([4]), np.array([0]))
+    s.record_outcome(np.array([4]), np.array([0]))
+    assert steps_to_explore() == EXPLORE_EVERY

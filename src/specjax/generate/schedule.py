@@ -62,7 +62,14 @@ step, and one that failed does not pay for the first steps of every call.
 Estimates only improve where the schedule looks, so it looks again: after
 ``EXPLORE_EVERY`` steps without drafting, a step verifies one proposed token
 even if the estimates say no (at most one slightly wider forward in that many
-steps), which refreshes the costs and the acceptance. The other way round,
+steps), which refreshes the costs and the acceptance (the interval doubles after
+each exploring step that does not lead to drafting, up to four times
+``EXPLORE_EVERY``: a drafter that keeps failing is looked at less); a drafter that scores
+itself in hindsight refreshes the acceptance by drafting alone (its catch-up
+forward scores the committed tokens), so its proposal is then verified only
+if the fresh tests say it pays: an exploring step of the ``model`` drafter on
+input-grounded prompts, which it rarely passes, cost a wider target forward
+as well, about 3% of a call. The other way round,
 while a plain step has no time of its own (its prior comes from a drafting
 width, and a forward's cost grows with its width faster at larger batches:
 at B = 8 the synthetic target's forward over 5 tokens costs 1.8 times one
@@ -88,6 +95,7 @@ _PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
 _DECAY = 0.85  # per step, for the pass/fail counts
 _KEEP = 6  # recent times kept per cost
 EXPLORE_EVERY = 12  # steps without drafting before one exploring step
+EXPLORE_BACKOFF = 2  # ... doubled after each fruitless one, at most this many times
 EXPLORE_PLAIN_AFTER = 4  # drafting steps before a plain one, while plain steps have no time
 PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
 _FORGET = 0.99  # per step without drafting, for the pass/fail counts
@@ -143,6 +151,8 @@ class DraftSchedule:
         self.drafter_key = drafter_key
         self.idle_steps = 0  # steps since the last one that verified a proposal
         self.busy_steps = 0  # steps since the last one that did not
+        self.explored = 0  # exploring steps since the last step that drafted on the estimates
+        self._forced = False  # this step explores
         self._model = weakref.ref(model) if model is not None else None
         self._own: dict[int, dict[Any, deque[float]]] = {}  # without a model: this call's, per batch size
         self.times = self._table(batch)
@@ -314,7 +324,8 @@ class DraftSchedule:
 
     def _explore(self, w: int) -> int:
         """The chosen width, or an exploring step's (see the module doc)."""
-        if w == 0 and self.idle_steps >= EXPLORE_EVERY:
+        if w == 0 and self.idle_steps >= EXPLORE_EVERY << min(self.explored, EXPLORE_BACKOFF):
+            self._forced = True
             return 1
         if w > 0 and self.busy_steps >= EXPLORE_PLAIN_AFTER and self._estimate(("verify", 1)) is None:
             return 0
@@ -340,6 +351,8 @@ class DraftSchedule:
         """
         drafted = tested > 0
         self.idle_steps = 0 if drafted.any() else self.idle_steps + 1
+        self.explored = self.explored + 1 if self._forced else 0 if drafted.any() else self.explored
+        self._forced = False
         self.busy_steps = self.busy_steps + 1 if drafted.any() else 0
         kind = np.zeros(len(tested), np.int64) if free_rows is None else np.asarray(free_rows, np.int64)
         # the counts of the row's kind of proposal learn, the other kind's forget
@@ -358,6 +371,9 @@ class DraftSchedule:
         """
         self.passes[:, 0] += hits
         self.fails[:, 0] += tests - hits
+        if np.sum(tests) > 0:
+            # fresh tests: the step need not verify a token to look (see the module doc)
+            self.idle_steps = 0
         self.tally[0] += (np.sum(hits), np.sum(tests) - np.sum(hits))
 
     def select_rows(self, rows: list[int]) -> None:
