@@ -1,7 +1,7 @@
 """Shared output of the benchmark scripts: result rows appended to a JSONL file.
 
 Every row gets a ``run`` field saying what produced it (commit, command, time,
-load average at the start and at the end, machine), the same for all rows of one process, so that
+load average at the start and at the end, machine, CPU model), the same for all rows of one process, so that
 ``scripts/render_benchmarks.py`` can tell runs apart and render the latest
 run of each file (``benchmarks/results/*.jsonl`` are the committed ones).
 """
@@ -45,7 +45,20 @@ def run_info() -> dict[str, Any]:
         "loadavg": " ".join(f"{x:.2f}" for x in _LOAD_AT_START),
         "loadavg_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "cpu": _cpu_model(),
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what platform says): runs on different CPUs differ."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def append_jsonl(path: str, rows: Iterable[dict[str, Any]]) -> None:

@@ -485,7 +485,10 @@ def verdict_generate_drafters(rows: list[Row]) -> str:
         temperature = f" T = {r['temperature']:g}" if r["temperature"] else ""
         return f"{r['category']}{batch}{temperature}"
 
-    below = ", ".join(f"{where(r)} `{r['drafter']}` {r['speedup']:.2f}×" for r in slow)
+    def compiled(r: Row) -> str:  # JAX compilation for shapes the warm-up did not meet stays in the times
+        return f", {r['compile_s']:.1f} s compiling in its timed calls" if r.get("compile_s", 0) >= 0.05 else ""
+
+    below = ", ".join(f"{where(r)} `{r['drafter']}` {r['speedup']:.2f}×{compiled(r)}" for r in slow)
     return (
         line("`ngram` or `hybrid` ≥ 1.6× target-only on grounded prompts, greedy", best("grounded"), 1.6)
         + line("`ngram` or `hybrid` ≥ 1.0× on open chat, greedy", best("open"), 1.0)
@@ -559,6 +562,8 @@ def run_line(rows: list[Row]) -> str:
         parts.append(f"commit {run['commit']}")
     if run.get("time"):
         parts.append(run["time"])
+    if run.get("cpu"):
+        parts.append(run["cpu"])
     if run.get("loadavg"):
         # rows written before the start was recorded apart carry the load at the end only
         parts.append(f"load average {'at start ' if 'loadavg_end' in run else ''}{run['loadavg']}")

@@ -72,8 +72,8 @@ def test_the_last_run_of_a_file_is_rendered(tmp_path: Path) -> None:
     assert len(rows) == len(old) and all(r["run"] == new_run for r in rows)
     assert "commit abc1234, load average 0.10 0.20 0.30" in render_benchmarks.run_line(rows)
     for r in rows:  # rows that record the load at the start apart say which one they show
-        r["run"] = {**new_run, "loadavg_end": "1.90 1.00 0.50"}
-    assert "commit abc1234, load average at start 0.10 0.20 0.30" in render_benchmarks.run_line(rows)
+        r["run"] = {**new_run, "loadavg_end": "1.90 1.00 0.50", "cpu": "Some CPU 9000"}
+    assert "commit abc1234, Some CPU 9000, load average at start 0.10 0.20 0.30" in render_benchmarks.run_line(rows)
 
 
 def test_a_missing_results_file_is_named(tmp_path: Path) -> None:
