@@ -1,9 +1,10 @@
 """Shared output of the benchmark scripts: result rows appended to a JSONL file.
 
 Every row gets a ``run`` field saying what produced it (commit, command, time,
-load average at the start and at the end, machine, CPU model), the same for all rows of one process, so that
-``scripts/render_benchmarks.py`` can tell runs apart and render the latest
-run of each file (``benchmarks/results/*.jsonl`` are the committed ones).
+load average at the start and at the end, machine, CPU model), the same for
+all rows of one process, so that ``scripts/render_benchmarks.py`` can tell
+runs apart and render the latest run of each file (``benchmarks/results/*.jsonl``
+are the committed ones; results not yet committed do not make a commit dirty).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def run_info() -> dict[str, Any]:
         return out.stdout.strip() if out.returncode == 0 else None
 
     commit = git("rev-parse", "--short", "HEAD")
-    if commit and git("status", "--porcelain", "--untracked-files=no", "src", "benchmarks"):
+    if commit and git("status", "--porcelain", "--untracked-files=no", "src", "benchmarks", ":!benchmarks/results"):
         commit += "+dirty"
     return {
         "commit": commit,

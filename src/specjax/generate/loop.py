@@ -492,9 +492,9 @@ def _bucketed(
     """The sampled verification's inputs padded to a bucketed (rows, positions) shape.
 
     ``verify_step`` compiles once per shape, and the adaptive length and rows
-    that finish meet many (B' rows x width + 1 positions): a program compiled in
-    the middle of a call cost a B = 8 sampled call on input-grounded prompts
-    about 13% of its time. Rows are padded to a power of two (at most
+    that finish meet many (B' rows x width + 1 positions): the drafters report's
+    B = 8 sampled rows on input-grounded prompts paid seconds of compilation in
+    their timed calls (``compile_s``). Rows are padded to a power of two (at most
     ``batch``), positions to one of :func:`_buckets` (at most ``max_width``),
     with copies of row 0 and of the last position that test nothing (``k`` = 0
     for the added rows); a row's draws depend on its own key and ``k_b`` only

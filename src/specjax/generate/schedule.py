@@ -22,8 +22,8 @@ with the same model and batch size):
   have no time of their own (a plain step must never look free or
   prohibitive for want of a measurement; and an unmeasured q = 2 between
   measured 1 and 3 must not look cheaper than the line through them: the
-  prior alone made a synthetic target's q = 2 look 20% cheaper than it
-  was, and its drafts one token wide after every failure). When the step needs
+  prior alone made a synthetic target's q = 2 look cheap, and its drafts one
+  token wide after every failure). When the step needs
   ``q`` tokens and ``q + 1`` has no time yet, it runs ``q + 1`` once (a filler
   token that is never tested) to learn it; a width measured to cost more than
   a larger one (on these CPUs, ``q = 3`` and ``7`` hit a slow matrix-product
@@ -67,9 +67,9 @@ each exploring step that does not lead to drafting, up to four times
 ``EXPLORE_EVERY``: a drafter that keeps failing is looked at less); a drafter that scores
 itself in hindsight refreshes the acceptance by drafting alone (its catch-up
 forward scores the committed tokens), so its proposal is then verified only
-if the fresh tests say it pays: an exploring step of the ``model`` drafter on
-input-grounded prompts, which it rarely passes, cost a wider target forward
-as well, about 3% of a call. The other way round,
+if the fresh tests say it pays (an exploring step of the ``model`` drafter on
+input-grounded prompts, which it rarely passes, also cost a wider target
+forward). The other way round,
 while a plain step has no time of its own (its prior comes from a drafting
 width, and a forward's cost grows with its width faster at larger batches:
 at B = 8 the synthetic target's forward over 5 tokens costs 1.8 times one
@@ -351,7 +351,10 @@ class DraftSchedule:
         """
         drafted = tested > 0
         self.idle_steps = 0 if drafted.any() else self.idle_steps + 1
-        self.explored = self.explored + 1 if self._forced else 0 if drafted.any() else self.explored
+        if self._forced:
+            self.explored += 1
+        elif drafted.any():  # drafted on the estimates
+            self.explored = 0
         self._forced = False
         self.busy_steps = self.busy_steps + 1 if drafted.any() else 0
         kind = np.zeros(len(tested), np.int64) if free_rows is None else np.asarray(free_rows, np.int64)
