@@ -215,7 +215,15 @@ def test_sampled_proposals_come_with_their_logits(target, trained):
 
     ids = torch.tensor([PROMPT])
     out = specjax.speculative_generate(
-        target, Spy(head), ids, max_new_tokens=8, num_draft_tokens=3, temperature=0.8, seed=0, pad_token_id=0
+        target,
+        Spy(head),
+        ids,
+        max_new_tokens=8,
+        num_draft_tokens=3,
+        temperature=0.8,
+        seed=0,
+        pad_token_id=0,
+        adaptive=False,  # the adaptive length may not draft at all on a loaded machine: this test needs drafts
     )
     assert out.sequences.shape == (1, 13)
     outside = np.setdiff1d(np.arange(V), head.token_ids.numpy())
