@@ -342,3 +342,19 @@ def test_exploring_backs_off_while_it_finds_nothing_and_resets_when_drafting_pay
         s.record_outcome(np.array([4]), np.array([0]))
     s.record_outcome(np.array([4]), np.array([0]))
     assert steps_to_explore() == EXPLORE_EVERY
+
+
+def test_a_batch_drafts_for_the_rows_that_lag():
+    """The call ends with its last row: a proposal of a row ahead of the others is
+    not worth a wider forward, one of the row that lags (or of every row) is."""
+    s = schedule(CPU_LIKE, batch=2)
+    for _ in range(5):
+        s.record_outcome(np.array([4, 4]), np.array([4, 4]))  # both rows' drafts pass
+    active = np.array([True, True])
+    only_row_0 = np.array([4, 0])
+    assert s.trim(only_row_0, active, remaining=np.array([20, 20])).tolist() == [0, 0]  # row 1 still needs 20 steps
+    assert s.trim(only_row_0, active, remaining=np.array([10, 20])).tolist() == [0, 0]  # row 0 is ahead
+    assert s.trim(only_row_0, active, remaining=np.array([20, 10]))[0] > 0  # row 0 lags: it pays
+    assert s.trim(np.array([4, 4]), active, remaining=np.array([20, 20])).min() > 0  # every row gains
+    # a finished row's (inactive) remaining and proposal do not count
+    assert s.trim(only_row_0, np.array([True, False]), remaining=np.array([20, 30]))[0] > 0

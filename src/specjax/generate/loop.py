@@ -270,7 +270,7 @@ def run_loop(
 
             # 1. Draft: the schedule asks for `want` tokens per row (what a drafter that pays
             # per token drafts); free proposals (lookups) may go up to the row's cap.
-            want = schedule.plan(caps, active_h) if first_scored is None else np.zeros_like(caps)
+            want = schedule.plan(caps, active_h, remaining) if first_scored is None else np.zeros_like(caps)
             draft_s = 0.0
             if first_scored is None and caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or free_proposals):
                 t_draft = time.perf_counter()
@@ -287,7 +287,9 @@ def run_loop(
             else:
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
             free_rows = proposal.free_rows
-            k_rows = np.minimum(schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h, free_rows), caps)
+            k_rows = np.minimum(
+                schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h, free_rows, remaining), caps
+            )
             stats.draft_steps += int(k_rows.max(initial=0) > 0)
             g = int(k_rows.max(initial=0))
             width = schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested

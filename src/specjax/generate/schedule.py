@@ -5,10 +5,16 @@ probability ``α`` each gains ``E(α, k) = (1 − α^(k+1)) / (1 − α)`` token
 average (Leviathan et al. 2023, eq. 1) and costs the drafter's time for ``k``
 tokens plus one target forward over ``k + 1`` tokens; a plain decoding step
 (``k = 0``) gains 1 token for a forward over 1 token. The schedule picks the
-width ``w`` (the batch's largest ``k``) that maximises expected tokens per
-second of the whole batch, with ``k_b = min(w, what row b may and can
-draft)``; ``w = 0`` is a plain decoding step, so a drafter that does not pay
-is not used.
+width ``w`` (the batch's largest ``k``, with ``k_b = min(w, what row b may
+and can draft)``) that shortens the call most per second: a call ends when
+its last row does, so a step's worth is what it takes off the largest
+remaining token count among the rows, ``max_b r_b − max_b (r_b − E(α_b,
+k_b))``, 1 for a plain step. At B = 1 that is the expected tokens per second;
+in a batch, drafting pays only where it advances the rows that lag (drafts
+that put rows ahead of the others, the others still needing their steps at
+the batch's width, made the n-gram drafter slower than plain decoding at B =
+8 on input-grounded prompts). ``w = 0`` is a plain decoding step, so a
+drafter that does not pay is not used.
 
 Costs are measured, not assumed, during the call (and kept for later calls
 with the same model and batch size):
@@ -283,32 +289,53 @@ class DraftSchedule:
         return both[:, 0] if free_rows is None else np.where(free_rows, both[:, 1], both[:, 0])
 
     def _best_width(
-        self, limits: np.ndarray, rows: np.ndarray, draft_s_per_token: float, free_rows: np.ndarray | None = None
+        self,
+        limits: np.ndarray,
+        rows: np.ndarray,
+        draft_s_per_token: float,
+        free_rows: np.ndarray | None = None,
+        remaining: np.ndarray | None = None,
     ) -> int:
-        """argmax over w of Σ_b E(α_b, min(w, limit_b)) / (w·draft cost + verify(w + 1) + overhead).
+        """argmax over w of what the step shortens the call by, per second (see :meth:`plan`).
 
-        ``rows``: the rows that decode this step, whether they may draft or not
-        (a row with ``limit_b = 0`` gains its one token either way, and the
-        forward's width is paid for it too).
+        The call ends when its last row does: a step at width ``w`` takes the
+        call's largest remaining token count ``R = max_b r_b`` to
+        ``max_b (r_b − E(α_b, min(w, limit_b)))`` (expected gains), and costs
+        ``w·draft cost + verify(w + 1) + overhead``; a plain step takes 1 off
+        ``R``. At B = 1 this is ``E(α, k)`` tokens per step's cost; in a batch,
+        drafting pays only where it advances the rows that lag (a row ahead of
+        the others gains nothing for the call: the slowest row still needs its
+        steps, at the batch's width).
+
+        ``rows``: bool[B'], the rows that decode this step, whether they may
+        draft or not (a row with ``limit_b = 0`` gains its one token either
+        way, and the forward's width is paid for it too); ``remaining``:
+        i64[B'], the tokens each row may still generate (None: all alike).
         """
         alpha = self.alpha(free_rows)[rows]
         lim = limits[rows]
         top = int(lim.max(initial=0))
         if top == 0:
             return 0
+        left = np.zeros(len(alpha)) if remaining is None else np.asarray(remaining, np.float64)[rows]
+        horizon = float(left.max())
         overhead = self._overhead(True)
         margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
-        best_w, best_rate = 0, margin * float(len(alpha)) / (self._verify_cost(1) + self._overhead(False))
+        best_w, best_rate = 0, margin / (self._verify_cost(1) + self._overhead(False))
         for w in range(1, top + 1):
-            gain = expected_tokens(alpha, np.minimum(w, lim)).sum()
+            gain = horizon - float((left - expected_tokens(alpha, np.minimum(w, lim))).max())
             cost = w * draft_s_per_token + self._verify_cost(self.padded_width(w + 1)) + overhead
             rate = gain / cost
             if rate > best_rate:
                 best_w, best_rate = w, rate * 1.0001
         return best_w
 
-    def plan(self, caps: np.ndarray, active: np.ndarray) -> np.ndarray:
+    def plan(self, caps: np.ndarray, active: np.ndarray, remaining: np.ndarray | None = None) -> np.ndarray:
         """i64[B']: how many tokens to ask the drafter for, per row (before it proposes).
+
+        ``caps``: i64[B'], the most each row may draft; ``active``: bool[B'];
+        ``remaining``: i64[B'], tokens each row may still generate (None: all
+        alike), for the call's objective: the time until its last row ends.
 
         A row drafts at most one token more than it has tests of the drafter
         behind it (decayed counts, hindsight included): while its acceptance is
@@ -319,7 +346,7 @@ class DraftSchedule:
             return caps
         evidence = np.floor(self.passes[:, 0] + self.fails[:, 0]).astype(np.int64)
         limits = np.minimum(caps, 1 + evidence)
-        w = self._explore(self._best_width(limits, active, self._draft_cost()))
+        w = self._explore(self._best_width(limits, active, self._draft_cost(), None, remaining))
         return np.minimum(limits, w)
 
     def _explore(self, w: int) -> int:
@@ -331,14 +358,21 @@ class DraftSchedule:
             return 0
         return w
 
-    def trim(self, proposed: np.ndarray, active: np.ndarray, free_rows: np.ndarray | None = None) -> np.ndarray:
+    def trim(
+        self,
+        proposed: np.ndarray,
+        active: np.ndarray,
+        free_rows: np.ndarray | None = None,
+        remaining: np.ndarray | None = None,
+    ) -> np.ndarray:
         """i64[B']: how many of the proposed tokens to verify (the drafting is paid already).
 
-        ``free_rows``: the proposal's rows that are free lookups (see :meth:`alpha`).
+        ``free_rows``: the proposal's rows that are free lookups (see :meth:`alpha`);
+        ``remaining``: as in :meth:`plan`.
         """
         if not self.adaptive:
             return proposed
-        w = self._explore(self._best_width(proposed, active, 0.0, free_rows))
+        w = self._explore(self._best_width(proposed, active, 0.0, free_rows, remaining))
         return np.minimum(proposed, w)
 
     # ------------------------------------------------------------------ #
