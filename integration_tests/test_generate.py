@@ -677,17 +677,27 @@ def test_sampler_callable_matches_the_fused_path(pairs, left_padded):
     assert fused.stats.draft_tokens_accepted == called.stats.draft_tokens_accepted
 
 
+@pytest.mark.parametrize("drop", [False, True])
 @pytest.mark.parametrize("seed", [3, 4])
-def test_a_sampled_row_does_not_depend_on_the_other_rows(seed, pairs):
+def test_a_sampled_row_does_not_depend_on_the_other_rows(seed, drop, pairs, monkeypatch):
     """api.md: row b's draws depend only on ``seed`` and b. Row 0 alone and row 0
     beside other rows give the same tokens, with sampling, although the rows
     accept different numbers of tokens and so reach their last steps (where a
-    row's draft length is cut to its remaining budget) at different times."""
+    row's draft length is cut to its remaining budget) at different times.
+
+    ``drop``: the row that ends first leaves the caches (its keys and
+    parameters with it) although the other has fewer than ``_DROP_MIN_LEFT``
+    tokens to go; by default a sampled call keeps it there."""
+    from specjax.generate import loop
+
+    if drop:
+        monkeypatch.setattr(loop, "_DROP_MIN_LEFT", 0)
     models = pairs("llama")
-    kwargs = dict(max_new_tokens=13, num_draft_tokens=G, temperature=0.8, seed=seed, eos_token_id=[])
+    kwargs = dict(max_new_tokens=20, num_draft_tokens=G, temperature=0.8, seed=seed, eos_token_id=[])
     prompt = torch.tensor([[5, 9, 12, 7, 3]])
     alone = generate(models["target"], models["perturbed"], prompt, **kwargs)
     steps_differ = False
+    rows_left = []
     for other in ([1, 2, 3, 4, 5], [40, 41, 42, 43, 44], [90, 3, 77, 5, 61]):
         recorder = StepRecorder()
         batch = generate(
@@ -695,12 +705,16 @@ def test_a_sampled_row_does_not_depend_on_the_other_rows(seed, pairs):
             models["perturbed"],
             torch.tensor([prompt[0].tolist(), other]),
             on_tokens=recorder,
+            return_state=True,
             **kwargs,
         )
         assert torch.equal(batch.sequences[0], alone.sequences[0]), other
         steps_differ |= any(len(s.get(0, [])) != len(s.get(1, [])) for s in recorder.steps)
+        rows_left.append(len(batch.state.rows))
     # The case is not degenerate: somewhere the rows advanced by different amounts.
     assert steps_differ
+    # 20 new tokens: the live row has fewer than 16 to go when the other ends, so by default it stays
+    assert (min(rows_left) == 1) if drop else (rows_left == [2, 2, 2]), rows_left
 
 
 @pytest.mark.parametrize("asks", [True, False])

@@ -146,6 +146,9 @@ class LoopState:
     draft_pending: list[list[int]]
 
 
+_DROP_MIN_LEFT = 16  # sampled calls drop finished rows only while live ones have this many tokens to go
+
+
 class _Row:
     """Host-side state of one request."""
 
@@ -385,10 +388,14 @@ def run_loop(
                 schedule.record_overhead(time.perf_counter() - t_step - draft_s - forward_s, drafted=g > 0)
 
             # Drop finished rows from the caches once at least half of them are done, halving
-            # the batch (B, B/2, B/4, ... rows, finished ones filling in): every batch size
-            # compiles the jitted steps again, for each draft width.
+            # the batch (B, B/2, B/4, ... rows, finished ones filling in). With sampling, every
+            # batch size compiles the jitted steps again, for each draft width: there the rows
+            # are dropped only while the live ones have _DROP_MIN_LEFT tokens to go (rows that
+            # end within a few tokens of each other otherwise met a new batch size in each of
+            # the last steps, at a fraction of a second of compilation each).
             live = [j for j, i in enumerate(cache_rows) if not rows[i].done]
-            if live and len(live) <= b_now // 2:
+            left = max((max_new_tokens - len(rows[cache_rows[j]].generated) for j in live), default=0)
+            if live and len(live) <= b_now // 2 and (greedy or left >= _DROP_MIN_LEFT):
                 size = b_now // 2
                 while size // 2 >= len(live):
                     size //= 2
