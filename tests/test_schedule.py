@@ -326,6 +326,7 @@ def test_exploring_backs_off_while_it_finds_nothing_and_resets_when_drafting_pay
     def steps_to_explore() -> int:
         n = 0
         while s.plan(caps, active).tolist() != [1]:
+            s.record_verify(1, CPU_LIKE[1] / 1000)  # a plain step, timed as the loop does
             s.record_outcome(np.array([0]), np.array([0]))
             n += 1
         s.record_outcome(np.array([1]), np.array([0]))  # the exploring token fails
@@ -358,3 +359,32 @@ def test_a_batch_drafts_for_the_rows_that_lag():
     assert s.trim(np.array([4, 4]), active, remaining=np.array([20, 20])).min() > 0  # every row gains
     # a finished row's (inactive) remaining and proposal do not count
     assert s.trim(only_row_0, np.array([True, False]), remaining=np.array([20, 30]))[0] > 0
+
+
+def test_a_close_call_on_an_old_plain_time_times_a_plain_step_again():
+    """A plain step timed high once (a noisy call) must not keep a marginal drafter drafting for good."""
+    from specjax.generate.schedule import CLOSE_CALL, PLAIN_REFRESH
+
+    def drafting(verify_ms: dict[int, float]) -> DraftSchedule:
+        s = schedule(verify_ms)
+        for _ in range(5):
+            s.record_outcome(np.array([4]), np.array([1]))  # α about 0.5: drafting barely pays
+        s.record_verify(1, 0.040)  # a plain step timed now
+        return s
+
+    close = drafting({1: 40.0, 2: 62.0, 3: 64.0, 4: 66.0, 5: 68.0})
+    clear = drafting({1: 40.0, 2: 42.0, 3: 43.0, 4: 44.0, 5: 45.0})  # negative control: wide margin
+    caps, active = np.array([4]), np.array([True])
+    for s in (close, clear):
+        assert s.plan(caps, active)[0] > 0
+    assert close._edge < CLOSE_CALL <= clear._edge
+    for _ in range(PLAIN_REFRESH):
+        for s in (close, clear):
+            w = int(s.plan(caps, active)[0])
+            assert w > 0
+            s.record_outcome(np.array([w]), np.array([1]))
+    assert close.plan(caps, active).tolist() == [0]  # time a plain step again
+    assert clear.plan(caps, active)[0] > 0
+    close.record_verify(1, 0.040)
+    close.record_outcome(np.array([0]), np.array([0]))
+    assert close.plan(caps, active)[0] > 0  # timed: drafting again

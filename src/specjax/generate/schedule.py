@@ -81,7 +81,13 @@ width, and a forward's cost grows with its width faster at larger batches:
 at B = 8 the synthetic target's forward over 5 tokens costs 1.8 times one
 over 1 token, not the prior's 1.5), every ``EXPLORE_PLAIN_AFTER``-th step
 that would draft is a plain step instead, until two have been timed (the
-first is the warm-up); the timings are kept for later calls. Drafting that must be
+first is the warm-up); the timings are kept for later calls. A plain step's
+time is refreshed the same way when it is ``PLAIN_REFRESH`` steps old and
+drafting wins by less than ``CLOSE_CALL``: a plain time measured high (a
+noisy warm-up call) otherwise made drafting look better than it was, and the
+schedule drafted on without timing a plain step again (the synthetic pair at
+B = 8, T = 0.7: a plain forward priced at 27 ms, measured at 17-20 ms).
+Drafting that must be
 paid for (a model) is chosen only when its expected rate beats a plain step's
 by ``PAID_MARGIN``: estimates are noisy, and a wasted draft costs more than a
 missed one.
@@ -103,6 +109,8 @@ _KEEP = 6  # recent times kept per cost
 EXPLORE_EVERY = 12  # steps without drafting before one exploring step
 EXPLORE_BACKOFF = 2  # ... doubled after each fruitless one, at most this many times
 EXPLORE_PLAIN_AFTER = 4  # drafting steps before a plain one, while plain steps have no time
+PLAIN_REFRESH = 32  # drafting steps after which a close call re-times a plain step
+CLOSE_CALL = 1.25  # ... close: drafting's expected rate is below this many times a plain step's
 PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
 _FORGET = 0.99  # per step without drafting, for the pass/fail counts
 # Timings shared between calls: {(id(model), batch): (weakref, timings)}.
@@ -159,6 +167,8 @@ class DraftSchedule:
         self.busy_steps = 0  # steps since the last one that did not
         self.explored = 0  # exploring steps since the last step that drafted on the estimates
         self._forced = False  # this step explores
+        self.since_plain = 0  # steps since a plain step was timed
+        self._edge = np.inf  # the last decision's rate over a plain step's (when it drafted)
         self._model = weakref.ref(model) if model is not None else None
         self._own: dict[int, dict[Any, deque[float]]] = {}  # without a model: this call's, per batch size
         self.times = self._table(batch)
@@ -218,6 +228,8 @@ class DraftSchedule:
 
     def record_verify(self, q: int, seconds: float) -> None:
         self._record(("verify", q), seconds)
+        if q == 1:
+            self.since_plain = 0
 
     def record_draft(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
@@ -321,13 +333,15 @@ class DraftSchedule:
         horizon = float(left.max())
         overhead = self._overhead(True)
         margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
-        best_w, best_rate = 0, margin / (self._verify_cost(1) + self._overhead(False))
+        plain = 1.0 / (self._verify_cost(1) + self._overhead(False))
+        best_w, best_rate = 0, margin * plain
         for w in range(1, top + 1):
             gain = horizon - float((left - expected_tokens(alpha, np.minimum(w, lim))).max())
             cost = w * draft_s_per_token + self._verify_cost(self.padded_width(w + 1)) + overhead
             rate = gain / cost
             if rate > best_rate:
                 best_w, best_rate = w, rate * 1.0001
+        self._edge = best_rate / plain if best_w else np.inf
         return best_w
 
     def plan(self, caps: np.ndarray, active: np.ndarray, remaining: np.ndarray | None = None) -> np.ndarray:
@@ -354,8 +368,11 @@ class DraftSchedule:
         if w == 0 and self.idle_steps >= EXPLORE_EVERY << min(self.explored, EXPLORE_BACKOFF):
             self._forced = True
             return 1
-        if w > 0 and self.busy_steps >= EXPLORE_PLAIN_AFTER and self._estimate(("verify", 1)) is None:
-            return 0
+        if w > 0 and self.busy_steps >= EXPLORE_PLAIN_AFTER:
+            if self._estimate(("verify", 1)) is None:
+                return 0
+            if self.since_plain >= PLAIN_REFRESH and self._edge < CLOSE_CALL:
+                return 0  # a close call on an old plain time: time it again
         return w
 
     def trim(
@@ -391,6 +408,7 @@ class DraftSchedule:
             self.explored = 0
         self._forced = False
         self.busy_steps = self.busy_steps + 1 if drafted.any() else 0
+        self.since_plain += 1
         kind = np.zeros(len(tested), np.int64) if free_rows is None else np.asarray(free_rows, np.int64)
         # the counts of the row's kind of proposal learn, the other kind's forget
         learned = drafted[:, None] & (np.arange(2)[None, :] == kind[:, None])
