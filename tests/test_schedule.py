@@ -388,34 +388,3 @@ def test_a_close_call_on_an_old_plain_time_times_a_plain_step_again():
     close.record_verify(1, 0.040)
     close.record_outcome(np.array([0]), np.array([0]))
     assert close.plan(caps, active)[0] > 0  # timed: drafting again
-
-
-def test_gain_moments_match_the_distribution_of_a_steps_gain():
-    from specjax.generate.schedule import gain_moments
-
-    rng = np.random.default_rng(0)
-    for alpha, k in ((0.5, 3), (0.9, 6), (0.2, 1), (0.7, 0)):
-        # g = 1 + the number of leading passes among k tests, each passing with probability alpha
-        passes = rng.random((200_000, k)) < alpha
-        g = 1 + np.cumprod(passes, axis=1).sum(axis=1) if k else np.ones(200_000)
-        mean, var = gain_moments(np.array(alpha), np.array(k))
-        assert float(mean) == pytest.approx(g.mean(), rel=0.01)
-        assert float(mean) == pytest.approx(float(expected_tokens(np.array(alpha), np.array(k))))
-        assert float(var) == pytest.approx(g.var(), rel=0.03, abs=1e-9)
-
-
-def test_a_batch_prices_the_spread_of_its_rows():
-    """Rows that draft spread apart, and the call waits for the one that drew the fewest
-    tokens: a draft that pays for one row (B = 1) need not pay for eight alike."""
-    costs = {1: 40.0, 2: 66.0, 3: 68.0, 4: 70.0, 5: 72.0}
-
-    def drafts(batch: int, spread: bool) -> bool:
-        s = schedule(costs, batch=batch)
-        for _ in range(5):
-            s.record_outcome(np.full(batch, 4), np.full(batch, 1))  # α about 0.5
-        remaining = np.full(batch, 40) if spread else None  # None: no spread
-        return bool(s.trim(np.full(batch, 4), np.ones(batch, bool), remaining=remaining).max() > 0)
-
-    assert drafts(1, spread=True)  # one row: no spread
-    assert drafts(8, spread=False)  # negative control: eight rows priced like one
-    assert not drafts(8, spread=True)

@@ -6,18 +6,15 @@ average (Leviathan et al. 2023, eq. 1) and costs the drafter's time for ``k``
 tokens plus one target forward over ``k + 1`` tokens; a plain decoding step
 (``k = 0``) gains 1 token for a forward over 1 token. The schedule picks the
 width ``w`` (the batch's largest ``k``, with ``k_b = min(w, what row b may
-and can draft)``) that would end the call soonest: a call ends when its last
-row does, so steps of width ``w`` are priced by the steps the slowest row
-would need, ``max_b r_b / E(α_b, k_b)`` for rows with ``r_b`` tokens to go,
-plus the spread of a batch's rows (each step's gain is random, and the call
-waits for the row that drew the fewest tokens; see :meth:`DraftSchedule._best_width`).
-At B = 1 that is the expected tokens per second; in a batch, drafting pays
-only where it advances the rows that lag (drafts that put rows ahead of the
-others, the others still needing their steps at the batch's width, made the
-n-gram drafter slower than plain decoding at B = 8 on input-grounded
-prompts; without the spread, the synthetic pair at B = 8, T = 0.7 drafted
-where it lost). ``w = 0`` is a plain decoding step, so a drafter that does
-not pay is not used.
+and can draft)``) that shortens the call most per second: a call ends when
+its last row does, so a step's worth is what it takes off the largest
+remaining token count among the rows, ``max_b r_b − max_b (r_b − E(α_b,
+k_b))``, 1 for a plain step. At B = 1 that is the expected tokens per second;
+in a batch, drafting pays only where it advances the rows that lag (drafts
+that put rows ahead of the others, the others still needing their steps at
+the batch's width, made the n-gram drafter slower than plain decoding at B =
+8 on input-grounded prompts). ``w = 0`` is a plain decoding step, so a
+drafter that does not pay is not used.
 
 Costs are measured, not assumed, during the call (and kept for later calls
 with the same model and batch size):
@@ -100,12 +97,11 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
-__all__ = ["DraftSchedule", "expected_tokens", "gain_moments"]
+__all__ = ["DraftSchedule", "expected_tokens"]
 
 _PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
 _DECAY = 0.85  # per step, for the pass/fail counts
@@ -130,25 +126,6 @@ def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
     """f64[...]: ``E(α, k) = 1 + α + … + α^k``, tokens a step gains (k = 0 gives 1)."""
     alpha = np.clip(alpha, 0.0, 0.999)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def gain_moments(alpha: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """f64[...] mean and variance of a step's gain ``g``, ``P(g ≥ j) = α^(j−1)`` for ``1 ≤ j ≤ k + 1``.
-
-    The mean is :func:`expected_tokens`; ``E[g²] = Σ_j (2j − 1)·α^(j−1)``.
-    """
-    alpha, k = np.broadcast_arrays(np.clip(np.asarray(alpha, np.float64), 0.0, 0.999), np.asarray(k))
-    j = np.arange(1, int(k.max(initial=0)) + 2)  # 1 .. k + 1
-    tail = np.where(j <= k[..., None] + 1, alpha[..., None] ** (j - 1), 0.0)  # P(g >= j)
-    mean = tail.sum(axis=-1)
-    return mean, np.maximum((tail * (2 * j - 1)).sum(axis=-1) - mean**2, 0.0)
-
-
-def _expected_max_normal(m: int) -> float:
-    """About E[max of m standard normal draws] (Blom's approximation; 0 for m = 1)."""
-    if m <= 1:
-        return 0.0
-    return NormalDist().inv_cdf((m - 0.375) / (m + 0.25))
 
 
 class DraftSchedule:
@@ -331,49 +308,37 @@ class DraftSchedule:
         free_rows: np.ndarray | None = None,
         remaining: np.ndarray | None = None,
     ) -> int:
-        """argmax over w of the rate at which steps of width ``w`` would end the call (see the module doc).
+        """argmax over w of what the step shortens the call by, per second (see :meth:`plan`).
 
-        The call ends when its last row does. Drafting at width ``w`` from now
-        on, row ``b`` gains ``g_b`` tokens a step, ``1 ≤ g_b ≤ k_b + 1`` with
-        ``P(g_b ≥ j) = α_b^(j−1)`` (mean ``μ_b = E(α_b, k_b)``, variance
-        ``v_b``, ``k_b = min(w, limit_b)``), so it needs about ``n_b = r_b /
-        μ_b`` steps, give or take ``sd_b = sqrt(n_b·v_b) / μ_b``; the call
-        about ``S(w) = max_b (n_b + z·sd_b)`` steps, ``z`` the expected largest
-        of B' standard normal draws (0 at B' = 1: a batch's rows spread, and the
-        call waits for the one that drew the fewest tokens). A step costs
-        ``w·draft cost + verify(w + 1) + overhead``; the rate is ``R / (S(w)·cost)``
-        with ``R = max_b r_b``, against ``1 / cost`` for plain steps (``S(0) = R``).
-        At B = 1 this is ``E(α, k)`` tokens per step's cost; in a batch, drafting
-        pays only where it advances the rows that lag (a row ahead of the others
-        gains nothing for the call: the slowest row still needs its steps, at
-        the batch's width).
+        The call ends when its last row does: a step at width ``w`` takes the
+        call's largest remaining token count ``R = max_b r_b`` to
+        ``max_b (r_b − E(α_b, min(w, limit_b)))`` (expected gains), and costs
+        ``w·draft cost + verify(w + 1) + overhead``; a plain step takes 1 off
+        ``R``. At B = 1 this is ``E(α, k)`` tokens per step's cost; in a batch,
+        drafting pays only where it advances the rows that lag (a row ahead of
+        the others gains nothing for the call: the slowest row still needs its
+        steps, at the batch's width).
 
         ``rows``: bool[B'], the rows that decode this step, whether they may
         draft or not (a row with ``limit_b = 0`` gains its one token either
         way, and the forward's width is paid for it too); ``remaining``:
-        i64[B'], the tokens each row may still generate (None: all alike, and
-        no spread).
+        i64[B'], the tokens each row may still generate (None: all alike).
         """
         alpha = self.alpha(free_rows)[rows]
         lim = limits[rows]
         top = int(lim.max(initial=0))
         if top == 0:
             return 0
-        if remaining is None:
-            left, z = np.ones(len(alpha)), 0.0
-        else:
-            left, z = np.maximum(np.asarray(remaining, np.float64)[rows], 1.0), _expected_max_normal(len(alpha))
+        left = np.zeros(len(alpha)) if remaining is None else np.asarray(remaining, np.float64)[rows]
         horizon = float(left.max())
         overhead = self._overhead(True)
         margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
         plain = 1.0 / (self._verify_cost(1) + self._overhead(False))
         best_w, best_rate = 0, margin * plain
         for w in range(1, top + 1):
-            mean, var = gain_moments(alpha, np.minimum(w, lim))
-            steps = left / mean
-            finish = float((steps + z * np.sqrt(steps * var) / mean).max())
+            gain = horizon - float((left - expected_tokens(alpha, np.minimum(w, lim))).max())
             cost = w * draft_s_per_token + self._verify_cost(self.padded_width(w + 1)) + overhead
-            rate = horizon / (finish * cost)
+            rate = gain / cost
             if rate > best_rate:
                 best_w, best_rate = w, rate * 1.0001
         self._edge = best_rate / plain if best_w else np.inf
