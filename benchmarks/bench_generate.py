@@ -39,9 +39,9 @@ choices depend on measured times, so a timed call can still meet a shape the
 warm-up did not: that compilation is one-time work per shape and process, like
 loading the models, and is left out of the call's time (wall time and CPU
 time alike; :attr:`specjax.SpeculativeStats.compile_time_s`); ``compile_s`` in
-the JSON rows says how much there was. Timing goes call by call: for each prompt (B=1) or the batch
-(B=8), every method of the group runs back to back, in rotating order, and this
-is repeated ``reps`` times, so that the shared machine's changing load hits the
+the JSON rows says how much there was. Timing goes call by call: for each
+prompt (B=1) or the batch (B=8), every method of the group runs back to back,
+in rotating order, and this is repeated ``reps`` times, so that the shared machine's changing load hits the
 methods compared alike. tokens/s is total tokens over total wall time; the
 speed-up is the median over calls of the ratio of a method's tokens/s to that of
 target-only ``generate`` on the same call, run seconds apart ("by CPU time":

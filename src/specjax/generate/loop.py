@@ -394,8 +394,11 @@ def run_loop(
             # end within a few tokens of each other otherwise met a new batch size in each of
             # the last steps, at a fraction of a second of compilation each).
             live = [j for j, i in enumerate(cache_rows) if not rows[i].done]
-            left = max((max_new_tokens - len(rows[cache_rows[j]].generated) for j in live), default=0)
-            if live and len(live) <= b_now // 2 and (greedy or left >= _DROP_MIN_LEFT):
+            if (
+                live
+                and len(live) <= b_now // 2
+                and (greedy or max(max_new_tokens - len(state[j].generated) for j in live) >= _DROP_MIN_LEFT)
+            ):
                 size = b_now // 2
                 while size // 2 >= len(live):
                     size //= 2

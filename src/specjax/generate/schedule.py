@@ -85,9 +85,7 @@ first is the warm-up); the timings are kept for later calls. A plain step's
 time is refreshed the same way when it is ``PLAIN_REFRESH`` steps old and
 drafting wins by less than ``CLOSE_CALL``: a plain time measured high (a
 noisy warm-up call) otherwise made drafting look better than it was, and the
-schedule drafted on without timing a plain step again (the synthetic pair at
-B = 8, T = 0.7: a plain forward priced at 27 ms, measured at 17-20 ms).
-Drafting that must be
+schedule drafted on without timing a plain step again. Drafting that must be
 paid for (a model) is chosen only when its expected rate beats a plain step's
 by ``PAID_MARGIN``: estimates are noisy, and a wasted draft costs more than a
 missed one.
@@ -109,7 +107,7 @@ _KEEP = 6  # recent times kept per cost
 EXPLORE_EVERY = 12  # steps without drafting before one exploring step
 EXPLORE_BACKOFF = 2  # ... doubled after each fruitless one, at most this many times
 EXPLORE_PLAIN_AFTER = 4  # drafting steps before a plain one, while plain steps have no time
-PLAIN_REFRESH = 32  # drafting steps after which a close call re-times a plain step
+PLAIN_REFRESH = 32  # steps since a plain step was timed, after which a close call times one again
 CLOSE_CALL = 1.25  # ... close: drafting's expected rate is below this many times a plain step's
 PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
 _FORGET = 0.99  # per step without drafting, for the pass/fail counts
