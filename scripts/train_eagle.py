@@ -91,6 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="no training: take the head saved in DIR, keep the --num-tokens most frequent of the tokens it "
         "scores (its layer is unchanged), save it in --out and evaluate it",
     )
+    e.add_argument(
+        "--evaluate",
+        type=Path,
+        metavar="DIR",
+        help="no data, no training: draft with the head saved in DIR for the target on --eval-prompts held-out "
+        "prompts (acceptance per position, speed) and time its draft token; merge the figures into DIR's "
+        "training_report.json (e.g. a head from scripts/train_eagle_gpu.py, whose summary.json gives the rest)",
+    )
     e.add_argument("--quick", action="store_true", help="a smoke run: few prompts, two minutes of training")
     args = p.parse_args(argv)
     if args.quick:
@@ -253,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     log("loading the target")
     target, tok = load_target()
     target.requires_grad_(False)
+    if args.evaluate is not None:
+        return evaluate_only(args.evaluate, target, tok, args)
     # train_draft's data settings (its load_data reads these fields)
     data_args = argparse.Namespace(**vars(args))
     train_recs, held_recs = train_draft.load_data(target, tok, data_args)
@@ -306,6 +316,24 @@ def main(argv: list[str] | None = None) -> int:
     head.eval()
     log(f"trained {step} steps ({epoch} epochs begun) in {train_s / 60:.1f} min")
     return evaluate_and_save(head, target, tok, train, held, args, {"train_steps": step, "train_minutes": train_s / 60})
+
+
+def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -> int:
+    """``--evaluate DIR``: the end-to-end figures of a saved head, merged into its ``training_report.json``."""
+    from specjax.drafters.eagle_head import load_head
+
+    head = load_head(path).eval()
+    _, held_prompts = train_draft.build_prompts(args.train_prompts, args.heldout_prompts, args.seed)
+    drafted = drafted_acceptance(head, target, tok, held_prompts[: args.eval_prompts])
+    log(f"drafting on {args.eval_prompts} held-out prompts: {drafted}")
+    t_draft = time_per_draft_token(head, target)
+    log(f"time per draft token {t_draft * 1e3:.2f} ms")
+    report_file = path / "training_report.json"
+    report = json.loads(report_file.read_text()) if report_file.is_file() else {}
+    report.update(drafted, time_per_draft_token_s=t_draft, evaluated_on_prompts=args.eval_prompts)
+    report_file.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"updated {report_file}")
+    return 0
 
 
 def restricted_head(path: Path, ids: Any) -> Any:
