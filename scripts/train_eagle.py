@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import train_draft  # noqa: E402  (the shared data recipe)
 
-DEFAULT_OUT = REPO / "src" / "specjax" / "assets" / "smollm2-eagle"
+DEFAULT_OUT = REPO / "build" / "eagle-cpu"  # the shipped head (src/specjax/assets/smollm2-eagle) is the GPU recipe's
 T0 = time.perf_counter()
 
 
