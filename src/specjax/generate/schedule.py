@@ -21,11 +21,7 @@ with the same model and batch size):
 
 * the target forward over ``q`` tokens: every step times its forward. The
   estimate for ``q`` is the median of its last few times, ignoring the first
-  one (torch's first calls at a new shape are many times slower); for
-  ``q > 1``, as ratios to the plain step's estimate when they were taken,
-  times its estimate now (every width's cost moves with the context, but
-  wide forwards are re-timed only while drafting: their old absolute times
-  kept a drafter from drafting after a change of prompts); until ``q``
+  one (torch's first calls at a new shape are many times slower); until ``q``
   has such a time, the straight line between the measured widths on either
   side, or beyond them a prior of ``T(1)·(1 + 0.12·(q − 1))``, with ``T(1)``
   inferred the same way from the nearest measured width while plain steps
@@ -232,29 +228,6 @@ class DraftSchedule:
         self._record(("verify", q), seconds)
         if q == 1:
             self.since_plain = 0
-            return
-        plain = self._estimate(("verify", 1))
-        if plain is not None:
-            self._record(("ratio", q), seconds / plain)
-
-    def _measured(self, q: int) -> float | None:
-        """The cost of a forward over ``q`` tokens from its own times; None if it has none.
-
-        For ``q > 1``: its recent times relative to the plain step's estimate when
-        each was taken, times the plain step's estimate now. Every forward's cost
-        moves with the context (its length, the prompts), but only the widths
-        the schedule runs are re-timed: plain steps keep the plain time current,
-        wider forwards are timed only while drafting. Absolute times of wide
-        forwards taken on long input-grounded prompts kept a drafter that pays
-        on short chat prompts from drafting again in the same process (the
-        drafters benchmark's B = 8 greedy cells, where the grounded calls of
-        the warm-up come before the chat calls that are timed).
-        """
-        t = self._estimate(("verify", q))
-        if t is None or q == 1:
-            return t
-        ratio, plain = self._estimate(("ratio", q)), self._estimate(("verify", 1))
-        return t if ratio is None or plain is None else ratio * plain
 
     def record_draft(self, tokens: int, seconds: float) -> None:
         if tokens > 0:
@@ -265,14 +238,14 @@ class DraftSchedule:
         self._record(("overhead", bool(drafted)), seconds)
 
     def _verify_cost(self, q: int) -> float:
-        t = self._measured(q)
+        t = self._estimate(("verify", q))
         if t is not None:
             return t
         # a prior: between two measured widths, the straight line between their costs; outside
         # them, small q cost little more than one token, scaled from the nearest measured width
         below = above = None
         for w in sorted(key[1] for key in self.times if key[0] == "verify"):
-            t = self._measured(w)
+            t = self._estimate(("verify", w))
             if t is None:
                 continue
             if w < q:
@@ -308,7 +281,7 @@ class DraftSchedule:
             return q + 1  # learn q + 1 once
         best, cost = q, self._verify_cost(q)
         for wider in (q + 1, q + 2):
-            t = self._measured(wider) if wider <= limit else None
+            t = self._estimate(("verify", wider)) if wider <= limit else None
             if t is not None and t < 0.97 * cost:
                 best, cost = wider, t
         return best
