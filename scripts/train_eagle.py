@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -145,16 +144,9 @@ def with_features(target: Any, records: list[dict[str, Any]], batch: int = 64) -
 
 def batches(data: list[dict[str, Any]], max_tokens: int, rng: random.Random) -> list[list[int]]:
     """Index lists of similar-length sequences, at most ``max_tokens`` padded tokens each, shuffled."""
-    order = sorted(range(len(data)), key=lambda i: len(data[i]["seq"]))
-    out: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and (len(cur) + 1) * len(data[i]["seq"]) > max_tokens:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
+    from specjax.drafters.eagle_train import pack_by_length
+
+    out = pack_by_length([len(r["seq"]) for r in data], max_tokens)
     rng.shuffle(out)
     return out
 
@@ -253,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
-    from specjax.drafters.eagle_train import LossWeights, frequent_tokens, head_loss
+    from specjax.drafters.eagle_train import LossWeights, cosine_lr, frequent_tokens, head_loss, train_step
     from specjax.pair import load_target
 
     torch.set_num_threads(2)
@@ -300,15 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             if progress >= 1:
                 done = True
                 break
-            lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * progress))
-            for group in opt.param_groups:
-                group["lr"] = lr
+            lr = cosine_lr(args.lr, step, progress, warmup=50)
             x, z, valid = collate(train, idx)
             loss, parts = head_loss(head, embed, w, z, x, valid, weights, gen)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
+            train_step(head, opt, loss, lr)
             step += 1
             if step % 50 == 0:
                 log(f"epoch {epoch} step {step} lr {lr:.2e} " + " ".join(f"{k} {v:.4f}" for k, v in parts.items()))

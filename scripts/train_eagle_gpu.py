@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -295,7 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     token_ids = order[: args.num_tokens].sort().values
     embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight
     lengths = valid.sum(1)
-    rows_by_len = torch.argsort(lengths).cpu().tolist()
     len_host = lengths.cpu().tolist()
     cfg = target.config
     summary: dict[str, Any] = {
@@ -325,31 +323,18 @@ def main(argv: list[str] | None = None) -> int:
         start, step, epoch, done = time.perf_counter(), 0, 0, False
         while not done:
             epoch += 1
-            batches: list[Any] = []
-            cur: list[int] = []
-            for i in rows_by_len:
-                if cur and (len(cur) + 1) * len_host[i] > args.batch_tokens:
-                    batches.append(cur)
-                    cur = []
-                cur.append(i)
-            if cur:
-                batches.append(cur)
+            batches = eagle_train.pack_by_length(len_host, args.batch_tokens)
             for b in torch.randperm(len(batches), generator=cpu_gen).tolist():
                 progress = (time.perf_counter() - start) / per_variant
                 if progress >= 1:
                     done = True
                     break
-                lr = args.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * progress))
-                for group in opt.param_groups:
-                    group["lr"] = lr
+                lr = eagle_train.cosine_lr(args.lr, step, progress, warmup=100)
                 idx = torch.tensor(batches[b], device=ids.device)
                 width = int(lengths[idx].max())
                 x, z, v = ids[idx, :width], feats[idx, :width].float(), valid[idx, :width]
                 loss, parts = eagle_train.head_loss(head, embed, w, z, x, v, weights, gen)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-                opt.step()
+                eagle_train.train_step(head, opt, loss, lr)
                 step += 1
                 if step % 500 == 0:
                     log(

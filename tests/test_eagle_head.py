@@ -123,3 +123,24 @@ def test_token_ids_outside_the_vocabulary_are_refused(head, tmp_path):
 def test_missing_directory(tmp_path):
     with pytest.raises(ValueError, match="no such directory"):
         load_head(tmp_path / "nothing")
+
+
+def test_pack_by_length_covers_every_sequence_within_the_token_budget():
+    from specjax.drafters.eagle_train import pack_by_length
+
+    lengths = [5, 40, 7, 5, 300, 12, 40, 9]
+    batches = pack_by_length(lengths, 64)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 64
+    assert [4] in batches  # longer than the budget: a batch of its own
+    assert [lengths[i] for b in batches for i in b] == sorted(lengths)  # similar lengths together
+
+
+def test_cosine_lr_warms_up_then_decays_to_zero():
+    from specjax.drafters.eagle_train import cosine_lr
+
+    assert cosine_lr(1.0, 0, 0.0, warmup=10) == pytest.approx(0.1)
+    assert cosine_lr(1.0, 9, 0.0, warmup=10) == pytest.approx(1.0)
+    assert cosine_lr(1.0, 500, 0.5, warmup=10) == pytest.approx(0.5)
+    assert cosine_lr(1.0, 500, 1.0, warmup=10) == pytest.approx(0.0)

@@ -18,6 +18,7 @@ pass that feeds the first pass's predictions back as input features (the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,16 @@ from torch import nn
 
 from specjax.drafters.eagle_head import EagleHead
 
-__all__ = ["LossWeights", "frequent_tokens", "head_loss", "target_features", "teacher_agreement"]
+__all__ = [
+    "LossWeights",
+    "cosine_lr",
+    "frequent_tokens",
+    "head_loss",
+    "pack_by_length",
+    "target_features",
+    "teacher_agreement",
+    "train_step",
+]
 
 
 @dataclass(frozen=True)
@@ -135,3 +145,37 @@ def teacher_agreement(
         theirs = (z[:, 1:] @ lm_head_weight.float().T).argmax(-1)
         hits = ((mine == theirs) & pair_valid).sum()
         return float(hits) / max(int(pair_valid.sum()), 1)
+
+
+def pack_by_length(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Batches of sequence indices, similar lengths together, at most ``max_tokens`` padded tokens each.
+
+    Sorted by length (stable), then cut greedily; the caller shuffles the
+    batches. A sequence longer than ``max_tokens`` is a batch of its own.
+    """
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if cur and (len(cur) + 1) * lengths[i] > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def cosine_lr(peak: float, step: int, progress: float, warmup: int) -> float:
+    """The learning rate at ``step``: linear warm-up over ``warmup`` steps, then cosine decay to 0 at
+    ``progress`` = 1 (the share of the time budget spent)."""
+    return peak * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def train_step(head: nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor, lr: float) -> None:
+    """One optimizer step on ``loss`` at learning rate ``lr``, gradients clipped to norm 1."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+    optimizer.step()
