@@ -582,16 +582,9 @@ def n_params(model: Any) -> int:
 
 def make_batches(records: list[dict[str, Any]], max_tokens: int, rng: random.Random) -> list[list[int]]:
     """Group sequences of similar length into batches of about ``max_tokens`` (padded) tokens."""
-    lens = [len(r["prompt"]) + len(r["tokens"]) for r in records]
-    order = sorted(range(len(records)), key=lambda i: (lens[i], i))
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lens[i] > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
+    from specjax.drafters.eagle_train import pack_by_length
+
+    batches = pack_by_length([len(r["prompt"]) + len(r["tokens"]) for r in records], max_tokens)
     rng.shuffle(batches)
     return batches
 
