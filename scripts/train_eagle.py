@@ -166,19 +166,23 @@ def collate(data: list[dict[str, Any]], idx: list[int]) -> tuple[Any, Any, Any]:
     return ids, z, valid
 
 
-def agreement(head: Any, target: Any, data: list[dict[str, Any]], generated_only: bool = True) -> float:
-    """Teacher-forced first-position agreement over ``data`` (generated positions only by default)."""
-    from specjax.drafters.eagle_train import teacher_agreement
+def agreement(head: Any, target: Any, data: list[dict[str, Any]]) -> float:
+    """Teacher-forced first-position agreement over the generated positions of ``data``.
+
+    The head sees the prompt's pairs too, as when it drafts after a prompt
+    (:func:`specjax.drafters.eagle_train.agreement_counts`).
+    """
+    import torch
+
+    from specjax.drafters.eagle_train import agreement_counts
 
     embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight
-    hits = total = 0.0
+    hits = total = 0
     for i in range(len(data)):
         ids, z, valid = collate(data, [i])
-        if generated_only:
-            valid[0, : max(data[i]["prompt_len"] - 1, 0)] = False
-        n = int((valid[:, :-1] & valid[:, 1:]).sum())
-        hits += teacher_agreement(head, embed, w, z, ids, valid) * n
-        total += n
+        generated = torch.arange(ids.shape[1] - 1)[None, :] >= data[i]["prompt_len"] - 1
+        h, n = agreement_counts(head, embed, w, z, ids, valid, generated)
+        hits, total = hits + h, total + n
     return hits / max(total, 1)
 
 
@@ -311,13 +315,31 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
 
     head = load_head(path).eval()
     _, held_prompts = train_draft.build_prompts(args.train_prompts, args.heldout_prompts, args.seed)
+    held = train_draft.generate_set(
+        target,
+        tok,
+        held_prompts,
+        temperature=0.0,
+        max_new=args.max_new_tokens,
+        batch=len(held_prompts),
+        seed=args.seed,
+        topk=args.topk,
+        label="held-out greedy",
+    )
+    held_agree = agreement(head, target, with_features(target, held))
+    log(f"teacher-forced first-position agreement on {len(held)} held-out generations: {held_agree:.3f}")
     drafted = drafted_acceptance(head, target, tok, held_prompts[: args.eval_prompts])
     log(f"drafting on {args.eval_prompts} held-out prompts: {drafted}")
     t_draft = time_per_draft_token(head, target)
     log(f"time per draft token {t_draft * 1e3:.2f} ms")
     report_file = path / "training_report.json"
     report = json.loads(report_file.read_text()) if report_file.is_file() else {}
-    report.update(drafted, time_per_draft_token_s=t_draft, evaluated_on_prompts=args.eval_prompts)
+    report.update(
+        drafted,
+        heldout_agreement_first_position_cpu=held_agree,
+        time_per_draft_token_s=t_draft,
+        evaluated_on_prompts=args.eval_prompts,
+    )
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     log(f"updated {report_file}")
     return 0

@@ -217,38 +217,23 @@ def generate(
     return ids, conts
 
 
-def agreement(head: Any, target: Any, ids: Any, feats: Any, valid: Any, prompt_lens: Any) -> tuple[float, float]:
-    """Teacher-forced agreement with the target's greedy token on generated positions: first and second draft position.
-
-    Second position: the head's input feature at t+1 is its own prediction from t
-    (as when it drafts its second token), the token embedding the real one.
-    """
+def agreement(
+    eagle_train: Any, head: Any, target: Any, ids: Any, feats: Any, valid: Any, prompt_lens: Any
+) -> tuple[float, float]:
+    """Teacher-forced agreement with the target's greedy token on generated positions: first and second draft
+    position (:func:`specjax.drafters.eagle_train.agreement_counts`)."""
     import torch
 
-    w = target.get_output_embeddings().weight
-    embed = target.get_input_embeddings()
-    hits1 = hits2 = n1 = n2 = 0
-    with torch.inference_mode():
-        for s in range(0, ids.shape[0], 64):
-            x, z, v = ids[s : s + 64], feats[s : s + 64].float(), valid[s : s + 64]
-            gen = torch.arange(x.shape[1], device=x.device)[None, :] >= (prompt_lens[s : s + 64, None] - 1)
-            pv = v[:, :-1] & v[:, 1:]
-            emb = embed(x[:, 1:]).float()
-            pred = head(z[:, :-1], emb, pv)
-            sub = w[head.token_ids].float()
-            mine = head.token_ids[(pred @ sub.T).argmax(-1)]
-            theirs = (z[:, 1:] @ w.float().T).argmax(-1)
-            m1 = pv & gen[:, :-1]
-            hits1 += int(((mine == theirs) & m1).sum())
-            n1 += int(m1.sum())
-            fed = torch.cat([z[:, :1], pred[:, :-1]], dim=1)
-            pred2 = head(fed, emb, pv)
-            mine2 = head.token_ids[(pred2 @ sub.T).argmax(-1)]
-            m2 = m1.clone()
-            m2[:, 0] = False
-            hits2 += int(((mine2 == theirs) & m2).sum())
-            n2 += int(m2.sum())
-    return hits1 / max(n1, 1), hits2 / max(n2, 1)
+    w, embed = target.get_output_embeddings().weight, target.get_input_embeddings()
+    totals = [[0, 0], [0, 0]]
+    for s in range(0, ids.shape[0], 64):
+        x, z, v = ids[s : s + 64], feats[s : s + 64].float(), valid[s : s + 64]
+        generated = torch.arange(x.shape[1] - 1, device=x.device)[None, :] >= (prompt_lens[s : s + 64, None] - 1)
+        for k, own in enumerate((False, True)):
+            hits, n = eagle_train.agreement_counts(head, embed, w, z, x, v, generated, own_feature=own)
+            totals[k][0] += hits
+            totals[k][1] += n
+    return totals[0][0] / max(totals[0][1], 1), totals[1][0] / max(totals[1][1], 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         head.eval()
         out = args.out / name
         eagle_head.save_head(head, out)
-        a1, a2 = agreement(head, target, h_ids, h_feats, h_valid, h_plen)
+        a1, a2 = agreement(eagle_train, head, target, h_ids, h_feats, h_valid, h_plen)
         sub = torch.randperm(ids.shape[0], generator=cpu_gen)[:400].to(ids.device)
-        t1, t2 = agreement(head, target, ids[sub], feats[sub], valid[sub], plen[sub])
+        t1, t2 = agreement(eagle_train, head, target, ids[sub], feats[sub], valid[sub], plen[sub])
         report = {
             "heldout_agreement_first_position": a1,
             "heldout_agreement_second_position_own_feature": a2,

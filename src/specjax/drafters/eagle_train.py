@@ -29,6 +29,7 @@ from specjax.drafters.eagle_head import EagleHead
 
 __all__ = [
     "LossWeights",
+    "agreement_counts",
     "cosine_lr",
     "frequent_tokens",
     "head_loss",
@@ -124,6 +125,40 @@ def head_loss(
     return loss, parts
 
 
+def agreement_counts(
+    head: EagleHead,
+    embed: nn.Module,
+    lm_head_weight: torch.Tensor,
+    z: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    scored: torch.Tensor | None = None,
+    own_feature: bool = False,
+) -> tuple[int, int]:
+    """(hits, pairs scored): teacher-forced top-1 agreement of the head with the target's greedy choice.
+
+    At each pair t, whether the argmax of the head's scores equals the argmax
+    of the target's full logits at ``z_{t+1}`` (over all V, so a token outside
+    the head's N counts as a miss). The head sees every valid pair (as when it
+    drafts after the prompt); only pairs in ``scored`` (bool[B, L-1], e.g.
+    those predicting generated tokens; default: all valid pairs) count.
+    ``own_feature``: the second draft position instead, the input feature at
+    t being the head's own prediction from t - 1 (pair 0 is not scored).
+    """
+    with torch.inference_mode():
+        pair_valid = valid[:, :-1] & valid[:, 1:]
+        emb = embed(tokens[:, 1:]).float()
+        pred = head(z[:, :-1], emb, pair_valid)
+        count = pair_valid if scored is None else pair_valid & scored
+        if own_feature:
+            pred = head(torch.cat([z[:, :1], pred[:, :-1]], dim=1), emb, pair_valid)
+            count = count.clone()
+            count[:, 0] = False
+        mine = head.token_ids[(pred @ lm_head_weight[head.token_ids].float().T).argmax(-1)]
+        theirs = (z[:, 1:] @ lm_head_weight.float().T).argmax(-1)
+        return int(((mine == theirs) & count).sum()), int(count.sum())
+
+
 def teacher_agreement(
     head: EagleHead,
     embed: nn.Module,
@@ -132,19 +167,9 @@ def teacher_agreement(
     tokens: torch.Tensor,
     valid: torch.Tensor,
 ) -> float:
-    """Teacher-forced top-1 agreement of the head with the target's greedy choice (first draft position).
-
-    At each pair, whether the argmax of the head's scores equals the argmax of
-    the target's full logits at ``z_{t+1}`` (over all V, so a token outside the
-    head's N counts as a miss).
-    """
-    with torch.inference_mode():
-        pair_valid = valid[:, :-1] & valid[:, 1:]
-        pred = head(z[:, :-1], embed(tokens[:, 1:]).float(), pair_valid)
-        mine = head.token_ids[(pred @ lm_head_weight[head.token_ids].float().T).argmax(-1)]
-        theirs = (z[:, 1:] @ lm_head_weight.float().T).argmax(-1)
-        hits = ((mine == theirs) & pair_valid).sum()
-        return float(hits) / max(int(pair_valid.sum()), 1)
+    """Teacher-forced top-1 agreement over every valid pair (first draft position): see :func:`agreement_counts`."""
+    hits, n = agreement_counts(head, embed, lm_head_weight, z, tokens, valid)
+    return hits / max(n, 1)
 
 
 def pack_by_length(lengths: list[int], max_tokens: int) -> list[list[int]]:
