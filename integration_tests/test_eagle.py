@@ -178,6 +178,47 @@ def test_commits_are_read_when_the_head_drafts_and_all_at_once_as_one_by_one(tar
     np.testing.assert_array_equal(lazy_out.num_tokens, eager_out.num_tokens)
 
 
+def test_dropping_rows_keeps_their_commits_unread_and_drafts_the_same(target, trained, left_padded):
+    """Rows that finish leave without a head forward (a call that never drafts never runs the head); the
+    rows kept propose what they would have after reading their commits before the drop."""
+    from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup
+
+    head, _, _ = trained
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    batch, d = ids.shape[0], target.config.hidden_size
+    assert batch >= 3
+    gen = torch.Generator().manual_seed(11)
+    hidden_prompt = torch.randn(batch, ids.shape[1] - 1, d, generator=gen)
+    emitted = [[3, 4][: 1 + b % 2] for b in range(batch)]
+    hidden = torch.randn(batch, 2, d, generator=gen)
+    keep = [batch - 1, 0]  # reordered, and at least one row dropped
+
+    def prepared():
+        drafter = EagleDrafter(head)
+        drafter.start(DraftSetup(target, ids, mask, [[] for _ in range(batch)], V, 4, _sampling(batch), hidden_prompt))
+        counts = np.array([len(e) for e in emitted])
+        drafter.commit(CommitInfo(emitted, counts - 1, np.zeros(batch, np.int64), hidden))
+        return drafter
+
+    calls = []
+    lazy, eager = prepared(), prepared()
+    eager._read_commits()
+    original = head.forward
+    head.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        lazy.select_rows(keep)
+        eager.select_rows(keep)
+        assert calls == []  # neither ran the head to drop rows
+        request = DraftRequest(0, [[] for _ in keep], np.full(len(keep), 2), np.ones(len(keep), bool), _sampling(2))
+        lazy_out, eager_out = lazy.propose(request), eager.propose(request)
+    finally:
+        head.forward = original
+    assert len(calls) == 1 + 1 + 1  # the lazy one read its kept rows' commits; each drafted one more
+    torch.testing.assert_close(lazy._feature, eager._feature, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(lazy_out.tokens, eager_out.tokens)
+    assert lazy.cache.num_valid.tolist() == eager.cache.num_valid.tolist()
+
+
 def test_saved_head_loads_and_drafts_the_same(target, trained, tmp_path):
     from specjax.drafters.eagle_head import load_head, save_head
 

@@ -21,8 +21,8 @@ The prompt's pairs come from the loop's prefill forward
 (:attr:`DraftSetup.target_hidden`), so the first step drafts too (not for a
 prompt of one token: there is no pair before the target scores it).
 
-A commit only keeps its pairs; the head reads them when it next drafts (or
-when rows are dropped), all pending commits (and at first the prompt's
+A commit only keeps its pairs; the head reads them when it next drafts,
+all pending commits (and at first the prompt's
 pairs) in one forward; when every row is greedy, that forward also scores the
 head in hindsight on the tokens the target committed in plain steps (its first
 choice just before each), which the proposal reports to the loop's schedule
@@ -248,9 +248,13 @@ class EagleDrafter:
             tests[j] += int(use.sum())
 
     def select_rows(self, rows: list[int]) -> None:
+        """Keep ``rows``; their unread commits stay unread (the head reads them when it next drafts:
+        reading them here ran the head over the prompt at the first finished row of a call that never
+        drafted)."""
         assert self.cache is not None and self._feature is not None
-        self._read_commits()
         index = torch.as_tensor(rows, device=self._feature.device)
+        self._unread = [(f[index], i[index], v[index]) for f, i, v in self._unread]
+        self._untested = [u[rows] for u in self._untested]
         self.cache.select_rows(index)
         self._feature = self._feature[index]
         self._has_feature = self._has_feature[rows]
