@@ -236,6 +236,31 @@ def test_torch_sampler_accepts_every_input_kind() -> None:
         assert out.num_accepted.tolist() == expected[0].tolist(), kind
 
 
+class _ForeignDeviceArray:
+    """An array on a device torch cannot import by DLPack (as JAX's TPU arrays): only a host copy works."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (4, 0)  # kDLOpenCL: not a device torch.from_dlpack takes
+
+    def __dlpack__(self, *args: object, **kwargs: object) -> object:
+        raise BufferError("__dlpack__ device only supported for CPU and GPU")
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        return self.data if dtype is None else self.data.astype(dtype)
+
+
+def test_torch_sampler_copies_arrays_torch_cannot_import_through_the_host() -> None:
+    x, q, p, u, s = _small()
+    expected = run("numpy", i32(x), f32(q), f32(p), f32(u), f32(s))
+    args = [_ForeignDeviceArray(a) for a in (i32(x), f32(q), f32(p), f32(u), f32(s))]
+    out = torch_rejection_sample(*args)
+    assert out.tokens.tolist() == expected[1].tolist()
+    assert out.num_accepted.tolist() == expected[0].tolist()
+
+
 def test_numpy_sampler_accepts_torch_and_jax() -> None:
     x, q, p, u, s = _small()
     for args in (

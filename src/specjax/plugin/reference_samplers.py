@@ -237,6 +237,18 @@ def numpy_rejection_sample(
 # --------------------------------------------------------------------------- #
 
 
+# DLPack device types torch imports: CPU, CUDA, CUDA host memory, ROCm
+_TORCH_DLPACK_DEVICES = frozenset({1, 2, 3, 10})
+
+
+def _torch_can_import(x: Any) -> bool:
+    """Whether ``torch.from_dlpack`` takes ``x``: a TPU array (JAX refuses to export it) is copied to the host."""
+    try:
+        return int(x.__dlpack_device__()[0]) in _TORCH_DLPACK_DEVICES
+    except Exception:  # no __dlpack_device__, or the producer refuses: copy through the host
+        return False
+
+
 def _as_torch(name: str, x: Any) -> Any:
     import torch
 
@@ -244,7 +256,7 @@ def _as_torch(name: str, x: Any) -> Any:
         raise ValueError(f"{name}: expected an array, got None")
     if isinstance(x, torch.Tensor):
         return x
-    if _is_jax(x) or (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)):
+    if (_is_jax(x) or (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray))) and _torch_can_import(x):
         return torch.from_dlpack(x)  # zero-copy; JAX is not imported here
     arr = _as_numpy(name, x)
     if arr.dtype.name == "bfloat16":  # ml_dtypes
