@@ -99,6 +99,7 @@ def prepare(args: argparse.Namespace) -> int:
 
     tr_ids, tr_off = pack(train)
     ho_ids, ho_off = pack(held)
+    ref_ids, ref_valid, ref_feats = reference(gguf, [train_draft.chat_ids(tok, p) for p in held[:REF_ROWS]])
     np.savez(
         args.out,
         train_ids=tr_ids,
@@ -107,9 +108,81 @@ def prepare(args: argparse.Namespace) -> int:
         held_offsets=ho_off,
         prefix=np.asarray(prefix, np.int32),
         suffix=np.asarray(suffix, np.int32),
+        ref_ids=ref_ids,
+        ref_valid=ref_valid,
+        ref_feats=ref_feats,
     )
     print(f"{len(train)} training and {len(held)} held-out prompts; template {prefix} ... {suffix} -> {args.out}")
     return 0
+
+
+REF_ROWS, REF_NEW = 4, 48
+
+
+def reference(gguf: Path, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The CPU target's own greedy continuations (``REF_NEW`` tokens) of ``prompts`` and its float32 features
+    over prompt + continuation: (ids i32[R, W] right-padded, valid bool[R, W], feats f32[R, W, d]), for
+    :func:`check_target` to hold the chip's numbers against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    seqs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=REF_NEW, do_sample=False, pad_token_id=EOS_ID)
+            seqs.append(out[0].tolist())
+        width = max(len(s) for s in seqs)
+        ids = np.full((len(seqs), width), EOS_ID, np.int32)
+        valid = np.zeros((len(seqs), width), bool)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)], valid[j, : len(s)] = s, True
+        feats = model.model(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(valid).long())
+    return ids, valid, feats.last_hidden_state.numpy().astype(np.float32)
+
+
+def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse.Namespace) -> dict[str, float]:
+    """Hold the chip's target against the CPU's (``prepare``'s reference): features and greedy tokens.
+
+    Raises SystemExit when the features differ by more than 2 % (relative RMS) or
+    the greedy tokens by more than a quarter: a head trained on such features
+    would learn another model (it happened once: 0.86 agreement on the chip,
+    0.27 on the CPU).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    ids, valid, want = pr["ref_ids"], pr["ref_valid"], pr["ref_feats"]
+    store = Store(args.seq_buckets)  # the very path the training data takes, at its shapes and in bfloat16
+    for j in range(ids.shape[0]):
+        store.add([ids[j, : valid[j].sum()].tolist()], [[]])
+    built = store.build(feat_fn, params, args.feature_rows)
+    sq = total = 0.0
+    for w, d in built.items():
+        rows = [j for j in range(ids.shape[0]) if bucket(int(valid[j].sum()), args.seq_buckets) == w]
+        for r, j in enumerate(rows):
+            n = int(valid[j].sum())
+            got = np.asarray(d["feats"][r, :n], np.float32)
+            sq += float(np.sum((got - want[j, :n]) ** 2))
+            total += float(np.sum(want[j, :n] ** 2))
+    err = math.sqrt(sq / total)
+    same = mism = 0
+    for j in range(ids.shape[0]):
+        n = int(valid[j].sum())
+        plen = n - REF_NEW
+        p = np.full((1, 128), EOS_ID, np.int32)
+        v = np.zeros((1, 128), bool)
+        p[0, 128 - plen :], v[0, 128 - plen :] = ids[j, :plen], True
+        out = np.asarray(gen_fn(params, jnp.asarray(p), jnp.asarray(v), jax.random.key(0), jnp.float32(0.0)))[0]
+        k = min(REF_NEW, len(out))
+        first = next((i for i in range(k) if out[i] != ids[j, plen + i]), k)
+        same += first
+        mism += k - first
+    res = {"feature_rms_error": err, "greedy_tokens_agreeing_before_first_difference": same / max(same + mism, 1)}
+    log(f"the chip's target against the CPU's: {res}")
+    if err > 0.02 or res["greedy_tokens_agreeing_before_first_difference"] < 0.75:
+        raise SystemExit(f"the target on {jax.devices()[0].device_kind} does not match the CPU's: {res}")
+    return res
 
 
 def import_head(args: argparse.Namespace) -> int:
@@ -213,7 +286,6 @@ def _layers(params: dict[str, Any], cfg: dict[str, Any], x: Any, pos: Any, mask:
     their keys and values are written at ``slot`` and the attention reads the whole cache under ``mask``
     (bool[B, W, S]); without, it attends over the W tokens under ``mask`` (bool[B, W, W])."""
     import jax
-    import jax.numpy as jnp
 
     nh, nkv, eps, theta = cfg["heads"], cfg["kv_heads"], cfg["rms_eps"], cfg["rope_theta"]
     b, w, d = x.shape
@@ -515,7 +587,9 @@ def train(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     args.out.mkdir(parents=True, exist_ok=True)
-    log(f"devices {jax.devices()}")
+    if args.precision != "default":
+        jax.config.update("jax_default_matmul_precision", args.precision)
+    log(f"devices {jax.devices()}, matrix products at {args.precision!r} precision")
     params_np, cfg = target_params(args.parts)
     params = jax.tree.map(jnp.asarray, params_np)
     pr = np.load(args.parts / "prompts.npz")
@@ -527,7 +601,13 @@ def train(args: argparse.Namespace) -> int:
     gen_fn = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.max_new_tokens))
     gen_user = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.user_tokens))
     feat_fn = jax.jit(lambda p, i, v: features(p, cfg, i, v))
-    summary: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "target": cfg, "variants": {}}
+    summary_check = check_target(params, pr, feat_fn, gen_fn, args)
+    summary: dict[str, Any] = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "target": cfg,
+        "target_check": summary_check,
+        "variants": {},
+    }
 
     # self-generated prompts
     t = time.perf_counter()
@@ -579,7 +659,8 @@ def train(args: argparse.Namespace) -> int:
     jax.block_until_ready([d["feats"] for d in data.values()])
     positions = sum(d["tokens"] for d in data.values())
     log(
-        f"data: {positions} positions in buckets { {w: d['ids'].shape for w, d in data.items()} }, {gen_s:.0f} s + features"
+        f"data: {positions} positions in buckets { {w: d['ids'].shape for w, d in data.items()} }, "
+        f"{gen_s:.0f} s + features"
     )
     summary.update(generation_s=gen_s, training_positions=positions, rounds_begun=r)
 
@@ -709,6 +790,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pt.add_argument("--lr", type=float, default=2e-3)
     pt.add_argument("--variant", action="append", choices=sorted(VARIANTS))
     pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument(
+        "--precision",
+        choices=("default", "high", "highest"),
+        default="default",
+        help="JAX's matrix-product precision (a TPU's default rounds float32 inputs to bfloat16)",
+    )
     pt.add_argument("--quick", action="store_true", help="a smoke run: tiny budgets")
     args = p.parse_args(argv)
     if args.cmd == "train":
