@@ -141,6 +141,21 @@ def reference(gguf: Path, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndar
     return ids, valid, feats.last_hidden_state.numpy().astype(np.float32)
 
 
+def checked_features(params: Any, cfg: dict[str, Any], pr: Any, gen_fn: Any, args: argparse.Namespace) -> Any:
+    """The jitted feature function whose numbers match the CPU's (:func:`check_target`): the direct path,
+    else through a KV cache; SystemExit if neither does."""
+    import jax
+
+    errors = []
+    for via_cache in (False, True):
+        fn = jax.jit(lambda p, i, v, c=via_cache: features(p, cfg, i, v, c))
+        try:
+            return fn, {**check_target(params, pr, fn, gen_fn, args), "features_via_cache": via_cache}
+        except SystemExit as err:
+            errors.append(str(err))
+    raise SystemExit("; ".join(errors))
+
+
 def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse.Namespace) -> dict[str, float]:
     """Hold the chip's target against the CPU's (``prepare``'s reference): features and greedy tokens.
 
@@ -212,8 +227,12 @@ def target_params(parts: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     import gguf_parts
 
     paths = sorted(parts.glob("part*.npz"))
-    sd = gguf_parts.load_state_dict(paths)
-    hf = gguf_parts.load_config(paths)
+    return params_from_state_dict(gguf_parts.load_state_dict(paths), gguf_parts.load_config(paths))
+
+
+def params_from_state_dict(sd: dict[str, Any], hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params, config) for :func:`features` and :func:`generate` from a Llama state dict (transformers'
+    names, float32 numpy) and its config's fields (``num_hidden_layers``, ``hidden_size``, ...)."""
     cfg = {
         "n_layers": hf["num_hidden_layers"],
         "hidden": hf["hidden_size"],
@@ -312,14 +331,21 @@ def _layers(params: dict[str, Any], cfg: dict[str, Any], x: Any, pos: Any, mask:
     return rms_norm(x, params["norm"], eps), (ck, cv)
 
 
-def features(params: dict[str, Any], cfg: dict[str, Any], ids: Any, valid: Any) -> Any:
-    """f32[B, W, d]: the target's final normed hidden state at every position of right-padded ``ids``."""
+def features(params: dict[str, Any], cfg: dict[str, Any], ids: Any, valid: Any, via_cache: bool = False) -> Any:
+    """f32[B, W, d]: the target's final normed hidden state at every position of right-padded ``ids``.
+
+    ``via_cache``: through a KV cache as the generation's prefill does (the same
+    numbers on a CPU; a second path to fall back on where a chip disagrees)."""
     import jax.numpy as jnp
 
-    w = ids.shape[1]
+    b, w = ids.shape
     pos = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), ids.shape)
     mask = jnp.tril(jnp.ones((w, w), bool))[None] & valid[:, None, :]
-    z, _ = _layers(params, cfg, params["embed"][ids], pos, mask, None, 0)
+    caches = None
+    if via_cache:
+        shape = (params["layers"]["wq"].shape[0], b, w, cfg["kv_heads"], cfg["hidden"] // cfg["heads"])
+        caches = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+    z, _ = _layers(params, cfg, params["embed"][ids], pos, mask, caches, 0)
     return z
 
 
@@ -600,8 +626,7 @@ def train(args: argparse.Namespace) -> int:
     log(f"target {cfg}; {len(train_prompts)} template prompts, {len(held_prompts)} held-out")
     gen_fn = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.max_new_tokens))
     gen_user = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.user_tokens))
-    feat_fn = jax.jit(lambda p, i, v: features(p, cfg, i, v))
-    summary_check = check_target(params, pr, feat_fn, gen_fn, args)
+    feat_fn, summary_check = checked_features(params, cfg, pr, gen_fn, args)
     summary: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "target": cfg,

