@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
 .PHONY: install install-vllm test-vllm test test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
-	clean train-draft train-eagle train-eagle-gpu fuzz soak
+	clean train-draft train-eagle train-eagle-gpu tpu-parts fuzz soak
 
 # --no-compile: pip would byte-compile every module of torch, JAX and transformers
 # (about a minute here); Python compiles the ones a program imports, once, instead.
@@ -165,6 +165,13 @@ train-eagle: $(STAMP)
 train-eagle-gpu:
 	HF_HUB_OFFLINE=1 $(PYTHON) scripts/train_eagle_gpu.py --out build/eagle-gpu --gen-minutes 3.0 \
 		--train-minutes 4.2 --variant kd --variant kd-unroll --variant kd-noise
+
+# The TPU recipe's inputs (docs/draft.md), in .tpu-w/: the target's GGUF file in parts under the
+# device's upload limit, the tokenized prompts and the CPU target's reference features.
+tpu-parts: $(STAMP)
+	$(PY) scripts/gguf_parts.py split --out .tpu-w --gguf "$$($(PY) -c 'import sys; sys.path.insert(0, "scripts"); \
+		import train_eagle_tpu as t; print(t.default_gguf())')"
+	HF_HUB_OFFLINE=1 $(PY) scripts/train_eagle_tpu.py prepare --out .tpu-w/prompts.npz
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .jax-cache .specjax-cache

