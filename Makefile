@@ -169,8 +169,7 @@ train-eagle-gpu:
 # The TPU recipe's inputs (docs/draft.md), in .tpu-w/: the target's GGUF file in parts under the
 # device's upload limit, the tokenized prompts and the CPU target's reference features.
 tpu-parts: $(STAMP)
-	$(PY) scripts/gguf_parts.py split --out .tpu-w --gguf "$$($(PY) -c 'import sys; sys.path.insert(0, "scripts"); \
-		import train_eagle_tpu as t; print(t.default_gguf())')"
+	$(PY) scripts/gguf_parts.py split --out .tpu-w
 	HF_HUB_OFFLINE=1 $(PY) scripts/train_eagle_tpu.py prepare --out .tpu-w/prompts.npz
 
 clean:

