@@ -140,18 +140,25 @@ def reference(gguf: Path, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndar
     return ids, valid, feats.last_hidden_state.numpy().astype(np.float32)
 
 
-def checked_features(params: Any, cfg: dict[str, Any], pr: Any, gen_fn: Any, args: argparse.Namespace) -> Any:
-    """The jitted feature function whose numbers match the CPU's (:func:`check_target`): the direct path,
-    else through a KV cache; SystemExit if neither does."""
+def checked_features(params: Any, cfg: dict[str, Any], pr: Any, args: argparse.Namespace) -> Any:
+    """(feature function, generation function, check figures) whose numbers match the CPU's
+    (:func:`check_target`): at each matrix-product precision that ``--precision`` allows (``auto``: the
+    chip's default, then ``highest``), the direct path, else through a KV cache; SystemExit if none does.
+    The precision found stays set for the rest of the run."""
     import jax
 
     errors = []
-    for via_cache in (False, True):
-        fn = jax.jit(lambda p, i, v, c=via_cache: features(p, cfg, i, v, c))
-        try:
-            return fn, {**check_target(params, pr, fn, gen_fn, args), "features_via_cache": via_cache}
-        except SystemExit as err:
-            errors.append(str(err))
+    for precision in ("default", "highest") if args.precision == "auto" else (args.precision,):
+        jax.config.update("jax_default_matmul_precision", None if precision == "default" else precision)
+        gen_fn = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.max_new_tokens))
+        for via_cache in (False, True):
+            fn = jax.jit(lambda p, i, v, c=via_cache: features(p, cfg, i, v, c))
+            try:
+                res = check_target(params, pr, fn, gen_fn, args)
+            except SystemExit as err:
+                errors.append(f"{precision}, via cache {via_cache}: {err}")
+                continue
+            return fn, gen_fn, {**res, "features_via_cache": via_cache, "precision": precision}
     raise SystemExit("; ".join(errors))
 
 
@@ -612,8 +619,6 @@ def train(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.precision != "default":
-        jax.config.update("jax_default_matmul_precision", args.precision)
     log(f"devices {jax.devices()}, matrix products at {args.precision!r} precision")
     params_np, cfg = target_params(args.parts)
     params = jax.tree.map(jnp.asarray, params_np)
@@ -623,9 +628,8 @@ def train(args: argparse.Namespace) -> int:
     held_prompts = split(pr["held_ids"], pr["held_offsets"])[: args.heldout_prompts]
     prefix, suffix = pr["prefix"].tolist(), pr["suffix"].tolist()
     log(f"target {cfg}; {len(train_prompts)} template prompts, {len(held_prompts)} held-out")
-    gen_fn = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.max_new_tokens))
+    feat_fn, gen_fn, summary_check = checked_features(params, cfg, pr, args)
     gen_user = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.user_tokens))
-    feat_fn, summary_check = checked_features(params, cfg, pr, gen_fn, args)
     summary: dict[str, Any] = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "target": cfg,
@@ -761,9 +765,24 @@ def train(args: argparse.Namespace) -> int:
                     )
                 )
         a1, a2 = tot[0] / max(tot[1], 1), tot[2] / max(tot[3], 1)
+        # the same on the CPU target's own features (prepare's reference rows): what the head will meet
+        n_ref = pr["ref_valid"].sum(1).astype(np.int32)
+        ref = np.asarray(
+            agree(
+                hp,
+                embed=embed,
+                token_ids=jnp.asarray(token_ids),
+                z=jnp.asarray(pr["ref_feats"]),
+                ids=jnp.asarray(pr["ref_ids"]),
+                valid=jnp.asarray(pr["ref_valid"]),
+                plen=jnp.asarray(n_ref - REF_NEW),
+            )
+        )
+        c1 = ref[0] / max(ref[1], 1)
         report = {
             "heldout_agreement_first_position": float(a1),
             "heldout_agreement_second_position_own_feature": float(a2),
+            "cpu_reference_agreement_first_position": float(c1),
             "loss_weights": dict(zip(("regression", "distill", "unroll", "noise"), weights, strict=True)),
             "train_steps": n_step,
             "train_minutes": train_s / 60,
@@ -774,7 +793,10 @@ def train(args: argparse.Namespace) -> int:
             "args": summary["args"],
         }
         summary["variants"][name] = report
-        log(f"{name}: {n_step} steps in {train_s:.0f} s, held-out agreement {a1:.3f} / {a2:.3f}")
+        log(
+            f"{name}: {n_step} steps in {train_s:.0f} s, held-out agreement {a1:.3f} / {a2:.3f}, "
+            f"on the CPU's reference features {c1:.3f}"
+        )
         host = {k: np.asarray(v, np.float16) for k, v in hp.items()}
         np.savez(
             args.out / f"{name}.npz", token_ids=token_ids, config=json.dumps(hc), report=json.dumps(report), **host
@@ -816,9 +838,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pt.add_argument("--seed", type=int, default=0)
     pt.add_argument(
         "--precision",
-        choices=("default", "high", "highest"),
-        default="default",
-        help="JAX's matrix-product precision (a TPU's default rounds float32 inputs to bfloat16)",
+        choices=("auto", "default", "high", "highest"),
+        default="auto",
+        help="JAX's matrix-product precision (a TPU's default rounds float32 inputs to bfloat16); "
+        "auto: the default if the target check passes there, else highest",
     )
     pt.add_argument("--quick", action="store_true", help="a smoke run: tiny budgets")
     args = p.parse_args(argv)
