@@ -162,7 +162,7 @@ def checked_features(params: Any, cfg: dict[str, Any], pr: Any, args: argparse.N
     raise SystemExit("; ".join(errors))
 
 
-def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse.Namespace) -> dict[str, float]:
+def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Hold the chip's target against the CPU's (``prepare``'s reference): features and greedy tokens.
 
     Raises SystemExit when the features differ by more than 2 % (relative RMS) or
@@ -171,35 +171,35 @@ def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse
     0.27 on the CPU).
     """
     import jax
-    import jax.numpy as jnp
 
     ids, valid, want = pr["ref_ids"], pr["ref_valid"], pr["ref_feats"]
-    store = Store(args.seq_buckets)  # the very path the training data takes, at its shapes and in bfloat16
-    for j in range(ids.shape[0]):
-        store.add([ids[j, : valid[j].sum()].tolist()], [[]])
-    built = store.build(feat_fn, params, args.feature_rows)
-    sq = total = 0.0
-    for w, d in built.items():
-        rows = [j for j in range(ids.shape[0]) if bucket(int(valid[j].sum()), args.seq_buckets) == w]
-        for r, j in enumerate(rows):
-            n = int(valid[j].sum())
-            got = np.asarray(d["feats"][r, :n], np.float32)
-            sq += float(np.sum((got - want[j, :n]) ** 2))
-            total += float(np.sum(want[j, :n] ** 2))
-    err = math.sqrt(sq / total)
+    lens = valid.sum(1).astype(int)
+    # the very path the training data takes, in bfloat16, at every width the data may have (the reference
+    # rows padded to each bucket: a chip may compute a long row otherwise than a short one)
+    errs = {}
+    for w in [s for s in args.seq_buckets if s >= lens.max()]:
+        store = Store((w,))
+        store.add([ids[j, : lens[j]].tolist() for j in range(len(lens))], [[] for _ in lens])
+        got = np.asarray(store.build(feat_fn, params, args.feature_rows)[w]["feats"], np.float32)
+        sq = sum(float(np.sum((got[j, : lens[j]] - want[j, : lens[j]]) ** 2)) for j in range(len(lens)))
+        total = sum(float(np.sum(want[j, : lens[j]] ** 2)) for j in range(len(lens)))
+        errs[w] = math.sqrt(sq / total)
+    err = max(errs.values())
+    # greedy tokens through the generation's own batching (a full batch of the reference prompts)
+    prompts = [ids[j, : lens[j] - REF_NEW].tolist() for j in range(len(lens))]
+    batch = [prompts[i % len(prompts)] for i in range(args.gen_batch)]
     same = mism = 0
-    for j in range(ids.shape[0]):
-        n = int(valid[j].sum())
-        plen = n - REF_NEW
-        p = np.full((1, 128), EOS_ID, np.int32)
-        v = np.zeros((1, 128), bool)
-        p[0, 128 - plen :], v[0, 128 - plen :] = ids[j, :plen], True
-        out = np.asarray(gen_fn(params, jnp.asarray(p), jnp.asarray(v), jax.random.key(0), jnp.float32(0.0)))[0]
+    for i, out in enumerate(run_generation(gen_fn, params, batch, 0.0, 0, args)):
+        j = i % len(prompts)
         k = min(REF_NEW, len(out))
-        first = next((i for i in range(k) if out[i] != ids[j, plen + i]), k)
+        first = next((t for t in range(k) if out[t] != ids[j, len(prompts[j]) + t]), k)
         same += first
         mism += k - first
-    res = {"feature_rms_error": err, "greedy_tokens_agreeing_before_first_difference": same / max(same + mism, 1)}
+    res = {
+        "feature_rms_error": err,
+        "feature_rms_error_by_width": errs,
+        "greedy_tokens_agreeing_before_first_difference": same / max(same + mism, 1),
+    }
     log(f"the chip's target against the CPU's: {res}")
     # (bfloat16 rounding may flip a near-tie and end a greedy run early: half is the bar there)
     if err > 0.02 or res["greedy_tokens_agreeing_before_first_difference"] < 0.5:
@@ -662,7 +662,14 @@ def train(args: argparse.Namespace) -> int:
     # continuations
     t = time.perf_counter()
     held = Store(args.seq_buckets)
-    held.add(held_prompts, run_generation(gen_fn, params, held_prompts, 0.0, 0, args))
+    held_conts = run_generation(gen_fn, params, held_prompts, 0.0, 0, args)
+    held.add(held_prompts, held_conts)
+    np.savez(  # the chip's greedy answers, to read and to hold against the CPU's
+        args.out / "heldout_answers.npz",
+        ids=np.concatenate([np.asarray(c, np.int32) for c in held_conts]),
+        offsets=np.cumsum([0] + [len(c) for c in held_conts]),
+    )
+    summary["heldout_answers_ending_in_eos"] = float(np.mean([bool(c) and c[-1] == EOS_ID for c in held_conts]))
     store = Store(args.seq_buckets)
     pool = magpie + train_prompts
     rng = np.random.default_rng(args.seed)
