@@ -169,3 +169,55 @@ def test_features_through_a_kv_cache_equal_the_direct_path(llama):
     direct = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid)))
     cached = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid), via_cache=True))
     np.testing.assert_allclose(cached[valid], direct[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_ignores_non_finite_values_no_query_reads():
+    """A KV cache's never-written slots may hold anything (NaN on the chip): masked keys must not reach
+    the output, not even as 0 * NaN."""
+    g = np.random.default_rng(3)
+    b, w, s, groups, rep, hd = 2, 3, 6, 2, 2, 4
+    q = jnp.asarray(g.standard_normal((b, w, groups * rep, hd)), jnp.float32)
+    k = g.standard_normal((b, s, groups, hd)).astype(np.float32)
+    v = g.standard_normal((b, s, groups, hd)).astype(np.float32)
+    mask = np.zeros((b, w, s), bool)
+    mask[:, :, :3] = np.tril(np.ones((w, 3), bool))  # slots 3.. are never read
+    mask[1, :, 0] = False  # nor slot 0 of row 1 (left padding)
+    clean = tpu.attend(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
+    k[:, 3:], v[:, 3:], k[1, 0], v[1, 0] = np.nan, np.inf, np.nan, np.nan
+    dirty = tpu.attend(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask))
+    assert np.isfinite(np.asarray(clean)).all()
+    np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
+
+
+def test_saved_data_loads_back_bit_for_bit(tmp_path):
+    g = np.random.default_rng(4)
+    data = {
+        split: {
+            w: {
+                "ids": jnp.asarray(g.integers(0, 100, (n, w)), jnp.int32),
+                "valid": jnp.asarray(g.random((n, w)) < 0.8),
+                "feats": jnp.asarray(g.standard_normal((n, w, 8)), jnp.bfloat16),
+                "plen": jnp.asarray(g.integers(1, w, n), jnp.int32),
+                "tokens": int(n * w * 0.8),
+            }
+            for w, n in ((16, 3), (32, 2))
+        }
+        for split in ("train", "held")
+    }
+    meta = {"target_check": {"precision": "highest"}, "self_prompts": 7}
+    tpu.save_data(tmp_path / "d", data, meta)
+    back, meta_back = tpu.load_data(tmp_path / "d")
+    assert meta_back == meta
+    assert back.keys() == data.keys()
+    for split in data:
+        assert back[split].keys() == data[split].keys()
+        for w, d in data[split].items():
+            for key, val in d.items():
+                got = back[split][w][key]
+                if key == "tokens":
+                    assert got == val
+                else:
+                    assert got.dtype == val.dtype and got.shape == val.shape
+                    np.testing.assert_array_equal(np.asarray(got), np.asarray(val))
+    with pytest.raises(SystemExit, match=r"meta\.json"):
+        tpu.load_data(tmp_path)

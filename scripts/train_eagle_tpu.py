@@ -37,6 +37,10 @@ Locally, ``python scripts/train_eagle_tpu.py import --npz OUT/kd-noise.npz
     python scripts/train_eagle_tpu.py train --parts .tpu-w --out OUT        # on the TPU
     python scripts/train_eagle_tpu.py train --parts .tpu-w --out OUT --quick  # a smoke run, any JAX device
 
+A call on the lent device runs at most 10 minutes: ``--save-data D --train-minutes 0``
+in one call and ``--load-data D --train-minutes M`` in the next (the machine
+keeps its local files while warm) give the data and the training a call each.
+
 The training step only needs numpy and JAX.
 """
 
@@ -311,6 +315,8 @@ def attend(q: Any, k: Any, v: Any, mask: Any) -> Any:
     s = jnp.einsum("bwgrd,bsgd->bgrws", q, k).astype(jnp.float32) / math.sqrt(hd)
     s = jnp.where(mask[:, None, None], s, -1e30)
     p = jax.nn.softmax(s, -1).astype(v.dtype)
+    # values no query may read are zeroed: a non-finite one would otherwise reach every query as 0 * inf
+    v = jnp.where(mask.any(1)[:, :, None, None], v, 0)
     return jnp.einsum("bgrws,bsgd->bwgrd", p, v).reshape(b, w, h * hd)
 
 
@@ -568,7 +574,9 @@ def run_generation(
             p = prompts[i][-width:]
             ids[j, width - len(p) :] = p
             valid[j, width - len(p) :] = True
-        valid[len(chunk) :, -1] = True  # filler rows
+        # filler rows: copies of the chunk's first prompt (their answers are dropped), so that no row of the
+        # batch is all padding: each reads real keys, as the check's full batches do
+        ids[len(chunk) :], valid[len(chunk) :] = ids[0], valid[0]
         res = np.asarray(
             gen_fn(params, jnp.asarray(ids), jnp.asarray(valid), jax.random.key(seed + k), jnp.float32(temperature))
         )
@@ -628,6 +636,47 @@ class Store:
         return out
 
 
+def save_data(path: Path, data: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write :func:`make_data`'s arrays (``data[split][width]``) and ``meta`` to ``path``, for ``--load-data``
+    in a later call (a call on the lent device runs at most 10 minutes; its machine keeps local files
+    while warm). Features go as their bfloat16 bits (uint16)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for split_name, by_width in data.items():
+        for w, d in by_width.items():
+            np.savez(
+                path / f"{split_name}-{w}.npz",
+                ids=np.asarray(d["ids"]),
+                valid=np.asarray(d["valid"]),
+                feats=np.asarray(d["feats"]).view(np.uint16),
+                plen=np.asarray(d["plen"]),
+                tokens=np.int64(d["tokens"]),
+            )
+    (path / "meta.json").write_text(json.dumps(meta) + "\n")
+
+
+def load_data(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read what :func:`save_data` wrote: ``(data, meta)``, the arrays on the default device."""
+    import jax.numpy as jnp
+
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise SystemExit(f"--load-data: {path} holds no meta.json (expected a directory written by --save-data)")
+    data: dict[str, Any] = {"train": {}, "held": {}}
+    for f in sorted(path.glob("*-*.npz")):
+        split_name, w = f.stem.split("-")
+        z = np.load(f)
+        data[split_name][int(w)] = {
+            "ids": jnp.asarray(z["ids"]),
+            "valid": jnp.asarray(z["valid"]),
+            "feats": jnp.asarray(z["feats"].view(jnp.bfloat16)),
+            "plen": jnp.asarray(z["plen"]),
+            "tokens": int(z["tokens"]),
+        }
+    if not data["train"] or not data["held"]:
+        raise SystemExit(f"--load-data: {path} lacks train-*.npz or held-*.npz files")
+    return data, json.loads(meta_file.read_text())
+
+
 def train(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
@@ -637,6 +686,36 @@ def train(args: argparse.Namespace) -> int:
     params_np, cfg = target_params(args.parts)
     params = jax.tree.map(jnp.asarray, params_np)
     pr = np.load(args.parts / "prompts.npz")
+    summary: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "target": cfg, "variants": {}}
+    if args.load_data:
+        t = time.perf_counter()
+        both, meta = load_data(args.load_data)
+        precision = meta["target_check"]["precision"]
+        jax.config.update("jax_default_matmul_precision", None if precision == "default" else precision)
+        summary.update({k: v for k, v in meta.items() if k != "args"}, data_args=meta["args"])
+        log(f"data loaded from {args.load_data} in {time.perf_counter() - t:.0f} s; precision {precision!r}")
+    else:
+        both, meta = make_data(args, params, cfg, pr)
+        summary.update({k: v for k, v in meta.items() if k != "args"})
+        if args.save_data:
+            t = time.perf_counter()
+            save_data(args.save_data, both, meta)
+            log(f"data saved to {args.save_data} in {time.perf_counter() - t:.0f} s")
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.train_minutes <= 0:
+        log("done (no training: --train-minutes 0)")
+        return 0
+    train_heads(args, params, cfg, pr, both["train"], both["held"], summary)
+    log("done")
+    return 0
+
+
+def make_data(args: argparse.Namespace, params: Any, cfg: dict[str, Any], pr: Any) -> tuple[dict[str, Any], Any]:
+    """Steps (2)-(4) of the module docstring: ``({"train": data, "held": hdata}, meta)``, the data by
+    bucket width (ids, valid, features on the chip, prompt lengths, token count) and what the summary
+    records about it."""
+    import jax
+
     split = lambda ids, off: [ids[off[i] : off[i + 1]].tolist() for i in range(len(off) - 1)]  # noqa: E731
     train_prompts = split(pr["train_ids"], pr["train_offsets"])[: args.train_prompts]
     held_prompts = split(pr["held_ids"], pr["held_offsets"])[: args.heldout_prompts]
@@ -644,12 +723,7 @@ def train(args: argparse.Namespace) -> int:
     log(f"target {cfg}; {len(train_prompts)} template prompts, {len(held_prompts)} held-out")
     feat_fn, gen_fn, summary_check = checked_features(params, cfg, pr, args)
     gen_user = jax.jit(lambda p, i, v, k, t: generate(p, cfg, i, v, k, t, args.user_tokens))
-    summary: dict[str, Any] = {
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "target": cfg,
-        "target_check": summary_check,
-        "variants": {},
-    }
+    summary: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "target_check": summary_check}
 
     # self-generated prompts
     t = time.perf_counter()
@@ -712,7 +786,25 @@ def train(args: argparse.Namespace) -> int:
         f"{gen_s:.0f} s + features"
     )
     summary.update(generation_s=gen_s, training_positions=positions, rounds_begun=r)
+    return {"train": data, "held": hdata}, summary
 
+
+def train_heads(
+    args: argparse.Namespace,
+    params: Any,
+    cfg: dict[str, Any],
+    pr: Any,
+    data: dict[int, Any],
+    hdata: dict[int, Any],
+    summary: dict[str, Any],
+) -> None:
+    """Step (5)-(6): train each ``--variant`` on ``data``, measure it on ``hdata`` and on the CPU's
+    reference features, write ``OUT/<variant>.npz`` and ``OUT/summary.json``."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(args.seed)
+    positions = sum(d["tokens"] for d in data.values())
     vocab = cfg["vocab"]
     counts = np.zeros(vocab, np.int64)
     for d in data.values():
@@ -808,8 +900,8 @@ def train(args: argparse.Namespace) -> int:
             "train_steps": n_step,
             "train_minutes": train_s / 60,
             "training_positions": positions,
-            "self_prompts": len(magpie),
-            "generation_minutes": gen_s / 60,
+            "self_prompts": summary["self_prompts"],
+            "generation_minutes": summary["generation_s"] / 60,
             "device": str(jax.devices()[0].device_kind),
             "args": summary["args"],
         }
@@ -823,8 +915,6 @@ def train(args: argparse.Namespace) -> int:
             args.out / f"{name}.npz", token_ids=token_ids, config=json.dumps(hc), report=json.dumps(report), **host
         )
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log("done")
-    return 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -864,6 +954,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JAX's matrix-product precision (a TPU's default rounds float32 inputs to bfloat16); "
         "auto: the default if the target check passes there, else highest",
     )
+    pt.add_argument("--save-data", type=Path, help="also write the generated data and features here, for --load-data")
+    pt.add_argument("--load-data", type=Path, help="train on what --save-data wrote (no check, no generation)")
     pt.add_argument("--quick", action="store_true", help="a smoke run: tiny budgets")
     args = p.parse_args(argv)
     if args.cmd == "train":
