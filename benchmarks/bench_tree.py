@@ -87,7 +87,7 @@ class TreeRunner:
         target, head = self.target, self.head
         p = ids.shape[1]
         cache = DynamicCache(config=target.config)
-        out = target(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = target(input_ids=ids[:, :-1], **{cache_kw(target): cache}, use_cache=True, output_hidden_states=True)
         hcache = FeatureCache(1, head.config, ids.device, torch.float32)
         z = out.hidden_states[-1]  # f[1, P-1, d]: z_t, t < P-1
         f_all = head(z, self.embed(ids[:, 1:]), torch.ones((1, p - 1), dtype=torch.bool), hcache)
@@ -117,7 +117,7 @@ class TreeRunner:
             pos = torch.tensor([[s + d for d in depth]])
             out = target(
                 input_ids=torch.tensor([tokens]),
-                past_key_values=cache,
+                **{cache_kw(target): cache},
                 attention_mask=mask,
                 position_ids=pos,
                 use_cache=True,
@@ -153,6 +153,13 @@ class TreeRunner:
         return new, forwards - 1  # verifications (the prefill is not one)
 
 
+def cache_kw(model: Any) -> str:
+    """The name of the model's KV-cache argument (``cache`` in newer transformers, else ``past_key_values``)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def verify_cost(target: Any, w: int, context: int = 150, reps: int = 20) -> float:
     """Median seconds of one target forward over ``w`` new tokens after ``context`` cached ones, with
     ``output_hidden_states`` and a custom 4D mask, as :class:`TreeRunner` runs it."""
@@ -165,11 +172,11 @@ def verify_cost(target: Any, w: int, context: int = 150, reps: int = 20) -> floa
     for _ in range(reps):
         cache = DynamicCache(config=target.config)
         with torch.inference_mode():
-            target(input_ids=ids[:, :context], past_key_values=cache, use_cache=True)
+            target(input_ids=ids[:, :context], **{cache_kw(target): cache}, use_cache=True)
             t0 = time.perf_counter()
             target(
                 input_ids=ids[:, context:],
-                past_key_values=cache,
+                **{cache_kw(target): cache},
                 attention_mask=mask[None, None],
                 position_ids=torch.arange(context, context + w)[None],
                 use_cache=True,
