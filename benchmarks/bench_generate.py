@@ -22,7 +22,10 @@ Methods, all on the same models, prompts and machine in one run:
   ``eagle``: the pair's EAGLE head; ``hybrid``: n-gram where it matches, else
   the EAGLE head, or the draft model if the pair has no head;
   ``hybrid-model``: n-gram, else the draft model), with the
-  adaptive draft length (``--fixed`` drafts G every step). Below the table,
+  adaptive draft length (``--fixed`` drafts G every step); beside transformers'
+  ``assisted-G`` (its assisted generation with G fixed), ``specjax-G``: the
+  ``model`` drafter with the same fixed G, the loops compared with no schedule
+  in either. Below the table,
   the acceptance rate per draft position and the fraction of steps that
   drafted.
 
@@ -502,6 +505,19 @@ def bench_generate(
                                 category=category,
                             )
                         )
+                        # the same fixed G on specjax's side: loop against loop, no schedule in either
+                        one.append(
+                            Method(
+                                "specjax-G",
+                                1,
+                                temp,
+                                g,
+                                singles,
+                                _specjax_call(pair, max_new, temp, g, "model", adaptive=False),
+                                category=category,
+                                drafter="model",
+                            )
+                        )
                 for d in drafters:
                     for impl in impls:
                         one.append(
@@ -606,12 +622,12 @@ def bench_generate(
                 ),
                 "draft_step_fraction": (
                     sum(r.draft_steps for r in runs) / sum(r.steps for r in runs)
-                    if m.name == "specjax" and sum(r.steps for r in runs)
+                    if m.name.startswith("specjax") and sum(r.steps for r in runs)
                     else None
                 ),
                 "category": m.category,
                 "drafter": m.drafter or None,
-                "adaptive": adaptive if m.name == "specjax" else None,
+                "adaptive": (adaptive if m.name == "specjax" else False) if m.name.startswith("specjax") else None,
                 "impl": m.impl or None,
                 "compile_s": sum(r.compile_seconds for r in runs),
                 "times_exclude_compile": True,
@@ -622,7 +638,7 @@ def bench_generate(
                 "max_new_tokens": max_new,
                 "reps": reps,
             }
-            if m.name == "specjax" and assisted is not None:
+            if m.name.startswith("specjax") and assisted is not None:
                 row["speedup_vs_assisted"] = _paired_ratio(runs, assisted.results)
             rows.append(row)
     return rows
@@ -648,7 +664,7 @@ def format_table(rows: list[dict]) -> str:
             f"{r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {frac} | {same} |"
         )
     extra = [
-        f"specjax B=1 T={r['temperature']} G={r['num_draft_tokens']}: {r['speedup_vs_assisted']:.2f}x "
+        f"{r['method']} B=1 T={r['temperature']} G={r['num_draft_tokens']}: {r['speedup_vs_assisted']:.2f}x "
         "transformers' assisted generation (median of the per-call ratios)"
         for r in rows
         if "speedup_vs_assisted" in r

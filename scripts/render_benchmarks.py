@@ -417,14 +417,30 @@ def _verdict_b1(rows: list[Row]) -> str:
         f"{best['tokens_per_s']:.1f} against {assisted['tokens_per_s'] if assisted else float('nan'):.1f} "
         "tokens/s)."
     )
-    # ... and with the same fixed G (transformers' `assisted-G` row): tokens/s of the same run
+    # ... and with the same fixed G (transformers' `assisted-G` row): tokens/s of the same run, specjax's
+    # loop with the same fixed G (`specjax-G`, runs since it exists), and its adaptive length beside it
     for fixed in (r for r in rows if r["method"] == "assisted-G" and r["batch_size"] == 1 and r["temperature"] == 0.0):
-        ours = _gen(rows, "specjax", 1, 0.0, fixed["num_draft_tokens"])
-        if ours is not None:
+        g = fixed["num_draft_tokens"]
+        same_g, ours = _gen(rows, "specjax-G", 1, 0.0, g), _gen(rows, "specjax", 1, 0.0, g)
+        head = (
+            f"\n* B = 1 greedy, at least transformers' assisted generation with the same fixed G = {g} (`assisted-G`)"
+        )
+        if same_g is not None:
+            ratio = same_g["tokens_per_s"] / fixed["tokens_per_s"]
+            line += (
+                f"{head}, specjax's loop with the same fixed G (`specjax-G`): {_met(ratio >= 1)} ({ratio:.2f}×; "
+                f"{same_g['tokens_per_s']:.1f} against {fixed['tokens_per_s']:.1f} tokens/s)"
+            )
+            if ours is not None:
+                line += (
+                    f"; with its adaptive length capped at G = {g} (`specjax`) "
+                    f"{ours['tokens_per_s'] / fixed['tokens_per_s']:.2f}×"
+                )
+            line += "."
+        elif ours is not None:
             ratio = ours["tokens_per_s"] / fixed["tokens_per_s"]
             line += (
-                f"\n* B = 1 greedy, at least transformers' assisted generation with the same fixed "
-                f"G = {fixed['num_draft_tokens']} (`assisted-G`): {_met(ratio >= 1)} ({ratio:.2f}×; "
+                f"{head}: {_met(ratio >= 1)} ({ratio:.2f}×; "
                 f"{ours['tokens_per_s']:.1f} against {fixed['tokens_per_s']:.1f} tokens/s)."
             )
     return line

@@ -140,3 +140,22 @@ def test_a_logits_method_without_a_column_is_named() -> None:
     rows = render_benchmarks.load("logits")
     with pytest.raises(SystemExit, match=r"logits method 'flashinfer' has no column"):
         render_benchmarks.table_logits([*rows, {**rows[0], "method": "flashinfer"}])
+
+
+def test_the_fixed_g_verdict_compares_loop_with_loop() -> None:
+    """Against transformers' assisted generation with G fixed (`assisted-G`), the verdict reads specjax with
+    the same fixed G (`specjax-G`) and turns with it; runs without that row fall back to the adaptive one."""
+    rows = render_benchmarks.load("generate-synthetic")
+    fixed = render_benchmarks._gen(rows, "assisted-G", 1, 0.0, 4)
+    ours = render_benchmarks._gen(rows, "specjax-G", 1, 0.0, 4)
+    adaptive = render_benchmarks._gen(rows, "specjax", 1, 0.0, 4)
+    assert fixed is not None and ours is not None and adaptive is not None, "the last run has all three rows"
+    head = "assisted generation with the same fixed G = 4 (`assisted-G`)"
+    for factor, verdict in ((1.1, "**met** (1.10×"), (0.9, "**not met** (0.90×")):
+        changed = [dict(r, tokens_per_s=fixed["tokens_per_s"] * factor) if r is ours else r for r in rows]
+        text = render_benchmarks.verdict_generate_synthetic(changed)
+        assert f"{head}, specjax's loop with the same fixed G (`specjax-G`): {verdict}" in text, text
+    without = [r for r in rows if r is not ours]
+    ratio = adaptive["tokens_per_s"] / fixed["tokens_per_s"]
+    assert f"{head}: " in render_benchmarks.verdict_generate_synthetic(without)
+    assert f"({ratio:.2f}×;" in render_benchmarks.verdict_generate_synthetic(without)
