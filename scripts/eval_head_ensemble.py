@@ -29,7 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 <= a <= 1 for a in args.weights):
         ap.error("--weights: expected values in [0, 1]")
     import torch
-    import train_draft
     import train_eagle as te
 
     from specjax.drafters.eagle_head import load_head
@@ -41,21 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(2)
-    defaults = te.parse_args([])
     target, tok = load_target()
     target.requires_grad_(False)
-    _, held_prompts = train_draft.build_prompts(defaults.train_prompts, defaults.heldout_prompts, defaults.seed)
-    held = train_draft.generate_set(
-        target,
-        tok,
-        held_prompts,
-        temperature=0.0,
-        max_new=defaults.max_new_tokens,
-        batch=len(held_prompts),
-        seed=defaults.seed,
-        topk=defaults.topk,
-        label="held-out greedy",
-    )
+    _, held = te.heldout_greedy(target, tok, te.parse_args([]))
     data = te.with_features(target, held)
     embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight.float()
     vocab = w.shape[0]

@@ -309,11 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     return evaluate_and_save(head, target, tok, train, held, args, {"train_steps": step, "train_minutes": train_s / 60})
 
 
-def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -> int:
-    """``--evaluate DIR``: the end-to-end figures of a saved head, merged into its ``training_report.json``."""
-    from specjax.drafters.eagle_head import load_head
-
-    head = load_head(path).eval()
+def heldout_greedy(target: Any, tok: Any, args: argparse.Namespace) -> tuple[list[str], list[dict[str, Any]]]:
+    """The held-out prompts and the target's greedy answers to them (``train_draft.generate_set`` records),
+    as ``--evaluate`` scores heads on."""
     _, held_prompts = train_draft.build_prompts(args.train_prompts, args.heldout_prompts, args.seed)
     held = train_draft.generate_set(
         target,
@@ -326,6 +324,15 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
         topk=args.topk,
         label="held-out greedy",
     )
+    return held_prompts, held
+
+
+def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -> int:
+    """``--evaluate DIR``: the end-to-end figures of a saved head, merged into its ``training_report.json``."""
+    from specjax.drafters.eagle_head import load_head
+
+    head = load_head(path).eval()
+    held_prompts, held = heldout_greedy(target, tok, args)
     held_agree = agreement(head, target, with_features(target, held))
     log(f"teacher-forced first-position agreement on {len(held)} held-out generations: {held_agree:.3f}")
     drafted = drafted_acceptance(head, target, tok, held_prompts[: args.eval_prompts])
