@@ -627,7 +627,7 @@ def bench_generate(
                 ),
                 "category": m.category,
                 "drafter": m.drafter or None,
-                "adaptive": (adaptive if m.name == "specjax" else False) if m.name.startswith("specjax") else None,
+                "adaptive": {"specjax": adaptive, "specjax-G": False}.get(m.name),
                 "impl": m.impl or None,
                 "compile_s": sum(r.compile_seconds for r in runs),
                 "times_exclude_compile": True,

@@ -25,14 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from specjax.slots import cache_argument
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -54,6 +52,7 @@ class TreeRunner:
         self.head = head.eval()
         self.embed = target.get_input_embeddings()
         self.head_weight = target.get_output_embeddings().weight[head.token_ids]  # f[N, d]
+        self.cache_kw = cache_argument(target)
 
     def _draft(self, cache: Any, feature: torch.Tensor, depths: tuple[int, ...]) -> list[list[int]]:
         """Branch j: the j-th best first token, then the head's greedy chain, ``depths[j]`` tokens in all."""
@@ -84,10 +83,10 @@ class TreeRunner:
 
         from specjax.drafters.eagle_head import FeatureCache
 
-        target, head = self.target, self.head
+        target, head, kw = self.target, self.head, self.cache_kw
         p = ids.shape[1]
         cache = DynamicCache(config=target.config)
-        out = target(input_ids=ids[:, :-1], **{cache_kw(target): cache}, use_cache=True, output_hidden_states=True)
+        out = target(input_ids=ids[:, :-1], **{kw: cache}, use_cache=True, output_hidden_states=True)
         hcache = FeatureCache(1, head.config, ids.device, torch.float32)
         z = out.hidden_states[-1]  # f[1, P-1, d]: z_t, t < P-1
         f_all = head(z, self.embed(ids[:, 1:]), torch.ones((1, p - 1), dtype=torch.bool), hcache)
@@ -117,7 +116,7 @@ class TreeRunner:
             pos = torch.tensor([[s + d for d in depth]])
             out = target(
                 input_ids=torch.tensor([tokens]),
-                **{cache_kw(target): cache},
+                **{kw: cache},
                 attention_mask=mask,
                 position_ids=pos,
                 use_cache=True,
@@ -153,18 +152,12 @@ class TreeRunner:
         return new, forwards - 1  # verifications (the prefill is not one)
 
 
-def cache_kw(model: Any) -> str:
-    """The name of the model's KV-cache argument (``cache`` in newer transformers, else ``past_key_values``)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def verify_cost(target: Any, w: int, context: int = 150, reps: int = 20) -> float:
     """Median seconds of one target forward over ``w`` new tokens after ``context`` cached ones, with
     ``output_hidden_states`` and a custom 4D mask, as :class:`TreeRunner` runs it."""
     from transformers import DynamicCache
 
+    kw = cache_argument(target)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 20000, (1, context + w), generator=g)
     mask = torch.cat([torch.ones((w, context), dtype=torch.bool), torch.ones((w, w), dtype=torch.bool).tril()], 1)
@@ -172,11 +165,11 @@ def verify_cost(target: Any, w: int, context: int = 150, reps: int = 20) -> floa
     for _ in range(reps):
         cache = DynamicCache(config=target.config)
         with torch.inference_mode():
-            target(input_ids=ids[:, :context], **{cache_kw(target): cache}, use_cache=True)
+            target(input_ids=ids[:, :context], **{kw: cache}, use_cache=True)
             t0 = time.perf_counter()
             target(
                 input_ids=ids[:, context:],
-                **{cache_kw(target): cache},
+                **{kw: cache},
                 attention_mask=mask[None, None],
                 position_ids=torch.arange(context, context + w)[None],
                 use_cache=True,
@@ -267,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in order:
                 t0 = time.perf_counter()
                 if m == "target-only":
-                    got, fw = target_only(ids, mask), len(ref)
+                    got, fw = target_only(ids, mask), 0
                 elif m.startswith("specjax"):
                     got, fw = product(ids, mask), 0
                 else:
@@ -294,5 +287,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     raise SystemExit(main())

@@ -52,10 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(len(data)):
             ids, z, valid = te.collate(data, [i])
             z = z.float()
-            scored = (valid[:, :-1] & valid[:, 1:]) & (
-                torch.arange(ids.shape[1] - 1)[None, :] >= data[i]["prompt_len"] - 1
-            )
             pair_valid = valid[:, :-1] & valid[:, 1:]
+            scored = pair_valid & (torch.arange(ids.shape[1] - 1)[None, :] >= data[i]["prompt_len"] - 1)
             emb = embed(ids[:, 1:]).float()
             theirs = (z[:, 1:] @ w.T).argmax(-1)
             probs = []

@@ -55,7 +55,7 @@ class SlotCache:
         self._num_valid = np.zeros((batch,), np.int64)  # i64[B], host
         self.full = True
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_argument(model)
         self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
         self.input_vocab = input_vocab
         self.forwards = 0
@@ -189,6 +189,12 @@ class SlotCache:
                 # and cache positions follow it): it must drop the slots too.
                 layer.cumulative_length = layer.keys.shape[-2]
         self._mask = self._mask[:, first:]
+
+
+def cache_argument(model: Any) -> str:
+    """The name of ``model.forward``'s KV-cache argument: ``cache`` in newer transformers, else
+    ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def to_host(x: Any) -> np.ndarray:
