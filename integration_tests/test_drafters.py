@@ -253,7 +253,9 @@ class Broken:
             return Proposal(np.ones((b + 1, 2), np.int64), k, None)
         if self.mode == "not-a-proposal":
             return tokens
-        return Proposal(tokens, k, None)
+        if self.mode == "bad-confidence":
+            return Proposal(tokens, k, None, confidence=np.full((b, 2), 1.5))
+        return Proposal(tokens, k, None, confidence=np.full((b, 2), 0.5))
 
     def commit(self, info):
         pass
@@ -272,6 +274,11 @@ class Broken:
         ),
         ("bad-shape", r"drafter 'broken-drafter' returned tokens of shape \(3, 2\), expected \(2, G\)"),
         ("not-a-proposal", r"drafter 'broken-drafter' returned ndarray, expected a specjax.drafters.Proposal"),
+        (
+            "bad-confidence",
+            r"drafter 'broken-drafter' returned confidence of shape \(2, 2\) and dtype float64, expected floats in "
+            r"\[0, 1\] \(or NaN\)",
+        ),
     ],
 )
 def test_bad_drafter_output_is_refused_naming_the_drafter(models, mode, message):
@@ -500,3 +507,44 @@ def test_model_drafter_scores_plain_steps_in_hindsight(models):
     drafter.commit(CommitInfo([[first[0], 5], [first[1], 6]], np.array([1, 1]), np.array([1, 1])))
     again = drafter.propose(DraftRequest(5, contexts, np.array([2, 2]), active, sampling))
     assert again.hindsight is not None and again.hindsight[1].tolist() == [0, 0]
+
+
+class Recorder:
+    """Proposes nothing; records what each request offered a confident drafter."""
+
+    name = "recorder"
+    needs_target_hidden = False
+    cost_per_token_hint = 0.001
+    asks_every_step = True
+
+    def __init__(self):
+        self.offered = []
+
+    def start(self, setup):
+        pass
+
+    def propose(self, request):
+        self.offered.append(request.worth_drafting)
+        b = len(request.contexts)
+        return Proposal(np.zeros((b, 0), np.int64), np.zeros(b, np.int64), None, confidence=np.zeros((b, 0)))
+
+    def commit(self, info):
+        pass
+
+    def select_rows(self, rows):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("temperature", "adaptive", "offered"), [(0.0, True, True), (0.7, True, False), (0.0, False, False)]
+)
+def test_confidence_is_used_only_for_greedy_adaptive_calls(models, temperature, adaptive, offered):
+    """With sampling, a count of tested tokens chosen from the drawn tokens would bias the output:
+    the loop offers ``worth_drafting`` (and reads ``confidence``) only when every row is greedy."""
+    rec = Recorder()
+    ids = torch.tensor([repetitive_prompt(7, 8)])
+    specjax.speculative_generate(
+        models["target"], rec, ids, max_new_tokens=6, num_draft_tokens=3, temperature=temperature, adaptive=adaptive
+    )
+    assert rec.offered  # it was asked
+    assert all(callable(w) for w in rec.offered) if offered else all(w is None for w in rec.offered)

@@ -14,7 +14,7 @@ from specjax.generate.schedule import (
     EXPLORE_EVERY,
     EXPLORE_PLAIN_AFTER,
     DraftSchedule,
-    expected_tokens,
+    expected_gain,
 )
 
 
@@ -35,10 +35,17 @@ def schedule(
 CPU_LIKE = {1: 40.0, 2: 66.0, 3: 82.0, 4: 56.0, 5: 57.0, 6: 58.0, 7: 85.0, 8: 58.0}
 
 
-def test_expected_tokens():
-    assert expected_tokens(np.array(0.5), np.array(0)) == pytest.approx(1.0)
-    assert expected_tokens(np.array(0.5), np.array(3)) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_tokens(np.array(1.0), np.array(4)) == pytest.approx(5.0, rel=1e-2)
+def test_expected_gain():
+    half = np.full((1, 4), 0.5)
+    assert expected_gain(half, np.array([0])) == pytest.approx(1.0)
+    assert expected_gain(half, np.array([3])) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_gain(np.ones((1, 4)), np.array([4])) == pytest.approx(5.0)
+    # one probability per position: a token after an unlikely one adds little
+    probs = np.array([[0.9, 0.1, 0.9], [0.9, 0.9, 0.9]])
+    assert expected_gain(probs, np.array([3, 3])).tolist() == pytest.approx(
+        [1 + 0.9 + 0.09 + 0.081, 1 + 0.9 + 0.81 + 0.729]
+    )
+    assert expected_gain(np.zeros((2, 0)), np.array([0, 0])).tolist() == [1.0, 1.0]
 
 
 def test_free_drafts_with_good_acceptance_are_verified():
@@ -88,12 +95,23 @@ def test_slow_widths_are_padded_to_cheaper_ones():
     assert s.padded_width(1) == 1
 
 
-def test_an_unmeasured_wider_shape_is_tried_once():
-    s = schedule({1: 40.0, 2: 66.0, 3: 82.0})
+def test_unmeasured_wider_shapes_are_tried_once():
+    """Widths from the needed one up to G + 2 are each run until timed (once per model and batch
+    size), so the costs a confident drafter's short and long drafts are priced by are measured."""
+    s = schedule({1: 40.0, 2: 66.0, 3: 82.0})  # G = 6: widths up to 8
     assert s.padded_width(3) == 4  # 4 has no time yet: learn it
     for _ in range(3):
         s.record_verify(4, 0.090)  # slower than 3
-    assert s.padded_width(3) == 3
+    assert s.padded_width(3) == 5  # then 5
+    for q in range(5, 9):
+        assert s.padded_width(3) == q
+        for _ in range(2):
+            s.record_verify(q, 0.095)
+    assert s.padded_width(3) == 3  # all measured, none cheaper
+    s.record_verify(5, 0.050)
+    s.record_verify(5, 0.050)  # 5 now cheaper than 3 (82 ms)
+    assert s.padded_width(3) == 5
+    assert s.padded_width(2) == 2  # 5 is three wider than 2: not a padding candidate
 
 
 def test_the_first_time_of_a_shape_is_ignored():
@@ -388,3 +406,78 @@ def test_a_close_call_on_an_old_plain_time_times_a_plain_step_again():
     close.record_verify(1, 0.040)
     close.record_outcome(np.array([0]), np.array([0]))
     assert close.plan(caps, active)[0] > 0  # timed: drafting again
+
+
+# --------------------------------------------------------------------------- #
+# A drafter's confidence in each token (Proposal.confidence)
+# --------------------------------------------------------------------------- #
+
+FLAT = {1: 40.0, 2: 55.0, 3: 56.0, 4: 58.0, 5: 60.0, 6: 62.0, 7: 64.0, 8: 66.0}  # 2 ms more per token past 3
+
+
+def test_confidence_prices_each_position():
+    """The same proposal and costs: verified up to where the drafter's confidence falls, where the
+    row's acceptance alone would verify all of it."""
+    s = schedule(FLAT)
+    for _ in range(6):
+        s.record_outcome(np.array([4]), np.array([3]))  # α about 0.8
+    proposed, active = np.array([5]), np.array([True])
+    assert s.trim(proposed, active).tolist() == [5]  # negative control: no confidence
+    confidence = np.array([[0.95, 0.9, 0.02, 0.9, 0.9]])
+    assert s.trim(proposed, active, confidence=confidence).tolist() == [2]
+    unsure = np.array([[0.05, 0.9, 0.9, 0.9, 0.9]])
+    assert s.trim(proposed, active, confidence=unsure).tolist() == [0]  # a plain step
+    # NaN: no confidence for that token, the row's acceptance prices it
+    assert s.trim(proposed, active, confidence=np.full((1, 5), np.nan)).tolist() == [5]
+
+
+def test_calibration_learns_how_often_confident_tokens_pass():
+    s = schedule(FLAT)
+    assert s.calibrated(np.array([0.9, 0.3]))[0] == pytest.approx(0.9)  # the prior: taken at its word
+    over = np.array([[0.9, 0.9]])
+    for _ in range(20):  # tokens it is 90% sure of fail
+        s.record_outcome(np.array([2]), np.array([0]), confidence=over)
+    assert s.calibrated(np.array([0.9]))[0] < 0.2
+    assert s.calibrated(np.array([0.3]))[0] == pytest.approx(0.3)  # other bins keep the prior
+    under = np.array([[0.3, 0.3]])
+    for _ in range(20):  # tokens it is 30% sure of pass (both: the second is tested too)
+        s.record_outcome(np.array([2]), np.array([2]), confidence=under)
+    assert s.calibrated(np.array([0.3]))[0] > 0.8
+    assert np.isnan(s.calibrated(np.array([np.nan]))[0])
+
+
+def test_only_tested_positions_are_calibrated():
+    s = schedule(FLAT)
+    # position 0 fails, so position 1 (confidence 0.1) is never tested: its bin learns nothing
+    for _ in range(10):
+        s.record_outcome(np.array([2]), np.array([0]), confidence=np.array([[0.95, 0.15]]))
+    assert s.calibrated(np.array([0.15]))[0] == pytest.approx(0.15)
+    assert s.calibrated(np.array([0.95]))[0] < 0.3
+
+
+def test_worth_drafting_stops_rows_the_drafter_is_unsure_of():
+    s = schedule(FLAT, draft_ms=3.0, batch=2)
+    for _ in range(6):
+        s.record_outcome(np.array([4, 4]), np.array([3, 3]))
+    sure, unsure = [0.95, 0.9], [0.2, 0.1]
+    assert s.worth_drafting(np.array([sure, unsure])).tolist() == [True, False]
+    # negative control: a drafter costing a whole forward per token is not worth another token
+    dear = schedule(FLAT, draft_ms=60.0, batch=2)
+    for _ in range(6):
+        dear.record_outcome(np.array([4, 4]), np.array([3, 3]))
+    assert dear.worth_drafting(np.array([sure, unsure])).tolist() == [False, False]
+
+
+def test_a_confident_drafter_is_asked_for_its_full_cap_once_a_step_drafts():
+    s = schedule(FLAT)
+    for _ in range(2):
+        s.record_outcome(np.array([1]), np.array([1]))
+    caps, active = np.array([6]), np.array([True])
+    narrow = int(s.plan(caps, active)[0])
+    assert 0 < narrow < 6  # the evidence limit
+    s.confident = True
+    assert s.plan(caps, active).tolist() == [6]
+    # ... but not when the step does not draft
+    for _ in range(10):
+        s.record_outcome(np.array([4]), np.array([0]))
+    assert s.plan(caps, active).tolist() == [0]

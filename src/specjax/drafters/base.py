@@ -29,6 +29,7 @@ not depend on the rest of its batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -126,6 +127,13 @@ class DraftRequest:
         fewer near ``max_new_tokens``): a drafter whose proposals cost nothing
         (a lookup) may propose up to this; the schedule then decides how many
         to verify. None means ``max_tokens``.
+      worth_drafting: None (always, unless every row is greedy and the draft
+        length adaptive), or the schedule's test for a drafter that reports
+        its confidence (:attr:`Proposal.confidence`), drafting token by token:
+        called with f64[B', i], its confidence in the ``i`` tokens drafted so
+        far, it returns bool[B'], the rows for which one more token is
+        expected to pay. A drafter may stop drafting the other rows early
+        (proposing fewer than ``max_tokens[b]``); ignoring it is also correct.
     """
 
     step: int
@@ -134,6 +142,7 @@ class DraftRequest:
     active: np.ndarray
     sampling: SamplingState
     limit: np.ndarray | None = None
+    worth_drafting: Callable[[np.ndarray], np.ndarray] | None = None
 
     @property
     def allowed(self) -> np.ndarray:
@@ -166,6 +175,16 @@ class Proposal:
         of them being what it would have proposed (greedy). The schedule
         counts them with the drafter's acceptance, so it keeps learning
         while it does not pay for drafts.
+      confidence: None, or f64[B', g] host array in [0, 1] (NaN: none for
+        that token): the drafter's own estimate that each proposed token
+        passes the test given that the ones before it did (e.g. the
+        probability its distribution gives its greedy choice). The loop's
+        adaptive schedule calibrates it against the outcomes of the tests
+        and verifies, per step, the tokens it says pay (EAGLE-2, arXiv
+        2406.16858, ranks draft tokens by the same confidence). Used only
+        when every row is greedy, where how many tokens are tested cannot
+        change the output; with sampling, a count chosen from the drawn
+        tokens would bias it, so the loop ignores the field there.
     """
 
     tokens: Any
@@ -174,6 +193,7 @@ class Proposal:
     paid_tokens: int | None = None
     free_rows: np.ndarray | None = None
     hindsight: tuple[np.ndarray, np.ndarray] | None = None
+    confidence: np.ndarray | None = None
 
     @property
     def width(self) -> int:

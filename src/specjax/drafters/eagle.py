@@ -146,13 +146,22 @@ class EagleDrafter:
         feature = self._feature
         tokens: list[Any] = []
         logits_out: list[Any] = []
+        confidence: list[np.ndarray] = []  # greedy: f64[B'] per position, the head's probability of its choice
         self._held: list[torch.Tensor] = []
         with torch.inference_mode():
             for i in range(g):
                 scores = self._scores(feature)
                 if greedy:
-                    x = ids[scores.max(dim=-1).indices]  # the first maximum (faster than argmax)
+                    top = scores.max(dim=-1)  # the first maximum (faster than argmax)
+                    x = ids[top.indices]
                     tokens.append(x)
+                    confidence.append(torch.exp(top.values - torch.logsumexp(scores, dim=-1)).double().cpu().numpy())
+                    if request.worth_drafting is not None and i < g - 1:
+                        # rows the schedule says are not worth another token keep the i + 1 they have
+                        more = np.asarray(request.worth_drafting(np.stack(confidence, axis=1))) & (want > i + 1)
+                        want = np.where((want > i + 1) & ~more, i + 1, want)
+                        if not more.any():
+                            break
                 else:
                     full = torch.full((b, self.vocab), float("-inf"), device=device, dtype=scores.dtype)
                     full[:, ids] = scores
@@ -174,7 +183,14 @@ class EagleDrafter:
         if greedy:
             stacked: Any = torch.stack(tokens, dim=1).to(torch.int32).cpu().numpy()
             hindsight, self._late = self._late, (np.zeros(b, np.int64), np.zeros(b, np.int64))
-            return Proposal(stacked, want, None, paid_tokens=g, hindsight=hindsight)
+            return Proposal(
+                stacked,
+                want,
+                None,
+                paid_tokens=len(tokens),
+                hindsight=hindsight,
+                confidence=np.stack(confidence, axis=1),
+            )
         return Proposal(jnp.stack(tokens, axis=1), want, tuple(logits_out), paid_tokens=g)
 
     def commit(self, info: CommitInfo) -> None:

@@ -258,6 +258,11 @@ def run_loop(
         # Every row greedy, with the built-in sampler: the step's result does not depend on the
         # draft's distribution or the keys (see greedy_verify), and torch's argmax decides it.
         greedy = sampler is None and bool(np.all(np.asarray(sampling.temperature) == 0))
+        # A drafter's confidence in its tokens (Proposal.confidence) decides how many are tested
+        # only here: the output is the target's argmax whatever is tested. With sampling, a count
+        # chosen from the drawn tokens would bias the output (a token tested only when the
+        # tokens after it look likely is accepted more often than its draft probability says).
+        use_confidence = adaptive and greedy
         step = 0
         while not all(r.done for r in rows):
             t_step = time.perf_counter()
@@ -278,7 +283,15 @@ def run_loop(
             if first_scored is None and caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or free_proposals):
                 t_draft = time.perf_counter()
                 proposal = drafter.propose(
-                    DraftRequest(step, [contexts[i] for i in cache_rows], want, active_h, sampling, caps)
+                    DraftRequest(
+                        step,
+                        [contexts[i] for i in cache_rows],
+                        want,
+                        active_h,
+                        sampling,
+                        caps,
+                        schedule.worth_drafting if use_confidence else None,
+                    )
                 )
                 draft_s = time.perf_counter() - t_draft
                 _check_proposal(who, proposal, caps, b_now, target_vocab, check_ids=not trusted)
@@ -287,11 +300,15 @@ def run_loop(
                     schedule.record_draft(paid, draft_s)
                 if proposal.hindsight is not None:
                     schedule.record_hindsight(*proposal.hindsight)
+                # (kept once seen: a hybrid drafter's steps where only lookups answer have none)
+                schedule.confident |= use_confidence and proposal.confidence is not None
             else:
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
             free_rows = proposal.free_rows
+            confidence = proposal.confidence if use_confidence else None
             k_rows = np.minimum(
-                schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h, free_rows, remaining), caps
+                schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h, free_rows, remaining, confidence),
+                caps,
             )
             stats.draft_steps += int(k_rows.max(initial=0) > 0)
             g = int(k_rows.max(initial=0))
@@ -380,7 +397,7 @@ def run_loop(
             # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
             t_cache.invalidate(t_start_slot, 1 + kept)
             drafter.commit(CommitInfo(emitted_rows, n_host, k_rows, hidden))
-            schedule.record_outcome(k_rows, n_host, free_rows)
+            schedule.record_outcome(k_rows, n_host, free_rows, confidence)
             step += 1
             # the step's time besides drafting and the target forward (verification, bookkeeping,
             # the drafter's commit), apart for steps that verified drafts and plain ones
@@ -469,6 +486,19 @@ def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab
             raise checks.PluginOutputError(
                 f"{who} returned free_rows of shape {free.shape} and dtype {free.dtype}, expected bool of shape "
                 f"({batch},)"
+            )
+    if proposal.confidence is not None:
+        conf = np.asarray(proposal.confidence)
+        if (
+            conf.ndim != 2
+            or conf.shape[0] != batch
+            or conf.shape[1] < int(k.max(initial=0))
+            or not np.issubdtype(conf.dtype, np.floating)
+            or bool(((conf < 0) | (conf > 1)).any())
+        ):
+            raise checks.PluginOutputError(
+                f"{who} returned confidence of shape {conf.shape} and dtype {conf.dtype}, expected floats in "
+                f"[0, 1] (or NaN) of shape ({batch}, G) with G >= {int(k.max(initial=0))}"
             )
     if proposal.hindsight is not None:
         hits, tests = (np.asarray(a) for a in proposal.hindsight)

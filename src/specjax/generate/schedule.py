@@ -99,7 +99,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DraftSchedule", "expected_tokens"]
+__all__ = ["DraftSchedule", "expected_gain"]
 
 _PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
 _DECAY = 0.85  # per step, for the pass/fail counts
@@ -116,14 +116,28 @@ _SHARED: dict[tuple[int, int], tuple[Any, dict[Any, deque[float]]]] = {}
 _CARRY_WEIGHT = 4.0  # at most this many tests' weight carried into a new call's rows
 _CARRY_DECAY = 0.5  # per call, for the carried tallies
 # Acceptance tallies carried between calls: {(id(model), drafter, greedy): (weakref, f64[2 kinds, 2])},
-# [kind, 0] tokens that passed, [kind, 1] tests that failed.
-_CARRIED: dict[tuple[int, str, bool], tuple[Any, np.ndarray]] = {}
+# [kind, 0] tokens that passed, [kind, 1] tests that failed; and the drafter's calibration
+# (Proposal.confidence), f64[2, _CAL_BINS]: [0] tests that passed, [1] that failed, per bin.
+_CARRIED: dict[tuple[int, str, bool], tuple[Any, np.ndarray, np.ndarray]] = {}
+_CAL_BINS = 10  # equal bins of the drafter's confidence in [0, 1]
+_CAL_PRIOR = 2.0  # tests' weight of the prior that a token passes with the drafter's confidence
+_CAL_DECAY = 0.98  # per step that tests confident proposals, for the bins' counts
 
 
-def expected_tokens(alpha: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """f64[...]: ``E(α, k) = 1 + α + … + α^k``, tokens a step gains (k = 0 gives 1)."""
-    alpha = np.clip(alpha, 0.0, 0.999)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_gain(probs: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """f64[B]: tokens a step gains when row b tests its first ``k_b`` draft tokens.
+
+    ``probs``: f64[B, g], the chance that each draft token passes given that
+    the ones before it did; ``k``: i64[B] in [0, g]. ``1 + Σ_{i<k} Π_{j≤i} p_j``
+    (Leviathan et al. 2023, eq. 1, with a probability per position).
+    """
+    probs = np.asarray(probs, np.float64)
+    k = np.asarray(k, np.int64)
+    if probs.shape[1] == 0:
+        return np.ones(len(k))
+    reach = np.cumsum(np.cumprod(probs, axis=1), axis=1)  # f64[B, g]: [b, i] = Σ_{i'≤i} Π_{j≤i'} p_j
+    picked = reach[np.arange(len(k)), np.clip(k - 1, 0, probs.shape[1] - 1)]
+    return 1.0 + np.where(k > 0, picked, 0.0)
 
 
 class DraftSchedule:
@@ -170,26 +184,29 @@ class DraftSchedule:
         self._model = weakref.ref(model) if model is not None else None
         self._own: dict[int, dict[Any, deque[float]]] = {}  # without a model: this call's, per batch size
         self.times = self._table(batch)
-        self.tally = self._carried(greedy)
+        self.tally, self.calibration = self._carried(greedy)
+        self.confident = False  # the drafter's last proposal came with its confidence
         # a new call's rows start from what earlier calls measured, as if seen a few tests ago
         tests = self.tally.sum(axis=1)
         scale = np.where(tests > 0, np.minimum(tests, _CARRY_WEIGHT) / np.maximum(tests, 1e-9), 0.0)
         self.passes += self.tally[:, 0] * scale
         self.fails += self.tally[:, 1] * scale
 
-    def _carried(self, greedy: bool) -> np.ndarray:
-        """f64[2, 2]: the acceptance tallies of earlier calls (decayed once more), updated in place by this one."""
+    def _carried(self, greedy: bool) -> tuple[np.ndarray, np.ndarray]:
+        """f64[2, 2] and f64[2, _CAL_BINS]: the acceptance tallies and the calibration counts of
+        earlier calls (decayed once more), updated in place by this one."""
         model = self._model() if self._model is not None else None
         if model is None:
-            return np.zeros((2, 2))
+            return np.zeros((2, 2)), np.zeros((2, _CAL_BINS))
         key = (id(model), self.drafter_key, bool(greedy))
         carried = _CARRIED.get(key)
         if carried is None or carried[0]() is not model:
-            carried = (weakref.ref(model), np.zeros((2, 2)))
+            carried = (weakref.ref(model), np.zeros((2, 2)), np.zeros((2, _CAL_BINS)))
             _CARRIED[key] = carried
-        tally = carried[1]
+        _, tally, calibration = carried
         tally *= _CARRY_DECAY
-        return tally
+        calibration *= _CARRY_DECAY
+        return tally, calibration
 
     def _table(self, batch: int) -> dict[Any, deque[float]]:
         """The timings of the model at ``batch`` rows (shared between calls)."""
@@ -275,14 +292,13 @@ class DraftSchedule:
         if not self.adaptive or q <= 1:
             return q
         limit = self.max_draft + 2
-        if q + 1 <= limit and self._estimate(("verify", q + 1)) is None and self._estimate(("verify", q)) is None:
-            return q  # learn q first
-        if q + 1 <= limit and self._estimate(("verify", q + 1)) is None:
-            return q + 1  # learn q + 1 once
+        for wider in range(q, limit + 1):
+            if self._estimate(("verify", wider)) is None:
+                return wider  # learn the widths from q up, once per model and batch size
         best, cost = q, self._verify_cost(q)
-        for wider in (q + 1, q + 2):
-            t = self._estimate(("verify", wider)) if wider <= limit else None
-            if t is not None and t < 0.97 * cost:
+        for wider in range(q + 1, min(q + 2, limit) + 1):  # farther, noise would pick widths measured low by chance
+            t = self._verify_cost(wider)
+            if t < 0.97 * cost:
                 best, cost = wider, t
         return best
 
@@ -298,6 +314,35 @@ class DraftSchedule:
         both = (self.passes + _PRIOR_PASS) / (self.passes + self.fails + _PRIOR_PASS + _PRIOR_FAIL)
         return both[:, 0] if free_rows is None else np.where(free_rows, both[:, 1], both[:, 0])
 
+    def calibrated(self, confidence: np.ndarray) -> np.ndarray:
+        """f64[...]: the chance that a draft token passes, from the drafter's confidence in it.
+
+        ``confidence``: f64[...] in [0, 1] (:attr:`specjax.drafters.Proposal.confidence`;
+        NaN stays NaN). Per bin of confidence, the pass rate of the tests seen so far
+        (decayed; carried between calls like the acceptance), starting from a
+        prior of ``_CAL_PRIOR`` tests that pass at the confidence's own value.
+        """
+        c = np.asarray(confidence, np.float64)
+        known = np.isfinite(c)
+        c0 = np.where(known, c, 0.0)
+        bins = np.clip((c0 * _CAL_BINS).astype(np.int64), 0, _CAL_BINS - 1)
+        passed, failed = self.calibration[0][bins], self.calibration[1][bins]
+        rate = (passed + _CAL_PRIOR * c0) / (passed + failed + _CAL_PRIOR)
+        return np.where(known, rate, np.nan)
+
+    def _probs(self, width: int, free_rows: np.ndarray | None, confidence: np.ndarray | None) -> np.ndarray:
+        """f64[B', width]: each draft position's chance to pass, given the ones before it did:
+        the calibrated confidence where the drafter gave one, else the row's acceptance."""
+        alpha = self.alpha(free_rows)
+        probs = np.broadcast_to(alpha[:, None], (len(alpha), width))
+        if confidence is None or width == 0:
+            return probs
+        conf = np.full((len(alpha), width), np.nan)
+        given = np.asarray(confidence, np.float64)[:, :width]
+        conf[:, : given.shape[1]] = given
+        cal = self.calibrated(conf)
+        return np.where(np.isfinite(cal), cal, probs)
+
     def _best_width(
         self,
         limits: np.ndarray,
@@ -305,12 +350,15 @@ class DraftSchedule:
         draft_s_per_token: float,
         free_rows: np.ndarray | None = None,
         remaining: np.ndarray | None = None,
+        confidence: np.ndarray | None = None,
     ) -> int:
         """argmax over w of what the step shortens the call by, per second (see :meth:`plan`).
 
         The call ends when its last row does: a step at width ``w`` takes the
         call's largest remaining token count ``R = max_b r_b`` to
-        ``max_b (r_b − E(α_b, min(w, limit_b)))`` (expected gains), and costs
+        ``max_b (r_b − E_b(min(w, limit_b)))`` (expected gains, :func:`expected_gain`
+        of each position's chance to pass: the row's acceptance ``α_b``, or the
+        calibrated confidence of the drafter in the token), and costs
         ``w·draft cost + verify(w + 1) + overhead``; a plain step takes 1 off
         ``R``. At B = 1 this is ``E(α, k)`` tokens per step's cost; in a batch,
         drafting pays only where it advances the rows that lag (a row ahead of
@@ -320,21 +368,22 @@ class DraftSchedule:
         ``rows``: bool[B'], the rows that decode this step, whether they may
         draft or not (a row with ``limit_b = 0`` gains its one token either
         way, and the forward's width is paid for it too); ``remaining``:
-        i64[B'], the tokens each row may still generate (None: all alike).
+        i64[B'], the tokens each row may still generate (None: all alike);
+        ``confidence``: f64[B', g] or None (:attr:`Proposal.confidence`).
         """
-        alpha = self.alpha(free_rows)[rows]
         lim = limits[rows]
         top = int(lim.max(initial=0))
         if top == 0:
             return 0
-        left = np.zeros(len(alpha)) if remaining is None else np.asarray(remaining, np.float64)[rows]
+        probs = self._probs(top, free_rows, confidence)[rows]
+        left = np.zeros(len(lim)) if remaining is None else np.asarray(remaining, np.float64)[rows]
         horizon = float(left.max())
         overhead = self._overhead(True)
         margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
         plain = 1.0 / (self._verify_cost(1) + self._overhead(False))
         best_w, best_rate = 0, margin * plain
         for w in range(1, top + 1):
-            gain = horizon - float((left - expected_tokens(alpha, np.minimum(w, lim))).max())
+            gain = horizon - float((left - expected_gain(probs, np.minimum(w, lim))).max())
             cost = w * draft_s_per_token + self._verify_cost(self.padded_width(w + 1)) + overhead
             rate = gain / cost
             if rate > best_rate:
@@ -352,14 +401,38 @@ class DraftSchedule:
         A row drafts at most one token more than it has tests of the drafter
         behind it (decayed counts, hindsight included): while its acceptance is
         mostly the prior, a wide draft that fails costs a wide forward for
-        nothing.
+        nothing. A drafter that reports its confidence in each token
+        (:attr:`confident`) is asked for up to ``caps`` once a step drafts at
+        all: it stops a row where :meth:`worth_drafting` says so, and
+        :meth:`trim` verifies what its calibrated confidence says pays.
         """
         if not self.adaptive:
             return caps
         evidence = np.floor(self.passes[:, 0] + self.fails[:, 0]).astype(np.int64)
         limits = np.minimum(caps, 1 + evidence)
         w = self._explore(self._best_width(limits, active, self._draft_cost(), None, remaining))
+        if self.confident and w > 0 and not self._forced:
+            return np.where(limits > 0, caps, 0)
         return np.minimum(limits, w)
+
+    def worth_drafting(self, confidence: np.ndarray) -> np.ndarray:
+        """bool[B']: rows for which drafting one more token is expected to pay.
+
+        ``confidence``: f64[B', i], the drafter's confidence in the ``i`` tokens
+        it drafted so far this step (NaN: none given). The next token adds
+        ``Π_{j≤i} p_j · α_b`` tokens on average (``p_j`` calibrated, ``α_b`` the
+        row's acceptance for the token it has not seen) for the drafter's time
+        per token and the wider forward (``verify(i + 2) − verify(i + 1)``,
+        padded widths), and pays when that beats the rate of plain decoding.
+        """
+        c = np.asarray(confidence, np.float64)
+        i = c.shape[1]
+        alpha = self.alpha()
+        reach = np.prod(self._probs(i, None, c), axis=1)
+        wider = self._verify_cost(self.padded_width(i + 2)) - self._verify_cost(self.padded_width(i + 1))
+        extra = self._draft_cost() + max(0.0, wider)
+        plain = 1.0 / (self._verify_cost(1) + self._overhead(False))
+        return bool(self.adaptive) & (reach * alpha >= extra * plain)
 
     def _explore(self, w: int) -> int:
         """The chosen width, or an exploring step's (see the module doc)."""
@@ -379,26 +452,42 @@ class DraftSchedule:
         active: np.ndarray,
         free_rows: np.ndarray | None = None,
         remaining: np.ndarray | None = None,
+        confidence: np.ndarray | None = None,
     ) -> np.ndarray:
         """i64[B']: how many of the proposed tokens to verify (the drafting is paid already).
 
         ``free_rows``: the proposal's rows that are free lookups (see :meth:`alpha`);
-        ``remaining``: as in :meth:`plan`.
+        ``remaining``: as in :meth:`plan`; ``confidence``: f64[B', g] or None, the
+        drafter's confidence in each proposed token (:attr:`Proposal.confidence`):
+        each position is then priced by its calibrated confidence
+        (:meth:`calibrated`), so a step verifies the tokens the drafter is sure of
+        and stops where it is not, rather than a width set by the row's average.
         """
         if not self.adaptive:
             return proposed
-        w = self._explore(self._best_width(proposed, active, 0.0, free_rows, remaining))
+        w = self._explore(self._best_width(proposed, active, 0.0, free_rows, remaining, confidence))
         return np.minimum(proposed, w)
 
     # ------------------------------------------------------------------ #
     # Learning
     # ------------------------------------------------------------------ #
-    def record_outcome(self, tested: np.ndarray, accepted: np.ndarray, free_rows: np.ndarray | None = None) -> None:
+    def record_outcome(
+        self,
+        tested: np.ndarray,
+        accepted: np.ndarray,
+        free_rows: np.ndarray | None = None,
+        confidence: np.ndarray | None = None,
+    ) -> None:
         """Per row: ``tested`` = k_b, ``accepted`` = n_b (a failed test when n_b < k_b).
 
-        ``free_rows``: the rows whose proposal was a free lookup (see :meth:`alpha`).
+        ``free_rows``: the rows whose proposal was a free lookup (see :meth:`alpha`);
+        ``confidence``: f64[B', g] or None, the drafter's confidence in each
+        proposed token: the tested ones (``i <= n_b``, ``i < k_b``) count in the
+        calibration (:meth:`calibrated`).
         """
         drafted = tested > 0
+        if confidence is not None and drafted.any():
+            self._calibrate(np.asarray(confidence, np.float64), tested, accepted)
         self.idle_steps = 0 if drafted.any() else self.idle_steps + 1
         if self._forced:
             self.explored += 1
@@ -415,6 +504,19 @@ class DraftSchedule:
         self.tally[:, 1] += np.where(learned, fails, 0).sum(axis=0)
         self.passes = np.where(learned, _DECAY * self.passes + passes, self.passes * _FORGET)
         self.fails = np.where(learned, _DECAY * self.fails + fails, self.fails * _FORGET)
+
+    def _calibrate(self, confidence: np.ndarray, tested: np.ndarray, accepted: np.ndarray) -> None:
+        """Count the tested positions' outcomes in the bins of their confidence."""
+        g = confidence.shape[1]
+        pos = np.arange(g)[None, :]
+        seen = (pos < np.minimum(accepted + 1, tested)[:, None]) & np.isfinite(confidence)
+        if not seen.any():
+            return
+        bins = np.clip((np.where(seen, confidence, 0.0) * _CAL_BINS).astype(np.int64), 0, _CAL_BINS - 1)
+        passed = seen & (pos < accepted[:, None])
+        self.calibration *= _CAL_DECAY
+        self.calibration[0] += np.bincount(bins[passed], minlength=_CAL_BINS)
+        self.calibration[1] += np.bincount(bins[seen & ~passed], minlength=_CAL_BINS)
 
     def record_hindsight(self, hits: np.ndarray, tests: np.ndarray) -> None:
         """Per row: ``tests`` after-the-fact tests of the drafter's own kind, ``hits`` of them passed.

@@ -1,0 +1,151 @@
+"""Does pricing each draft token by the drafter's confidence speed up the default pair (B = 1, greedy)?
+
+The ``eagle`` drafter reports its head's probability of each greedy choice
+(``Proposal.confidence``); the loop's adaptive schedule calibrates it against
+the tests' outcomes, verifies per step the tokens it says pay and stops
+drafting a row once one more token does not (``specjax.generate.schedule``).
+This holds that against the same drafter and schedule with the confidence
+withheld (each position then priced by the row's running acceptance) and
+against target-only ``generate``, on the open-chat prompts, methods
+alternating call by call within each prompt (order reversed every other
+round), after one untimed warm-up call per method and prompt. Every output is
+checked against target-only greedy (``same``).
+
+Prints the load average before and after, per prompt the speed-up of each
+method over target-only (the median of its timed calls against the median of
+the target's), and the median and mean over prompts.
+
+    python benchmarks/bench_confidence.py --max-new-tokens 128 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+
+
+class WithoutConfidence:
+    """A drafter as given, its confidence withheld from the loop (and the early stop not offered)."""
+
+    def __init__(self, drafter: Any) -> None:
+        self.drafter = drafter
+        self.name = drafter.name
+        self.needs_target_hidden = drafter.needs_target_hidden
+        self.cost_per_token_hint = drafter.cost_per_token_hint
+
+    def start(self, setup: Any) -> None:
+        self.drafter.start(setup)
+
+    def propose(self, request: Any) -> Any:
+        proposal = self.drafter.propose(dataclasses.replace(request, worth_drafting=None))
+        return dataclasses.replace(proposal, confidence=None)
+
+    def commit(self, info: Any) -> None:
+        self.drafter.commit(info)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.drafter.select_rows(rows)
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per prompt and method")
+    ap.add_argument("--num-draft-tokens", type=int, default=8, help="G, the most tokens a step drafts")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    if min(args.max_new_tokens, args.repeats, args.num_draft_tokens, args.threads) < 1:
+        ap.error("--max-new-tokens, --repeats, --num-draft-tokens and --threads: expected positive integers")
+    torch.set_num_threads(args.threads)
+
+    from specjax.demo import _encode
+    from specjax.generate import speculative_generate
+    from specjax.pair import load_default_pair, make_pair_drafter
+    from specjax.prompts import OPEN_CHAT
+
+    print(f"load average before: {os.getloadavg()}; {_cpu()}; torch threads {args.threads}", flush=True)
+    pair = load_default_pair()
+    target, tok, head = pair.target, pair.tokenizer, pair.head
+    eos = target.generation_config.eos_token_id
+    eos = eos if isinstance(eos, int) else eos[0]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+
+    def target_only(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
+        with torch.inference_mode():
+            out = target.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
+        return out[0, ids.shape[1] :].tolist()
+
+    def eagle(confidence: bool) -> Any:
+        def call(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
+            drafter = make_pair_drafter("eagle", head=head)
+            out = speculative_generate(
+                target,
+                drafter if confidence else WithoutConfidence(drafter),
+                ids,
+                mask,
+                max_new_tokens=args.max_new_tokens,
+                num_draft_tokens=args.num_draft_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
+            return out.sequences[0, ids.shape[1] :].tolist()
+
+        return call
+
+    methods = {"target-only": target_only, "eagle, no confidence": eagle(False), "eagle, confidence": eagle(True)}
+    names = list(methods)
+    times: dict[str, dict[str, list[float]]] = {m: {} for m in names}
+    same = {m: True for m in names}
+    for prompt, messages in OPEN_CHAT.items():
+        ids, mask = _encode(tok, messages)
+        ref = target_only(ids, mask)
+        for m in names:  # warm-up
+            methods[m](ids, mask)
+        for r in range(args.repeats):
+            for m in names if r % 2 == 0 else names[::-1]:
+                t0 = time.perf_counter()
+                got = methods[m](ids, mask)
+                times[m].setdefault(prompt, []).append(time.perf_counter() - t0)
+                same[m] = same[m] and got == ref
+        ratios = {
+            m: statistics.median(times["target-only"][prompt]) / statistics.median(times[m][prompt]) for m in names
+        }
+        print(
+            f"  {prompt:10s} {len(ref):4d} tokens  " + "  ".join(f"{m}: {ratios[m]:.2f}x" for m in names[1:]),
+            flush=True,
+        )
+    print(f"load average after: {os.getloadavg()}")
+    print(f"\n{'method':24s} {'speed-up median':>16s} {'mean':>6s} {'min':>6s} same")
+    for m in names[1:]:
+        r = [statistics.median(times["target-only"][p]) / statistics.median(times[m][p]) for p in OPEN_CHAT]
+        print(f"{m:24s} {statistics.median(r):15.2f}x {statistics.mean(r):5.2f}x {min(r):5.2f}x {same[m]}")
+    return 0 if all(same.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
