@@ -12,7 +12,10 @@ first draft token. Drafting token ``i + 1`` runs the head once more on
 commit and replaced by the target's real features.
 
 Proposals: when every row is greedy, the argmax of the head's scores as point
-masses (no logits, nothing to process); otherwise the head's logits over the
+masses (no logits, nothing to process), each with the head's probability of
+it (softmax over its N tokens) as its confidence (``Proposal.confidence``);
+drafting stops for a row once the request's ``worth_drafting`` says another
+token does not pay; otherwise the head's logits over the
 target vocabulary (−inf outside the head's N tokens), drawn through
 :func:`specjax.kernels.steps.draft_draw` with the target's sampling
 parameters, so ``q`` is exactly the distribution each token came from.

@@ -56,6 +56,20 @@ with the same model and batch size):
   pair and lost more on open chat than it saved on input-grounded prompts
   (``E(α, k)`` assumes independent tests; acceptances come in runs).
 
+A drafter may say how sure it is of each token it proposes
+(``Proposal.confidence``: the ``eagle`` drafter's head probability of its
+greedy choice). In calls where every row is greedy (only there: with
+sampling, a tested count chosen from the drawn tokens would bias the output)
+the schedule then prices each position by that confidence, calibrated per bin
+against the outcomes of the tests (:meth:`DraftSchedule.calibrated`), in
+place of the row's acceptance (:func:`expected_gain`, one probability per
+position); asks such a drafter for up to G tokens once a step drafts at all;
+and offers it :meth:`DraftSchedule.worth_drafting` to stop a row once one
+more token does not pay. The widths a step may verify are each run until
+timed, once per model and batch size (short drafts otherwise left the wide
+widths priced by a prior scaled from the slow ``q = 2`` shape, and the
+schedule never drafted wide).
+
 A paid draft widens with the evidence behind its estimate: a row drafts at most
 one token more than the (decayed) number of tests of the drafter it has seen,
 so the first drafts of a call, priced by the prior, are narrow. A call does
