@@ -1,7 +1,8 @@
 """Does pricing each draft token by the drafter's confidence speed up the default pair (B = 1, greedy)?
 
 The ``eagle`` drafter reports its head's probability of each greedy choice
-(``Proposal.confidence``); the loop's adaptive schedule calibrates it against
+(``Proposal.confidence``; ``--drafter model``: the draft model's; ``hybrid``:
+the head's on the rows without an n-gram match); the loop's adaptive schedule calibrates it against
 the tests' outcomes, verifies per step the tokens it says pay and stops
 drafting a row once one more token does not (``specjax.generate.schedule``).
 This holds that against the same drafter and schedule with the confidence
@@ -39,6 +40,7 @@ class WithoutConfidence:
         self.name = drafter.name
         self.needs_target_hidden = drafter.needs_target_hidden
         self.cost_per_token_hint = drafter.cost_per_token_hint
+        self.asks_every_step = getattr(drafter, "asks_every_step", self.cost_per_token_hint == 0.0)
 
     def start(self, setup: Any) -> None:
         self.drafter.start(setup)
@@ -71,12 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per prompt and method")
     ap.add_argument("--num-draft-tokens", type=int, default=8, help="G, the most tokens a step drafts")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--drafter",
+        choices=["eagle", "model", "hybrid"],
+        default="eagle",
+        help="the pair's drafter: the EAGLE head, the shipped draft model, or n-gram lookups else the head",
+    )
     args = ap.parse_args(argv)
     if min(args.max_new_tokens, args.repeats, args.num_draft_tokens, args.threads) < 1:
         ap.error("--max-new-tokens, --repeats, --num-draft-tokens and --threads: expected positive integers")
     torch.set_num_threads(args.threads)
 
     from specjax.demo import _encode
+    from specjax.drafters import ModelDrafter
     from specjax.generate import speculative_generate
     from specjax.pair import load_default_pair, make_pair_drafter
     from specjax.prompts import OPEN_CHAT
@@ -100,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         return out[0, ids.shape[1] :].tolist()
 
-    def eagle(confidence: bool) -> Any:
+    def drafted(confidence: bool) -> Any:
         def call(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
-            drafter = make_pair_drafter("eagle", head=head)
+            # (a drafter object: make_pair_drafter's "model" is the draft model itself)
+            drafter = (
+                ModelDrafter(pair.draft) if args.drafter == "model" else make_pair_drafter(args.drafter, head=head)
+            )
             out = speculative_generate(
                 target,
                 drafter if confidence else WithoutConfidence(drafter),
@@ -117,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return call
 
-    methods = {"target-only": target_only, "eagle, no confidence": eagle(False), "eagle, confidence": eagle(True)}
+    d = args.drafter
+    methods = {"target-only": target_only, f"{d}, no confidence": drafted(False), f"{d}, confidence": drafted(True)}
     names = list(methods)
     times: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     same = {m: True for m in names}

@@ -548,3 +548,60 @@ def test_confidence_is_used_only_for_greedy_adaptive_calls(models, temperature, 
     )
     assert rec.offered  # it was asked
     assert all(callable(w) for w in rec.offered) if offered else all(w is None for w in rec.offered)
+
+
+def test_model_drafter_reports_confidence_and_stops_where_told(models):
+    """Greedy: each proposed token comes with the draft model's probability of it, and a row stops
+    drafting once the request's ``worth_drafting`` says no; a later step drafts on from what it kept."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
+    from specjax.kernels.types import SamplingParams
+
+    draft = models["draft"]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, VOCAB, size=7).tolist(), rng.integers(1, VOCAB, size=7).tolist()]
+    ids = torch.tensor(prompts)
+    sampling = SamplingState(SamplingParams(jnp.zeros(2, jnp.float32)), jax.random.split(jax.random.key(0), 2))
+    setup = DraftSetup(models["target"], ids, torch.ones_like(ids), [list(p) for p in prompts], VOCAB, 4, sampling)
+    active = np.ones(2, bool)
+
+    def reference(context, n):  # the draft's greedy chain and its probability of each token
+        tokens, probs = [], []
+        with torch.no_grad():
+            for _ in range(n):
+                p = torch.softmax(draft(torch.tensor([context + tokens])).logits[0, -1, :VOCAB].double(), -1)
+                tokens.append(int(p.argmax()))
+                probs.append(float(p.max()))
+        return tokens, probs
+
+    full = ModelDrafter(draft)
+    full.start(setup)
+    p = full.propose(DraftRequest(0, [list(c) for c in prompts], np.array([3, 3]), active, sampling))
+    assert p.confidence is not None and p.confidence.shape == (2, 3)
+    for j in range(2):
+        tokens, probs = reference(prompts[j], 3)
+        assert np.asarray(p.tokens)[j].tolist() == tokens
+        assert p.confidence[j] == pytest.approx(probs, rel=1e-4)
+
+    calls = []
+
+    def worth(confidence):  # row 0 goes on to 2 tokens, row 1 stops after 1
+        calls.append(confidence.shape[1])
+        return np.array([confidence.shape[1] < 2, False])
+
+    stopped = ModelDrafter(draft)
+    stopped.start(setup)
+    q = stopped.propose(DraftRequest(0, [list(c) for c in prompts], np.array([3, 3]), active, sampling, None, worth))
+    assert q.num_tokens.tolist() == [2, 1] and calls == [1, 2] and q.paid_tokens == 2
+    assert np.asarray(q.tokens)[:, :2].tolist() == np.asarray(p.tokens)[:, :2].tolist()
+    # row 0 commits its two tokens and a bonus, row 1 its one and a correction: the next proposal
+    # continues each row's committed context (the cache kept exactly the fed tokens committed)
+    t = np.asarray(q.tokens)
+    emitted = [[int(t[0, 0]), int(t[0, 1]), 7], [int(t[1, 0]), 9]]
+    stopped.commit(CommitInfo(emitted, np.array([2, 1]), np.array([2, 1])))
+    contexts = [prompts[j] + emitted[j] for j in range(2)]
+    nxt = stopped.propose(DraftRequest(1, contexts, np.array([2, 2]), active, sampling))
+    for j in range(2):
+        assert np.asarray(nxt.tokens)[j].tolist() == reference(contexts[j], 2)[0]

@@ -9,7 +9,10 @@ exactly the ``q`` the acceptance step recomputes from the returned logits.
 When every row is greedy the proposal is deterministic: the first argmax of
 the draft's logits (over the target's vocabulary), proposed as point masses
 (no logits; :func:`specjax.verify_from_logits` with ``draft_logits=None``),
-drawn by torch on the model's device: no JAX call per draft token.
+drawn by torch on the model's device: no JAX call per draft token. Each
+comes with the model's probability of it as its confidence
+(``Proposal.confidence``), and drafting stops for a row once the request's
+``worth_drafting`` says another token does not pay.
 
 Its KV cache is a :class:`~specjax.slots.SlotCache`: after a step,
 the fed proposals that were committed stay valid, the rest are marked invalid.
@@ -148,6 +151,8 @@ class ModelDrafter:
         """
         assert self.cache is not None
         drawn: list[torch.Tensor] = []
+        confidence: list[np.ndarray] = []  # f64[B'] per position: the model's probability of its choice
+        want = np.where(request.active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
         width = feed.shape[1]
         keep = min(width, max(self._untested, default=0) + 1)
         hindsight = None
@@ -158,8 +163,17 @@ class ModelDrafter:
                 logits = scored[:, -1]
             else:
                 logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
-            x = logits[:, : self.vocab].max(dim=-1).indices  # i64[B']: the first maximum (faster than argmax)
+            scores = logits[:, : self.vocab]
+            top = scores.max(dim=-1)  # the first maximum (faster than argmax)
+            x = top.indices  # i64[B']
             drawn.append(x)
+            confidence.append(torch.exp(top.values - torch.logsumexp(scores, dim=-1)).double().cpu().numpy())
+            if i < g - 1 and request.worth_drafting is not None:
+                # rows the schedule says are not worth another token keep the i + 1 they have
+                more = np.asarray(request.worth_drafting(np.stack(confidence, axis=1))) & (want > i + 1)
+                want = np.where((want > i + 1) & ~more, i + 1, want)
+                if not more.any():
+                    break  # x was not fed: the fed proposals are the first i
             if i < g - 1:
                 feed = x[:, None]
                 feed_valid, all_valid = active_col, all_active
@@ -169,7 +183,8 @@ class ModelDrafter:
         if hindsight is not None:
             hits, tests = hits + hindsight[0], tests + hindsight[1]
         self._late = (np.zeros_like(hits), np.zeros_like(tests))
-        return dataclasses.replace(self._proposal(request, tokens, None, g), hindsight=(hits, tests))
+        proposal = self._proposal(request, tokens, None, len(drawn), want)
+        return dataclasses.replace(proposal, hindsight=(hits, tests), confidence=np.stack(confidence, axis=1))
 
     def _hindsight(self, logits: torch.Tensor, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per row: of its pending tokens the target committed in plain steps, how many the model predicted.
@@ -194,13 +209,25 @@ class ModelDrafter:
             tests[j] = u
         return hits, tests
 
-    def _proposal(self, request: DraftRequest, tokens: Any, logits: tuple[Any, ...] | None, g: int) -> Proposal:
-        """Keep what :meth:`commit` needs (the fed proposals, the rows that drafted) and answer."""
+    def _proposal(
+        self,
+        request: DraftRequest,
+        tokens: Any,
+        logits: tuple[Any, ...] | None,
+        g: int,
+        k: np.ndarray | None = None,
+    ) -> Proposal:
+        """Keep what :meth:`commit` needs (the fed proposals, the rows that drafted) and answer.
+
+        ``g``: the tokens drawn per row (the first ``g - 1`` were fed to the model);
+        ``k``: i64[B'], each row's proposals (default ``min(max_tokens, g)`` for active rows).
+        """
         self._fed = tokens[:, : g - 1]
         self._active = request.active.copy()
         self._proposed = True
-        k = np.where(request.active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
-        return Proposal(tokens, k, logits)
+        if k is None:
+            k = np.where(request.active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
+        return Proposal(tokens, k, logits, paid_tokens=g)
 
     def commit(self, info: CommitInfo) -> None:
         assert self.cache is not None
