@@ -605,3 +605,20 @@ def test_model_drafter_reports_confidence_and_stops_where_told(models):
     nxt = stopped.propose(DraftRequest(1, contexts, np.array([2, 2]), active, sampling))
     for j in range(2):
         assert np.asarray(nxt.tokens)[j].tolist() == reference(contexts[j], 2)[0]
+
+
+def test_bench_confidence_withholds_the_confidence_and_the_early_stop(models):
+    """benchmarks/bench_confidence.py's control: the same drafter, its confidence never reaching the loop."""
+    from bench_confidence import WithoutConfidence
+
+    from specjax.drafters.base import DraftRequest
+
+    rec = Recorder()
+    wrapped = WithoutConfidence(rec)
+    assert wrapped.asks_every_step and wrapped.name == "recorder"
+    ids = torch.tensor([repetitive_prompt(7, 8)])
+    specjax.speculative_generate(models["target"], wrapped, ids, max_new_tokens=4, num_draft_tokens=3)
+    assert rec.offered and all(w is None for w in rec.offered)  # the loop offered it; the wrapper did not pass it on
+    request = DraftRequest(0, [[1, 2]], np.array([2]), np.array([True]), None, None, lambda c: np.array([True]))
+    assert rec.propose(request).confidence is not None  # negative control: the drafter itself reports one
+    assert wrapped.propose(request).confidence is None
