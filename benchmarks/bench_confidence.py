@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import statistics
 import time
 from typing import Any
 
 import torch
+from results_io import _cpu_model
 
 
 class WithoutConfidence:
@@ -56,17 +56,6 @@ class WithoutConfidence:
         self.drafter.select_rows(rows)
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -90,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from specjax.pair import load_default_pair, make_pair_drafter
     from specjax.prompts import OPEN_CHAT
 
-    print(f"load average before: {os.getloadavg()}; {_cpu()}; torch threads {args.threads}", flush=True)
+    print(f"load average before: {os.getloadavg()}; {_cpu_model()}; torch threads {args.threads}", flush=True)
     pair = load_default_pair()
     target, tok, head = pair.target, pair.tokenizer, pair.head
     eos = target.generation_config.eos_token_id
