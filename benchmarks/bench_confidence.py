@@ -7,7 +7,8 @@ the tests' outcomes, verifies per step the tokens it says pay and stops
 drafting a row once one more token does not (``specjax.generate.schedule``).
 This holds that against the same drafter and schedule with the confidence
 withheld (each position then priced by the row's running acceptance) and
-against target-only ``generate``, on the open-chat prompts, methods
+against target-only ``generate``, on the open-chat prompts (``--category
+grounded``: the input-grounded ones), methods
 alternating call by call within each prompt (order reversed every other
 round), after one untimed warm-up call per method and prompt. Every output is
 checked against target-only greedy (``same``).
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per prompt and method")
     ap.add_argument("--num-draft-tokens", type=int, default=8, help="G, the most tokens a step drafts")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--category", choices=["open", "grounded"], default="open", help="the built-in prompt set")
     ap.add_argument(
         "--drafter",
         choices=["eagle", "model", "hybrid"],
@@ -77,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     from specjax.drafters import ModelDrafter
     from specjax.generate import speculative_generate
     from specjax.pair import load_default_pair, make_pair_drafter
-    from specjax.prompts import OPEN_CHAT
+    from specjax.prompts import GROUNDED, OPEN_CHAT
+
+    prompts = OPEN_CHAT if args.category == "open" else GROUNDED
 
     print(f"load average before: {os.getloadavg()}; {_cpu_model()}; torch threads {args.threads}", flush=True)
     pair = load_default_pair()
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(methods)
     times: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     same = {m: True for m in names}
-    for prompt, messages in OPEN_CHAT.items():
+    for prompt, messages in prompts.items():
         ids, mask = _encode(tok, messages)
         ref = target_only(ids, mask)
         for m in names:  # warm-up
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average after: {os.getloadavg()}")
     print(f"\n{'method':24s} {'speed-up median':>16s} {'mean':>6s} {'min':>6s} same")
     for m in names[1:]:
-        r = [statistics.median(times["target-only"][p]) / statistics.median(times[m][p]) for p in OPEN_CHAT]
+        r = [statistics.median(times["target-only"][p]) / statistics.median(times[m][p]) for p in prompts]
         print(f"{m:24s} {statistics.median(r):15.2f}x {statistics.mean(r):5.2f}x {min(r):5.2f}x {same[m]}")
     return 0 if all(same.values()) else 1
 
