@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 import torch
+from pair_calls import eos_and_pad, greedy_target_only
 
 from specjax.slots import cache_argument
 
@@ -198,23 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()}", flush=True)
     pair = load_default_pair()
     target, tok, head = pair.target, pair.tokenizer, pair.head
-    eos = target.generation_config.eos_token_id
-    eos = eos if isinstance(eos, int) else eos[0]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    eos, pad = eos_and_pad(pair)
     runner = TreeRunner(target, head)
     g = pair.num_draft_tokens
 
-    def target_only(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
-        with torch.inference_mode():
-            out = target.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=pad,
-            )
-        return out[0, ids.shape[1] :].tolist()
+    target_only = greedy_target_only(pair, args.max_new_tokens)
 
     def product(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
         out = speculative_generate(

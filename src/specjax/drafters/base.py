@@ -35,10 +35,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
+import torch
 
 from specjax.kernels.types import SamplingParams
 
-__all__ = ["CommitInfo", "DraftRequest", "DraftSetup", "Drafter", "Proposal", "SamplingState"]
+__all__ = [
+    "CommitInfo",
+    "DraftRequest",
+    "DraftSetup",
+    "Drafter",
+    "Proposal",
+    "SamplingState",
+    "greedy_pick",
+    "stop_rows",
+]
 
 
 @dataclass
@@ -221,6 +231,33 @@ class CommitInfo:
     num_proposed: np.ndarray
     target_hidden: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def greedy_pick(scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """A greedy drafter's choice and its confidence (:attr:`Proposal.confidence`).
+
+    ``scores``: f[B', N] logits. Returns i64[B'], the first maximum of each row
+    (faster than argmax), and f64[B'] host array, the softmax probability of it.
+    """
+    top = scores.max(dim=-1)
+    return top.indices, torch.exp(top.values - torch.logsumexp(scores, dim=-1)).double().cpu().numpy()
+
+
+def stop_rows(request: DraftRequest, confidence: list[np.ndarray], want: np.ndarray) -> tuple[np.ndarray, bool]:
+    """After a drafter drafted ``i = len(confidence)`` tokens per row: whom to draft on for.
+
+    ``confidence``: i f64[B'] arrays, the confidence in each drafted position;
+    ``want``: i64[B'], the tokens each row is to propose. Returns ``want`` with
+    the rows :attr:`DraftRequest.worth_drafting` says are not worth another
+    token cut to ``i``, and whether any row goes on (without ``worth_drafting``:
+    ``want`` unchanged, and whether any row wants more than ``i``).
+    """
+    i = len(confidence)
+    more = want > i
+    if request.worth_drafting is not None and more.any():
+        more &= np.asarray(request.worth_drafting(np.stack(confidence, axis=1)))
+        want = np.where((want > i) & ~more, i, want)
+    return want, bool(more.any())
 
 
 @runtime_checkable

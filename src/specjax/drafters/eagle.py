@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal
+from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal, greedy_pick, stop_rows
 from specjax.drafters.eagle_head import EagleHead, FeatureCache, load_head
 
 __all__ = ["EagleDrafter"]
@@ -155,16 +155,13 @@ class EagleDrafter:
             for i in range(g):
                 scores = self._scores(feature)
                 if greedy:
-                    top = scores.max(dim=-1)  # the first maximum (faster than argmax)
-                    x = ids[top.indices]
+                    best, conf = greedy_pick(scores)
+                    x = ids[best]
                     tokens.append(x)
-                    confidence.append(torch.exp(top.values - torch.logsumexp(scores, dim=-1)).double().cpu().numpy())
-                    if request.worth_drafting is not None and i < g - 1:
-                        # rows the schedule says are not worth another token keep the i + 1 they have
-                        more = np.asarray(request.worth_drafting(np.stack(confidence, axis=1))) & (want > i + 1)
-                        want = np.where((want > i + 1) & ~more, i + 1, want)
-                        if not more.any():
-                            break
+                    confidence.append(conf)
+                    want, go_on = stop_rows(request, confidence, want)
+                    if not go_on:
+                        break
                 else:
                     full = torch.full((b, self.vocab), float("-inf"), device=device, dtype=scores.dtype)
                     full[:, ids] = scores

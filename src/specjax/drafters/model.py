@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal
+from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal, greedy_pick, stop_rows
 from specjax.slots import SlotCache
 
 __all__ = ["ModelDrafter"]
@@ -163,20 +163,14 @@ class ModelDrafter:
                 logits = scored[:, -1]
             else:
                 logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
-            scores = logits[:, : self.vocab]
-            top = scores.max(dim=-1)  # the first maximum (faster than argmax)
-            x = top.indices  # i64[B']
+            x, conf = greedy_pick(logits[:, : self.vocab])  # i64[B'], f64[B']
             drawn.append(x)
-            confidence.append(torch.exp(top.values - torch.logsumexp(scores, dim=-1)).double().cpu().numpy())
-            if i < g - 1 and request.worth_drafting is not None:
-                # rows the schedule says are not worth another token keep the i + 1 they have
-                more = np.asarray(request.worth_drafting(np.stack(confidence, axis=1))) & (want > i + 1)
-                want = np.where((want > i + 1) & ~more, i + 1, want)
-                if not more.any():
-                    break  # x was not fed: the fed proposals are the first i
-            if i < g - 1:
-                feed = x[:, None]
-                feed_valid, all_valid = active_col, all_active
+            confidence.append(conf)
+            want, go_on = stop_rows(request, confidence, want)
+            if not go_on:
+                break  # x was not fed: the fed proposals are the first i
+            feed = x[:, None]
+            feed_valid, all_valid = active_col, all_active
         tokens = torch.stack(drawn, dim=1).to(torch.int32).cpu().numpy()
         self._first = tokens[:, 0].copy()
         hits, tests = self._late

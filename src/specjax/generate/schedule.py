@@ -199,7 +199,7 @@ class DraftSchedule:
         self._own: dict[int, dict[Any, deque[float]]] = {}  # without a model: this call's, per batch size
         self.times = self._table(batch)
         self.tally, self.calibration = self._carried(greedy)
-        self.confident = False  # the drafter's last proposal came with its confidence
+        self.confident = False  # the drafter has proposed with its confidence (set by the loop)
         # a new call's rows start from what earlier calls measured, as if seen a few tests ago
         tests = self.tally.sum(axis=1)
         scale = np.where(tests > 0, np.minimum(tests, _CARRY_WEIGHT) / np.maximum(tests, 1e-9), 0.0)
@@ -300,6 +300,10 @@ class DraftSchedule:
             t = self._estimate(("overhead", not drafted))
         return t or 0.0
 
+    def _plain_rate(self) -> float:
+        """Tokens per second of a plain decoding step (one token, no draft)."""
+        return 1.0 / (self._verify_cost(1) + self._overhead(False))
+
     def padded_width(self, q: int) -> int:
         """The width to run for ``q`` needed tokens (see the module doc): ``q``, ``q + 1`` to learn its
         cost, or a larger width measured to be cheaper."""
@@ -328,6 +332,12 @@ class DraftSchedule:
         both = (self.passes + _PRIOR_PASS) / (self.passes + self.fails + _PRIOR_PASS + _PRIOR_FAIL)
         return both[:, 0] if free_rows is None else np.where(free_rows, both[:, 1], both[:, 0])
 
+    @staticmethod
+    def _bins(confidence: np.ndarray) -> np.ndarray:
+        """i64[...]: the calibration bin of each confidence (NaN counts as 0; callers mask it)."""
+        c = np.where(np.isfinite(confidence), confidence, 0.0)
+        return np.clip((c * _CAL_BINS).astype(np.int64), 0, _CAL_BINS - 1)
+
     def calibrated(self, confidence: np.ndarray) -> np.ndarray:
         """f64[...]: the chance that a draft token passes, from the drafter's confidence in it.
 
@@ -339,7 +349,7 @@ class DraftSchedule:
         c = np.asarray(confidence, np.float64)
         known = np.isfinite(c)
         c0 = np.where(known, c, 0.0)
-        bins = np.clip((c0 * _CAL_BINS).astype(np.int64), 0, _CAL_BINS - 1)
+        bins = self._bins(c)
         passed, failed = self.calibration[0][bins], self.calibration[1][bins]
         rate = (passed + _CAL_PRIOR * c0) / (passed + failed + _CAL_PRIOR)
         return np.where(known, rate, np.nan)
@@ -394,7 +404,7 @@ class DraftSchedule:
         horizon = float(left.max())
         overhead = self._overhead(True)
         margin = PAID_MARGIN if draft_s_per_token > 0 else 1.0001
-        plain = 1.0 / (self._verify_cost(1) + self._overhead(False))
+        plain = self._plain_rate()
         best_w, best_rate = 0, margin * plain
         for w in range(1, top + 1):
             gain = horizon - float((left - expected_gain(probs, np.minimum(w, lim))).max())
@@ -445,8 +455,7 @@ class DraftSchedule:
         reach = np.prod(self._probs(i, None, c), axis=1)
         wider = self._verify_cost(self.padded_width(i + 2)) - self._verify_cost(self.padded_width(i + 1))
         extra = self._draft_cost() + max(0.0, wider)
-        plain = 1.0 / (self._verify_cost(1) + self._overhead(False))
-        return bool(self.adaptive) & (reach * alpha >= extra * plain)
+        return bool(self.adaptive) & (reach * alpha >= extra * self._plain_rate())
 
     def _explore(self, w: int) -> int:
         """The chosen width, or an exploring step's (see the module doc)."""
@@ -526,7 +535,7 @@ class DraftSchedule:
         seen = (pos < np.minimum(accepted + 1, tested)[:, None]) & np.isfinite(confidence)
         if not seen.any():
             return
-        bins = np.clip((np.where(seen, confidence, 0.0) * _CAL_BINS).astype(np.int64), 0, _CAL_BINS - 1)
+        bins = self._bins(confidence)
         passed = seen & (pos < accepted[:, None])
         self.calibration *= _CAL_DECAY
         self.calibration[0] += np.bincount(bins[passed], minlength=_CAL_BINS)
