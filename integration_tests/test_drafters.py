@@ -536,11 +536,12 @@ class Recorder:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "adaptive", "offered"), [(0.0, True, True), (0.7, True, False), (0.0, False, False)]
+    ("temperature", "adaptive", "offered"),
+    [(0.0, True, True), (0.7, True, True), (0.0, False, False), (0.7, False, False)],
 )
-def test_confidence_is_used_only_for_greedy_adaptive_calls(models, temperature, adaptive, offered):
-    """With sampling, a count of tested tokens chosen from the drawn tokens would bias the output:
-    the loop offers ``worth_drafting`` (and reads ``confidence``) only when every row is greedy."""
+def test_confidence_is_offered_to_adaptive_calls(models, temperature, adaptive, offered):
+    """The loop offers ``worth_drafting`` whenever the draft length is adaptive (with sampling it
+    then tests the drawn tokens sequentially: DraftSchedule.trim), never with a fixed length."""
     rec = Recorder()
     ids = torch.tensor([repetitive_prompt(7, 8)])
     specjax.speculative_generate(
@@ -605,6 +606,48 @@ def test_model_drafter_reports_confidence_and_stops_where_told(models):
     nxt = stopped.propose(DraftRequest(1, contexts, np.array([2, 2]), active, sampling))
     for j in range(2):
         assert np.asarray(nxt.tokens)[j].tolist() == reference(contexts[j], 2)[0]
+
+
+def test_sampled_model_drafter_reports_the_drawn_tokens_probability_and_stops_where_told(models):
+    """T = 0.8: each drawn token comes with the draft model's probability of it at that temperature,
+    and a row stops drafting once ``worth_drafting`` says no, keeping the draws it made."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.drafters.base import DraftRequest, DraftSetup, SamplingState
+    from specjax.kernels.types import SamplingParams
+
+    draft = models["draft"]
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(1, VOCAB, size=7).tolist(), rng.integers(1, VOCAB, size=7).tolist()]
+    ids = torch.tensor(prompts)
+    sampling = SamplingState(SamplingParams(jnp.full(2, 0.8, jnp.float32)), jax.random.split(jax.random.key(3), 2))
+    setup = DraftSetup(models["target"], ids, torch.ones_like(ids), [list(p) for p in prompts], VOCAB, 4, sampling)
+    active = np.ones(2, bool)
+
+    full = ModelDrafter(draft)
+    full.start(setup)
+    p = full.propose(DraftRequest(0, [list(c) for c in prompts], np.array([3, 3]), active, sampling))
+    assert p.logits is not None and p.confidence is not None and p.confidence.shape == (2, 3)
+    tokens = np.asarray(p.tokens)
+    with torch.no_grad():
+        for j in range(2):
+            for i in range(3):
+                logits = draft(torch.tensor([prompts[j] + tokens[j, :i].tolist()])).logits[0, -1, :VOCAB]
+                prob = torch.softmax(logits.double() / 0.8, -1)[int(tokens[j, i])]
+                assert p.confidence[j, i] == pytest.approx(float(prob), rel=1e-3)
+
+    calls = []
+
+    def worth(confidence):  # row 0 goes on to 2 tokens, row 1 stops after 1
+        calls.append(confidence.shape[1])
+        return np.array([confidence.shape[1] < 2, False])
+
+    stopped = ModelDrafter(draft)
+    stopped.start(setup)
+    q = stopped.propose(DraftRequest(0, [list(c) for c in prompts], np.array([3, 3]), active, sampling, None, worth))
+    assert q.num_tokens.tolist() == [2, 1] and calls == [1, 2] and q.paid_tokens == 2 and len(q.logits) == 2
+    assert np.asarray(q.tokens)[:, :2].tolist() == tokens[:, :2].tolist()  # the same keys: the same draws
 
 
 def test_bench_confidence_withholds_the_confidence_and_the_early_stop(models):

@@ -137,14 +137,16 @@ def test_never_drafts_past_max_new_tokens(target, trained):
         assert out.sequences.shape[1] == ids.shape[1] + n
 
 
-def _sampling(batch: int):
+def _sampling(batch: int, temperature: float = 0.0):
     import jax
     import jax.numpy as jnp
 
     from specjax.drafters.base import SamplingState
     from specjax.kernels.types import SamplingParams
 
-    return SamplingState(SamplingParams(jnp.zeros(batch, jnp.float32)), jax.random.split(jax.random.key(0), batch))
+    return SamplingState(
+        SamplingParams(jnp.full(batch, temperature, jnp.float32)), jax.random.split(jax.random.key(0), batch)
+    )
 
 
 def test_commits_are_read_when_the_head_drafts_and_all_at_once_as_one_by_one(target, trained, left_padded):
@@ -436,3 +438,45 @@ def test_greedy_proposals_carry_the_heads_confidence_and_stop_where_told(target,
     assert calls == [(batch, 1), (batch, 2)]  # asked after each token while a row went on
     assert np.asarray(q.tokens)[:, :2].tolist() == np.asarray(p.tokens)[:, :2].tolist()  # the same tokens
     assert q.paid_tokens == 2 and q.confidence.shape == (batch, 2)
+
+
+def test_sampled_proposals_carry_the_drawn_tokens_probability_and_stop_where_told(target, trained):
+    """T = 0.8: each drawn token comes with the head's probability of it at that temperature, and a
+    row stops drafting once ``worth_drafting`` says no (the loop then tests all it proposed)."""
+    from specjax.drafters.base import DraftRequest, DraftSetup
+
+    head, _, _ = trained
+    ids = torch.tensor([PROMPT, PROMPT[::-1]])
+    batch = ids.shape[0]
+    hidden = torch.randn(batch, ids.shape[1] - 1, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    sampling = _sampling(batch, 0.8)
+    setup = DraftSetup(target, ids, torch.ones_like(ids), [list(r) for r in ids.tolist()], V, 4, sampling, hidden)
+
+    def request(worth=None):
+        return DraftRequest(
+            0, [[] for _ in range(batch)], np.full(batch, 4), np.ones(batch, bool), sampling, None, worth
+        )
+
+    full = EagleDrafter(head)
+    full.start(setup)
+    p = full.propose(request())
+    assert p.logits is not None and p.num_tokens.tolist() == [4, 4] and p.confidence.shape == (batch, 4)
+    with torch.inference_mode():
+        probs = torch.softmax(full._scores(full._feature).double() / 0.8, dim=-1).numpy()
+    where = {int(t): i for i, t in enumerate(head.token_ids.tolist())}
+    first = [where[int(t)] for t in np.asarray(p.tokens)[:, 0]]
+    assert p.confidence[:, 0] == pytest.approx(probs[np.arange(batch), first], rel=1e-4)
+    assert ((p.confidence > 0) & (p.confidence <= 1)).all()
+
+    calls = []
+
+    def worth(confidence):  # row 0: one token more after the first; row 1: none
+        calls.append(confidence.shape)
+        return np.array([confidence.shape[1] < 2, False])
+
+    stopped = EagleDrafter(head)
+    stopped.start(setup)
+    q = stopped.propose(request(worth))
+    assert q.num_tokens.tolist() == [2, 1] and calls == [(batch, 1), (batch, 2)]
+    assert np.asarray(q.tokens)[:, :2].tolist() == np.asarray(p.tokens)[:, :2].tolist()  # the same keys, tokens
+    assert q.paid_tokens == 2 and len(q.logits) == 2 and q.confidence.shape == (batch, 2)

@@ -200,6 +200,46 @@ def test_negative_control_with_point_mass_proposals(pair):
     assert p < 1e-6, f"the broken sampler was not caught: p = {p:.2e}"
 
 
+def cut_drafter(draft, sequential: bool):
+    """The model drafter, each row's proposal cut by a rule on its drawn tokens (G = 2 here).
+
+    ``sequential``: token ``i + 1`` is proposed only after an even token ``i``
+    (decided before it is drawn: what ``worth_drafting`` allows, exact);
+    else token ``i`` only if it is even itself (decided from the token:
+    biased, the negative control of the contract in ``Proposal``'s doc).
+    """
+    import dataclasses
+
+    from specjax.drafters import ModelDrafter
+
+    class Cut(ModelDrafter):
+        def propose(self, request):
+            p = super().propose(request)
+            if p.width == 0:
+                return p
+            even = np.asarray(p.tokens) % 2 == 0
+            run = (
+                1 + np.cumprod(even[:, :-1], axis=1).sum(axis=1) if sequential else np.cumprod(even, axis=1).sum(axis=1)
+            )
+            return dataclasses.replace(p, num_tokens=np.minimum(p.num_tokens, run))
+
+    return Cut(draft)
+
+
+@pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "negative-control-by-its-own-token"])
+def test_a_drafters_early_stop_is_exact_only_when_sequential(pair, sequential):
+    """Sampled proposals cut early: exact when whether a token is proposed depends only on the tokens
+    before it (how ``worth_drafting`` stops a row), biased when it depends on the token itself."""
+    target, draft = pair
+    counts = sample_counts(target, cut_drafter(draft, sequential), length=3, num_draft_tokens=2, temperature=1.0)
+    p = chi_square_p(counts, exact_joint(target, 3, 1.0, None, None))
+    print(f"chi-square p = {p:.3g}")
+    if sequential:
+        assert p > 1e-3, f"chi-square p = {p:.2e}"
+    else:
+        assert p < 1e-6, f"the biased cut was not caught: p = {p:.2e}"
+
+
 def eagle_head_for(target, seed: int = 0):
     """An untrained EAGLE head for ``target`` scoring 6 of its V tokens (q = 0 for the other two).
 

@@ -481,3 +481,44 @@ def test_a_confident_drafter_is_asked_for_its_full_cap_once_a_step_drafts():
     for _ in range(10):
         s.record_outcome(np.array([4]), np.array([0]))
     assert s.plan(caps, active).tolist() == [0]
+
+
+# one token tested alone is cheap, two or three are dear, four and more cheap again (padded widths)
+UNEVEN = {1: 40.0, 2: 80.0, 3: 80.0, 4: 80.0, 5: 58.0, 6: 58.0, 7: 58.0, 8: 60.0}
+
+
+def test_sampled_proposals_are_tested_sequentially():
+    """With drawn tokens, whether token i is tested may depend on the tokens before it, not on whether
+    the drafter went on past it: the count is ``min(proposed, w)``, ``w`` chosen from what was asked."""
+    s = schedule(UNEVEN)
+    for _ in range(6):
+        s.record_outcome(np.array([4]), np.array([2]))
+    one = np.array([True])
+
+    def chosen(p, **kw):
+        return int(s.trim(np.array([p]), one, **kw)[0])
+
+    # negative control: greedy, the rule prices what came back, so the first token is tested only
+    # when a second one follows it (harmless there: greedy output does not depend on what is tested)
+    assert chosen(1) == 0 and chosen(2) == 2
+    for asked in (1, 2, 6):
+        w = chosen(asked, asked=np.array([asked]))
+        got = [chosen(p, asked=np.array([asked])) for p in range(asked + 1)]
+        assert got == [min(p, w) for p in range(asked + 1)], asked
+    assert chosen(1, asked=np.array([6])) == 1
+    # a drafter that reported its confidence stopped each row token by token: all it proposed is tested
+    conf = [chosen(p, asked=np.array([6]), confidence=np.full((1, p), 0.3)) for p in range(1, 7)]
+    assert conf == list(range(1, 7))
+
+
+def test_sampled_free_rows_are_chosen_from_their_proposals():
+    """A hybrid batch at T > 0: the lookup row's count comes from what it proposed; the drawn row's
+    from what it was asked, whatever it returned."""
+    s = schedule(UNEVEN, batch=2)
+    for _ in range(6):
+        s.record_outcome(np.array([4, 4]), np.array([2, 2]))
+    both, free = np.array([True, True]), np.array([True, False])
+    rows = [s.trim(np.array([3, p]), both, free, asked=np.array([0, 6])).tolist() for p in range(7)]
+    w = rows[-1][1]
+    assert w > 0 and [r[1] for r in rows] == [min(p, w) for p in range(7)]
+    assert len({r[0] for r in rows}) == 1 and rows[0][0] > 0  # the lookup's tested count: its own

@@ -137,8 +137,8 @@ class DraftRequest:
         fewer near ``max_new_tokens``): a drafter whose proposals cost nothing
         (a lookup) may propose up to this; the schedule then decides how many
         to verify. None means ``max_tokens``.
-      worth_drafting: None (always, unless every row is greedy and the draft
-        length adaptive), or the schedule's test for a drafter that reports
+      worth_drafting: None (when the draft length is fixed), or the
+        schedule's test for a drafter that reports
         its confidence (:attr:`Proposal.confidence`), drafting token by token:
         called with f64[B', i], its confidence in the ``i`` tokens drafted so
         far, it returns bool[B'], the rows for which one more token is
@@ -190,11 +190,21 @@ class Proposal:
         passes the test given that the ones before it did (e.g. the
         probability its distribution gives its greedy choice). The loop's
         adaptive schedule calibrates it against the outcomes of the tests
-        and verifies, per step, the tokens it says pay (EAGLE-2, arXiv
-        2406.16858, ranks draft tokens by the same confidence). Used only
-        when every row is greedy, where how many tokens are tested cannot
-        change the output; with sampling, a count chosen from the drawn
-        tokens would bias it, so the loop ignores the field there.
+        (greedy and sampled calls apart). When every row is greedy it
+        verifies, per step, the tokens it says pay (EAGLE-2, arXiv
+        2406.16858, ranks draft tokens by the same confidence). With sampled
+        proposals (``logits`` given) a count chosen from the drawn tokens
+        would bias the output, so there it only stops the drafting through
+        ``worth_drafting``, token by token, and the loop tests every token
+        proposed (:meth:`specjax.generate.schedule.DraftSchedule.trim`). A
+        sampling drafter may report the probability of the drawn token itself
+        (:func:`drawn_confidence`): whether token ``i + 1`` is drawn may depend
+        on token ``i``.
+
+    With ``logits``, whether row b proposes its token ``i`` (``i <
+    num_tokens[b]``) may depend on its tokens before ``i`` but not on token
+    ``i`` or later ones (a drafter that draws four tokens and proposes two
+    because the third looks unlikely biases the output): stop drawing instead.
     """
 
     tokens: Any
@@ -241,6 +251,22 @@ def greedy_pick(scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
     """
     top = scores.max(dim=-1)
     return top.indices, torch.exp(top.values - torch.logsumexp(scores, dim=-1)).double().cpu().numpy()
+
+
+def drawn_confidence(scores: torch.Tensor, drawn: torch.Tensor, temperature: np.ndarray) -> np.ndarray:
+    """A sampling drafter's confidence (:attr:`Proposal.confidence`) in the tokens it drew.
+
+    ``scores``: f[B', V'] the logits the tokens were drawn from; ``drawn``:
+    i64[B'] ids in [0, V'); ``temperature``: f[B'] host array, each row's.
+    Returns f64[B'] host array: the probability of ``drawn`` at the row's
+    temperature (before top-k / top-p, which the schedule's calibration
+    absorbs); a greedy row (T = 0) reports its choice's probability at T = 1,
+    as :func:`greedy_pick`.
+    """
+    t = np.where(np.asarray(temperature, np.float64) > 0, temperature, 1.0)
+    z = scores / torch.as_tensor(t, dtype=scores.dtype, device=scores.device)[:, None]
+    picked = z.gather(1, drawn[:, None].to(z.device))[:, 0]
+    return torch.exp(picked - torch.logsumexp(z, dim=-1)).double().cpu().numpy()
 
 
 def stop_rows(request: DraftRequest, confidence: list[np.ndarray], want: np.ndarray) -> tuple[np.ndarray, bool]:

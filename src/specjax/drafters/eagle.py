@@ -12,13 +12,14 @@ first draft token. Drafting token ``i + 1`` runs the head once more on
 commit and replaced by the target's real features.
 
 Proposals: when every row is greedy, the argmax of the head's scores as point
-masses (no logits, nothing to process), each with the head's probability of
-it (softmax over its N tokens) as its confidence (``Proposal.confidence``);
-drafting stops for a row once the request's ``worth_drafting`` says another
-token does not pay; otherwise the head's logits over the
+masses (no logits, nothing to process); otherwise the head's logits over the
 target vocabulary (−inf outside the head's N tokens), drawn through
 :func:`specjax.kernels.steps.draft_draw` with the target's sampling
-parameters, so ``q`` is exactly the distribution each token came from.
+parameters, so ``q`` is exactly the distribution each token came from. Each
+token comes with the head's probability of it (softmax over its N tokens, at
+the row's temperature) as its confidence (``Proposal.confidence``), and
+drafting stops for a row once the request's ``worth_drafting`` says another
+token does not pay.
 
 The prompt's pairs come from the loop's prefill forward
 (:attr:`DraftSetup.target_hidden`), so the first step drafts too (not for a
@@ -45,7 +46,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal, greedy_pick, stop_rows
+from specjax.drafters.base import (
+    CommitInfo,
+    DraftRequest,
+    DraftSetup,
+    Proposal,
+    drawn_confidence,
+    greedy_pick,
+    stop_rows,
+)
 from specjax.drafters.eagle_head import EagleHead, FeatureCache, load_head
 
 __all__ = ["EagleDrafter"]
@@ -149,7 +158,8 @@ class EagleDrafter:
         feature = self._feature
         tokens: list[Any] = []
         logits_out: list[Any] = []
-        confidence: list[np.ndarray] = []  # greedy: f64[B'] per position, the head's probability of its choice
+        confidence: list[np.ndarray] = []  # f64[B'] per position: the head's probability of its token
+        temperature = np.zeros(b) if greedy else np.asarray(s.temperature, np.float64)  # f64[B']
         self._held: list[torch.Tensor] = []
         with torch.inference_mode():
             for i in range(g):
@@ -178,6 +188,10 @@ class EagleDrafter:
                     )
                     tokens.append(xj)
                     x = to_torch(xj).to(device=device, dtype=torch.long)
+                    confidence.append(drawn_confidence(full, x, temperature))
+                    want, go_on = stop_rows(request, confidence, want)
+                    if not go_on:
+                        break
                 if i < g - 1:
                     feature = self.head(feature[:, None], self._embed(x)[:, None], rows, self.cache)[:, 0]
         if greedy:
@@ -191,7 +205,13 @@ class EagleDrafter:
                 hindsight=hindsight,
                 confidence=np.stack(confidence, axis=1),
             )
-        return Proposal(jnp.stack(tokens, axis=1), want, tuple(logits_out), paid_tokens=g)
+        return Proposal(
+            jnp.stack(tokens, axis=1),
+            want,
+            tuple(logits_out),
+            paid_tokens=len(tokens),
+            confidence=np.stack(confidence, axis=1),
+        )
 
     def commit(self, info: CommitInfo) -> None:
         """Keep the committed pairs for the head's next forward (:meth:`_read_commits`)."""

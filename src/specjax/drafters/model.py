@@ -10,9 +10,10 @@ When every row is greedy the proposal is deterministic: the first argmax of
 the draft's logits (over the target's vocabulary), proposed as point masses
 (no logits; :func:`specjax.verify_from_logits` with ``draft_logits=None``),
 drawn by torch on the model's device: no JAX call per draft token. Each
-comes with the model's probability of it as its confidence
-(``Proposal.confidence``), and drafting stops for a row once the request's
-``worth_drafting`` says another token does not pay.
+token comes with the model's probability of it as its confidence
+(``Proposal.confidence``; sampled tokens: at the row's temperature), and
+drafting stops for a row once the request's ``worth_drafting`` says another
+token does not pay.
 
 Its KV cache is a :class:`~specjax.slots.SlotCache`: after a step,
 the fed proposals that were committed stay valid, the rest are marked invalid.
@@ -26,7 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal, greedy_pick, stop_rows
+from specjax.drafters.base import (
+    CommitInfo,
+    DraftRequest,
+    DraftSetup,
+    Proposal,
+    drawn_confidence,
+    greedy_pick,
+    stop_rows,
+)
 from specjax.slots import SlotCache
 
 __all__ = ["ModelDrafter"]
@@ -112,6 +121,9 @@ class ModelDrafter:
         logits_out: list[Any] = []
         self._held: list[torch.Tensor] = []  # torch buffers JAX reads, kept until the step is done
         feed_valid: np.ndarray = valid_h
+        confidence: list[np.ndarray] = []  # f64[B'] per position: the model's probability of its token
+        temperature = np.asarray(s.temperature, np.float64)
+        want = np.where(active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
         for i in range(g):
             logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
             self._held.append(logits)
@@ -126,12 +138,17 @@ class ModelDrafter:
                 vocab=self.vocab,
             )
             draws.append(x)
-            if i < g - 1:
-                feed = to_torch(x).to(torch.long)[:, None]
-                feed_valid, all_valid = active_col, all_active
+            x_t = to_torch(x).to(torch.long)
+            confidence.append(drawn_confidence(logits[:, : self.vocab], x_t, temperature))
+            want, go_on = stop_rows(request, confidence, want)
+            if not go_on:
+                break  # x was not fed: the fed proposals are the first i
+            feed = x_t[:, None]
+            feed_valid, all_valid = active_col, all_active
         host = [host_array(x) for x in draws]  # on a CPU: NumPy (no eager JAX op, no compilation per shape)
         tokens = np.stack(host, axis=1) if all(h is not None for h in host) else jnp.stack(draws, axis=1)
-        return self._proposal(request, tokens, tuple(logits_out), g)
+        proposal = self._proposal(request, tokens, tuple(logits_out), len(draws), want)
+        return dataclasses.replace(proposal, confidence=np.stack(confidence, axis=1))
 
     def _propose_greedy(
         self,

@@ -258,11 +258,12 @@ def run_loop(
         # Every row greedy, with the built-in sampler: the step's result does not depend on the
         # draft's distribution or the keys (see greedy_verify), and torch's argmax decides it.
         greedy = sampler is None and bool(np.all(np.asarray(sampling.temperature) == 0))
-        # A drafter's confidence in its tokens (Proposal.confidence) decides how many are tested
-        # only here: the output is the target's argmax whatever is tested. With sampling, a count
-        # chosen from the drawn tokens would bias the output (a token tested only when the
-        # tokens after it look likely is accepted more often than its draft probability says).
-        use_confidence = adaptive and greedy
+        # A drafter's confidence in its tokens (Proposal.confidence) prices each one: greedy, the
+        # schedule tests what pays (the output is the target's argmax whatever is tested); with
+        # sampling, it only stops the drafting token by token, and the count is chosen
+        # sequentially (DraftSchedule.trim's ``asked``), since a count chosen from the drawn
+        # tokens would bias the output.
+        use_confidence = adaptive
         step = 0
         while not all(r.done for r in rows):
             t_step = time.perf_counter()
@@ -306,8 +307,11 @@ def run_loop(
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
             free_rows = proposal.free_rows
             confidence = proposal.confidence if use_confidence else None
+            asked = None if greedy or proposal.logits is None else want  # drawn tokens: see trim
             k_rows = np.minimum(
-                schedule.trim(np.asarray(proposal.num_tokens, np.int64), active_h, free_rows, remaining, confidence),
+                schedule.trim(
+                    np.asarray(proposal.num_tokens, np.int64), active_h, free_rows, remaining, confidence, asked
+                ),
                 caps,
             )
             stats.draft_steps += int(k_rows.max(initial=0) > 0)

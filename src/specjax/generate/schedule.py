@@ -476,6 +476,7 @@ class DraftSchedule:
         free_rows: np.ndarray | None = None,
         remaining: np.ndarray | None = None,
         confidence: np.ndarray | None = None,
+        asked: np.ndarray | None = None,
     ) -> np.ndarray:
         """i64[B']: how many of the proposed tokens to verify (the drafting is paid already).
 
@@ -485,11 +486,30 @@ class DraftSchedule:
         each position is then priced by its calibrated confidence
         (:meth:`calibrated`), so a step verifies the tokens the drafter is sure of
         and stops where it is not, rather than a width set by the row's average.
+
+        ``asked``: None when every row is greedy (how many tokens are tested
+        cannot change the output), else i64[B'], what :meth:`plan` asked for,
+        for sampled proposals (with logits). There, whether a row's draft token
+        ``i`` is tested may depend on the tokens before it but not on itself or
+        later ones: a token tested only when the ones after it look likely (or
+        when the drafter went on past it) passes more often than its draft
+        probability says, and the output is biased. So a drawn row's count is
+        chosen sequentially: ``min(proposed, w)`` with ``w`` from what was
+        asked, not from what came back; or, where the drafter reported its
+        confidence, everything it proposed (it stopped each row token by token
+        where :meth:`worth_drafting` said, which depends only on the tokens
+        already drawn). Free rows (lookups: point masses fixed by the context)
+        are chosen from what they proposed, as in greedy calls.
         """
         if not self.adaptive:
             return proposed
-        w = self._explore(self._best_width(proposed, active, 0.0, free_rows, remaining, confidence))
-        return np.minimum(proposed, w)
+        if asked is None:
+            w = self._explore(self._best_width(proposed, active, 0.0, free_rows, remaining, confidence))
+            return np.minimum(proposed, w)
+        free = np.zeros(len(proposed), bool) if free_rows is None else np.asarray(free_rows, bool)
+        w = self._explore(self._best_width(np.where(free, proposed, asked), active, 0.0, free_rows, remaining))
+        drawn = proposed if confidence is not None and w > 0 else np.minimum(proposed, w)
+        return np.where(free, np.minimum(proposed, w), drawn)
 
     # ------------------------------------------------------------------ #
     # Learning
