@@ -464,6 +464,34 @@ def test_greedy_hybrid_rows_take_their_own_drafters_tokens(models, left_padded):
     assert mixed > 0, "no step mixed n-gram and fallback rows: the test does not test"
 
 
+def test_sampled_hybrid_passes_the_fallbacks_confidence_on_for_its_rows(models):
+    """T = 0.8: the fallback's rows carry its confidence, the n-gram rows none (NaN): the schedule
+    then tests all a drawn row proposed and picks the lookups' count from what they proposed."""
+    rep = repetitive_prompt(4, 16)
+    distinct = np.random.default_rng(6).permutation(np.arange(1, VOCAB))[:16].tolist()
+    ids = torch.tensor([rep, distinct])
+    ngram, fallback = _Recorded(NgramDrafter()), _Recorded(ModelDrafter(models["draft"]))
+    hybrid = _Recorded(HybridDrafter(ngram, fallback))
+    specjax.speculative_generate(
+        models["target"], hybrid, ids, max_new_tokens=16, num_draft_tokens=4, temperature=0.8, seed=3, adaptive=False
+    )
+    mixed = 0
+    fb = iter(fallback.proposals)
+    for ng, hy in zip(ngram.proposals, hybrid.proposals, strict=True):
+        matched = ng.num_tokens > 0
+        if matched.all():  # the fallback did not run
+            continue
+        f = next(fb)
+        if not matched.any():
+            continue
+        mixed += 1
+        assert hy.logits is not None and hy.confidence is not None and f.confidence is not None
+        assert np.isnan(hy.confidence[matched]).all()
+        k = f.confidence.shape[1]
+        assert hy.confidence[~matched, :k].tolist() == f.confidence[~matched].tolist()
+    assert mixed > 0, "no step mixed n-gram and fallback rows: the test does not test"
+
+
 def test_model_drafter_scores_plain_steps_in_hindsight(models):
     """Greedy: tokens the target committed without testing a proposal are scored at the next proposal,
     against the draft's own first argmax after each prefix."""
@@ -608,9 +636,10 @@ def test_model_drafter_reports_confidence_and_stops_where_told(models):
         assert np.asarray(nxt.tokens)[j].tolist() == reference(contexts[j], 2)[0]
 
 
-def test_sampled_model_drafter_reports_the_drawn_tokens_probability_and_stops_where_told(models):
-    """T = 0.8: each drawn token comes with the draft model's probability of it at that temperature,
-    and a row stops drafting once ``worth_drafting`` says no, keeping the draws it made."""
+def test_sampled_model_drafter_reports_its_peak_probability_and_stops_where_told(models):
+    """T = 0.8: each drawn position comes with the largest probability of the draft model's
+    distribution at that temperature, and a row stops drafting once ``worth_drafting`` says no,
+    keeping the draws it made."""
     import jax
     import jax.numpy as jnp
 
@@ -634,7 +663,7 @@ def test_sampled_model_drafter_reports_the_drawn_tokens_probability_and_stops_wh
         for j in range(2):
             for i in range(3):
                 logits = draft(torch.tensor([prompts[j] + tokens[j, :i].tolist()])).logits[0, -1, :VOCAB]
-                prob = torch.softmax(logits.double() / 0.8, -1)[int(tokens[j, i])]
+                prob = torch.softmax(logits.double() / 0.8, -1).max()
                 assert p.confidence[j, i] == pytest.approx(float(prob), rel=1e-3)
 
     calls = []

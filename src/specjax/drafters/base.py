@@ -196,10 +196,9 @@ class Proposal:
         proposals (``logits`` given) a count chosen from the drawn tokens
         would bias the output, so there it only stops the drafting through
         ``worth_drafting``, token by token, and the loop tests every token
-        proposed (:meth:`specjax.generate.schedule.DraftSchedule.trim`). A
-        sampling drafter may report the probability of the drawn token itself
-        (:func:`drawn_confidence`): whether token ``i + 1`` is drawn may depend
-        on token ``i``.
+        proposed (:meth:`specjax.generate.schedule.DraftSchedule.trim`); the
+        built-in drafters then report how peaked their distribution is
+        (:func:`sampled_confidence`).
 
     With ``logits``, whether row b proposes its token ``i`` (``i <
     num_tokens[b]``) may depend on its tokens before ``i`` but not on token
@@ -253,20 +252,21 @@ def greedy_pick(scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
     return top.indices, torch.exp(top.values - torch.logsumexp(scores, dim=-1)).double().cpu().numpy()
 
 
-def drawn_confidence(scores: torch.Tensor, drawn: torch.Tensor, temperature: np.ndarray) -> np.ndarray:
-    """A sampling drafter's confidence (:attr:`Proposal.confidence`) in the tokens it drew.
+def sampled_confidence(scores: torch.Tensor, temperature: np.ndarray) -> np.ndarray:
+    """A sampling drafter's confidence (:attr:`Proposal.confidence`) at one position, before it draws.
 
-    ``scores``: f[B', V'] the logits the tokens were drawn from; ``drawn``:
-    i64[B'] ids in [0, V'); ``temperature``: f[B'] host array, each row's.
-    Returns f64[B'] host array: the probability of ``drawn`` at the row's
-    temperature (before top-k / top-p, which the schedule's calibration
-    absorbs); a greedy row (T = 0) reports its choice's probability at T = 1,
-    as :func:`greedy_pick`.
+    ``scores``: f[B', V'] the logits it draws from; ``temperature``: f[B'] host
+    array, each row's. Returns f64[B'] host array: the largest probability of
+    the row's distribution at its temperature (before top-k / top-p, which the
+    schedule's calibration absorbs; T = 0 rows: at 1), as :func:`greedy_pick`'s
+    for its choice. How peaked the drafter is predicts the test (both
+    distributions peaked alike: little to reject) better than the drawn
+    token's own probability, which is low on a flat position even where the
+    target is just as flat.
     """
     t = np.where(np.asarray(temperature, np.float64) > 0, temperature, 1.0)
     z = scores / torch.as_tensor(t, dtype=scores.dtype, device=scores.device)[:, None]
-    picked = z.gather(1, drawn[:, None].to(z.device))[:, 0]
-    return torch.exp(picked - torch.logsumexp(z, dim=-1)).double().cpu().numpy()
+    return torch.exp(z.max(dim=-1).values - torch.logsumexp(z, dim=-1)).double().cpu().numpy()
 
 
 def stop_rows(request: DraftRequest, confidence: list[np.ndarray], want: np.ndarray) -> tuple[np.ndarray, bool]:

@@ -16,8 +16,9 @@ masses (no logits, nothing to process); otherwise the head's logits over the
 target vocabulary (−inf outside the head's N tokens), drawn through
 :func:`specjax.kernels.steps.draft_draw` with the target's sampling
 parameters, so ``q`` is exactly the distribution each token came from. Each
-token comes with the head's probability of it (softmax over its N tokens, at
-the row's temperature) as its confidence (``Proposal.confidence``), and
+token comes with the head's probability of it (softmax over its N tokens;
+sampled: the largest probability at the row's temperature, known before the
+draw) as its confidence (``Proposal.confidence``), and
 drafting stops for a row once the request's ``worth_drafting`` says another
 token does not pay.
 
@@ -51,8 +52,8 @@ from specjax.drafters.base import (
     DraftRequest,
     DraftSetup,
     Proposal,
-    drawn_confidence,
     greedy_pick,
+    sampled_confidence,
     stop_rows,
 )
 from specjax.drafters.eagle_head import EagleHead, FeatureCache, load_head
@@ -158,7 +159,9 @@ class EagleDrafter:
         feature = self._feature
         tokens: list[Any] = []
         logits_out: list[Any] = []
-        confidence: list[np.ndarray] = []  # f64[B'] per position: the head's probability of its token
+        confidence: list[
+            np.ndarray
+        ] = []  # f64[B'] per position: the head's confidence (greedy_pick, sampled_confidence)
         temperature = np.zeros(b) if greedy else np.asarray(s.temperature, np.float64)  # f64[B']
         self._held: list[torch.Tensor] = []
         with torch.inference_mode():
@@ -188,7 +191,7 @@ class EagleDrafter:
                     )
                     tokens.append(xj)
                     x = to_torch(xj).to(device=device, dtype=torch.long)
-                    confidence.append(drawn_confidence(full, x, temperature))
+                    confidence.append(sampled_confidence(full, temperature))
                     want, go_on = stop_rows(request, confidence, want)
                     if not go_on:
                         break

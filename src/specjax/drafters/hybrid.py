@@ -82,14 +82,14 @@ class HybridDrafter:
         ng_tokens = np.zeros((len(use), g), np.int32)
         ng_tokens[:, : ng.width] = np.asarray(ng.tokens)
         counts = np.where(use, ng.num_tokens, fb.num_tokens).astype(np.int64)
+        confidence = None
+        if fb.confidence is not None:  # the fallback's rows only (NaN: none for the n-gram rows)
+            confidence = np.full((len(use), g), np.nan)
+            fb_conf = np.asarray(fb.confidence, np.float64)[:, :g]
+            confidence[:, : fb_conf.shape[1]] = np.where(use[:, None], np.nan, fb_conf)
         if fb.logits is None:  # point masses from both: each row takes its drafter's tokens
             fb_host = np.zeros((len(use), g), np.int32)
             fb_host[:, : fb.width] = np.asarray(fb.tokens)[:, : fb.width]
-            confidence = None
-            if fb.confidence is not None:  # the fallback's rows only (NaN: none for the n-gram rows)
-                confidence = np.full((len(use), g), np.nan)
-                fb_conf = np.asarray(fb.confidence, np.float64)[:, :g]
-                confidence[:, : fb_conf.shape[1]] = np.where(use[:, None], np.nan, fb_conf)
             return Proposal(
                 np.where(use[:, None], ng_tokens, fb_host),
                 counts,
@@ -107,9 +107,15 @@ class HybridDrafter:
         # n-gram rows: logits whose processed distribution is the point mass at their token
         fb_logits = list(fb.logits) + [fb.logits[-1]] * (g - fb.width)
         logits = tuple(_point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb_logits))
-        # (the fallback's confidence is not passed on: the loop uses it only when every row is greedy,
-        # and then the fallback proposes point masses, above)
-        return Proposal(tokens, counts, logits, paid_tokens=fb.width, free_rows=use, hindsight=fb.hindsight)
+        return Proposal(
+            tokens,
+            counts,
+            logits,
+            paid_tokens=fb.width,
+            free_rows=use,
+            hindsight=fb.hindsight,
+            confidence=confidence,
+        )
 
     def commit(self, info: CommitInfo) -> None:
         self.ngram.commit(info)

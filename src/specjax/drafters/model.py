@@ -11,7 +11,8 @@ the draft's logits (over the target's vocabulary), proposed as point masses
 (no logits; :func:`specjax.verify_from_logits` with ``draft_logits=None``),
 drawn by torch on the model's device: no JAX call per draft token. Each
 token comes with the model's probability of it as its confidence
-(``Proposal.confidence``; sampled tokens: at the row's temperature), and
+(``Proposal.confidence``; sampled: its distribution's largest probability at
+the row's temperature, known before the draw), and
 drafting stops for a row once the request's ``worth_drafting`` says another
 token does not pay.
 
@@ -32,8 +33,8 @@ from specjax.drafters.base import (
     DraftRequest,
     DraftSetup,
     Proposal,
-    drawn_confidence,
     greedy_pick,
+    sampled_confidence,
     stop_rows,
 )
 from specjax.slots import SlotCache
@@ -121,7 +122,7 @@ class ModelDrafter:
         logits_out: list[Any] = []
         self._held: list[torch.Tensor] = []  # torch buffers JAX reads, kept until the step is done
         feed_valid: np.ndarray = valid_h
-        confidence: list[np.ndarray] = []  # f64[B'] per position: the model's probability of its token
+        confidence: list[np.ndarray] = []  # f64[B'] per position: its peak probability (sampled_confidence)
         temperature = np.asarray(s.temperature, np.float64)
         want = np.where(active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
         for i in range(g):
@@ -139,7 +140,7 @@ class ModelDrafter:
             )
             draws.append(x)
             x_t = to_torch(x).to(torch.long)
-            confidence.append(drawn_confidence(logits[:, : self.vocab], x_t, temperature))
+            confidence.append(sampled_confidence(logits[:, : self.vocab], temperature))
             want, go_on = stop_rows(request, confidence, want)
             if not go_on:
                 break  # x was not fed: the fed proposals are the first i
