@@ -307,7 +307,8 @@ def run_loop(
                 proposal = Proposal(np.zeros((b_now, 0), np.int32), np.zeros(b_now, np.int64), None)
             free_rows = proposal.free_rows
             confidence = proposal.confidence if use_confidence else None
-            asked = None if greedy or proposal.logits is None else want  # drawn tokens: see trim
+            # drawn tokens (see trim): what the row could propose whatever it drew
+            asked = None if greedy or proposal.logits is None else (caps if free_proposals else want)
             k_rows = np.minimum(
                 schedule.trim(
                     np.asarray(proposal.num_tokens, np.int64), active_h, free_rows, remaining, confidence, asked

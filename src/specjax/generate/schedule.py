@@ -488,8 +488,10 @@ class DraftSchedule:
         and stops where it is not, rather than a width set by the row's average.
 
         ``asked``: None when every row is greedy (how many tokens are tested
-        cannot change the output), else i64[B'], what :meth:`plan` asked for,
-        for sampled proposals (with logits). There, whether a row's draft token
+        cannot change the output), else i64[B'], for sampled proposals (with
+        logits), what each row could propose whatever it drew (what
+        :meth:`plan` asked for; a drafter asked every step: its limit). There,
+        whether a row's draft token
         ``i`` is tested may depend on the tokens before it but not on itself or
         later ones: a token tested only when the ones after it look likely (or
         when the drafter went on past it) passes more often than its draft
