@@ -579,6 +579,17 @@ def test_confidence_is_offered_to_adaptive_calls(models, temperature, adaptive, 
     assert all(callable(w) for w in rec.offered) if offered else all(w is None for w in rec.offered)
 
 
+def _two_then_one(calls):
+    """A ``worth_drafting`` for two rows: row 0 goes on to 2 tokens, row 1 stops after 1 (records the
+    token count it is asked at)."""
+
+    def worth(confidence):
+        calls.append(confidence.shape[1])
+        return np.array([confidence.shape[1] < 2, False])
+
+    return worth
+
+
 def test_model_drafter_reports_confidence_and_stops_where_told(models):
     """Greedy: each proposed token comes with the draft model's probability of it, and a row stops
     drafting once the request's ``worth_drafting`` says no; a later step drafts on from what it kept."""
@@ -614,15 +625,12 @@ def test_model_drafter_reports_confidence_and_stops_where_told(models):
         assert np.asarray(p.tokens)[j].tolist() == tokens
         assert p.confidence[j] == pytest.approx(probs, rel=1e-4)
 
-    calls = []
-
-    def worth(confidence):  # row 0 goes on to 2 tokens, row 1 stops after 1
-        calls.append(confidence.shape[1])
-        return np.array([confidence.shape[1] < 2, False])
-
+    calls: list[int] = []
     stopped = ModelDrafter(draft)
     stopped.start(setup)
-    q = stopped.propose(DraftRequest(0, [list(c) for c in prompts], np.array([3, 3]), active, sampling, None, worth))
+    q = stopped.propose(
+        DraftRequest(0, [list(c) for c in prompts], np.array([3, 3]), active, sampling, None, _two_then_one(calls))
+    )
     assert q.num_tokens.tolist() == [2, 1] and calls == [1, 2] and q.paid_tokens == 2
     assert np.asarray(q.tokens)[:, :2].tolist() == np.asarray(p.tokens)[:, :2].tolist()
     # row 0 commits its two tokens and a bonus, row 1 its one and a correction: the next proposal
@@ -666,15 +674,12 @@ def test_sampled_model_drafter_reports_its_peak_probability_and_stops_where_told
                 prob = torch.softmax(logits.double() / 0.8, -1).max()
                 assert p.confidence[j, i] == pytest.approx(float(prob), rel=1e-3)
 
-    calls = []
-
-    def worth(confidence):  # row 0 goes on to 2 tokens, row 1 stops after 1
-        calls.append(confidence.shape[1])
-        return np.array([confidence.shape[1] < 2, False])
-
+    calls: list[int] = []
     stopped = ModelDrafter(draft)
     stopped.start(setup)
-    q = stopped.propose(DraftRequest(0, [list(c) for c in prompts], np.array([3, 3]), active, sampling, None, worth))
+    q = stopped.propose(
+        DraftRequest(0, [list(c) for c in prompts], np.array([3, 3]), active, sampling, None, _two_then_one(calls))
+    )
     assert q.num_tokens.tolist() == [2, 1] and calls == [1, 2] and q.paid_tokens == 2 and len(q.logits) == 2
     assert np.asarray(q.tokens)[:, :2].tolist() == tokens[:, :2].tolist()  # the same keys: the same draws
 

@@ -392,37 +392,34 @@ def test_plain_steps_are_scored_in_hindsight(target, trained):
     assert again.hindsight is not None and again.hindsight[1].tolist() == [0, 0, 0]
 
 
-def test_greedy_proposals_carry_the_heads_confidence_and_stop_where_told(target, trained):
-    """Greedy: each proposed token comes with the head's probability of it (softmax over its N
-    tokens), and a row stops drafting once the request's ``worth_drafting`` says no."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_proposals_carry_the_heads_confidence_and_stop_where_told(target, trained, temperature):
+    """Each drafted position comes with the head's confidence, its distribution's largest
+    probability (softmax over its N tokens; sampled: at the row's temperature, known before the
+    draw; greedy: of its choice), and a row stops drafting once ``worth_drafting`` says no (the
+    loop then tests all it proposed when sampling)."""
     from specjax.drafters.base import DraftRequest, DraftSetup
 
     head, _, _ = trained
     ids = torch.tensor([PROMPT, PROMPT[::-1]])
     batch = ids.shape[0]
     hidden = torch.randn(batch, ids.shape[1] - 1, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    setup = DraftSetup(
-        target, ids, torch.ones_like(ids), [list(r) for r in ids.tolist()], V, 4, _sampling(batch), hidden
-    )
+    sampling = _sampling(batch, temperature)
+    setup = DraftSetup(target, ids, torch.ones_like(ids), [list(r) for r in ids.tolist()], V, 4, sampling, hidden)
 
     def request(worth=None):
         return DraftRequest(
-            0,
-            [[] for _ in range(batch)],
-            np.full(batch, 4),
-            np.ones(batch, bool),
-            _sampling(batch),
-            worth_drafting=worth,
+            0, [[] for _ in range(batch)], np.full(batch, 4), np.ones(batch, bool), sampling, None, worth
         )
 
     full = EagleDrafter(head)
     full.start(setup)
     p = full.propose(request())
     assert p.num_tokens.tolist() == [4, 4] and p.confidence is not None and p.confidence.shape == (batch, 4)
-    with torch.inference_mode():
-        full._read_commits()  # (already read by propose: the kept feature is the first position's)
-        probs = torch.softmax(full._scores(full._feature).double(), dim=-1).max(dim=-1).values.numpy()
-    assert p.confidence[:, 0] == pytest.approx(probs, rel=1e-5)
+    assert (p.logits is None) == (temperature == 0)
+    with torch.inference_mode():  # the kept feature is the first position's
+        probs = torch.softmax(full._scores(full._feature).double() / (temperature or 1.0), dim=-1).numpy()
+    assert p.confidence[:, 0] == pytest.approx(probs.max(axis=-1), rel=1e-4)
     assert ((p.confidence > 0) & (p.confidence <= 1)).all()
 
     calls = []
@@ -436,46 +433,6 @@ def test_greedy_proposals_carry_the_heads_confidence_and_stop_where_told(target,
     q = stopped.propose(request(worth))
     assert q.num_tokens.tolist() == [2, 1]
     assert calls == [(batch, 1), (batch, 2)]  # asked after each token while a row went on
-    assert np.asarray(q.tokens)[:, :2].tolist() == np.asarray(p.tokens)[:, :2].tolist()  # the same tokens
+    assert np.asarray(q.tokens)[:, :2].tolist() == np.asarray(p.tokens)[:, :2].tolist()  # the same tokens (keys)
     assert q.paid_tokens == 2 and q.confidence.shape == (batch, 2)
-
-
-def test_sampled_proposals_carry_the_heads_peak_probability_and_stop_where_told(target, trained):
-    """T = 0.8: each drawn position comes with the largest probability of the head's distribution at
-    that temperature, and a row stops drafting once ``worth_drafting`` says no (the loop then tests
-    all it proposed)."""
-    from specjax.drafters.base import DraftRequest, DraftSetup
-
-    head, _, _ = trained
-    ids = torch.tensor([PROMPT, PROMPT[::-1]])
-    batch = ids.shape[0]
-    hidden = torch.randn(batch, ids.shape[1] - 1, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    sampling = _sampling(batch, 0.8)
-    setup = DraftSetup(target, ids, torch.ones_like(ids), [list(r) for r in ids.tolist()], V, 4, sampling, hidden)
-
-    def request(worth=None):
-        return DraftRequest(
-            0, [[] for _ in range(batch)], np.full(batch, 4), np.ones(batch, bool), sampling, None, worth
-        )
-
-    full = EagleDrafter(head)
-    full.start(setup)
-    p = full.propose(request())
-    assert p.logits is not None and p.num_tokens.tolist() == [4, 4] and p.confidence.shape == (batch, 4)
-    with torch.inference_mode():
-        probs = torch.softmax(full._scores(full._feature).double() / 0.8, dim=-1).numpy()
-    assert p.confidence[:, 0] == pytest.approx(probs.max(axis=-1), rel=1e-4)
-    assert ((p.confidence > 0) & (p.confidence <= 1)).all()
-
-    calls = []
-
-    def worth(confidence):  # row 0: one token more after the first; row 1: none
-        calls.append(confidence.shape)
-        return np.array([confidence.shape[1] < 2, False])
-
-    stopped = EagleDrafter(head)
-    stopped.start(setup)
-    q = stopped.propose(request(worth))
-    assert q.num_tokens.tolist() == [2, 1] and calls == [(batch, 1), (batch, 2)]
-    assert np.asarray(q.tokens)[:, :2].tolist() == np.asarray(p.tokens)[:, :2].tolist()  # the same keys, tokens
-    assert q.paid_tokens == 2 and len(q.logits) == 2 and q.confidence.shape == (batch, 2)
+    assert q.logits is None if temperature == 0 else len(q.logits) == 2
