@@ -159,10 +159,8 @@ class EagleDrafter:
         feature = self._feature
         tokens: list[Any] = []
         logits_out: list[Any] = []
-        confidence: list[
-            np.ndarray
-        ] = []  # f64[B'] per position: the head's confidence (greedy_pick, sampled_confidence)
-        temperature = np.zeros(b) if greedy else np.asarray(s.temperature, np.float64)  # f64[B']
+        confidence: list[np.ndarray] = []  # f64[B'] per position (greedy_pick's or sampled_confidence)
+        temperature = np.asarray(s.temperature, np.float64)  # f64[B']
         self._held: list[torch.Tensor] = []
         with torch.inference_mode():
             for i in range(g):

@@ -139,12 +139,11 @@ class ModelDrafter:
                 vocab=self.vocab,
             )
             draws.append(x)
-            x_t = to_torch(x).to(torch.long)
             confidence.append(sampled_confidence(logits[:, : self.vocab], temperature))
             want, go_on = stop_rows(request, confidence, want)
             if not go_on:
                 break  # x was not fed: the fed proposals are the first i
-            feed = x_t[:, None]
+            feed = to_torch(x).to(torch.long)[:, None]
             feed_valid, all_valid = active_col, all_active
         host = [host_array(x) for x in draws]  # on a CPU: NumPy (no eager JAX op, no compilation per shape)
         tokens = np.stack(host, axis=1) if all(h is not None for h in host) else jnp.stack(draws, axis=1)
