@@ -47,6 +47,7 @@ class WithoutConfidence:
         self.drafter = drafter
         self.name = drafter.name
         self.needs_target_hidden = drafter.needs_target_hidden
+        self.target_hidden_layers = getattr(drafter, "target_hidden_layers", (-1,))
         self.cost_per_token_hint = drafter.cost_per_token_hint
         self.asks_every_step = getattr(drafter, "asks_every_step", self.cost_per_token_hint == 0.0)
 

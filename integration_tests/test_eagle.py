@@ -25,7 +25,7 @@ PROMPT = [5, 9, 2, 30, 7]
 RAGGED = ([6, 1, 3, 8], 4)  # the ragged batch: lengths, seed of make_left_padded
 
 
-def train_tiny_head(target, prompts, *, num_tokens: int, steps: int = 100, seed: int = 0):
+def train_tiny_head(target, prompts, *, num_tokens: int, steps: int = 100, seed: int = 0, feature_layers=()):
     """A head for ``target`` trained on its greedy continuations of ``prompts``; agreement before/after.
 
     A random target's next token is an arbitrary function of its context, which
@@ -45,10 +45,10 @@ def train_tiny_head(target, prompts, *, num_tokens: int, steps: int = 100, seed:
         )
     seqs = seqs.clone()  # a normal tensor (not an inference one) for the training graph
     mask = torch.cat([mask, torch.ones((len(prompts), 24), dtype=torch.long)], dim=1)
-    z = target_features(target, seqs, mask).clone()
     valid = mask.bool()
     d = target.config.hidden_size
-    head = EagleHead(EagleConfig(d, 4, 2, 2 * d, V, num_tokens))
+    head = EagleHead(EagleConfig(d, 4, 2, 2 * d, V, num_tokens, feature_layers=feature_layers))
+    z = target_features(target, seqs, mask, head.target_hidden_layers).clone()
     init_weights(head, seed)
     head.token_ids.copy_(frequent_tokens([s[m].tolist() for s, m in zip(seqs, valid, strict=True)], num_tokens, V))
     embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
@@ -80,6 +80,42 @@ def trained(target, left_padded):
 def test_training_raises_agreement(trained):
     _, before, after = trained
     assert after > before + 0.2 and after > 0.5, (before, after)
+
+
+@pytest.fixture(scope="module")
+def trained_fused(target, left_padded):
+    """An EAGLE-3-style head: it reads the target's state after its first layer beside z."""
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    ragged = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    others = torch.randint(1, V, (16, 5), generator=torch.Generator().manual_seed(0)).tolist()
+    return train_tiny_head(target, [PROMPT, *ragged, *others], num_tokens=40, feature_layers=(1,))
+
+
+def test_a_head_reading_several_layers_is_greedy_identical(target, trained_fused, left_padded):
+    """The loop hands such a head the states it names (the fused input takes 2d here) from the prefill
+    and every verification; drafts are accepted and the output is the target's."""
+    head, before, after = trained_fused
+    assert after > before + 0.2 and after > 0.5, (before, after)
+    drafter = EagleDrafter(head)
+    assert drafter.target_hidden_layers == (1, -1)
+    ids = torch.tensor([PROMPT])
+    ref = target.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    out = specjax.speculative_generate(
+        target, drafter, ids, max_new_tokens=24, num_draft_tokens=4, adaptive=False, pad_token_id=0
+    )
+    assert torch.equal(out.sequences, ref) and out.stats.draft_tokens_accepted > 0, out.stats
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=17, pad_token_id=0)
+    out = specjax.speculative_generate(
+        target, EagleDrafter(head), ids, attention_mask=mask, max_new_tokens=17, num_draft_tokens=3, pad_token_id=0
+    )
+    assert torch.equal(out.sequences, ref)
+
+
+def test_a_head_reading_layers_the_target_lacks_is_refused(target):
+    head = EagleHead(EagleConfig(32, 4, 2, 64, V, V, feature_layers=(1, 2)))  # the target has 2 layers
+    with pytest.raises(ValueError, match=r"after layers \[1, 2\], the target has 2 layers"):
+        specjax.speculative_generate(target, EagleDrafter(head), torch.tensor([PROMPT]), max_new_tokens=4)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -436,3 +472,15 @@ def test_proposals_carry_the_heads_confidence_and_stop_where_told(target, traine
     assert np.asarray(q.tokens)[:, :2].tolist() == np.asarray(p.tokens)[:, :2].tolist()  # the same tokens (keys)
     assert q.paid_tokens == 2 and q.confidence.shape == (batch, 2)
     assert q.logits is None if temperature == 0 else len(q.logits) == 2
+
+
+@pytest.mark.parametrize("layers", [(9,), (), ("1",)])
+def test_a_drafter_asking_for_states_the_target_lacks_gets_a_clear_error(target, trained, layers):
+    class Asking(EagleDrafter):
+        pass
+
+    drafter = Asking(trained[0])
+    drafter.target_hidden_layers = layers
+    expected = r"drafter .eagle.: target_hidden_layers: expected one or more integers in \[-3, 2\]"
+    with pytest.raises(ValueError, match=expected):
+        specjax.speculative_generate(target, drafter, torch.tensor([PROMPT]), max_new_tokens=4)

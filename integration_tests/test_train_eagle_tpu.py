@@ -49,7 +49,8 @@ def head():
 
 
 def _jax_head(head):
-    sd = {k: jnp.asarray(v.numpy()) for k, v in head.state_dict().items() if k in tpu.HEAD_KEYS}
+    keys = {*tpu.HEAD_KEYS, "fuse.weight"}
+    sd = {k: jnp.asarray(v.numpy()) for k, v in head.state_dict().items() if k in keys}
     hc = {f: getattr(head.config, f) for f in head.config.__dataclass_fields__}
     return sd, hc
 
@@ -71,10 +72,25 @@ def test_jax_head_forward_equals_the_torch_head(head):
     np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def fused_head():
+    """A head reading two more layers beside z (EAGLE-3-style), its fusion away from the [0, 0, I] start."""
+    h = EagleHead(EagleConfig(16, 4, 2, 32, 50, 20, feature_layers=(1, 2)))
+    init_weights(h, 0)
+    with torch.no_grad():
+        for p in h.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return h.eval()
+
+
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("unroll", [0.0, 0.5])
-def test_jax_loss_equals_eagle_train_head_loss(head, unroll):
+def test_jax_loss_equals_eagle_train_head_loss(head, fused_head, unroll, fused):
+    if fused:
+        head = fused_head
     hp, hc = _jax_head(head)
-    z, _, valid = _ragged(3, 9, 16, seed=1)
+    z, _, valid = _ragged(3, 9, 16 * len(head.target_hidden_layers), seed=1)
+    z *= np.where(np.arange(z.shape[-1]) < z.shape[-1] - 16, 30.0, 1.0)  # low layers' states are large
     tokens = np.random.default_rng(2).integers(0, 50, (3, 9))
     embed = torch.nn.Embedding(50, 16)
     w = torch.randn(50, 16, generator=torch.Generator().manual_seed(3))
@@ -116,11 +132,13 @@ def test_jax_target_features_equal_transformers(llama):
     model, params, cfg = llama
     ids = np.random.default_rng(4).integers(3, 97, (3, 11)).astype(np.int32)
     valid = np.arange(11)[None, :] < np.asarray([11, 7, 2])[:, None]  # right-padded rows
-    got = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid)))
+    got = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid), taps=(1,)))
     with torch.no_grad():
-        want = model.model(
-            input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(valid).long()
-        ).last_hidden_state.numpy()
+        mask = torch.from_numpy(valid).long()
+        out = model.model(input_ids=torch.from_numpy(ids).long(), attention_mask=mask, output_hidden_states=True)
+    # the state after the first layer, then z: what a head with feature_layers (1,) reads
+    want = torch.cat([out.hidden_states[1], out.last_hidden_state], -1).numpy()
+    assert got.shape == want.shape == (3, 11, 64)
     np.testing.assert_allclose(got[valid], want[valid], rtol=1e-4, atol=1e-4)
 
 
@@ -166,8 +184,8 @@ def test_features_through_a_kv_cache_equal_the_direct_path(llama):
     _, params, cfg = llama
     ids = np.random.default_rng(6).integers(3, 97, (2, 9)).astype(np.int32)
     valid = np.arange(9)[None, :] < np.asarray([9, 4])[:, None]
-    direct = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid)))
-    cached = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid), via_cache=True))
+    direct = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid), taps=(1,)))
+    cached = np.asarray(tpu.features(params, cfg, jnp.asarray(ids), jnp.asarray(valid), via_cache=True, taps=(1,)))
     np.testing.assert_allclose(cached[valid], direct[valid], rtol=1e-5, atol=1e-5)
 
 

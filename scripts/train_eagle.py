@@ -106,14 +106,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def with_features(target: Any, records: list[dict[str, Any]], batch: int = 64) -> list[dict[str, Any]]:
-    """Each record's ``seq`` (prompt + continuation, i64[L]) and ``feat`` (the target's z there, f16[L-1, d]).
+def with_features(
+    target: Any, records: list[dict[str, Any]], batch: int = 64, layers: tuple[int, ...] = (-1,)
+) -> list[dict[str, Any]]:
+    """Each record's ``seq`` (prompt + continuation, i64[L]) and ``feat`` (the target's z there, f16[L-1, d];
+    with other ``layers``, those states, f16[L-1, k·d]).
 
     The generation recorded z at every position it fed (the last prompt token
     through the last-but-one generated one: ``records[i]["z"]``); only the
-    prompt's other positions need a forward here, over the prompts alone. The
-    last position has no feature (nothing was fed after it), so its pair is
-    not trained on.
+    prompt's other positions need a forward here, over the prompts alone (other
+    ``layers``: one forward over prompt + continuation). The last position has
+    no feature (nothing was fed after it), so its pair is not trained on.
     """
     import torch
 
@@ -123,22 +126,24 @@ def with_features(target: Any, records: list[dict[str, Any]], batch: int = 64) -
     order = sorted(range(len(records)), key=lambda i: len(records[i]["prompt"]))
     for start in range(0, len(order), batch):
         idx = order[start : start + batch]
-        prompts = [records[i]["prompt"] for i in idx]
+        whole = tuple(layers) != (-1,)
+        prompts = [records[i]["prompt"] + (records[i]["tokens"][:-1] if whole else []) for i in idx]
         width = max(len(s) for s in prompts)
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for j, s in enumerate(prompts):
             ids[j, : len(s)] = torch.tensor(s)
             mask[j, : len(s)] = 1
-        z = target_features(target, ids, mask)
+        z = target_features(target, ids, mask, layers)
         for j, i in enumerate(idx):
-            p, rec = len(prompts[j]), records[i]
-            generated = rec["z"][: len(rec["tokens"])]  # z at positions P-1 ... P+n-2
-            out[i] = {
-                "seq": torch.tensor(rec["prompt"] + rec["tokens"]),
-                "feat": torch.cat([z[j, : p - 1].to(torch.float16), generated.to(torch.float16)]),
-                "prompt_len": p,
-            }
+            rec = records[i]
+            p = len(rec["prompt"])
+            if whole:
+                feat = z[j, : len(prompts[j])].to(torch.float16)
+            else:
+                generated = rec["z"][: len(rec["tokens"])]  # z at positions P-1 ... P+n-2
+                feat = torch.cat([z[j, : p - 1].to(torch.float16), generated.to(torch.float16)])
+            out[i] = {"seq": torch.tensor(rec["prompt"] + rec["tokens"]), "feat": feat, "prompt_len": p}
     return [r for r in out if r is not None]
 
 
@@ -333,7 +338,7 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
 
     head = load_head(path).eval()
     held_prompts, held = heldout_greedy(target, tok, args)
-    held_agree = agreement(head, target, with_features(target, held))
+    held_agree = agreement(head, target, with_features(target, held, layers=head.target_hidden_layers))
     log(f"teacher-forced first-position agreement on {len(held)} held-out generations: {held_agree:.3f}")
     drafted = drafted_acceptance(head, target, tok, held_prompts[: args.eval_prompts])
     log(f"drafting on {args.eval_prompts} held-out prompts: {drafted}")

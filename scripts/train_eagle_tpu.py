@@ -68,10 +68,17 @@ VARIANTS = {
     "kd-noise": (1.0, 1.0, 0.0, 0.2),
     "kd-unroll": (1.0, 1.0, 0.5, 0.2),
     "kd-noise-wide": (1.0, 1.0, 0.0, 0.2),
+    "e3-noise": (1.0, 1.0, 0.0, 0.2),
+    "e3-unroll": (1.0, 1.0, 0.5, 0.2),
 }
 # the head's MLP width as a multiple of the target's (1 where not named): run 7's loss stopped
 # falling after a third of its steps, so a wider head is the capacity lever to measure
 WIDTH = {"kd-noise-wide": 2}
+# EAGLE-3-style input (arXiv 2503.01840): the data holds the target's states after these layers (indices of
+# transformers' output_hidden_states; a low and a middle one of SmolLM2's 30) beside z; the variants named
+# in FUSED read them (the head's feature_layers), the others z alone
+FEATURE_LAYERS = (3, 15)
+FUSED = {"e3-noise", "e3-unroll"}
 HEAD_KEYS = (
     "fc.weight fc.bias input_norm.weight q_proj.weight k_proj.weight v_proj.weight o_proj.weight "
     "post_norm.weight gate_proj.weight up_proj.weight down_proj.weight out_norm.weight"
@@ -128,10 +135,12 @@ REF_ROWS, REF_NEW = 4, 48
 
 def reference(gguf: Path, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The CPU target's own greedy continuations (``REF_NEW`` tokens) of ``prompts`` and its float32 features
-    over prompt + continuation: (ids i32[R, W] right-padded, valid bool[R, W], feats f32[R, W, d]), for
-    :func:`check_target` to hold the chip's numbers against."""
+    over prompt + continuation: (ids i32[R, W] right-padded, valid bool[R, W], feats f32[R, W, (k+1)d], as
+    :func:`features` gives them), for :func:`check_target` to hold the chip's numbers against."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from specjax.drafters.eagle_train import target_features
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     seqs = []
@@ -144,8 +153,9 @@ def reference(gguf: Path, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndar
         valid = np.zeros((len(seqs), width), bool)
         for j, s in enumerate(seqs):
             ids[j, : len(s)], valid[j, : len(s)] = s, True
-        feats = model.model(input_ids=torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(valid).long())
-    return ids, valid, feats.last_hidden_state.numpy().astype(np.float32)
+    mask = torch.from_numpy(valid).long()
+    feats = target_features(model, torch.from_numpy(ids).long(), mask, (*FEATURE_LAYERS, -1))
+    return ids, valid, feats.numpy().astype(np.float32)
 
 
 def checked_features(params: Any, cfg: dict[str, Any], pr: Any, args: argparse.Namespace) -> Any:
@@ -231,7 +241,8 @@ def import_head(args: argparse.Namespace) -> int:
     data = np.load(args.npz)
     cfg = EagleConfig(**json.loads(str(data["config"])))
     head = EagleHead(cfg)
-    state = {k: torch.from_numpy(data[k].astype(np.float32)) for k in HEAD_KEYS}
+    keys = [*HEAD_KEYS, "fuse.weight"] if cfg.feature_layers else HEAD_KEYS
+    state = {k: torch.from_numpy(data[k].astype(np.float32)) for k in keys}
     state["token_ids"] = torch.from_numpy(data["token_ids"].astype(np.int64))
     head.load_state_dict(state)
     report = json.loads(str(data["report"]))
@@ -324,18 +335,31 @@ def attend(q: Any, k: Any, v: Any, mask: Any) -> Any:
     return jnp.einsum("bgrws,bsgd->bwgrd", p, v).reshape(b, w, h * hd)
 
 
-def _layers(params: dict[str, Any], cfg: dict[str, Any], x: Any, pos: Any, mask: Any, caches: Any, slot: Any) -> Any:
+def _layers(
+    params: dict[str, Any],
+    cfg: dict[str, Any],
+    x: Any,
+    pos: Any,
+    mask: Any,
+    caches: Any,
+    slot: Any,
+    taps: tuple[int, ...] = (),
+) -> Any:
     """Run every layer over the W new tokens x f32[B, W, d]; with ``caches`` (k, v: bf16[L, B, S, Hkv, hd]),
     their keys and values are written at ``slot`` and the attention reads the whole cache under ``mask``
-    (bool[B, W, S]); without, it attends over the W tokens under ``mask`` (bool[B, W, W])."""
+    (bool[B, W, S]); without, it attends over the W tokens under ``mask`` (bool[B, W, W]).
+
+    Returns (z f32[B, W, d] after the final norm, (k, v) caches); with ``taps``, also the hidden states
+    after those layers (transformers' ``output_hidden_states[i]``), f32[len(taps), B, W, d]."""
     import jax
+    import jax.numpy as jnp
 
     nh, nkv, eps, theta = cfg["heads"], cfg["kv_heads"], cfg["rms_eps"], cfg["rope_theta"]
     b, w, d = x.shape
     hd = d // nh
 
     def body(i: Any, carry: Any) -> Any:
-        x, ck, cv = carry
+        x, ck, cv, tapped = carry
         lp = jax.tree.map(lambda a: a[i], params["layers"])
         h = rms_norm(x, lp["ln1"], eps)
         q = rope((h @ lp["wq"]).reshape(b, w, nh, hd), pos, theta)
@@ -348,15 +372,27 @@ def _layers(params: dict[str, Any], cfg: dict[str, Any], x: Any, pos: Any, mask:
         x = x + attend(q, k, v, mask) @ lp["wo"]
         h = rms_norm(x, lp["ln2"], eps)
         x = x + (jax.nn.silu(h @ lp["wg"]) * (h @ lp["wu"])) @ lp["wd"]
-        return x, ck, cv
+        for j, layer in enumerate(taps):  # the state after layer i is output_hidden_states[i + 1]
+            tapped = tapped.at[j].set(jnp.where(i + 1 == layer, x, tapped[j]))
+        return x, ck, cv, tapped
 
     ck, cv = caches if caches is not None else (None, None)
-    x, ck, cv = jax.lax.fori_loop(0, params["layers"]["wq"].shape[0], body, (x, ck, cv))
-    return rms_norm(x, params["norm"], eps), (ck, cv)
+    tapped = jnp.zeros((len(taps), *x.shape), x.dtype) if taps else None
+    x, ck, cv, tapped = jax.lax.fori_loop(0, params["layers"]["wq"].shape[0], body, (x, ck, cv, tapped))
+    z = rms_norm(x, params["norm"], eps)
+    return (z, (ck, cv), tapped) if taps else (z, (ck, cv))
 
 
-def features(params: dict[str, Any], cfg: dict[str, Any], ids: Any, valid: Any, via_cache: bool = False) -> Any:
-    """f32[B, W, d]: the target's final normed hidden state at every position of right-padded ``ids``.
+def features(
+    params: dict[str, Any],
+    cfg: dict[str, Any],
+    ids: Any,
+    valid: Any,
+    via_cache: bool = False,
+    taps: tuple[int, ...] = FEATURE_LAYERS,
+) -> Any:
+    """f32[B, W, (k+1)d]: the target's hidden states after the layers ``taps`` (k of them) and its final
+    normed state z (last) at every position of right-padded ``ids``, as the head's ``target_hidden_layers``.
 
     ``via_cache``: through a KV cache as the generation's prefill does (the same
     numbers on a CPU; a second path to fall back on where a chip disagrees)."""
@@ -369,8 +405,8 @@ def features(params: dict[str, Any], cfg: dict[str, Any], ids: Any, valid: Any, 
     if via_cache:
         shape = (params["layers"]["wq"].shape[0], b, w, cfg["kv_heads"], cfg["hidden"] // cfg["heads"])
         caches = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
-    z, _ = _layers(params, cfg, params["embed"][ids], pos, mask, caches, 0)
-    return z
+    z, _, tapped = _layers(params, cfg, params["embed"][ids], pos, mask, caches, 0, taps)
+    return jnp.concatenate([*tapped, z], -1)
 
 
 def generate(
@@ -423,8 +459,9 @@ def generate(
 # ----------------------------------------------------------------------------- the head in JAX
 
 
-def head_config(cfg: dict[str, Any], num_tokens: int, width: int = 1) -> dict[str, Any]:
+def head_config(cfg: dict[str, Any], num_tokens: int, width: int = 1, fused: bool = False) -> dict[str, Any]:
     return {
+        "feature_layers": list(FEATURE_LAYERS) if fused else [],
         "hidden_size": cfg["hidden"],
         "num_attention_heads": cfg["heads"],
         "num_key_value_heads": cfg["kv_heads"],
@@ -448,7 +485,12 @@ def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
 
     fc = np.zeros((d, 2 * d), np.float32)
     fc[:, :d] = np.eye(d)
+    fuse = {}
+    if hc["feature_layers"]:  # [0, ..., 0, I]: z alone at the start
+        fuse["fuse.weight"] = np.zeros((d, (len(hc["feature_layers"]) + 1) * d), np.float32)
+        fuse["fuse.weight"][:, -d:] = np.eye(d)
     return {
+        **fuse,
         "fc.weight": fc,
         "fc.bias": np.zeros(d, np.float32),
         "input_norm.weight": np.ones(d, np.float32),
@@ -462,6 +504,21 @@ def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
         "down_proj.weight": rnd(d, i, 0.1),
         "out_norm.weight": np.ones(d, np.float32),
     }
+
+
+def fuse_features(hp: dict[str, Any], hc: dict[str, Any], hidden: Any) -> Any:
+    """:meth:`specjax.drafters.eagle_head.EagleHead.fuse_features`: f32[..., d] from the data's
+    f32[..., (k+1)d] (z alone, the last d columns, for a head that fuses nothing)."""
+    import jax
+    import jax.numpy as jnp
+
+    d = hc["hidden_size"]
+    if not hc["feature_layers"]:
+        return hidden[..., -d:]
+    parts = hidden.reshape(*hidden.shape[:-1], -1, d)
+    low = parts[..., :-1, :]
+    low = low * jax.lax.rsqrt(jnp.mean(low * low, -1, keepdims=True) + hc["rms_norm_eps"])
+    return jnp.concatenate([low.reshape(*hidden.shape[:-1], -1), parts[..., -1, :]], -1) @ hp["fuse.weight"].T
 
 
 def head_forward(hp: dict[str, Any], hc: dict[str, Any], feats: Any, emb: Any, valid: Any) -> Any:
@@ -502,11 +559,11 @@ def head_loss(
     import jax.numpy as jnp
 
     reg_w, distill_w, unroll_w, noise = weights
-    feats_in, target_out = z[:, :-1], z[:, 1:]
+    feats_in, target_out = fuse_features(hp, hc, z[:, :-1]), z[:, 1:, -hc["hidden_size"] :]
     pair_valid = valid[:, :-1] & valid[:, 1:]
     emb = embed[tokens[:, 1:]]
     if noise > 0:
-        rms = jnp.sqrt(jnp.mean(feats_in * feats_in, -1, keepdims=True))
+        rms = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(feats_in * feats_in, -1, keepdims=True)))
         feats_in = feats_in + jax.random.normal(key, feats_in.shape) * noise * rms
     teacher = jax.lax.stop_gradient(jax.nn.softmax(target_out @ w_sub.T, -1))
     m = pair_valid.astype(jnp.float32)
@@ -537,10 +594,11 @@ def agreement(hp: Any, hc: dict[str, Any], embed: Any, token_ids: Any, z: Any, i
     scored = pair_valid & (jnp.arange(ids.shape[1] - 1)[None, :] >= plen[:, None] - 1)
     emb = embed[ids[:, 1:]]
     w_sub = embed[token_ids]
-    theirs = jnp.argmax(z[:, 1:] @ embed.T, -1)
-    pred = head_forward(hp, hc, z[:, :-1], emb, pair_valid)
+    theirs = jnp.argmax(z[:, 1:, -hc["hidden_size"] :] @ embed.T, -1)
+    fed = fuse_features(hp, hc, z[:, :-1])
+    pred = head_forward(hp, hc, fed, emb, pair_valid)
     hit1 = token_ids[jnp.argmax(pred @ w_sub.T, -1)] == theirs
-    pred2 = head_forward(hp, hc, jnp.concatenate([z[:, :1], pred[:, :-1]], 1), emb, pair_valid)
+    pred2 = head_forward(hp, hc, jnp.concatenate([fed[:, :1], pred[:, :-1]], 1), emb, pair_valid)
     hit2 = token_ids[jnp.argmax(pred2 @ w_sub.T, -1)] == theirs
     scored2 = scored.at[:, 0].set(False)
     return jnp.stack([(hit1 & scored).sum(), scored.sum(), (hit2 & scored2).sum(), scored2.sum()])
@@ -822,7 +880,7 @@ def train_heads(
 
     for name in args.variant:
         weights = VARIANTS[name]
-        hc = head_config(cfg, args.num_tokens, WIDTH.get(name, 1))
+        hc = head_config(cfg, args.num_tokens, WIDTH.get(name, 1), name in FUSED)
 
         def loss_fn(hp: Any, z: Any, x: Any, v: Any, key: Any, weights: Any = weights, hc: Any = hc) -> Any:
             return head_loss(hp, hc, embed, w_sub, z, x, v, weights, key)

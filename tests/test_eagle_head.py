@@ -78,6 +78,41 @@ def test_save_and_load_round_trip(head, tmp_path):
     torch.testing.assert_close(loaded(f, e, ones), head(f, e, ones), rtol=2e-2, atol=2e-2)  # float16 weights
 
 
+FUSED = EagleConfig(D, 4, 2, 32, 50, 20, feature_layers=(1, 3))
+
+
+def test_a_fused_head_starts_from_z_alone_and_round_trips(tmp_path):
+    head = EagleHead(FUSED)
+    init_weights(head, 0)
+    assert head.target_hidden_layers == (1, 3, -1)
+    hidden = torch.randn(2, 5, 3 * D, generator=torch.Generator().manual_seed(4)) * 7.0
+    torch.testing.assert_close(head.fuse_features(hidden), hidden[..., -D:])  # [0, 0, I] at the start
+    with torch.no_grad():
+        head.fuse.weight.add_(0.3)
+    fused = head.fuse_features(hidden)
+    assert not torch.allclose(fused, hidden[..., -D:], atol=1e-2)  # the other layers count once trained
+    # the low layers are RMS-normalised first: scaling them changes nothing, scaling z does
+    scaled = hidden.clone()
+    scaled[..., : 2 * D] *= 100.0
+    torch.testing.assert_close(head.fuse_features(scaled), fused, rtol=1e-4, atol=1e-4)
+    scaled[..., -D:] *= 2.0
+    assert not torch.allclose(head.fuse_features(scaled), fused, atol=1e-2)
+    save_head(head, tmp_path / "f")
+    loaded = load_head(tmp_path / "f")
+    assert loaded.config == FUSED
+    assert json.loads((tmp_path / "f" / "config.json").read_text())["feature_layers"] == [1, 3]
+    torch.testing.assert_close(loaded.fuse_features(hidden), fused, rtol=2e-2, atol=5e-2)  # float16 weights
+    # a head without feature_layers reads z as it is
+    plain = EagleHead(CFG)
+    assert plain.fuse is None and plain.target_hidden_layers == (-1,) and plain.fuse_features(hidden) is hidden
+
+
+@pytest.mark.parametrize("layers", [(0,), (2, 2), (-1,), (1.5,), (True,)])
+def test_bad_feature_layers_are_refused(layers):
+    with pytest.raises(ValueError, match="feature_layers: expected distinct positive layer indices"):
+        EagleConfig(D, 4, 2, 32, 50, 20, feature_layers=layers)
+
+
 def _saved(tmp_path, head):
     path = tmp_path / "h"
     save_head(head, path)

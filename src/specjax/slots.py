@@ -80,7 +80,7 @@ class SlotCache:
         last_only: bool = False,
         keep_last: int | None = None,
         all_valid: bool | None = None,
-        hidden: bool = False,
+        hidden: tuple[int, ...] | None = None,
     ) -> Any:
         """Append W slots and run the model on them.
 
@@ -93,14 +93,15 @@ class SlotCache:
             every slot (unless ``last_only``).
           all_valid: whether every entry of ``valid`` is True, when the caller
             knows it (else read from ``valid``).
-          hidden: also return the model's final hidden states (the last entry of
-            ``output_hidden_states``, f[B, W, d]) from the same forward.
+          hidden: also return these of the model's hidden states from the same
+            forward (indices into ``output_hidden_states``; -1: the final normed
+            state), concatenated on the last axis in that order: f[B, W, k·d].
 
         Returns:
           f32[B, K, V] logits of the last K slots (K = ``keep_last``, 1 with
           ``last_only``, else W), as the model produced them (a fresh tensor each
           call); with ``hidden``, the pair ``(logits, hidden_states)``, the
-          latter f[B, W, d] (every new slot, whatever ``keep_last``).
+          latter f[B, W, k·d] (every new slot, whatever ``keep_last``).
         """
         keep = 1 if last_only else keep_last
         if self.input_vocab is not None:
@@ -121,15 +122,16 @@ class SlotCache:
         self._num_valid = self._num_valid + v.sum(axis=1)
         if keep is not None and self._keep_kw:
             kwargs[self._keep_kw] = keep
-        if hidden:
+        if hidden is not None:
             kwargs["output_hidden_states"] = True
         with torch.inference_mode():
             out = self.model(**kwargs)
         self.forwards += 1
-        if keep is None:
-            return (out.logits, out.hidden_states[-1]) if hidden else out.logits
-        logits = out.logits[:, -keep:]
-        return (logits, out.hidden_states[-1]) if hidden else logits
+        logits = out.logits if keep is None else out.logits[:, -keep:]
+        if hidden is None:
+            return logits
+        states = [out.hidden_states[i] for i in hidden]
+        return logits, states[0] if len(states) == 1 else torch.cat(states, dim=-1)
 
     def invalidate(self, start: int, keep: Any) -> None:
         """Mark slots ``start + j`` invalid for every ``j >= keep[b]`` in row b, then crop.

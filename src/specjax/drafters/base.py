@@ -105,8 +105,9 @@ class DraftSetup:
       target_vocab: V, the target's vocabulary size (proposals must lie in [0, V)).
       max_draft_tokens: G, the most tokens a row is ever asked for in one step.
       sampling: :class:`SamplingState` of all B rows.
-      target_hidden: for drafters with ``needs_target_hidden``: f[B, P-1, d],
-        the target's final hidden states at the prompt's first P-1 positions,
+      target_hidden: for drafters with ``needs_target_hidden``: f[B, P-1, k·d],
+        the target's hidden states (the k of ``target_hidden_layers``, by
+        default the final one) at the prompt's first P-1 positions,
         from the loop's prefill forward (the last prompt token is scored with
         the first proposals); None for prompts of one token or other drafters.
     """
@@ -229,8 +230,8 @@ class CommitInfo:
         rows that had finished).
       num_accepted: i64[B'], accepted proposals per row.
       num_proposed: i64[B'], ``k_b`` the loop tested per row.
-      target_hidden: for drafters with ``needs_target_hidden``: f[B', W, d], the
-        target's final hidden states at the slots of this step's verification
+      target_hidden: for drafters with ``needs_target_hidden``: f[B', W, k·d], the
+        target's hidden states (as in :class:`DraftSetup`) at the slots of this step's verification
         forward (``[last, x_0, …]``); slot ``j`` of row b is the state after
         ``contexts[b][-1]`` followed by ``j`` proposals. Else None.
     """
@@ -294,6 +295,10 @@ class Drafter(Protocol):
       name: shown in statistics and error messages.
       needs_target_hidden: ask the loop for the target's final hidden states of
         each verification forward (:attr:`CommitInfo.target_hidden`).
+      target_hidden_layers: optional (default ``(-1,)``, the final normed
+        state): which hidden states to hand over, as indices into
+        transformers' ``output_hidden_states``, concatenated on the last axis
+        in that order (f[..., k·d]; EAGLE-3-style heads read several layers).
       cost_per_token_hint: a prior for the seconds one proposed token costs
         (0 for host lookups); the loop measures the real cost and uses that.
       asks_every_step: optional (default: ``cost_per_token_hint == 0``): call

@@ -22,6 +22,11 @@ draw) as its confidence (``Proposal.confidence``), and
 drafting stops for a row once the request's ``worth_drafting`` says another
 token does not pay.
 
+A head with ``feature_layers`` (EAGLE-3's low/mid/high-layer input, arXiv
+2503.01840) asks the loop for those layers' states beside z
+(``target_hidden_layers``) and fuses them into the input feature of each
+committed pair (:meth:`~specjax.drafters.eagle_head.EagleHead.fuse_features`).
+
 The prompt's pairs come from the loop's prefill forward
 (:attr:`DraftSetup.target_hidden`), so the first step drafts too (not for a
 prompt of one token: there is no pair before the target scores it).
@@ -75,11 +80,13 @@ class EagleDrafter:
     def __init__(self, head: EagleHead | str | os.PathLike[str]) -> None:
         self.head = head if isinstance(head, EagleHead) else load_head(head)
         self.name = "eagle"
+        self.target_hidden_layers = self.head.target_hidden_layers
         self.cache: FeatureCache | None = None
         self._feature: torch.Tensor | None = None  # f[B', d]: the predicted feature at each row's last pair
         self._has_feature = np.zeros(0, bool)
         self._committed_length = 0
-        # commits the head has not read yet: (features f[B', w, d], token ids i64[B', w], valid bool[B', w])
+        # commits the head has not read yet: (the target's hidden states f[B', w, k·d] of
+        # target_hidden_layers, token ids i64[B', w], valid bool[B', w])
         self._unread: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # greedy: per unread commit, bool[B', w]: tokens the target committed without testing a
         # proposal (plain steps); and after-the-fact tests not yet reported (hits, tests)
@@ -97,6 +104,12 @@ class EagleDrafter:
             raise ValueError(
                 f"draft: the eagle head expects the target's hidden size {cfg.hidden_size}, "
                 f"the target has {embed.weight.shape[1]}"
+            )
+        depth = int(getattr(target.config, "num_hidden_layers", 0) or 0)
+        if depth and any(i >= depth for i in cfg.feature_layers):
+            raise ValueError(
+                f"draft: the eagle head reads the target's hidden states after layers {list(cfg.feature_layers)}, "
+                f"the target has {depth} layers (expected indices below {depth})"
             )
         if setup.target_vocab != cfg.target_vocab_size:
             raise ValueError(
@@ -245,12 +258,12 @@ class EagleDrafter:
         assert self.cache is not None and self._feature is not None
         if not self._unread:
             return
-        features, ids, valid = (torch.cat(parts, dim=1) for parts in zip(*self._unread, strict=True))
+        hidden, ids, valid = (torch.cat(parts, dim=1) for parts in zip(*self._unread, strict=True))
         untested = np.concatenate(self._untested, axis=1)
         self._unread, self._untested = [], []
         b, w = valid.shape
         with torch.inference_mode():
-            out = self.head(features, self._embed(ids), valid, self.cache)
+            out = self.head(self.head.fuse_features(hidden), self._embed(ids), valid, self.cache)
             if self._greedy and untested.any():
                 self._score_in_hindsight(out, ids, valid, untested)
             # each row's last valid slot (rows without one keep their feature)

@@ -48,6 +48,10 @@ class EagleConfig:
     num_tokens: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # EAGLE-3-style input (arXiv 2503.01840): also the target's hidden states after these layers
+    # (indices into transformers' ``output_hidden_states``: 1 .. num_hidden_layers - 1), fused with
+    # z_t by ``fuse`` into the head's input feature at committed positions; () reads z_t alone
+    feature_layers: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -67,6 +71,12 @@ class EagleConfig:
                 f"num_key_value_heads: expected a divisor of num_attention_heads={self.num_attention_heads}, "
                 f"got {self.num_key_value_heads}"
             )
+        layers = tuple(self.feature_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i <= 0 for i in layers) or len(set(layers)) < len(
+            layers
+        ):
+            raise ValueError(f"feature_layers: expected distinct positive layer indices, got {self.feature_layers!r}")
+        object.__setattr__(self, "feature_layers", layers)  # a JSON list arrives as a list
         if not 0 < self.num_tokens <= self.target_vocab_size:
             raise ValueError(
                 f"num_tokens: expected 1..target_vocab_size={self.target_vocab_size}, got {self.num_tokens}"
@@ -129,6 +139,12 @@ class FeatureCache:
 class EagleHead(nn.Module):
     """fc(2d -> d) over ``[z_t, E x_{t+1}]``, one Llama-style decoder layer, a final RMSNorm.
 
+    With ``feature_layers`` (k of them), the input feature at a committed
+    position is ``fuse([n(h_1), ..., n(h_k), z_t])`` (:meth:`fuse_features`; n:
+    RMS normalisation without weights, h_j the target's hidden state after
+    layer ``feature_layers[j]``), a linear map (k+1)d -> d; drafted positions
+    still feed back the head's own prediction.
+
     ``token_ids`` (i64[N] buffer): the target tokens the head scores, in the
     order of its output columns.
     """
@@ -141,6 +157,7 @@ class EagleHead(nn.Module):
         d, hd = config.hidden_size, config.head_dim
         nh, nkv = config.num_attention_heads, config.num_key_value_heads
         self.fc = nn.Linear(2 * d, d, bias=True)
+        self.fuse = nn.Linear((len(config.feature_layers) + 1) * d, d, bias=False) if config.feature_layers else None
         self.input_norm = _RMSNorm(d, config.rms_norm_eps)
         self.q_proj = nn.Linear(d, nh * hd, bias=False)
         self.k_proj = nn.Linear(d, nkv * hd, bias=False)
@@ -152,6 +169,23 @@ class EagleHead(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
         self.out_norm = _RMSNorm(d, config.rms_norm_eps)
         self.register_buffer("token_ids", torch.arange(config.num_tokens, dtype=torch.long))
+
+    @property
+    def target_hidden_layers(self) -> tuple[int, ...]:
+        """What the head reads of the target's forward, as indices into ``output_hidden_states``:
+        ``feature_layers`` then -1 (the final normed state, z)."""
+        return (*self.config.feature_layers, -1)
+
+    def fuse_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """f[..., d]: the head's input feature from the target's ``hidden`` (f[..., (k+1)d]: the states of
+        :attr:`target_hidden_layers`, concatenated in that order); z itself when the head fuses nothing."""
+        if self.fuse is None:
+            return hidden
+        d = self.config.hidden_size
+        parts = hidden.unflatten(-1, (-1, d))  # [..., k+1, d]
+        low = parts[..., :-1, :].float()
+        low = (low * torch.rsqrt(low.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(hidden.dtype)
+        return self.fuse(torch.cat([low.flatten(-2), parts[..., -1, :]], dim=-1))
 
     def forward(
         self,
@@ -274,7 +308,8 @@ def init_weights(head: EagleHead, seed: int = 0) -> None:
     """A starting point for training: small random weights, the decoder layer's norms at 1.
 
     The fusion layer starts as ``[I, 0]`` (the predicted feature starts near
-    ``z_t``: a head that repeats the current distribution).
+    ``z_t``: a head that repeats the current distribution); ``fuse``, if any, as
+    ``[0, ..., 0, I]`` (z_t alone).
     """
     g = torch.Generator().manual_seed(seed)
     d = head.config.hidden_size
@@ -288,5 +323,8 @@ def init_weights(head: EagleHead, seed: int = 0) -> None:
                 p.zero_()
         head.fc.weight.zero_()
         head.fc.weight[:, :d].copy_(torch.eye(d))
+        if head.fuse is not None:
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, -d:].copy_(torch.eye(d))
         head.o_proj.weight.mul_(0.1)
         head.down_proj.weight.mul_(0.1)

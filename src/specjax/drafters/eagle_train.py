@@ -48,8 +48,12 @@ class LossWeights:
     noise: float = 0.0  # std of the Gaussian noise on input features, relative to their RMS
 
 
-def target_features(target: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """f32[B, L, d]: the target's final normed hidden state at every position (``logits = W z``).
+def target_features(
+    target: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...] = (-1,)
+) -> torch.Tensor:
+    """f32[B, L, k·d]: the target's hidden states ``layers`` (indices into ``output_hidden_states``; the
+    default, -1, is the final normed state z, ``logits = W z``) at every position, concatenated in that
+    order (a head's ``target_hidden_layers``: z last).
 
     Args:
       input_ids: i64[B, L] (right- or left-padded; padding positions give garbage rows).
@@ -57,8 +61,15 @@ def target_features(target: Any, input_ids: torch.Tensor, attention_mask: torch.
     """
     with torch.inference_mode():
         positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-        out = target.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
-        return out.last_hidden_state.float().clone()
+        out = target.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            output_hidden_states=tuple(layers) != (-1,),
+        )
+        if tuple(layers) == (-1,):
+            return out.last_hidden_state.float().clone()
+        return torch.cat([out.hidden_states[i].float() for i in layers], dim=-1)
 
 
 def frequent_tokens(sequences: list[list[int]], n: int, vocab: int) -> torch.Tensor:
@@ -85,7 +96,8 @@ def head_loss(
     """The training loss over one batch of sequences.
 
     Args:
-      z: f32[B, L, d], the target's features (:func:`target_features`).
+      z: f32[B, L, k·d], the target's states of the head's ``target_hidden_layers``
+        (:func:`target_features`; the last d columns are z).
       tokens: i64[B, L], the sequences.
       valid: bool[B, L], real tokens (the pairs at t use positions t, t+1 and,
         for the distillation term, t+2... through z_{t+1}).
@@ -93,13 +105,14 @@ def head_loss(
     Returns:
       (loss, parts): the scalar loss and its parts as floats.
     """
-    feats_in, target_out = z[:, :-1], z[:, 1:]
+    d = head.config.hidden_size
+    feats_in, target_out = head.fuse_features(z[:, :-1]), z[:, 1:, -d:]
     pair_valid = valid[:, :-1] & valid[:, 1:]
     with torch.no_grad():  # the target's embedding and head stay frozen
         emb = embed(tokens[:, 1:]).float()
         w_sub = lm_head_weight[head.token_ids].float()
     if weights.noise > 0:
-        rms = feats_in.pow(2).mean(-1, keepdim=True).sqrt()
+        rms = feats_in.detach().pow(2).mean(-1, keepdim=True).sqrt()
         noise = torch.randn(feats_in.shape, generator=generator, device=feats_in.device) * weights.noise * rms
         feats_in = feats_in + noise
     with torch.no_grad():
@@ -137,7 +150,8 @@ def agreement_counts(
 ) -> tuple[int, int]:
     """(hits, pairs scored): teacher-forced top-1 agreement of the head with the target's greedy choice.
 
-    At each pair t, whether the argmax of the head's scores equals the argmax
+    ``z``: f32[B, L, k·d], as :func:`head_loss` takes it. At each pair t,
+    whether the argmax of the head's scores equals the argmax
     of the target's full logits at ``z_{t+1}`` (over all V, so a token outside
     the head's N counts as a miss). The head sees every valid pair (as when it
     drafts after the prompt); only pairs in ``scored`` (bool[B, L-1], e.g.
@@ -148,10 +162,11 @@ def agreement_counts(
     with torch.inference_mode():
         pair_valid = valid[:, :-1] & valid[:, 1:]
         emb = embed(tokens[:, 1:]).float()
-        pred = head(z[:, :-1], emb, pair_valid)
+        feats_in, z = head.fuse_features(z[:, :-1]), z[..., -head.config.hidden_size :]
+        pred = head(feats_in, emb, pair_valid)
         count = pair_valid if scored is None else pair_valid & scored
         if own_feature:
-            pred = head(torch.cat([z[:, :1], pred[:, :-1]], dim=1), emb, pair_valid)
+            pred = head(torch.cat([feats_in[:, :1], pred[:, :-1]], dim=1), emb, pair_valid)
             count = count.clone()
             count[:, 0] = False
         mine = head.token_ids[(pred @ lm_head_weight[head.token_ids].float().T).argmax(-1)]

@@ -58,6 +58,7 @@ class HybridDrafter:
         self.ngram, self.fallback = ngram, fallback
         self.name = f"hybrid({ngram.name}, {fallback.name})"
         self.needs_target_hidden = bool(getattr(fallback, "needs_target_hidden", False))
+        self.target_hidden_layers = tuple(getattr(fallback, "target_hidden_layers", (-1,)))
         self.cost_per_token_hint = float(getattr(fallback, "cost_per_token_hint", 0.0))
         self.vocab = 0
         self.last_source = ""

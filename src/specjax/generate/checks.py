@@ -105,6 +105,27 @@ def plugin_name(kind: str, obj: Any, name: str | None = None) -> str:
     return f"{kind} {module}.{qualname}" if module else f"{kind} {qualname}"
 
 
+def hidden_layers(drafter: Any, who: str, target: Any) -> tuple[int, ...]:
+    """The target hidden states ``drafter`` reads (its ``target_hidden_layers``, default ``(-1,)``: the
+    final normed state), checked against the target's depth: indices into ``output_hidden_states``,
+    which holds ``num_hidden_layers + 1`` entries."""
+    layers = getattr(drafter, "target_hidden_layers", (-1,))
+    depth = getattr(target.config, "num_hidden_layers", None)
+    try:
+        layers = tuple(layers)
+    except TypeError:
+        raise ValueError(f"{who}: target_hidden_layers: expected a sequence of layer indices, got {layers!r}") from None
+    bad = [
+        i
+        for i in layers
+        if isinstance(i, bool) or not isinstance(i, int) or (depth is not None and not -(depth + 1) <= i <= depth)
+    ]
+    if not layers or bad:
+        where = f" in [-{depth + 1}, {depth}] (the target has {depth} layers)" if depth is not None else ""
+        raise ValueError(f"{who}: target_hidden_layers: expected one or more integers{where}, got {layers!r}")
+    return layers
+
+
 def _host(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().numpy()

@@ -209,6 +209,7 @@ def run_loop(
     with count_copies() as copies, measure_compiles() as compiles:
         t_cache = SlotCache(target, batch, device)
         hidden_kw = bool(getattr(drafter, "needs_target_hidden", False))
+        hidden_layers = checks.hidden_layers(drafter, who, target) if hidden_kw else None
         prompt_hidden = None
         mask_h = attention_mask.bool().cpu().numpy()
         # No prefill forward of its own (one target forward fewer per call, as transformers'
@@ -220,7 +221,7 @@ def run_loop(
         first_scored: tuple[torch.Tensor, torch.Tensor] | None = None  # logits f[B, 1, V], hidden f[B, 1, d]
         if prompt_len > 1:
             if hidden_kw:
-                logits0, hidden_all = t_cache.forward(input_ids, mask_h, last_only=True, hidden=True)
+                logits0, hidden_all = t_cache.forward(input_ids, mask_h, last_only=True, hidden=hidden_layers)
                 prompt_hidden = hidden_all[:, :-1]
                 first_scored = (logits0, hidden_all[:, -1:])
             else:
@@ -334,7 +335,7 @@ def run_loop(
             else:
                 t_start_slot = t_cache.length + t_in.shape[1] - (width + 1)
                 t_fwd = time.perf_counter()
-                out_fwd = t_cache.forward(t_in, t_valid, keep_last=width + 1, all_valid=all_valid, hidden=hidden_kw)
+                out_fwd = t_cache.forward(t_in, t_valid, keep_last=width + 1, all_valid=all_valid, hidden=hidden_layers)
                 target_logits, hidden = out_fwd if hidden_kw else (out_fwd, None)
                 forward_s = time.perf_counter() - t_fwd
                 if prefix is None:  # a merged prefill would price verification far too high
