@@ -114,6 +114,20 @@ def test_unmeasured_wider_shapes_are_tried_once():
     assert s.padded_width(2) == 2  # 5 is three wider than 2: not a padding candidate
 
 
+def test_a_width_still_being_learned_does_not_price_the_decision():
+    """Learning a width is a one-time cost of a step that drafts anyway: the step runs the wider
+    width, but the decision to draft is priced at the width it needs. Here 3 has no time yet and
+    its estimate, the line between 2 (52 ms) and 4 (measured at 200 ms), is 126 ms."""
+    s = schedule({1: 50.0, 2: 52.0, 4: 200.0}, draft_ms=1.0)
+    for _ in range(6):
+        s.record_outcome(np.array([1]), np.array([1]))  # every draft token passed
+    assert s.padded_width(2) == 3  # the step learns width 3 ...
+    assert s.priced_width(2) == 2  # ... but is priced as the 52 ms it needs
+    assert s.plan(np.array([1]), np.array([True])).tolist() == [1]
+    # negative control: priced at the width being learned, 1.9 tokens for 128 ms loses to 1 for 51
+    assert s._verify_cost(s.padded_width(2)) > 2 * s._verify_cost(1)
+
+
 def test_the_first_time_of_a_shape_is_ignored():
     s = DraftSchedule(1, 4, adaptive=True, draft_cost_hint=0.0)
     s.record_verify(1, 0.040)

@@ -31,7 +31,9 @@ with the same model and batch size):
   prior alone made a synthetic target's q = 2 look cheap, and its drafts one
   token wide after every failure). When the step needs
   ``q`` tokens and ``q + 1`` has no time yet, it runs ``q + 1`` once (a filler
-  token that is never tested) to learn it; a width measured to cost more than
+  token that is never tested) to learn it (a one-time cost of a step that
+  drafts anyway: the decision to draft is priced at the width it needs,
+  :meth:`DraftSchedule.priced_width`); a width measured to cost more than
   a larger one (on these CPUs, ``q = 3`` and ``7`` hit a slow matrix-product
   path of a large LM head) is then padded up to the cheaper width;
 * the drafter's time per proposed token and the rest of a step (verification,
@@ -305,14 +307,30 @@ class DraftSchedule:
         return 1.0 / (self._verify_cost(1) + self._overhead(False))
 
     def padded_width(self, q: int) -> int:
-        """The width to run for ``q`` needed tokens (see the module doc): ``q``, ``q + 1`` to learn its
-        cost, or a larger width measured to be cheaper."""
+        """The width to run for ``q`` needed tokens (see the module doc): the first width from ``q`` up
+        that has no time yet (to learn it), else :meth:`priced_width`."""
+        if not self.adaptive or q <= 1:
+            return q
+        for wider in range(q, self.max_draft + 3):
+            if self._estimate(("verify", wider)) is None:
+                return wider  # learn the widths from q up, once per model and batch size
+        return self.priced_width(q)
+
+    def priced_width(self, q: int) -> int:
+        """The width whose cost prices a step that needs ``q`` tokens: ``q``, or a width at most two
+        wider measured (or, unmeasured, estimated) to be cheaper.
+
+        Not :meth:`padded_width`: a width run only to learn its time is a one-time cost, paid on a
+        step that drafts anyway. Priced into the decision, it made every draft of a call cost as
+        the widest width not yet timed (on the default pair, a 1-token draft priced as a forward
+        over 8 tokens, 119 ms against 54 ms for a plain step), so the schedule stopped drafting,
+        never timed that width, and decoded plainly until an exploring step: a process's first
+        call drafted in 24-46 % of its steps, 72-81 % once priced here
+        (``benchmarks/bench_first_calls.py``).
+        """
         if not self.adaptive or q <= 1:
             return q
         limit = self.max_draft + 2
-        for wider in range(q, limit + 1):
-            if self._estimate(("verify", wider)) is None:
-                return wider  # learn the widths from q up, once per model and batch size
         best, cost = q, self._verify_cost(q)
         for wider in range(q + 1, min(q + 2, limit) + 1):  # farther, noise would pick widths measured low by chance
             t = self._verify_cost(wider)
@@ -408,7 +426,7 @@ class DraftSchedule:
         best_w, best_rate = 0, margin * plain
         for w in range(1, top + 1):
             gain = horizon - float((left - expected_gain(probs, np.minimum(w, lim))).max())
-            cost = w * draft_s_per_token + self._verify_cost(self.padded_width(w + 1)) + overhead
+            cost = w * draft_s_per_token + self._verify_cost(self.priced_width(w + 1)) + overhead
             rate = gain / cost
             if rate > best_rate:
                 best_w, best_rate = w, rate * 1.0001
@@ -453,7 +471,7 @@ class DraftSchedule:
         i = c.shape[1]
         alpha = self.alpha()
         reach = np.prod(self._probs(i, None, c), axis=1)
-        wider = self._verify_cost(self.padded_width(i + 2)) - self._verify_cost(self.padded_width(i + 1))
+        wider = self._verify_cost(self.priced_width(i + 2)) - self._verify_cost(self.priced_width(i + 1))
         extra = self._draft_cost() + max(0.0, wider)
         return bool(self.adaptive) & (reach * alpha >= extra * self._plain_rate())
 
