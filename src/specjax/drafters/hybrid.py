@@ -88,26 +88,23 @@ class HybridDrafter:
             confidence = np.full((len(use), g), np.nan)
             fb_conf = np.asarray(fb.confidence, np.float64)[:, :g]
             confidence[:, : fb_conf.shape[1]] = np.where(use[:, None], np.nan, fb_conf)
+        tokens: Any
+        logits: tuple[Any, ...] | None = None
         if fb.logits is None:  # point masses from both: each row takes its drafter's tokens
             fb_host = np.zeros((len(use), g), np.int32)
             fb_host[:, : fb.width] = np.asarray(fb.tokens)[:, : fb.width]
-            return Proposal(
-                np.where(use[:, None], ng_tokens, fb_host),
-                counts,
-                None,
-                paid_tokens=fb.width,
-                free_rows=use,
-                hindsight=fb.hindsight,
-                confidence=confidence,
+            tokens = np.where(use[:, None], ng_tokens, fb_host)
+        else:
+            fb_tokens = jnp.asarray(fb.tokens).astype(jnp.int32)
+            if g > fb.width:  # positions only n-gram rows reach: the fallback's rows never test them
+                fb_tokens = jnp.pad(fb_tokens, ((0, 0), (0, g - fb.width)))
+            use_j = jnp.asarray(use)
+            tokens = jnp.where(use_j[:, None], jnp.asarray(ng_tokens), fb_tokens)
+            # n-gram rows: logits whose processed distribution is the point mass at their token
+            fb_logits = list(fb.logits) + [fb.logits[-1]] * (g - fb.width)
+            logits = tuple(
+                _point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb_logits)
             )
-        fb_tokens = jnp.asarray(fb.tokens).astype(jnp.int32)
-        if g > fb.width:  # positions only n-gram rows reach: the fallback's rows never test them
-            fb_tokens = jnp.pad(fb_tokens, ((0, 0), (0, g - fb.width)))
-        use_j = jnp.asarray(use)
-        tokens = jnp.where(use_j[:, None], jnp.asarray(ng_tokens), fb_tokens)
-        # n-gram rows: logits whose processed distribution is the point mass at their token
-        fb_logits = list(fb.logits) + [fb.logits[-1]] * (g - fb.width)
-        logits = tuple(_point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb_logits))
         return Proposal(
             tokens,
             counts,
