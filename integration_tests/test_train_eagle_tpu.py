@@ -207,21 +207,23 @@ def test_attention_ignores_non_finite_values_no_query_reads():
     np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
 
 
+def _stored(g, n, w, k=2, d=8):
+    feats = g.standard_normal((n, w, (k + 1) * d)).astype(np.float32)
+    return {
+        "ids": g.integers(0, 100, (n, w)).astype(np.int32),
+        "valid": g.random((n, w)) < 0.8,
+        "plen": g.integers(1, w, n).astype(np.int32),
+        "tokens": int(n * w * 0.8),
+        "z": feats[..., -d:].astype(jnp.bfloat16),
+        "taps": g.integers(-127, 128, (n, w, k, d)).astype(np.int8),
+        "scales": g.random((n, w, k)).astype(np.float32),
+        "ch": g.random((k, d)).astype(np.float32) + 0.5,
+    }
+
+
 def test_saved_data_loads_back_bit_for_bit(tmp_path):
     g = np.random.default_rng(4)
-    data = {
-        split: {
-            w: {
-                "ids": jnp.asarray(g.integers(0, 100, (n, w)), jnp.int32),
-                "valid": jnp.asarray(g.random((n, w)) < 0.8),
-                "feats": jnp.asarray(g.standard_normal((n, w, 8)), jnp.bfloat16),
-                "plen": jnp.asarray(g.integers(1, w, n), jnp.int32),
-                "tokens": int(n * w * 0.8),
-            }
-            for w, n in ((16, 3), (32, 2))
-        }
-        for split in ("train", "held")
-    }
+    data = {split: {w: _stored(g, n, w) for w, n in ((16, 3), (32, 2))} for split in ("train", "held")}
     meta = {"target_check": {"precision": "highest"}, "self_prompts": 7}
     tpu.save_data(tmp_path / "d", data, meta)
     back, meta_back = tpu.load_data(tmp_path / "d")
@@ -230,12 +232,76 @@ def test_saved_data_loads_back_bit_for_bit(tmp_path):
     for split in data:
         assert back[split].keys() == data[split].keys()
         for w, d in data[split].items():
+            assert back[split][w].keys() == d.keys()
             for key, val in d.items():
                 got = back[split][w][key]
                 if key == "tokens":
                     assert got == val
                 else:
                     assert got.dtype == val.dtype and got.shape == val.shape
-                    np.testing.assert_array_equal(np.asarray(got), np.asarray(val))
+                    np.testing.assert_array_equal(got, val)
     with pytest.raises(SystemExit, match=r"meta\.json"):
         tpu.load_data(tmp_path)
+
+
+def _outlier_states(n=400, k=2, d=256, seed=5):
+    """f32[n, (k+1)d]: states whose few channels run ~15x the others, as the target's do."""
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((n, k + 1, d)).astype(np.float32)
+    x[:, :, :3] *= 15.0
+    x *= g.uniform(0.5, 4.0, (n, 1, 1)).astype(np.float32)  # per-position magnitude
+    return x.reshape(n, -1)
+
+
+def _rel_err(got, want):
+    return float(np.sqrt(np.sum((np.asarray(got) - want) ** 2) / np.sum(want**2)))
+
+
+def test_quantised_states_come_back_within_a_percent():
+    d = 256
+    x = _outlier_states(d=d)
+    valid = np.ones(x.shape[0], bool)
+    ch = tpu.channel_scale(x, valid, d)
+    z, taps, scales = tpu.quantise(jnp.asarray(x), jnp.asarray(ch))
+    assert z.dtype == jnp.bfloat16 and taps.dtype == jnp.int8 and taps.shape == (x.shape[0], 2, d)
+    back = np.asarray(tpu.dequantise(z, taps, scales, jnp.asarray(ch)))
+    assert back.shape == x.shape
+    assert _rel_err(back[:, : 2 * d], x[:, : 2 * d]) < 0.01
+    np.testing.assert_array_equal(
+        back[:, 2 * d :], np.asarray(jnp.asarray(x[:, 2 * d :]).astype(jnp.bfloat16), np.float32)
+    )
+    # a state far beyond the channel scales seen is not clipped
+    big = x.copy()
+    big[0, :d] *= 100
+    z, taps, scales = tpu.quantise(jnp.asarray(big), jnp.asarray(ch))
+    assert _rel_err(tpu.dequantise(z, taps, scales, jnp.asarray(ch))[0, :d], big[0, :d]) < 0.01
+    # negative control: without the per-channel scales the outlier channels take the int8 range
+    ones = jnp.ones_like(jnp.asarray(ch))
+    z, taps, scales = tpu.quantise(jnp.asarray(x), ones)
+    assert _rel_err(tpu.dequantise(z, taps, scales, ones)[:, : 2 * d], x[:, : 2 * d]) > 0.02
+
+
+def test_batches_are_reproducible_and_hold_the_drawn_rows():
+    g = np.random.default_rng(6)
+    data = {16: _stored(g, 40, 16), 32: _stored(g, 30, 32)}
+    first = tpu.Batches(data, 64, np.random.default_rng(0), workers=3, depth=4)
+    again = tpu.Batches(data, 64, np.random.default_rng(0), workers=1, depth=2)
+    seen = set()
+    for _ in range(12):
+        a, b = first.next(), again.next()
+        assert len(a) == 5
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        z, taps, scales, ids, valid = (np.asarray(t) for t in a)
+        w = ids.shape[1]
+        assert ids.shape[0] == 64 // w and taps.shape == (ids.shape[0], w, 2, 8)
+        for j in range(ids.shape[0]):  # each row is one stored row, all its arrays from the same one
+            row = int(np.flatnonzero((data[w]["ids"] == ids[j]).all(1))[0])
+            np.testing.assert_array_equal(taps[j], data[w]["taps"][row])
+            np.testing.assert_array_equal(scales[j], data[w]["scales"][row])
+            np.testing.assert_array_equal(valid[j], data[w]["valid"][row])
+            np.testing.assert_array_equal(z[j], np.asarray(data[w]["z"][row]))
+        seen.add(w)
+    first.close()
+    again.close()
+    assert seen == {16, 32}

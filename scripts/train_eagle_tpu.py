@@ -18,8 +18,11 @@ Steps, all timed: (1) the target's weights from the parts of its GGUF file
 (``scripts/gguf_parts.py``: the device takes about 30 MB per upload) and the
 tokenized prompts (``prepare``, run where transformers is); (2) self-generated
 prompts; (3) greedy and sampled continuations (``--temperature``) of every
-prompt, within ``--gen-minutes``; (4) the target's final normed hidden state at
-every position (one teacher-forced forward), kept on the chip in bfloat16;
+prompt, within ``--gen-minutes``; (4) the target's hidden states at every
+position (one teacher-forced forward): its final normed state z and, for
+EAGLE-3-style heads, the states after ``FEATURE_LAYERS``, kept on the host (z
+in bfloat16, the others in int8: :func:`quantise`) and fed to the chip batch by
+batch (:class:`Batches`);
 (5) for each ``--variant``, a head with the 4,096 most frequent tokens of the
 data, trained with the loss of :func:`specjax.drafters.eagle_train.head_loss`
 (re-written here in JAX: feature regression + distillation, noise on the input
@@ -192,13 +195,15 @@ def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse
 
     ids, valid, want = pr["ref_ids"], pr["ref_valid"], pr["ref_feats"]
     lens = valid.sum(1).astype(int)
-    # the very path the training data takes, in bfloat16, at every width the data may have (the reference
-    # rows padded to each bucket: a chip may compute a long row otherwise than a short one)
+    ch = channel_scale(want, valid, params["embed"].shape[1])
+    # the very path the training data takes, stored as it is (z in bfloat16, the other states in int8), at
+    # every width the data may have (the reference rows padded to each bucket: a chip may compute a long row
+    # otherwise than a short one)
     errs = {}
     for w in [s for s in args.seq_buckets if s >= lens.max()]:
         store = Store((w,))
         store.add([ids[j, : lens[j]].tolist() for j in range(len(lens))], [[] for _ in lens])
-        got = np.asarray(store.build(feat_fn, params, args.feature_rows)[w]["feats"], np.float32)
+        got = np.asarray(hidden_of(store.build(feat_fn, params, args.feature_rows, ch)[w]))
         sq = sum(float(np.sum((got[j, : lens[j]] - want[j, : lens[j]]) ** 2)) for j in range(len(lens)))
         total = sum(float(np.sum(want[j, : lens[j]] ** 2)) for j in range(len(lens)))
         errs[w] = math.sqrt(sq / total)
@@ -648,8 +653,41 @@ def run_generation(
     return out
 
 
+def channel_scale(feats: np.ndarray, valid: np.ndarray, d: int) -> np.ndarray:
+    """f32[k, d]: per low/mid state (the first k of ``feats``' (k+1) d-wide parts) and channel, the largest
+    magnitude of the RMS-normalised state over the ``valid`` positions: :func:`quantise` divides by it first, so
+    the few channels that run an order of magnitude above the rest (median max/RMS 12 at layers 3 and 15)
+    do not take the int8 range from the others (0.5 % RMS error instead of 5 % with a per-position scale alone,
+    on the CPU's reference features)."""
+    x = feats[valid].reshape(-1, feats.shape[-1] // d, d)[:, :-1].astype(np.float32)
+    x = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-12)
+    return (np.abs(x).max(0) + 1e-6).astype(np.float32)
+
+
+def quantise(hidden: Any, ch: Any) -> tuple[Any, Any, Any]:
+    """(z bf16[..., d], taps i8[..., k, d], scales f32[..., k]) from f32[..., (k+1)d] :func:`features`:
+    z in bfloat16 as before; the k low/mid states divided by ``ch`` f32[k, d] (:func:`channel_scale`) and
+    stored in int8 with one scale per position and state (never clipped)."""
+    import jax.numpy as jnp
+
+    k, d = ch.shape
+    taps = hidden[..., : k * d].reshape(*hidden.shape[:-1], k, d) / ch
+    top = jnp.maximum(jnp.max(jnp.abs(taps), -1), 1e-30)
+    q = jnp.round(taps / top[..., None] * 127).astype(jnp.int8)
+    return hidden[..., k * d :].astype(jnp.bfloat16), q, top / 127
+
+
+def dequantise(z: Any, taps: Any, scales: Any, ch: Any) -> Any:
+    """f32[..., (k+1)d]: :func:`quantise`'s inverse (up to its rounding), the layout :func:`features` gives."""
+    import jax.numpy as jnp
+
+    low = taps.astype(jnp.float32) * scales[..., None] * ch
+    return jnp.concatenate([low.reshape(*low.shape[:-2], -1), z.astype(jnp.float32)], -1)
+
+
 class Store:
-    """Sequences and their features on the device, one array per length bucket."""
+    """Sequences, and their features on the host (the chip's 15.75 GB held a quarter of what three
+    states per position take: ``run9-oom.log``), one set of arrays per length bucket."""
 
     def __init__(self, sizes: tuple[int, ...]) -> None:
         self.sizes = sizes
@@ -667,57 +705,115 @@ class Store:
         self.positions += n
         return n
 
-    def build(self, feat_fn: Any, params: Any, rows: int) -> dict[int, dict[str, Any]]:
+    def build(self, feat_fn: Any, params: Any, rows: int, ch: np.ndarray) -> dict[int, dict[str, Any]]:
+        """Per bucket width, numpy arrays: ids i32[R, W], valid bool[R, W], plen i32[R], the features as
+        :func:`quantise` stores them (z, taps, scales) and ``ch``; and ``tokens``, the real positions."""
+        import jax
         import jax.numpy as jnp
 
+        quant = jax.jit(quantise)
+        chj = jnp.asarray(ch)
+        k, d = ch.shape
         out = {}
         for w, seqs in self.seqs.items():
             if not seqs:
                 continue
-            ids = np.full((len(seqs), w), EOS_ID, np.int32)
+            n = len(seqs)
+            ids = np.full((n, w), EOS_ID, np.int32)
             for j, s in enumerate(seqs):
                 ids[j, : len(s)] = s
             lens = np.asarray([len(s) for s in seqs])
             valid = np.arange(w)[None, :] < lens[:, None]
-            feats = []
-            for k in range(0, len(seqs), rows):
-                a, v = ids[k : k + rows], valid[k : k + rows]
+            entry: dict[str, Any] = {
+                "ids": ids,
+                "valid": valid,
+                "plen": np.asarray(self.plen[w], np.int32),
+                "tokens": int(lens.sum()),
+                "z": np.empty((n, w, d), jnp.bfloat16),
+                "taps": np.empty((n, w, k, d), np.int8),
+                "scales": np.empty((n, w, k), np.float32),
+                "ch": ch,
+            }
+            for lo in range(0, n, rows):
+                a, v = ids[lo : lo + rows], valid[lo : lo + rows]
                 pad = rows - len(a)
                 a, v = np.pad(a, ((0, pad), (0, 0))), np.pad(v, ((0, pad), (0, 0)))
                 if pad:
                     v[rows - pad :, 0] = True  # filler rows
-                z = feat_fn(params, jnp.asarray(a), jnp.asarray(v))[: rows - pad]
-                feats.append(np.asarray(z.astype(jnp.bfloat16)))  # via the host: one copy on the chip
-            out[w] = {
-                "ids": jnp.asarray(ids),
-                "valid": jnp.asarray(valid),
-                "feats": jnp.asarray(np.concatenate(feats)),
-                "plen": jnp.asarray(np.asarray(self.plen[w], np.int32)),
-                "tokens": int(lens.sum()),
-            }
+                parts = quant(feat_fn(params, jnp.asarray(a), jnp.asarray(v)), chj)
+                for name, part in zip(("z", "taps", "scales"), parts, strict=True):
+                    entry[name][lo : lo + rows] = np.asarray(part)[: rows - pad]
+            out[w] = entry
         return out
 
 
+def hidden_of(d: dict[str, Any], rows: Any = slice(None)) -> Any:
+    """f32[r, W, (k+1)d] on the default device: the dequantised features of ``d``'s rows ``rows``."""
+    import jax.numpy as jnp
+
+    return dequantise(*(jnp.asarray(d[n][rows]) for n in ("z", "taps", "scales")), jnp.asarray(d["ch"]))
+
+
+class Batches:
+    """Training batches gathered from :meth:`Store.build`'s host arrays by worker threads, ``depth``
+    ahead of the chip, in the order the caller's ``rng`` draws them: a width with probability ``share``
+    (by positions), then ``batch_tokens // width`` rows at random. Each batch: device arrays
+    (z, taps, scales, ids, valid)."""
+
+    def __init__(self, data: dict[int, Any], batch_tokens: int, rng: Any, workers: int = 4, depth: int = 8):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.data, self.rng, self.batch_tokens = data, rng, batch_tokens
+        self.widths = sorted(data)
+        share = np.asarray([data[w]["tokens"] for w in self.widths], float)
+        self.share = share / share.sum()
+        self.pool = ThreadPoolExecutor(workers)
+        self.ahead: Any = deque()
+        self.waited = 0.0  # seconds next() waited for a batch
+        for _ in range(depth):
+            self._submit()
+
+    def _submit(self) -> None:
+        w = self.widths[self.rng.choice(len(self.widths), p=self.share)]
+        idx = np.sort(self.rng.integers(0, self.data[w]["ids"].shape[0], max(1, self.batch_tokens // w)))
+        self.ahead.append(self.pool.submit(self._gather, w, idx))
+
+    def _gather(self, w: int, idx: np.ndarray) -> Any:
+        import jax
+
+        d = self.data[w]
+        return jax.device_put(tuple(d[n][idx] for n in ("z", "taps", "scales", "ids", "valid")))
+
+    def next(self) -> Any:
+        t = time.perf_counter()
+        batch = self.ahead.popleft().result()
+        self.waited += time.perf_counter() - t  # the chip idle for want of data, at most
+        self._submit()
+        return batch
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+ARRAYS = ("ids", "valid", "plen", "z", "taps", "scales", "ch")
+
+
 def save_data(path: Path, data: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Write :func:`make_data`'s arrays (``data[split][width]``) and ``meta`` to ``path``, for ``--load-data``
-    in a later call (a call on the lent device runs at most 10 minutes; its machine keeps local files
-    while warm). Features go as their bfloat16 bits (uint16)."""
+    """Write :func:`make_data`'s arrays (``data[split][width]``, as :meth:`Store.build` gives them) and
+    ``meta`` to ``path``, for ``--load-data`` in a later call (a call on the lent device runs at most
+    10 minutes; its machine keeps local files while warm). z goes as its bfloat16 bits (uint16)."""
     path.mkdir(parents=True, exist_ok=True)
     for split_name, by_width in data.items():
         for w, d in by_width.items():
-            np.savez(
-                path / f"{split_name}-{w}.npz",
-                ids=np.asarray(d["ids"]),
-                valid=np.asarray(d["valid"]),
-                feats=np.asarray(d["feats"]).view(np.uint16),
-                plen=np.asarray(d["plen"]),
-                tokens=np.int64(d["tokens"]),
-            )
+            arrays = {n: np.asarray(d[n]) for n in ARRAYS}
+            arrays["z"] = arrays["z"].view(np.uint16)
+            np.savez(path / f"{split_name}-{w}.npz", tokens=np.int64(d["tokens"]), **arrays)
     (path / "meta.json").write_text(json.dumps(meta) + "\n")
 
 
 def load_data(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read what :func:`save_data` wrote: ``(data, meta)``, the arrays on the default device."""
+    """Read what :func:`save_data` wrote: ``(data, meta)``, the arrays on the host."""
     import jax.numpy as jnp
 
     meta_file = path / "meta.json"
@@ -727,13 +823,12 @@ def load_data(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     for f in sorted(path.glob("*-*.npz")):
         split_name, w = f.stem.split("-")
         z = np.load(f)
-        data[split_name][int(w)] = {
-            "ids": jnp.asarray(z["ids"]),
-            "valid": jnp.asarray(z["valid"]),
-            "feats": jnp.asarray(z["feats"].view(jnp.bfloat16)),
-            "plen": jnp.asarray(z["plen"]),
-            "tokens": int(z["tokens"]),
-        }
+        missing = [n for n in ARRAYS if n not in z.files]
+        if missing:
+            raise SystemExit(f"--load-data: {f} lacks {missing} (written by an older --save-data?)")
+        entry = {n: z[n] for n in ARRAYS}
+        entry["z"] = entry["z"].view(jnp.bfloat16)
+        data[split_name][int(w)] = {**entry, "tokens": int(z["tokens"])}
     if not data["train"] or not data["held"]:
         raise SystemExit(f"--load-data: {path} lacks train-*.npz or held-*.npz files")
     return data, json.loads(meta_file.read_text())
@@ -839,9 +934,9 @@ def make_data(args: argparse.Namespace, params: Any, cfg: dict[str, Any], pr: An
         log(f"round {r} (T = {temp}): {store.positions} positions, {time.perf_counter() - t:.0f} s")
         r += 1
     gen_s = time.perf_counter() - t
-    data = store.build(feat_fn, params, args.feature_rows)
-    hdata = held.build(feat_fn, params, args.feature_rows)
-    jax.block_until_ready([d["feats"] for d in data.values()])
+    ch = channel_scale(pr["ref_feats"], pr["ref_valid"], cfg["hidden"])
+    data = store.build(feat_fn, params, args.feature_rows, ch)
+    hdata = held.build(feat_fn, params, args.feature_rows, ch)
     positions = sum(d["tokens"] for d in data.values())
     log(
         f"data: {positions} positions in buckets { {w: d['ids'].shape for w, d in data.items()} }, "
@@ -874,9 +969,7 @@ def train_heads(
     token_ids = np.sort(np.argsort(-counts, kind="stable")[: args.num_tokens]).astype(np.int32)
     embed = params["embed"]
     w_sub = embed[jnp.asarray(token_ids)]
-    widths = sorted(data)
-    share = np.asarray([data[w]["tokens"] for w in widths], float)
-    share /= share.sum()
+    ch = jnp.asarray(next(iter(data.values()))["ch"])
 
     for name in args.variant:
         weights = VARIANTS[name]
@@ -886,8 +979,10 @@ def train_heads(
             return head_loss(hp, hc, embed, w_sub, z, x, v, weights, key)
 
         @jax.jit
-        def step(hp: Any, opt: Any, z: Any, x: Any, v: Any, key: Any, lr: Any) -> Any:
-            (loss, parts), g = jax.value_and_grad(loss_fn, has_aux=True)(hp, z.astype(jnp.float32), x, v, key)
+        def step(hp: Any, opt: Any, batch: Any, key: Any, lr: Any) -> Any:
+            z, taps, scales, x, v = batch
+            hidden = dequantise(z, taps, scales, ch)
+            (loss, parts), g = jax.value_and_grad(loss_fn, has_aux=True)(hp, hidden, x, v, key)
             norm = jnp.sqrt(sum(jnp.sum(a * a) for a in jax.tree.leaves(g)))
             g = jax.tree.map(lambda a: a * jnp.minimum(1.0, 1.0 / (norm + 1e-6)), g)
             m, s, n = opt
@@ -902,6 +997,7 @@ def train_heads(
         hp = jax.tree.map(jnp.asarray, init_head(hc, args.seed))
         opt = (jax.tree.map(jnp.zeros_like, hp), jax.tree.map(jnp.zeros_like, hp), jnp.float32(0))
         key = jax.random.key(args.seed)
+        batches = Batches(data, args.batch_tokens, rng)
         start, n_step = time.perf_counter(), 0
         budget = args.train_minutes * 60 / len(args.variant)
         while True:
@@ -909,12 +1005,8 @@ def train_heads(
             if progress >= 1:
                 break
             lr = args.lr * min(1.0, (n_step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * progress))
-            w = widths[rng.choice(len(widths), p=share)]
-            d = data[w]
-            rows = max(1, args.batch_tokens // w)
-            idx = jnp.asarray(rng.integers(0, d["ids"].shape[0], rows))
             key, k = jax.random.split(key)
-            hp, opt, loss, parts = step(hp, opt, d["feats"][idx], d["ids"][idx], d["valid"][idx], k, jnp.float32(lr))
+            hp, opt, loss, parts = step(hp, opt, batches.next(), k, jnp.float32(lr))
             n_step += 1
             if n_step % 50 == 0:
                 loss.block_until_ready()  # keep the time budget honest: dispatch runs ahead of the chip
@@ -924,6 +1016,7 @@ def train_heads(
                     f"ce {float(parts[1]):.4f}"
                 )
         train_s = time.perf_counter() - start
+        batches.close()
         agree = jax.jit(partial(agreement, hc=hc))
         tot = np.zeros(4, np.int64)
         for d in hdata.values():
@@ -933,10 +1026,10 @@ def train_heads(
                         hp,
                         embed=embed,
                         token_ids=jnp.asarray(token_ids),
-                        z=d["feats"][k : k + 16].astype(jnp.float32),
-                        ids=d["ids"][k : k + 16],
-                        valid=d["valid"][k : k + 16],
-                        plen=d["plen"][k : k + 16],
+                        z=hidden_of(d, slice(k, k + 16)),
+                        ids=jnp.asarray(d["ids"][k : k + 16]),
+                        valid=jnp.asarray(d["valid"][k : k + 16]),
+                        plen=jnp.asarray(d["plen"][k : k + 16]),
                     )
                 )
         a1, a2 = tot[0] / max(tot[1], 1), tot[2] / max(tot[3], 1)
@@ -961,6 +1054,7 @@ def train_heads(
             "loss_weights": dict(zip(("regression", "distill", "unroll", "noise"), weights, strict=True)),
             "intermediate_size": hc["intermediate_size"],
             "train_steps": n_step,
+            "seconds_waiting_for_batches": batches.waited,
             "train_minutes": train_s / 60,
             "training_positions": positions,
             "self_prompts": summary["self_prompts"],
@@ -969,6 +1063,7 @@ def train_heads(
             "args": summary["args"],
         }
         summary["variants"][name] = report
+        log(f"{name}: waited {batches.waited:.1f} s of {train_s:.0f} s for the host's batches")
         log(
             f"{name}: {n_step} steps in {train_s:.0f} s, held-out agreement {a1:.3f} / {a2:.3f}, "
             f"on the CPU's reference features {c1:.3f}"
