@@ -14,6 +14,7 @@ from specjax.generate.schedule import (
     EXPLORE_EVERY,
     EXPLORE_PLAIN_AFTER,
     DraftSchedule,
+    expected_call_gain,
     expected_gain,
 )
 
@@ -275,13 +276,47 @@ def test_rows_without_proposals_count_in_the_batch():
     active = np.ones(8, bool)
     one = schedule(costs, batch=8, g=4)
     for _ in range(6):
-        one.record_outcome(np.array([4] + [0] * 7), np.array([3] + [0] * 7))
+        one.record_outcome(np.array([4] + [0] * 7), np.array([4] + [0] * 7))
     assert one.trim(np.array([4] + [0] * 7), active).tolist() == [0] * 8
     # negative control: every row with such a lookup
     every = schedule(costs, batch=8, g=4)
     for _ in range(6):
-        every.record_outcome(np.full(8, 4), np.full(8, 3))
+        every.record_outcome(np.full(8, 4), np.full(8, 4))
     assert every.trim(np.full(8, 4), active).max() > 0
+
+
+def test_the_call_gain_is_the_last_rows_not_the_largest_expectation():
+    """The step's worth to the call is E[R − max_b (r_b − X_b)], checked against a simulation;
+    at B = 1 it is :func:`expected_gain`."""
+    rng = np.random.default_rng(0)
+    probs, k = rng.uniform(0.3, 0.9, (3, 4)), np.array([4, 2, 3])
+    for remaining in ([20.0, 20.0, 20.0], [20.0, 19.0, 20.0], [17.0, 20.0, 18.0]):
+        r = np.array(remaining)
+        passed = rng.random((100_000, 3, 4)) < probs
+        gained = 1 + np.where(np.arange(4) < k[:, None], np.cumprod(passed, axis=2), 0).sum(axis=2)
+        simulated = (r.max() - (r - gained).max(axis=1)).mean()
+        assert expected_call_gain(probs, k, r) == pytest.approx(simulated, abs=0.01)
+    one = probs[:1]
+    for kk in range(5):
+        assert expected_call_gain(one, np.array([kk]), np.array([9.0])) == pytest.approx(
+            expected_gain(one, np.array([kk]))[0]
+        )
+    # eight rows alike, each passing half its tokens: a one-token draft gains the call 1 + 0.5^8,
+    # though each row expects 1.5
+    assert expected_call_gain(np.full((8, 4), 0.5), np.ones(8, np.int64), np.full(8, 20.0)) == pytest.approx(1 + 0.5**8)
+
+
+def test_a_batch_of_middling_rows_decodes_plainly():
+    """Eight rows that each pass 3 of 4 draft tokens: drafting would pay for each row alone
+    (negative control), not for the batch, whose last row then gains ~1 token per step."""
+    costs = {1: 40.0, 2: 60.0, 3: 66.0, 4: 70.0, 5: 72.0}
+    batch = schedule(costs, batch=8, g=4)
+    alone = schedule(costs, batch=1, g=4)
+    for _ in range(6):
+        batch.record_outcome(np.full(8, 4), np.full(8, 3))
+        alone.record_outcome(np.array([4]), np.array([3]))
+    assert batch.trim(np.full(8, 4), np.ones(8, bool)).max() == 0
+    assert alone.trim(np.array([4]), np.array([True])).max() > 0
 
 
 def test_acceptance_is_carried_into_later_calls_on_the_same_model_and_drafter():
