@@ -305,3 +305,46 @@ def test_batches_are_reproducible_and_hold_the_drawn_rows():
     first.close()
     again.close()
     assert seen == {16, 32}
+
+
+def test_a_saved_head_resumes_as_saved_and_only_on_its_own_terms(tmp_path):
+    """--init-from: the weights come back as written (float16), and a head of another
+    configuration or token set is refused with the difference named."""
+    cfg = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 96, "vocab": 500}
+    hc = tpu.head_config(cfg, 32, fused=True)
+    g = np.random.default_rng(6)
+    hp = {k: v + g.standard_normal(v.shape).astype(np.float32) for k, v in tpu.init_head(hc, 3).items()}
+    ids = np.arange(0, 64, 2, dtype=np.int32)
+    path = tmp_path / "e3-unroll.npz"
+    tpu.save_head_npz(path, hp, hc, ids, {"train_steps": 1})
+    back = tpu.resumed_head(path, hc, ids)
+    assert back.keys() == hp.keys()
+    for k, v in hp.items():
+        assert back[k].dtype == np.float32
+        np.testing.assert_array_equal(back[k], v.astype(np.float16).astype(np.float32))
+    # negative controls: this run's head or data differ from the saved one's
+    with pytest.raises(ValueError, match=r"num_tokens"):
+        tpu.resumed_head(path, tpu.head_config(cfg, 16, fused=True), ids[:16])
+    with pytest.raises(ValueError, match=r"feature_layers"):
+        tpu.resumed_head(path, tpu.head_config(cfg, 32, fused=False), ids)
+    with pytest.raises(ValueError, match=r"other tokens"):
+        tpu.resumed_head(path, hc, ids + 1)
+    with pytest.raises(ValueError, match=r"--init-from"):
+        tpu.resumed_head(tmp_path / "missing.npz", hc, ids)
+    # one variant per resumed run
+    with pytest.raises(SystemExit):
+        tpu.parse_args(
+            [
+                "train",
+                "--parts",
+                "p",
+                "--out",
+                "o",
+                "--init-from",
+                str(path),
+                "--variant",
+                "e3-unroll",
+                "--variant",
+                "kd",
+            ]
+        )

@@ -42,7 +42,9 @@ Locally, ``python scripts/train_eagle_tpu.py import --npz OUT/kd-noise.npz
 
 A call on the lent device runs at most 10 minutes: ``--save-data D --train-minutes 0``
 in one call and ``--load-data D --train-minutes M`` in the next (the machine
-keeps its local files while warm) give the data and the training a call each.
+keeps its local files while warm) give the data and the training a call each;
+``--load-data D --init-from OUT/<variant>.npz --lr L`` in a further call trains
+that head on (a fresh optimiser and schedule, from the saved float16 weights).
 
 The training step only needs numpy and JAX.
 """
@@ -509,6 +511,42 @@ def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
         "down_proj.weight": rnd(d, i, 0.1),
         "out_norm.weight": np.ones(d, np.float32),
     }
+
+
+def save_head_npz(path: Path, hp: Any, hc: dict[str, Any], token_ids: np.ndarray, report: dict[str, Any]) -> None:
+    """Write a trained head (weights in float16, its configuration, tokens and report) for ``import``
+    and ``--init-from``."""
+    host = {k: np.asarray(v, np.float16) for k, v in hp.items()}
+    np.savez(path, token_ids=token_ids, config=json.dumps(hc), report=json.dumps(report), **host)
+
+
+def resumed_head(path: Path, hc: dict[str, Any], token_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The weights a ``train`` run saved (``OUT/<variant>.npz``), to train on from (``--init-from``).
+
+    ``hc``: the head configuration this run trains (:func:`head_config`);
+    ``token_ids``: i32[N], the tokens it scores (from this run's data). The
+    saved head must have the same configuration and score the same tokens
+    (a head is not resumed on other data's token set); ``ValueError`` names
+    what differs. Returns float32 arrays under :func:`init_head`'s names (the
+    file holds float16: resuming starts from the weights as shipped).
+    """
+    try:
+        saved = np.load(path)
+        cfg = json.loads(str(saved["config"]))
+        ids = np.asarray(saved["token_ids"])
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"--init-from {path}: expected an OUT/<variant>.npz written by train ({e})") from None
+    hc = json.loads(json.dumps(hc))  # as saved: tuples as lists
+    if cfg != hc:
+        diff = sorted(k for k in set(cfg) | set(hc) if cfg.get(k) != hc.get(k))
+        raise ValueError(f"--init-from {path}: the saved head's configuration differs from this run's in {diff}")
+    if not np.array_equal(ids, token_ids):
+        raise ValueError(f"--init-from {path}: the saved head scores other tokens than this run's data gives")
+    names = init_head(hc, 0).keys()
+    missing = [k for k in names if k not in saved.files]
+    if missing:
+        raise ValueError(f"--init-from {path}: missing weights {missing}")
+    return {k: np.asarray(saved[k], np.float32) for k in names}
 
 
 def fuse_features(hp: dict[str, Any], hc: dict[str, Any], hidden: Any) -> Any:
@@ -994,7 +1032,8 @@ def train_heads(
             )
             return hp, (m, s, n), loss, parts
 
-        hp = jax.tree.map(jnp.asarray, init_head(hc, args.seed))
+        start_from = resumed_head(args.init_from, hc, token_ids) if args.init_from else init_head(hc, args.seed)
+        hp = jax.tree.map(jnp.asarray, start_from)
         opt = (jax.tree.map(jnp.zeros_like, hp), jax.tree.map(jnp.zeros_like, hp), jnp.float32(0))
         key = jax.random.key(args.seed)
         batches = Batches(data, args.batch_tokens, rng)
@@ -1068,10 +1107,7 @@ def train_heads(
             f"{name}: {n_step} steps in {train_s:.0f} s, held-out agreement {a1:.3f} / {a2:.3f}, "
             f"on the CPU's reference features {c1:.3f}"
         )
-        host = {k: np.asarray(v, np.float16) for k, v in hp.items()}
-        np.savez(
-            args.out / f"{name}.npz", token_ids=token_ids, config=json.dumps(hc), report=json.dumps(report), **host
-        )
+        save_head_npz(args.out / f"{name}.npz", hp, hc, token_ids, report)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
@@ -1114,10 +1150,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     pt.add_argument("--save-data", type=Path, help="also write the generated data and features here, for --load-data")
     pt.add_argument("--load-data", type=Path, help="train on what --save-data wrote (no check, no generation)")
+    pt.add_argument(
+        "--init-from",
+        type=Path,
+        help="train on from a head this script saved (OUT/<variant>.npz; same configuration and data), "
+        "with a fresh optimiser and learning-rate schedule (set --lr lower), e.g. in a second call",
+    )
     pt.add_argument("--quick", action="store_true", help="a smoke run: tiny budgets")
     args = p.parse_args(argv)
     if args.cmd == "train":
         args.variant = args.variant or ["kd-noise"]
+        if args.init_from is not None and len(args.variant) != 1:
+            p.error("--init-from: expected one --variant (the saved head's)")
         args.prompt_buckets = (64, 128, 192)
         args.seq_buckets = (128, 192, 256, 320)
         if args.quick:
