@@ -15,7 +15,6 @@ from specjax.generate.schedule import (
     EXPLORE_PLAIN_AFTER,
     DraftSchedule,
     expected_call_gain,
-    expected_gain,
 )
 
 
@@ -36,17 +35,20 @@ def schedule(
 CPU_LIKE = {1: 40.0, 2: 66.0, 3: 82.0, 4: 56.0, 5: 57.0, 6: 58.0, 7: 85.0, 8: 58.0}
 
 
-def test_expected_gain():
-    half = np.full((1, 4), 0.5)
-    assert expected_gain(half, np.array([0])) == pytest.approx(1.0)
-    assert expected_gain(half, np.array([3])) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_gain(np.ones((1, 4)), np.array([4])) == pytest.approx(5.0)
+def test_a_single_rows_gain_is_leviathans_expectation():
+    """At B = 1 the call's gain is ``1 + Σ_{i<k} Π_{j≤i} p_j`` (Leviathan et al. 2023, eq. 1)."""
+
+    def one(probs, k):
+        return expected_call_gain(np.array([probs], float).reshape(1, -1), np.array([k]), np.array([9.0]))
+
+    half = [0.5] * 4
+    assert one(half, 0) == pytest.approx(1.0)
+    assert one(half, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert one([1.0] * 4, 4) == pytest.approx(5.0)
     # one probability per position: a token after an unlikely one adds little
-    probs = np.array([[0.9, 0.1, 0.9], [0.9, 0.9, 0.9]])
-    assert expected_gain(probs, np.array([3, 3])).tolist() == pytest.approx(
-        [1 + 0.9 + 0.09 + 0.081, 1 + 0.9 + 0.81 + 0.729]
-    )
-    assert expected_gain(np.zeros((2, 0)), np.array([0, 0])).tolist() == [1.0, 1.0]
+    assert one([0.9, 0.1, 0.9], 3) == pytest.approx(1 + 0.9 + 0.09 + 0.081)
+    assert one([0.9, 0.9, 0.9], 3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+    assert one([], 0) == 1.0
 
 
 def test_free_drafts_with_good_acceptance_are_verified():
@@ -286,8 +288,7 @@ def test_rows_without_proposals_count_in_the_batch():
 
 
 def test_the_call_gain_is_the_last_rows_not_the_largest_expectation():
-    """The step's worth to the call is E[R − max_b (r_b − X_b)], checked against a simulation;
-    at B = 1 it is :func:`expected_gain`."""
+    """The step's worth to the call is E[R − max_b (r_b − X_b)], checked against a simulation."""
     rng = np.random.default_rng(0)
     probs, k = rng.uniform(0.3, 0.9, (3, 4)), np.array([4, 2, 3])
     for remaining in ([20.0, 20.0, 20.0], [20.0, 19.0, 20.0], [17.0, 20.0, 18.0]):
@@ -296,11 +297,6 @@ def test_the_call_gain_is_the_last_rows_not_the_largest_expectation():
         gained = 1 + np.where(np.arange(4) < k[:, None], np.cumprod(passed, axis=2), 0).sum(axis=2)
         simulated = (r.max() - (r - gained).max(axis=1)).mean()
         assert expected_call_gain(probs, k, r) == pytest.approx(simulated, abs=0.01)
-    one = probs[:1]
-    for kk in range(5):
-        assert expected_call_gain(one, np.array([kk]), np.array([9.0])) == pytest.approx(
-            expected_gain(one, np.array([kk]))[0]
-        )
     # eight rows alike, each passing half its tokens: a one-token draft gains the call 1 + 0.5^8,
     # though each row expects 1.5
     assert expected_call_gain(np.full((8, 4), 0.5), np.ones(8, np.int64), np.full(8, 20.0)) == pytest.approx(1 + 0.5**8)

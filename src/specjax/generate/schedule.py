@@ -70,7 +70,7 @@ greedy choice). In calls where every row is greedy (only there: with
 sampling, a tested count chosen from the drawn tokens would bias the output)
 the schedule then prices each position by that confidence, calibrated per bin
 against the outcomes of the tests (:meth:`DraftSchedule.calibrated`), in
-place of the row's acceptance (:func:`expected_gain`, one probability per
+place of the row's acceptance (:func:`expected_call_gain`, one probability per
 position); asks such a drafter for up to G tokens once a step drafts at all;
 and offers it :meth:`DraftSchedule.worth_drafting` to stop a row once one
 more token does not pay. The widths a step may verify are each run until
@@ -121,7 +121,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DraftSchedule", "expected_call_gain", "expected_gain"]
+__all__ = ["DraftSchedule", "expected_call_gain"]
 
 _PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
 _DECAY = 0.85  # per step, for the pass/fail counts
@@ -146,35 +146,21 @@ _CAL_PRIOR = 2.0  # tests' weight of the prior that a token passes with the draf
 _CAL_DECAY = 0.98  # per step that tests confident proposals, for the bins' counts
 
 
-def expected_gain(probs: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """f64[B]: tokens a step gains when row b tests its first ``k_b`` draft tokens.
-
-    ``probs``: f64[B, g], the chance that each draft token passes given that
-    the ones before it did; ``k``: i64[B] in [0, g]. ``1 + Σ_{i<k} Π_{j≤i} p_j``
-    (Leviathan et al. 2023, eq. 1, with a probability per position).
-    """
-    probs = np.asarray(probs, np.float64)
-    k = np.asarray(k, np.int64)
-    if probs.shape[1] == 0:
-        return np.ones(len(k))
-    reach = np.cumsum(np.cumprod(probs, axis=1), axis=1)  # f64[B, g]: [b, i] = Σ_{i'≤i} Π_{j≤i'} p_j
-    picked = reach[np.arange(len(k)), np.clip(k - 1, 0, probs.shape[1] - 1)]
-    return 1.0 + np.where(k > 0, picked, 0.0)
-
-
 def expected_call_gain(probs: np.ndarray, k: np.ndarray, remaining: np.ndarray) -> float:
     """What a step is expected to take off the largest remaining token count of the batch's rows.
 
-    ``probs``: f64[B, g], as in :func:`expected_gain`; ``k``: i64[B] in [0, g],
-    the tokens each row tests; ``remaining``: f64[B], the tokens each row
-    still needs. Row b gains ``X_b ∈ [1, k_b + 1]`` tokens, ``P(X_b ≥ j + 1) =
-    Π_{i≤j} p_{b,i}``, independently of the other rows; with ``R = max_b r_b``
+    ``probs``: f64[B, g], the chance that each draft token passes given that
+    the ones before it did; ``k``: i64[B] in [0, g], the tokens each row
+    tests; ``remaining``: f64[B], the tokens each row still needs. Row b
+    gains ``X_b ∈ [1, k_b + 1]`` tokens, ``P(X_b ≥ j + 1) = Π_{i≤j} p_{b,i}``,
+    independently of the other rows; with ``R = max_b r_b``
     and ``s_b = R − r_b`` (how far row b is ahead), the largest remaining
     count after the step is ``M = max_b (r_b − X_b)``, and
 
         R − E[M] = 1 + Σ_{d≥1} P(M ≤ R − 1 − d) = 1 + Σ_{d≥1} Π_b P(X_b ≥ 1 + d − s_b).
 
-    At B = 1 this is :func:`expected_gain`. In a batch it is the expected gain of
+    At B = 1 this is ``1 + Σ_{i<k} Π_{j≤i} p_j`` (Leviathan et al. 2023, eq. 1,
+    with a probability per position). In a batch it is the expected gain of
     the row that ends last, not the largest of the rows' expected gains (``max``
     of expectations): rows that all need the same count gain together only when
     every one of them passes (8 rows passing each token with probability 0.5:
