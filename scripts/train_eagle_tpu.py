@@ -248,7 +248,7 @@ def import_head(args: argparse.Namespace) -> int:
     data = np.load(args.npz)
     cfg = EagleConfig(**json.loads(str(data["config"])))
     head = EagleHead(cfg)
-    keys = [*HEAD_KEYS, "fuse.weight"] if cfg.feature_layers else HEAD_KEYS
+    keys = head_keys(cfg.feature_layers)
     state = {k: torch.from_numpy(data[k].astype(np.float32)) for k in keys}
     state["token_ids"] = torch.from_numpy(data["token_ids"].astype(np.int64))
     head.load_state_dict(state)
@@ -480,6 +480,11 @@ def head_config(cfg: dict[str, Any], num_tokens: int, width: int = 1, fused: boo
     }
 
 
+def head_keys(feature_layers: Any) -> list[str]:
+    """The names of a head's weights (torch's), with the fusion layer where it reads ``feature_layers``."""
+    return [*HEAD_KEYS, "fuse.weight"] if feature_layers else list(HEAD_KEYS)
+
+
 def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     """Weights in torch's layout ([out, in]) and names, as ``eagle_head.init_weights`` sets them up."""
     rng = np.random.default_rng(seed)
@@ -542,7 +547,7 @@ def resumed_head(path: Path, hc: dict[str, Any], token_ids: np.ndarray) -> dict[
         raise ValueError(f"--init-from {path}: the saved head's configuration differs from this run's in {diff}")
     if not np.array_equal(ids, token_ids):
         raise ValueError(f"--init-from {path}: the saved head scores other tokens than this run's data gives")
-    names = init_head(hc, 0).keys()
+    names = head_keys(hc["feature_layers"])
     missing = [k for k in names if k not in saved.files]
     if missing:
         raise ValueError(f"--init-from {path}: missing weights {missing}")
