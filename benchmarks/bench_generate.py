@@ -183,6 +183,7 @@ class Pair:
     eos: list[int] = field(default_factory=list)
     pad: int = 0
     head: Any = None  # the EAGLE head of the embedded pair (drafters eagle, hybrid)
+    heads: dict[str, Any] = field(default_factory=dict)  # --heads: directory -> EagleHead
 
 
 def load_pair(target_dir: str | None, draft_dir: str | None, synthetic: bool) -> Pair:
@@ -263,11 +264,29 @@ def count_new(new_tokens: Any, eos: list[int]) -> list[int]:
 # --------------------------------------------------------------------------- #
 
 
-def make_drafter(pair: Pair, name: str) -> Any:
+@dataclass(frozen=True)
+class EagleVariant:
+    """One setting of the EAGLE head for the ``eagle`` and ``hybrid`` drafters (``--heads``,
+    ``--context-tokens``): a method each, timed call by call against the others."""
+
+    head: str | None = None  # a head directory; None: the pair's
+    context_tokens: int | None = None  # None: the drafter's default
+
+    @property
+    def label(self) -> str:
+        parts = ([] if self.head is None else [f"head={self.head}"]) + (
+            [] if self.context_tokens is None else [f"context={self.context_tokens}"]
+        )
+        return ",".join(parts)
+
+
+def make_drafter(pair: Pair, name: str, variant: EagleVariant | None = None) -> Any:
     """What ``speculative_generate(draft=...)`` gets for a drafter name: a fresh drafter per call."""
     from specjax.pair import make_pair_drafter
 
-    return make_pair_drafter(name, draft=pair.draft, head=pair.head)
+    variant = variant or EagleVariant()
+    head = pair.head if variant.head is None else pair.heads[variant.head]
+    return make_pair_drafter(name, draft=pair.draft, head=head, context_tokens=variant.context_tokens)
 
 
 def category_prompts(pair: Pair, category: str) -> list[Any]:
@@ -319,6 +338,7 @@ class Method:
     category: str = ""
     drafter: str = ""
     impl: str = ""
+    variant: EagleVariant | None = None
 
     @property
     def key(self) -> tuple:
@@ -327,6 +347,7 @@ class Method:
             self.name,
             self.drafter,
             self.impl,
+            self.variant,
             self.batch_size,
             self.temperature,
             self.num_draft_tokens,
@@ -392,13 +413,14 @@ def _specjax_call(
     drafter: str = "model",
     adaptive: bool = True,
     impl: str = "auto",
+    variant: EagleVariant | None = None,
 ) -> Callable:
     from specjax import speculative_generate
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], Any]:
         out = speculative_generate(
             pair.target,
-            make_drafter(pair, drafter),
+            make_drafter(pair, drafter, variant),
             ids,
             mask,
             max_new_tokens=max_new,
@@ -459,6 +481,7 @@ def bench_generate(
     batch_sizes: Sequence[int] = (1, 8),
     impls: Sequence[str] = ("auto",),
     num_prompts: int | None = None,
+    variants: Sequence[EagleVariant] = (EagleVariant(),),
 ) -> list[dict]:
     """Run every method; one row per method (see the module docstring)."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -473,6 +496,18 @@ def bench_generate(
     elif pair.tokenizer is None:
         categories = ("synthetic",)
 
+    for v in variants:
+        if v.head is not None and v.head not in pair.heads:
+            from specjax.drafters.eagle_head import load_head
+
+            pair.heads[v.head] = load_head(v.head)
+    # (drafter, kernel code, EAGLE variant) of each specjax method; variants only for the head's drafters
+    specjax_methods = [
+        (d, impl, v)
+        for d in drafters
+        for impl in impls
+        for v in (variants if d in ("eagle", "hybrid") else (EagleVariant(),))
+    ]
     groups: list[list[Method]] = []  # methods timed against each other on the same calls
     for category in categories:
         prompts = category_prompts(pair, category)
@@ -518,21 +553,21 @@ def bench_generate(
                                 drafter="model",
                             )
                         )
-                for d in drafters:
-                    for impl in impls:
-                        one.append(
-                            Method(
-                                "specjax",
-                                1,
-                                temp,
-                                g,
-                                singles,
-                                _specjax_call(pair, max_new, temp, g, d, adaptive, impl),
-                                category=category,
-                                drafter=d,
-                                impl=impl,
-                            )
+                for d, impl, v in specjax_methods:
+                    one.append(
+                        Method(
+                            "specjax",
+                            1,
+                            temp,
+                            g,
+                            singles,
+                            _specjax_call(pair, max_new, temp, g, d, adaptive, impl, v),
+                            category=category,
+                            drafter=d,
+                            impl=impl,
+                            variant=v,
                         )
+                    )
                 if temp == 0.0 and not quick and "model" in drafters:  # transformers' default drafts up to 20
                     one.append(
                         Method(
@@ -556,13 +591,13 @@ def bench_generate(
                         temp,
                         g,
                         batch8,
-                        _specjax_call(pair, max_new, temp, g, d, adaptive, impl),
+                        _specjax_call(pair, max_new, temp, g, d, adaptive, impl, v),
                         category=category,
                         drafter=d,
                         impl=impl,
+                        variant=v,
                     )
-                    for d in drafters
-                    for impl in impls
+                    for d, impl, v in specjax_methods
                 ]
                 groups.append(eight)
 
@@ -629,6 +664,7 @@ def bench_generate(
                 "drafter": m.drafter or None,
                 "adaptive": {"specjax": adaptive, "specjax-G": False}.get(m.name),
                 "impl": m.impl or None,
+                "eagle_variant": (m.variant.label or None) if m.variant else None,
                 "compile_s": sum(r.compile_seconds for r in runs),
                 "times_exclude_compile": True,
                 "speedup": _paired_ratio(runs, base.results),
@@ -642,6 +678,12 @@ def bench_generate(
                 row["speedup_vs_assisted"] = _paired_ratio(runs, assisted.results)
             rows.append(row)
     return rows
+
+
+def _drafter_label(row: dict) -> str:
+    """The row's drafter, with its EAGLE variant (``--heads``, ``--context-tokens``) where set."""
+    variant = f" [{row['eagle_variant']}]" if row.get("eagle_variant") else ""
+    return f"{row.get('drafter') or ''}{variant}"
 
 
 def format_table(rows: list[dict]) -> str:
@@ -659,7 +701,7 @@ def format_table(rows: list[dict]) -> str:
         impl = f" impl={r['impl']}" if r.get("impl") not in (None, "auto") else ""
         lines.append(
             f"| {r.get('category', '')} | {r['method']}{impl} "
-            f"| {r.get('drafter') or ''} | {r['batch_size']} | "
+            f"| {_drafter_label(r)} | {r['batch_size']} | "
             f"{r['temperature']} | {g} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
             f"{r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {frac} | {same} |"
         )
@@ -670,7 +712,7 @@ def format_table(rows: list[dict]) -> str:
         if "speedup_vs_assisted" in r
     ]
     extra += [
-        f"{r.get('category', '')} specjax[{r.get('drafter')}] B={r['batch_size']} T={r['temperature']} "
+        f"{r.get('category', '')} specjax[{_drafter_label(r)}] B={r['batch_size']} T={r['temperature']} "
         f"G={r['num_draft_tokens']}: acceptance per draft position {r['acceptance_per_position']}"
         for r in rows
         if r.get("acceptance_per_position") is not None
@@ -706,6 +748,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--impls", default="auto", help="comma-separated kernel code for specjax: auto, xla, cpu (each a method)"
     )
+    parser.add_argument(
+        "--heads",
+        help="comma-separated EAGLE head directories for the eagle and hybrid drafters, a method each "
+        "(default: the pair's head)",
+    )
+    parser.add_argument(
+        "--context-tokens",
+        help="comma-separated counts of context tokens the EAGLE head scores beside its own "
+        "(EagleDrafter's context_tokens), a method each (default: the drafter's default)",
+    )
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
     pool = jax_threads.apply(args)
@@ -740,6 +792,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     if not impls or any(i not in ("auto", "xla", "cpu") for i in impls):
         parser.error(f"--impls: expected names among auto, xla, cpu, got {args.impls!r}")
+    heads: list[str | None] = [None]
+    if args.heads:
+        heads = [h.strip() for h in args.heads.split(",") if h.strip()]
+        missing = [h for h in heads if not os.path.isdir(h)]
+        if not heads or missing:
+            parser.error(f"--heads: expected head directories, got {args.heads!r} (not a directory: {missing})")
+    contexts: list[int | None] = [None]
+    if args.context_tokens:
+        try:
+            contexts = [int(c) for c in args.context_tokens.split(",")]
+        except ValueError:
+            contexts = [-1]
+        if any(c < 0 for c in contexts):
+            parser.error(f"--context-tokens: expected comma-separated integers >= 0, got {args.context_tokens!r}")
+    if (args.heads or args.context_tokens) and not {"eagle", "hybrid"} & set(drafters):
+        parser.error("--heads / --context-tokens: they set the eagle and hybrid drafters; --drafter names neither")
     rows = bench_generate(
         args.quick,
         num_draft_tokens=args.num_draft_tokens,
@@ -755,6 +823,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_sizes=sizes,
         impls=impls,
         num_prompts=args.prompts,
+        variants=[EagleVariant(h, c) for h in heads for c in contexts],
     )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))

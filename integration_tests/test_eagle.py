@@ -296,14 +296,15 @@ def test_a_head_for_another_target_is_refused(target):
 
 
 def test_sampled_proposals_come_with_their_logits(target, trained):
-    """At T > 0 the head returns full-vocabulary logits, -inf outside its N tokens (q = 0 there)."""
+    """At T > 0 the head returns full-vocabulary logits, -inf outside the tokens it scores (q = 0 there):
+    its N and the row's context."""
     head, _, _ = trained
     seen = []
 
     class Spy(EagleDrafter):
         def propose(self, request):
             proposal = super().propose(request)
-            seen.append(proposal)
+            seen.append((proposal, self.scored_token_ids.numpy().copy(), list(request.contexts[0])))
             return proposal
 
     ids = torch.tensor([PROMPT])
@@ -319,15 +320,78 @@ def test_sampled_proposals_come_with_their_logits(target, trained):
         adaptive=False,  # the adaptive length may not draft at all on a loaded machine: this test needs drafts
     )
     assert out.sequences.shape == (1, 13)
-    outside = np.setdiff1d(np.arange(V), head.token_ids.numpy())
-    drafted = [p for p in seen if int(p.num_tokens.max()) > 0]
-    assert drafted and all(p.logits is not None for p in drafted)
-    for p in drafted:
+    drafted = [s for s in seen if int(s[0].num_tokens.max()) > 0]
+    assert drafted and all(p.logits is not None for p, _, _ in drafted)
+    for p, scored, context in drafted:
+        assert sorted(scored.tolist()) == sorted(set(head.token_ids.tolist()) | set(context))
+        outside = np.setdiff1d(np.arange(V), scored)
         tokens = np.asarray(p.tokens)
-        assert np.isin(tokens[:, : int(p.num_tokens[0])], head.token_ids.numpy()).all()
+        assert np.isin(tokens[:, : int(p.num_tokens[0])], scored).all()
         for lg in p.logits:
             lg = np.asarray(lg)
-            assert np.isneginf(lg[:, outside]).all() and np.isfinite(lg[:, head.token_ids.numpy()]).all()
+            assert np.isneginf(lg[:, outside]).all() and np.isfinite(lg[:, scored]).all()
+
+
+def _few_tokens(head, keep: int):
+    """``head`` scoring only its ``keep`` first tokens (the same weights)."""
+    import dataclasses
+
+    small = EagleHead(dataclasses.replace(head.config, num_tokens=keep))
+    state = {k: v for k, v in head.state_dict().items() if k != "token_ids"}
+    small.load_state_dict({**state, "token_ids": head.token_ids[:keep].clone()}, strict=True)
+    return small.eval()
+
+
+def test_context_tokens_are_scored_beside_the_heads_own(target, trained, left_padded):
+    """A head scoring 6 tokens proposes the rows' context tokens too (greedy identity holds); with
+    ``context_tokens=0`` only its own 6; the room bounds how many are added."""
+    head, _, _ = trained
+    small = _few_tokens(head, 6)
+    own = set(small.token_ids.tolist())
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, pad_token_id=0)
+    prompt = set(ids[mask.bool()].tolist())
+    context = prompt | set(ref[:, ids.shape[1] :].flatten().tolist())
+    assert len(prompt - own) > 3
+    proposed = {}
+    for room in (2048, 0, 3):
+        seen: list = []
+
+        class Spy(EagleDrafter):
+            def propose(self, request, seen=seen):
+                proposal = super().propose(request)
+                seen.append((proposal, set(self.scored_token_ids.tolist())))
+                return proposal
+
+        out = specjax.speculative_generate(
+            target,
+            Spy(small, context_tokens=room),
+            ids,
+            attention_mask=mask,
+            max_new_tokens=16,
+            num_draft_tokens=3,
+            adaptive=False,
+            pad_token_id=0,
+        )
+        assert torch.equal(out.sequences, ref)
+        proposed[room] = {
+            int(t) for p, _ in seen for row, n in zip(p.tokens, p.num_tokens, strict=True) for t in row[:n]
+        }
+        extra = [scored - own for _, scored in seen]
+        assert all(e <= context for e in extra)
+        if room == 2048:
+            assert prompt - own <= extra[0]  # the prompt's tokens from the start
+        else:
+            assert all(len(e) == room for e in extra)  # filled at the start, then no more
+    assert proposed[0] <= own
+    assert proposed[2048] - own and proposed[2048] <= own | context  # context tokens proposed
+
+
+def test_context_tokens_must_be_a_count(trained):
+    head, _, _ = trained
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="context_tokens: expected an int >= 0"):
+            EagleDrafter(head, context_tokens=bad)
 
 
 def test_unknown_head_directory_is_one_clear_error(tmp_path):

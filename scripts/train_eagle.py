@@ -171,11 +171,12 @@ def collate(data: list[dict[str, Any]], idx: list[int]) -> tuple[Any, Any, Any]:
     return ids, z, valid
 
 
-def agreement(head: Any, target: Any, data: list[dict[str, Any]]) -> float:
+def agreement(head: Any, target: Any, data: list[dict[str, Any]], context: bool = False) -> float:
     """Teacher-forced first-position agreement over the generated positions of ``data``.
 
     The head sees the prompt's pairs too, as when it drafts after a prompt
-    (:func:`specjax.drafters.eagle_train.agreement_counts`).
+    (:func:`specjax.drafters.eagle_train.agreement_counts`); ``context``: it
+    also scores each row's context tokens, as the ``eagle`` drafter does.
     """
     import torch
 
@@ -186,7 +187,7 @@ def agreement(head: Any, target: Any, data: list[dict[str, Any]]) -> float:
     for i in range(len(data)):
         ids, z, valid = collate(data, [i])
         generated = torch.arange(ids.shape[1] - 1)[None, :] >= data[i]["prompt_len"] - 1
-        h, n = agreement_counts(head, embed, w, z, ids, valid, generated)
+        h, n = agreement_counts(head, embed, w, z, ids, valid, generated, context=context)
         hits, total = hits + h, total + n
     return hits / max(total, 1)
 
@@ -338,8 +339,17 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
 
     head = load_head(path).eval()
     held_prompts, held = heldout_greedy(target, tok, args)
-    held_agree = agreement(head, target, with_features(target, held, layers=head.target_hidden_layers))
-    log(f"teacher-forced first-position agreement on {len(held)} held-out generations: {held_agree:.3f}")
+    held_data = with_features(target, held, layers=head.target_hidden_layers)
+    held_agree = agreement(head, target, held_data)
+    held_context = agreement(head, target, held_data, context=True)
+    log(
+        f"teacher-forced first-position agreement on {len(held)} held-out generations: {held_agree:.3f} "
+        f"over the head's tokens, {held_context:.3f} with the context's (as the drafter scores)"
+    )
+    covered = {"held-out": coverage(head, [(r["prompt"], r["tokens"]) for r in held])}
+    covered.update(benchmark_coverage(head, target, tok))
+    for name, (own, context) in covered.items():
+        log(f"the target's greedy tokens among the head's ({name}): {own:.3f}, with the context's {context:.3f}")
     drafted = drafted_acceptance(head, target, tok, held_prompts[: args.eval_prompts])
     log(f"drafting on {args.eval_prompts} held-out prompts: {drafted}")
     t_draft = time_per_draft_token(head, target)
@@ -349,12 +359,47 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
     report.update(
         drafted,
         heldout_agreement_first_position_cpu=held_agree,
+        heldout_agreement_first_position_cpu_context=held_context,
+        greedy_token_coverage={k: {"own": v[0], "with_context": v[1]} for k, v in covered.items()},
         time_per_draft_token_s=t_draft,
         evaluated_on_prompts=args.eval_prompts,
     )
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     log(f"updated {report_file}")
     return 0
+
+
+def coverage(head: Any, records: list[tuple[list[int], list[int]]]) -> tuple[float, float]:
+    """Of the generated tokens of ``records`` ((prompt ids, generated ids) pairs), the share among the
+    head's N tokens, and among those and the context before each (the ``eagle`` drafter's candidates)."""
+    own = set(head.token_ids.tolist())
+    n = hits = with_context = 0
+    for prompt, generated in records:
+        seen = set(prompt)
+        for t in generated:
+            n, hits, with_context = n + 1, hits + (t in own), with_context + (t in own or t in seen)
+            seen.add(t)
+    return hits / max(n, 1), with_context / max(n, 1)
+
+
+def benchmark_coverage(head: Any, target: Any, tok: Any, max_new: int = 64) -> dict[str, tuple[float, float]]:
+    """:func:`coverage` on the target's greedy answers (``max_new`` tokens) to ``bench_generate``'s prompt
+    sets (:mod:`specjax.prompts`), per set."""
+    import torch
+
+    from specjax.prompts import all_prompts
+
+    out = {}
+    for name, prompts in all_prompts().items():
+        records = []
+        for messages in prompts.values():
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+            ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+            with torch.inference_mode():
+                seq = target.generate(ids, do_sample=False, max_new_tokens=max_new)
+            records.append((ids[0].tolist(), seq[0, ids.shape[1] :].tolist()))
+        out[f"benchmark {name}"] = coverage(head, records)
+    return out
 
 
 def restricted_head(path: Path, ids: Any) -> Any:
@@ -387,8 +432,12 @@ def evaluate_and_save(
     log(f"saved the head in {args.out}")
 
     held_agree = agreement(head, target, held)
+    held_context = agreement(head, target, held, context=True)
     train_agree = agreement(head, target, train[:: max(1, len(train) // 200)])
-    log(f"teacher-forced first-position agreement: held-out {held_agree:.3f}, training subset {train_agree:.3f}")
+    log(
+        f"teacher-forced first-position agreement: held-out {held_agree:.3f} ({held_context:.3f} with the "
+        f"context's tokens, as the drafter scores), training subset {train_agree:.3f}"
+    )
     _, held_prompts = train_draft.build_prompts(args.train_prompts, args.heldout_prompts, args.seed)
     drafted = drafted_acceptance(head, target, tok, held_prompts[: args.eval_prompts])
     log(f"drafting on {args.eval_prompts} held-out prompts: {drafted}")
@@ -396,6 +445,7 @@ def evaluate_and_save(
     log(f"time per draft token {t_draft * 1e3:.2f} ms")
     report = {
         "heldout_agreement_first_position": held_agree,
+        "heldout_agreement_first_position_context": held_context,
         "training_agreement_first_position": train_agree,
         **drafted,
         "time_per_draft_token_s": t_draft,

@@ -179,3 +179,28 @@ def test_cosine_lr_warms_up_then_decays_to_zero():
     assert cosine_lr(1.0, 9, 0.0, warmup=10) == pytest.approx(1.0)
     assert cosine_lr(1.0, 500, 0.5, warmup=10) == pytest.approx(0.5)
     assert cosine_lr(1.0, 500, 1.0, warmup=10) == pytest.approx(0.0)
+
+
+def test_head_choice_with_context_is_the_argmax_over_the_heads_tokens_and_the_rows_context(head):
+    """``head_choice`` against a brute force: at pair t, the head's N tokens and the row's present tokens 0..t+1."""
+    from specjax.drafters.eagle_train import head_choice
+
+    g = torch.Generator().manual_seed(5)
+    b, length, vocab = 3, 9, CFG.target_vocab_size
+    with torch.no_grad():
+        head.token_ids.copy_(torch.arange(0, 2 * CFG.num_tokens, 2))  # the even tokens below 40
+    tokens = torch.randint(0, vocab, (b, length), generator=g)
+    present = torch.ones(b, length, dtype=torch.bool)
+    present[2, 6:] = False  # a shorter row: its padding is not context
+    pred = torch.randn(b, length - 1, D, generator=g)
+    w = torch.randn(vocab, D, generator=g)
+    got = head_choice(head, pred, w, (tokens, present))
+    plain = head_choice(head, pred, w)
+    own = set(head.token_ids.tolist())
+    for r in range(b):
+        for t in range(length - 1):
+            pool = own | {int(x) for x, p in zip(tokens[r, : t + 2], present[r, : t + 2], strict=True) if p}
+            cand = sorted(pool)
+            assert int(got[r, t]) == cand[int((pred[r, t] @ w[cand].T).argmax())]
+            assert int(plain[r, t]) == sorted(own)[int((pred[r, t] @ w[sorted(own)].T).argmax())]
+    assert (got != plain).any()  # the context changed some choices (odd tokens, ids 40+)

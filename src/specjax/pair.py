@@ -194,7 +194,7 @@ def load_pair_head(head_dir: str | os.PathLike[str] | None = None, *, device: st
 PAIR_DRAFTERS = ("eagle", "hybrid", "hybrid-model", "model", "ngram")
 
 
-def make_pair_drafter(name: str, *, draft: Any = None, head: Any = None) -> Any:
+def make_pair_drafter(name: str, *, draft: Any = None, head: Any = None, context_tokens: int | None = None) -> Any:
     """A fresh drafter for one ``speculative_generate`` call over a pair, by name.
 
     Parameters
@@ -209,6 +209,10 @@ def make_pair_drafter(name: str, *, draft: Any = None, head: Any = None) -> Any:
         The draft model (``model``, ``hybrid-model``, ``hybrid`` without a head).
     head : specjax.drafters.eagle_head.EagleHead, optional
         The EAGLE head (``eagle``, ``hybrid``).
+    context_tokens : int, optional
+        How many of the rows' context tokens the head scores beside its own
+        (:class:`~specjax.drafters.EagleDrafter`'s ``context_tokens``; None:
+        its default).
 
     Raises
     ------
@@ -224,7 +228,7 @@ def make_pair_drafter(name: str, *, draft: Any = None, head: Any = None) -> Any:
     if name == "eagle" or (name == "hybrid" and head is not None):
         if head is None:
             raise ValueError("drafter: 'eagle' needs the pair's EAGLE head (head=)")
-        eagle = EagleDrafter(head)
+        eagle = EagleDrafter(head) if context_tokens is None else EagleDrafter(head, context_tokens)
         return eagle if name == "eagle" else HybridDrafter(NgramDrafter(), eagle)
     if draft is None:
         raise ValueError(f"drafter: {name!r} needs a draft model (draft=)")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specjax.drafters.base import CommitInfo, Drafter, DraftRequest, DraftSetup, Proposal, SamplingState
-from specjax.drafters.eagle import EagleDrafter
+from specjax.drafters.eagle import CONTEXT_TOKENS, EagleDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
@@ -73,13 +73,13 @@ def _ngram(min_n: int = 2, max_n: int = 5, **_: Any) -> NgramDrafter:
     return NgramDrafter(min_n, max_n)
 
 
-def _eagle(head: Any = None, **_: Any) -> EagleDrafter:
+def _eagle(head: Any = None, context_tokens: int = CONTEXT_TOKENS, **_: Any) -> EagleDrafter:
     if head is None:
         raise ValueError(
             "draft: the 'eagle' drafter needs a trained head: load_drafter('eagle', head=DIRECTORY) "
             "(a directory written by specjax.drafters.eagle_head.save_head, e.g. by scripts/train_eagle.py)"
         )
-    return EagleDrafter(head)
+    return EagleDrafter(head, context_tokens)
 
 
 _BUILTIN: dict[str, Callable[..., Any]] = {"model": _model, "ngram": _ngram, "hybrid": _hybrid, "eagle": _eagle}

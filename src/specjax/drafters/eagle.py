@@ -13,14 +13,23 @@ commit and replaced by the target's real features.
 
 Proposals: when every row is greedy, the argmax of the head's scores as point
 masses (no logits, nothing to process); otherwise the head's logits over the
-target vocabulary (−inf outside the head's N tokens), drawn through
+target vocabulary (−inf outside the tokens it scores, below), drawn through
 :func:`specjax.kernels.steps.draft_draw` with the target's sampling
 parameters, so ``q`` is exactly the distribution each token came from. Each
-token comes with the head's probability of it (softmax over its N tokens;
+token comes with the head's probability of it (softmax over the tokens it scores;
 sampled: the largest probability at the row's temperature, known before the
 draw) as its confidence (``Proposal.confidence``), and
 drafting stops for a row once the request's ``worth_drafting`` says another
 token does not pay.
+
+Besides the head's N tokens, the drafter scores the tokens of the rows'
+contexts (prompt and committed tokens, the union over the batch's rows, until
+``context_tokens`` more are scored; none are dropped after): rare words a
+prompt brings (a topic's names) are what a fixed frequent set misses most.
+On SmolLM2's held-out open-chat generations the shipped head's N = 4096
+tokens held 0.90 of the target's greedy choices, with the context's 0.95;
+teacher-forced first-position agreement rose from 0.681 to 0.710 (scoring all
+49,152 tokens: 0.713, at 11.4 ms per draft token instead of 2.3).
 
 A head with ``feature_layers`` (EAGLE-3's low/mid/high-layer input, arXiv
 2503.01840) asks the loop for those layers' states beside z
@@ -63,7 +72,9 @@ from specjax.drafters.base import (
 )
 from specjax.drafters.eagle_head import EagleHead, FeatureCache, load_head
 
-__all__ = ["EagleDrafter"]
+__all__ = ["CONTEXT_TOKENS", "EagleDrafter"]
+
+CONTEXT_TOKENS = 2048  # EagleDrafter's default context_tokens
 
 
 class EagleDrafter:
@@ -72,13 +83,18 @@ class EagleDrafter:
     Args:
       head: the head, or the directory it was saved in
         (:func:`~specjax.drafters.eagle_head.save_head`).
+      context_tokens: how many tokens of the rows' contexts the head scores
+        beside its own N (int ≥ 0; 0: its N only).
     """
 
     needs_target_hidden = True
     cost_per_token_hint = 0.001  # seconds; replaced by the loop's measurements
 
-    def __init__(self, head: EagleHead | str | os.PathLike[str]) -> None:
+    def __init__(self, head: EagleHead | str | os.PathLike[str], context_tokens: int = CONTEXT_TOKENS) -> None:
+        if isinstance(context_tokens, bool) or not isinstance(context_tokens, int | np.integer) or context_tokens < 0:
+            raise ValueError(f"draft: context_tokens: expected an int >= 0, got {context_tokens!r}")
         self.head = head if isinstance(head, EagleHead) else load_head(head)
+        self.context_tokens = int(context_tokens)
         self.name = "eagle"
         self.target_hidden_layers = self.head.target_hidden_layers
         self.cache: FeatureCache | None = None
@@ -93,6 +109,9 @@ class EagleDrafter:
         self._untested: list[np.ndarray] = []
         self._late = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._read_any = np.zeros(0, bool)
+        # the target tokens scored: the head's N, then context tokens (i64[N + n] on the device)
+        self._ids = self.head.token_ids
+        self._scored = np.zeros(0, bool)  # bool[V]: in _ids
 
     # ------------------------------------------------------------------ #
     def start(self, setup: DraftSetup) -> None:
@@ -121,8 +140,13 @@ class EagleDrafter:
         self.head.to(device=device, dtype=dtype).eval()
         self._embed = embed
         self._lm_head = out.weight
-        self._head_weight: torch.Tensor | None = None  # f[N, d]: rows of the target's LM head, at first use
+        self._head_weight: torch.Tensor | None = None  # f[N + n, d]: rows of the target's LM head for _ids
         self.vocab = setup.target_vocab
+        self._ids = self.head.token_ids
+        self._scored = np.zeros(self.vocab, bool)
+        self._scored[self._ids.cpu().numpy()] = True
+        self._context_room = self.context_tokens
+        self._score_context(setup.input_ids[setup.attention_mask.bool()])
         batch = setup.input_ids.shape[0]
         self.cache = FeatureCache(batch, cfg, device, dtype)
         self._feature = torch.zeros((batch, cfg.hidden_size), device=device, dtype=dtype)
@@ -146,10 +170,31 @@ class EagleDrafter:
             self._has_feature = valid[:, -1].cpu().numpy().copy()
         self._committed_length = self.cache.length
 
+    @property
+    def scored_token_ids(self) -> torch.Tensor:
+        """i64[N + n]: the target tokens the head scores now (its N, then the context tokens added)."""
+        return self._ids
+
+    def _score_context(self, tokens: torch.Tensor) -> None:
+        """Score ``tokens`` (i64[...], the rows' context) too, those not scored yet, while there is room."""
+        if self._context_room <= 0 or tokens.numel() == 0:
+            return
+        seen = np.unique(tokens.cpu().numpy().astype(np.int64).ravel())
+        new = seen[~self._scored[seen]][: self._context_room]
+        if len(new) == 0:
+            return
+        self._scored[new] = True
+        self._context_room -= len(new)
+        self._ids = torch.cat([self._ids, torch.as_tensor(new, device=self._ids.device)])
+
     def _scores(self, feature: torch.Tensor) -> torch.Tensor:
-        if self._head_weight is None:
-            self._head_weight = self._lm_head[self.head.token_ids]
-        return feature @ self._head_weight.T  # f[B', N]
+        weight = self._head_weight
+        have = 0 if weight is None else weight.shape[0]
+        if have < len(self._ids):
+            rows = self._lm_head[self._ids[have:]]
+            weight = self._head_weight = rows if weight is None else torch.cat([weight, rows])
+        assert weight is not None
+        return feature @ weight.T  # f[B', N + n]
 
     def propose(self, request: DraftRequest) -> Proposal:
         import jax.numpy as jnp
@@ -168,7 +213,7 @@ class EagleDrafter:
         greedy = self._greedy
         device = self._feature.device
         rows = torch.as_tensor(want > 0, device=device)[:, None]  # bool[B', 1]
-        ids = self.head.token_ids
+        ids = self._ids
         feature = self._feature
         tokens: list[Any] = []
         logits_out: list[Any] = []
@@ -266,6 +311,7 @@ class EagleDrafter:
             out = self.head(self.head.fuse_features(hidden), self._embed(ids), valid, self.cache)
             if self._greedy and untested.any():
                 self._score_in_hindsight(out, ids, valid, untested)
+            self._score_context(ids[valid])  # after the hindsight: it scores what the head knew before
             # each row's last valid slot (rows without one keep their feature)
             last = (valid.long() * torch.arange(1, w + 1, device=valid.device)).argmax(dim=1)
             picked = out[torch.arange(b, device=valid.device), last]
@@ -286,7 +332,7 @@ class EagleDrafter:
         b = out.shape[0]
         # predictions from [kept feature, out[:, 0], ..., out[:, w-2]]: f[B', w, d] -> ids i64[B', w]
         before = torch.cat([self._feature[:, None], out[:, :-1]], dim=1)
-        predicted = self.head.token_ids[self._scores(before).max(dim=-1).indices].cpu().numpy()
+        predicted = self._ids[self._scores(before).max(dim=-1).indices].cpu().numpy()
         ids_h, valid_h = ids.cpu().numpy(), valid.cpu().numpy()
         hits, tests = self._late
         for j in range(b):

@@ -138,6 +138,33 @@ def head_loss(
     return loss, parts
 
 
+def head_choice(
+    head: EagleHead,
+    pred: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    context: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The head's greedy token (i64[B, T]) from its predicted features ``pred`` (f32[B, T, d]) at pairs 0..T-1.
+
+    The argmax of the target's LM head (``lm_head_weight``, f[V, d]) over the
+    head's N tokens; with ``context`` = (tokens i64[B, L], present bool[B, L]),
+    L ≥ T + 1, over those and each row's present tokens 0..t+1 at pair t (the
+    context it drafts after), as :class:`~specjax.drafters.EagleDrafter`
+    scores them (without its bound, ``context_tokens``). Ties go to the
+    head's own tokens, as in the drafter.
+    """
+    best = (pred @ lm_head_weight[head.token_ids].float().T).max(-1)
+    mine = head.token_ids[best.indices]
+    if context is None:
+        return mine
+    tokens, present = context
+    # f[B, T, L]: the scores of each row's tokens; token j is context at pair t when j <= t + 1
+    near = torch.einsum("btd,bjd->btj", pred, lm_head_weight[tokens].float())
+    seen = torch.arange(tokens.shape[1])[None, None, :] <= torch.arange(1, pred.shape[1] + 1)[None, :, None]
+    near_best = near.masked_fill(~(seen & present[:, None, :]), float("-inf")).max(-1)
+    return torch.where(near_best.values > best.values, torch.gather(tokens, 1, near_best.indices), mine)
+
+
 def agreement_counts(
     head: EagleHead,
     embed: nn.Module,
@@ -147,6 +174,7 @@ def agreement_counts(
     valid: torch.Tensor,
     scored: torch.Tensor | None = None,
     own_feature: bool = False,
+    context: bool = False,
 ) -> tuple[int, int]:
     """(hits, pairs scored): teacher-forced top-1 agreement of the head with the target's greedy choice.
 
@@ -158,6 +186,8 @@ def agreement_counts(
     those predicting generated tokens; default: all valid pairs) count.
     ``own_feature``: the second draft position instead, the input feature at
     t being the head's own prediction from t - 1 (pair 0 is not scored).
+    ``context``: the head's candidates at pair t are its N tokens and the
+    row's tokens up to t + 1 (:func:`head_choice`).
     """
     with torch.inference_mode():
         pair_valid = valid[:, :-1] & valid[:, 1:]
@@ -169,7 +199,9 @@ def agreement_counts(
             pred = head(torch.cat([feats_in[:, :1], pred[:, :-1]], dim=1), emb, pair_valid)
             count = count.clone()
             count[:, 0] = False
-        mine = head.token_ids[(pred @ lm_head_weight[head.token_ids].float().T).argmax(-1)]
+        present = valid.clone()
+        present[:, 1:] |= valid[:, :-1]  # the last token has no feature but is context
+        mine = head_choice(head, pred, lm_head_weight, (tokens, present) if context else None)
         theirs = (z[:, 1:] @ lm_head_weight.float().T).argmax(-1)
         return int(((mine == theirs) & count).sum()), int(count.sum())
 
