@@ -265,26 +265,27 @@ def count_new(new_tokens: Any, eos: list[int]) -> list[int]:
 
 
 @dataclass(frozen=True)
-class EagleVariant:
-    """One setting of the EAGLE head for the ``eagle`` and ``hybrid`` drafters (``--heads``,
-    ``--context-tokens``): a method each, timed call by call against the others."""
+class Variant:
+    """One setting of specjax's side (``--heads``, ``--context-tokens``: the EAGLE head of the ``eagle`` and
+    ``hybrid`` drafters; ``--lm-head``: every drafter): a method each, timed call by call against the others."""
 
     head: str | None = None  # a head directory; None: the pair's
     context_tokens: int | None = None  # None: the drafter's default
+    lm_head: str | None = None  # "packed" or "dense" (SPECJAX_PACKED_LM_HEAD 1 or 0); None: as the environment
 
     @property
     def label(self) -> str:
-        parts = ([] if self.head is None else [f"head={self.head}"]) + (
-            [] if self.context_tokens is None else [f"context={self.context_tokens}"]
-        )
+        parts = [f"head={self.head}"] if self.head is not None else []
+        parts += [f"context={self.context_tokens}"] if self.context_tokens is not None else []
+        parts += [f"lm_head={self.lm_head}"] if self.lm_head is not None else []
         return ",".join(parts)
 
 
-def make_drafter(pair: Pair, name: str, variant: EagleVariant | None = None) -> Any:
+def make_drafter(pair: Pair, name: str, variant: Variant | None = None) -> Any:
     """What ``speculative_generate(draft=...)`` gets for a drafter name: a fresh drafter per call."""
     from specjax.pair import make_pair_drafter
 
-    variant = variant or EagleVariant()
+    variant = variant or Variant()
     head = pair.head if variant.head is None else pair.heads[variant.head]
     return make_pair_drafter(name, draft=pair.draft, head=head, context_tokens=variant.context_tokens)
 
@@ -338,7 +339,7 @@ class Method:
     category: str = ""
     drafter: str = ""
     impl: str = ""
-    variant: EagleVariant | None = None
+    variant: Variant | None = None
 
     @property
     def key(self) -> tuple:
@@ -413,11 +414,15 @@ def _specjax_call(
     drafter: str = "model",
     adaptive: bool = True,
     impl: str = "auto",
-    variant: EagleVariant | None = None,
+    variant: Variant | None = None,
 ) -> Callable:
     from specjax import speculative_generate
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], Any]:
+        if variant is not None and variant.lm_head is not None:
+            from specjax.packed_head import ENV
+
+            os.environ[ENV] = "1" if variant.lm_head == "packed" else "0"
         out = speculative_generate(
             pair.target,
             make_drafter(pair, drafter, variant),
@@ -481,7 +486,7 @@ def bench_generate(
     batch_sizes: Sequence[int] = (1, 8),
     impls: Sequence[str] = ("auto",),
     num_prompts: int | None = None,
-    variants: Sequence[EagleVariant] = (EagleVariant(),),
+    variants: Sequence[Variant] = (Variant(),),
 ) -> list[dict]:
     """Run every method; one row per method (see the module docstring)."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -501,12 +506,12 @@ def bench_generate(
             from specjax.drafters.eagle_head import load_head
 
             pair.heads[v.head] = load_head(v.head)
-    # (drafter, kernel code, EAGLE variant) of each specjax method; variants only for the head's drafters
+    # (drafter, kernel code, variant) of each specjax method; the head's settings only for the head's drafters
     specjax_methods = [
         (d, impl, v)
         for d in drafters
         for impl in impls
-        for v in (variants if d in ("eagle", "hybrid") else (EagleVariant(),))
+        for v in (variants if d in ("eagle", "hybrid") else dict.fromkeys(Variant(lm_head=v.lm_head) for v in variants))
     ]
     groups: list[list[Method]] = []  # methods timed against each other on the same calls
     for category in categories:
@@ -664,7 +669,7 @@ def bench_generate(
                 "drafter": m.drafter or None,
                 "adaptive": {"specjax": adaptive, "specjax-G": False}.get(m.name),
                 "impl": m.impl or None,
-                "eagle_variant": (m.variant.label or None) if m.variant else None,
+                "variant": (m.variant.label or None) if m.variant else None,
                 "compile_s": sum(r.compile_seconds for r in runs),
                 "times_exclude_compile": True,
                 "speedup": _paired_ratio(runs, base.results),
@@ -681,8 +686,8 @@ def bench_generate(
 
 
 def _drafter_label(row: dict) -> str:
-    """The row's drafter, with its EAGLE variant (``--heads``, ``--context-tokens``) where set."""
-    variant = f" [{row['eagle_variant']}]" if row.get("eagle_variant") else ""
+    """The row's drafter, with its variant (``--heads``, ``--context-tokens``, ``--lm-head``) where set."""
+    variant = f" [{row['variant']}]" if row.get("variant") else ""
     return f"{row.get('drafter') or ''}{variant}"
 
 
@@ -758,6 +763,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated counts of context tokens the EAGLE head scores beside its own "
         "(EagleDrafter's context_tokens), a method each (default: the drafter's default)",
     )
+    parser.add_argument(
+        "--lm-head",
+        help="comma-separated: packed, dense (specjax's forwards with the target's LM head packed for oneDNN "
+        "or not: SPECJAX_PACKED_LM_HEAD), a method each (default: as the environment says)",
+    )
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
     pool = jax_threads.apply(args)
@@ -798,6 +808,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         missing = [h for h in heads if not os.path.isdir(h)]
         if not heads or missing:
             parser.error(f"--heads: expected head directories, got {args.heads!r} (not a directory: {missing})")
+    lm_heads: list[str | None] = [None]
+    if args.lm_head:
+        lm_heads = [h.strip() for h in args.lm_head.split(",")]
+        if any(h not in ("packed", "dense") for h in lm_heads):
+            parser.error(f"--lm-head: expected packed and/or dense, got {args.lm_head!r}")
     contexts: list[int | None] = [None]
     if args.context_tokens:
         try:
@@ -823,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_sizes=sizes,
         impls=impls,
         num_prompts=args.prompts,
-        variants=[EagleVariant(h, c) for h in heads for c in contexts],
+        variants=[Variant(h, c, m) for h in heads for c in contexts for m in lm_heads],
     )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))

@@ -34,7 +34,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("specjax.kernels", "specjax.runtime"),  # pure JAX: jax.Array in and out
     ("specjax.adapters",),  # torch <-> JAX, device and memory policy
     ("specjax.boundary",),  # user inputs in: conversion, validation, the public entry points
-    ("specjax.registry", "specjax.slots", "specjax.prompts", "specjax.console"),  # shared support
+    (
+        "specjax.registry",
+        "specjax.slots",
+        "specjax.packed_head",
+        "specjax.prompts",
+        "specjax.console",
+    ),  # shared support
     ("specjax.drafters",),  # what proposes tokens
     ("specjax.generate",),  # the loop
     ("specjax.plugin",),  # transformers and vLLM integrations, the built-in plugin

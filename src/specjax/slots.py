@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.packed_head import lm_head_packed
+
 
 class SlotCache:
     """A transformers ``Cache`` plus a validity mask and per-row valid counts.
@@ -124,7 +126,7 @@ class SlotCache:
             kwargs[self._keep_kw] = keep
         if hidden is not None:
             kwargs["output_hidden_states"] = True
-        with torch.inference_mode():
+        with torch.inference_mode(), lm_head_packed(self.model):
             out = self.model(**kwargs)
         self.forwards += 1
         logits = out.logits if keep is None else out.logits[:, -keep:]
