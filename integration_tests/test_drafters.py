@@ -699,3 +699,28 @@ def test_bench_confidence_withholds_the_confidence_and_the_early_stop(models):
     request = DraftRequest(0, [[1, 2]], np.array([2]), np.array([True]), None, None, lambda c: np.array([True]))
     assert rec.propose(request).confidence is not None  # negative control: the drafter itself reports one
     assert wrapped.propose(request).confidence is None
+
+
+def test_model_drafter_after_a_step_that_committed_only_fed_tokens(models):
+    """The loop tested fewer proposals than the draft fed, and the target's token after them was the next
+    fed one: every committed token is already in the draft's cache. Its next proposal must still come
+    (it re-feeds the last one) and be the draft's greedy continuation of the context."""
+    import jax
+
+    from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
+    from specjax.kernels.types import SamplingParams
+
+    draft = models["draft"]
+    ids = torch.tensor([repetitive_prompt(4, 12)])
+    sampling = SamplingState(SamplingParams(np.zeros(1, np.float32)), jax.random.split(jax.random.key(0), 1))
+    drafter = ModelDrafter(draft)
+    vocab = draft.config.vocab_size
+    drafter.start(DraftSetup(draft, ids, torch.ones_like(ids), [ids[0].tolist()], vocab, 4, sampling))
+    first = drafter.propose(DraftRequest(0, [ids[0].tolist()], np.array([4]), np.ones(1, bool), sampling))
+    x = [int(t) for t in np.asarray(first.tokens)[0]]
+    # the loop tested 2 of the 4, accepted both, and the target's next token was x[2] (fed, not tested)
+    drafter.commit(CommitInfo([x[:3]], np.array([2]), np.array([2])))
+    context = ids[0].tolist() + x[:3]
+    second = drafter.propose(DraftRequest(1, [context], np.array([3]), np.ones(1, bool), sampling))
+    want = draft.generate(torch.tensor([context]), do_sample=False, max_new_tokens=3, pad_token_id=0)
+    assert np.asarray(second.tokens)[0].tolist() == want[0, len(context) :].tolist()

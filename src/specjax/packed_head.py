@@ -3,9 +3,10 @@
 On CPU, torch's dense ``linear`` repacks the weight for every call, and for a
 few rows the LM head, the largest matrix of a small model (SmolLM2-135M's is
 49,152 × 576, 113 MB), pays that on each forward: on the project's 2-core
-machines 9.5 ms for one row and 16 ms for four to eight, where oneDNN's
-product over a weight packed once takes 4.6 and 6-8 ms
-(``benchmarks/bench_lm_head.py``). :func:`lm_head_packed` swaps such a copy
+machines 9.2 ms for one row, 23 ms for two and 17-19 ms for four to eight,
+where oneDNN's product over a weight packed once takes 4.6, 5.8 and
+6.4-8.5 ms (``benchmarks/bench_lm_head.py``; the loop's forwards 10-19 %
+faster). :func:`lm_head_packed` swaps such a copy
 in for the duration of one forward; the copy is made at first use (about
 30 ms) and kept while the model's head is alive and unchanged (a weight
 updated in place is packed afresh).

@@ -263,6 +263,10 @@ class ModelDrafter:
             m = 0  # the fed proposals that the row committed, in order
             while m < fed.shape[1] and m < len(e) and int(fed[j, m]) == e[m]:
                 m += 1
+            # every emitted token already fed (the loop tested fewer proposals than were fed, and the
+            # target's token after them is the next fed one): feed the last again, so that the next
+            # forward has an input
+            m = min(m, max(len(e) - 1, 0))
             keep[j] = m
             self.pending[j] = list(e[m:])
             self._untested[j] = 0
