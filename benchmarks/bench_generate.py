@@ -513,6 +513,25 @@ def bench_generate(
         for impl in impls
         for v in (variants if d in ("eagle", "hybrid") else dict.fromkeys(Variant(lm_head=v.lm_head) for v in variants))
     ]
+
+    def specjax_group(batch: int, units: list, temp: float, category: str) -> list[Method]:
+        """One ``specjax`` method per (drafter, kernel code, variant), on ``units``."""
+        return [
+            Method(
+                "specjax",
+                batch,
+                temp,
+                g,
+                units,
+                _specjax_call(pair, max_new, temp, g, d, adaptive, impl, v),
+                category=category,
+                drafter=d,
+                impl=impl,
+                variant=v,
+            )
+            for d, impl, v in specjax_methods
+        ]
+
     groups: list[list[Method]] = []  # methods timed against each other on the same calls
     for category in categories:
         prompts = category_prompts(pair, category)
@@ -558,21 +577,7 @@ def bench_generate(
                                 drafter="model",
                             )
                         )
-                for d, impl, v in specjax_methods:
-                    one.append(
-                        Method(
-                            "specjax",
-                            1,
-                            temp,
-                            g,
-                            singles,
-                            _specjax_call(pair, max_new, temp, g, d, adaptive, impl, v),
-                            category=category,
-                            drafter=d,
-                            impl=impl,
-                            variant=v,
-                        )
-                    )
+                one += specjax_group(1, singles, temp, category)
                 if temp == 0.0 and not quick and "model" in drafters:  # transformers' default drafts up to 20
                     one.append(
                         Method(
@@ -589,21 +594,7 @@ def bench_generate(
                 groups.append(one)
             if 8 in batch_sizes:
                 eight = [Method("target", 8, temp, 0, batch8, _hf_call(pair, max_new, temp), category=category)]
-                eight += [
-                    Method(
-                        "specjax",
-                        8,
-                        temp,
-                        g,
-                        batch8,
-                        _specjax_call(pair, max_new, temp, g, d, adaptive, impl, v),
-                        category=category,
-                        drafter=d,
-                        impl=impl,
-                        variant=v,
-                    )
-                    for d, impl, v in specjax_methods
-                ]
+                eight += specjax_group(8, batch8, temp, category)
                 groups.append(eight)
 
     say(
