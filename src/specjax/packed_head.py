@@ -7,9 +7,9 @@ machines 9.2 ms for one row, 23 ms for two and 17-19 ms for four to eight,
 where oneDNN's product over a weight packed once takes 4.6, 5.8 and
 6.4-8.5 ms (``benchmarks/bench_lm_head.py``; the loop's forwards 10-19 %
 faster). :func:`lm_head_packed` swaps such a copy
-in for the duration of one forward; the copy is made at first use (about
-30 ms) and kept while the model's head is alive and unchanged (a weight
-updated in place is packed afresh).
+in for the duration of one forward; the copy is made at first use and kept
+while the model's head is alive and unchanged (a weight updated in place is
+packed afresh).
 
 Taken only for an ``nn.Linear`` head with float32 weights on the CPU, where
 torch has oneDNN; ``SPECJAX_PACKED_LM_HEAD=0`` (environment) turns it off.
@@ -95,10 +95,8 @@ def lm_head_packed(model: Any) -> Iterator[None]:
         yield
         return
     original = model.get_output_embeddings()
-    model.set_output_embeddings(packed)
+    model.set_output_embeddings(packed)  # a model whose setter does not set runs its own head
     try:
-        if model.get_output_embeddings() is not packed:  # a model whose setter does not set: as it was
-            _PACKED.pop(original, None)
         yield
     finally:
         model.set_output_embeddings(original)
