@@ -267,17 +267,17 @@ def count_new(new_tokens: Any, eos: list[int]) -> list[int]:
 @dataclass(frozen=True)
 class Variant:
     """One setting of specjax's side (``--heads``, ``--context-tokens``: the EAGLE head of the ``eagle`` and
-    ``hybrid`` drafters; ``--lm-head``: every drafter): a method each, timed call by call against the others."""
+    ``hybrid`` drafters; ``--packed``: every drafter): a method each, timed call by call against the others."""
 
     head: str | None = None  # a head directory; None: the pair's
     context_tokens: int | None = None  # None: the drafter's default
-    lm_head: str | None = None  # "packed" or "dense" (SPECJAX_PACKED_LM_HEAD 1 or 0); None: as the environment
+    packed: str | None = None  # SPECJAX_PACKED_LINEARS: "all", "head" or "0"; None: as the environment
 
     @property
     def label(self) -> str:
         parts = [f"head={self.head}"] if self.head is not None else []
         parts += [f"context={self.context_tokens}"] if self.context_tokens is not None else []
-        parts += [f"lm_head={self.lm_head}"] if self.lm_head is not None else []
+        parts += [f"packed={self.packed}"] if self.packed is not None else []
         return ",".join(parts)
 
 
@@ -419,10 +419,10 @@ def _specjax_call(
     from specjax import speculative_generate
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], Any]:
-        if variant is not None and variant.lm_head is not None:
-            from specjax.packed_head import ENV
+        if variant is not None and variant.packed is not None:
+            from specjax.packed import ENV
 
-            os.environ[ENV] = "1" if variant.lm_head == "packed" else "0"
+            os.environ[ENV] = variant.packed
         out = speculative_generate(
             pair.target,
             make_drafter(pair, drafter, variant),
@@ -511,7 +511,7 @@ def bench_generate(
         (d, impl, v)
         for d in drafters
         for impl in impls
-        for v in (variants if d in ("eagle", "hybrid") else dict.fromkeys(Variant(lm_head=v.lm_head) for v in variants))
+        for v in (variants if d in ("eagle", "hybrid") else dict.fromkeys(Variant(packed=v.packed) for v in variants))
     ]
 
     def specjax_group(batch: int, units: list, temp: float, category: str) -> list[Method]:
@@ -677,7 +677,7 @@ def bench_generate(
 
 
 def _drafter_label(row: dict) -> str:
-    """The row's drafter, with its variant (``--heads``, ``--context-tokens``, ``--lm-head``) where set."""
+    """The row's drafter, with its variant (``--heads``, ``--context-tokens``, ``--packed``) where set."""
     variant = f" [{row['variant']}]" if row.get("variant") else ""
     return f"{row.get('drafter') or ''}{variant}"
 
@@ -755,9 +755,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(EagleDrafter's context_tokens), a method each (default: the drafter's default)",
     )
     parser.add_argument(
-        "--lm-head",
-        help="comma-separated: packed, dense (specjax's forwards with the target's LM head packed for oneDNN "
-        "or not: SPECJAX_PACKED_LM_HEAD), a method each (default: as the environment says)",
+        "--packed",
+        help="comma-separated settings of SPECJAX_PACKED_LINEARS (all, head, 0: which of the models' linear "
+        "layers specjax's forwards run packed for oneDNN), a method each (default: as the environment says)",
     )
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
@@ -799,11 +799,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         missing = [h for h in heads if not os.path.isdir(h)]
         if not heads or missing:
             parser.error(f"--heads: expected head directories, got {args.heads!r} (not a directory: {missing})")
-    lm_heads: list[str | None] = [None]
-    if args.lm_head:
-        lm_heads = [h.strip() for h in args.lm_head.split(",")]
-        if any(h not in ("packed", "dense") for h in lm_heads):
-            parser.error(f"--lm-head: expected packed and/or dense, got {args.lm_head!r}")
+    packings: list[str | None] = [None]
+    if args.packed:
+        from specjax.packed import MODES
+
+        packings = [p.strip() for p in args.packed.split(",")]
+        if any(p not in MODES for p in packings):
+            parser.error(f"--packed: expected comma-separated settings among {', '.join(MODES)}, got {args.packed!r}")
     contexts: list[int | None] = [None]
     if args.context_tokens:
         try:
@@ -829,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_sizes=sizes,
         impls=impls,
         num_prompts=args.prompts,
-        variants=[Variant(h, c, m) for h in heads for c in contexts for m in lm_heads],
+        variants=[Variant(h, c, m) for h in heads for c in contexts for m in packings],
     )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "specjax.registry",
         "specjax.slots",
-        "specjax.packed_head",
+        "specjax.packed",
         "specjax.prompts",
         "specjax.console",
     ),  # shared support

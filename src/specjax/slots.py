@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specjax.packed_head import lm_head_packed
+from specjax.packed import model_packed
 
 
 class SlotCache:
@@ -126,7 +126,7 @@ class SlotCache:
             kwargs[self._keep_kw] = keep
         if hidden is not None:
             kwargs["output_hidden_states"] = True
-        with torch.inference_mode(), lm_head_packed(self.model):
+        with torch.inference_mode(), model_packed(self.model):
             out = self.model(**kwargs)
         self.forwards += 1
         logits = out.logits if keep is None else out.logits[:, -keep:]

@@ -133,9 +133,9 @@ PLAIN_REFRESH = 32  # steps since a plain step was timed, after which a close ca
 CLOSE_CALL = 1.25  # ... close: drafting's expected rate is below this many times a plain step's
 PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
 _FORGET = 0.99  # per step without drafting, for the pass/fail counts
-# Timings shared between calls: {(id(model), batch, packed LM head): (weakref, timings)}; the
-# forwards' costs differ with the head's packing (specjax.packed_head), so each has its own.
-_SHARED: dict[tuple[int, int, bool], tuple[Any, dict[Any, deque[float]]]] = {}
+# Timings shared between calls: {(id(model), batch, packed layers): (weakref, timings)}; the
+# forwards' costs differ with the layers' packing (specjax.packed), so each setting has its own.
+_SHARED: dict[tuple[int, int, str], tuple[Any, dict[Any, deque[float]]]] = {}
 _CARRY_WEIGHT = 4.0  # at most this many tests' weight carried into a new call's rows
 _CARRY_DECAY = 0.5  # per call, for the carried tallies
 # Acceptance tallies carried between calls: {(id(model), drafter, greedy): (weakref, f64[2 kinds, 2])},
@@ -255,9 +255,9 @@ class DraftSchedule:
         model = self._model() if self._model is not None else None
         if model is None:
             return self._own.setdefault(batch, {})
-        from specjax.packed_head import packed_lm_head
+        from specjax.packed import packed_layers
 
-        key = (id(model), batch, packed_lm_head(model) is not None)
+        key = (id(model), batch, packed_layers(model)[0])
         shared = _SHARED.get(key)
         if shared is not None and shared[0]() is model:
             return shared[1]

@@ -1,19 +1,19 @@
-"""The target's LM head and forward, dense against packed for oneDNN (:mod:`specjax.packed_head`).
+"""The target's LM head and forward, dense against packed for oneDNN (:mod:`specjax.packed`).
 
 Two tables on the default pair's target (SmolLM2-135M-Instruct):
 
 1. the LM head's product alone (f32[M, 576] × the 49,152 × 576 weight) for M
    rows: torch's ``linear`` (what the model runs) against
-   :class:`specjax.packed_head.PackedLinear`;
+   :class:`specjax.packed.PackedLinear`;
 2. one of the loop's forwards (:class:`specjax.slots.SlotCache`) of q new
    tokens after a 150-token prompt, at B = 1 and 8, with
-   ``SPECJAX_PACKED_LM_HEAD`` 0 and 1.
+   ``SPECJAX_PACKED_LINEARS`` 0 (nothing packed), head and all.
 
-The two settings alternate call by call; each cell is the median of
+The settings alternate call by call; each cell is the median of
 ``--reps`` calls (min-max in brackets). The load average is printed before
 and after: figures taken under load are not to be reported.
 
-    python benchmarks/bench_lm_head.py [--reps 15]
+    python benchmarks/bench_packed.py [--reps 15]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import torch
 
-    from specjax import packed_head
+    from specjax import packed
     from specjax.pair import load_target
     from specjax.slots import SlotCache
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()}; torch threads {torch.get_num_threads()}")
     target, _ = load_target()
     head = target.get_output_embeddings()
-    packed = packed_head.PackedLinear(head)
+    copy = packed.PackedLinear(head)
     g = torch.Generator().manual_seed(0)
 
     print("\nLM head alone (ms per product)\n\n| M | dense `linear` | packed |\n|---:|---:|---:|")
@@ -56,30 +56,32 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(m, head.in_features, generator=g)
             times: dict[str, list[float]] = {"dense": [], "packed": []}
             for _ in range(args.reps + 2):
-                for name, fn in (("dense", head), ("packed", packed)):
+                for name, fn in (("dense", head), ("packed", copy)):
                     t = time.perf_counter()
                     fn(x)
                     times[name].append((time.perf_counter() - t) * 1e3)
             print(f"| {m} | {cell(times['dense'][2:])} | {cell(times['packed'][2:])} |")
 
-    print("\nthe loop's forward of q tokens after 150 (ms)\n\n| B | q | dense | packed | packed / dense |")
-    print("|---:|---:|---:|---:|---:|")
+    print("\nthe loop's forward of q tokens after 150 (ms)\n")
+    print("| B | q | nothing packed | head | all | head / nothing | all / nothing |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     prompt = torch.randint(100, 20000, (8, 150), generator=g)
     for b, qs in ((1, (1, 2, 4, 5, 8)), (8, (1, 2))):
         for q in qs:
-            times = {"0": [], "1": []}
+            times = {value: [] for value in packed.MODES}
             for _ in range(args.reps):
-                for value in ("0", "1"):
-                    os.environ[packed_head.ENV] = value
+                for value in packed.MODES:
+                    os.environ[packed.ENV] = value
                     cache = SlotCache(target, b, torch.device("cpu"))
                     cache.forward(prompt[:b], np.ones((b, 150), bool), last_only=True)
                     new = torch.randint(100, 20000, (b, q), generator=g)
                     t = time.perf_counter()
                     cache.forward(new, np.ones((b, q), bool))
                     times[value].append((time.perf_counter() - t) * 1e3)
-            ratio = statistics.median(times["1"]) / statistics.median(times["0"])
-            print(f"| {b} | {q} | {cell(times['0'])} | {cell(times['1'])} | {ratio:.2f} |")
-    os.environ.pop(packed_head.ENV, None)
+            base = statistics.median(times["0"])
+            ratios = " | ".join(f"{statistics.median(times[v]) / base:.2f}" for v in ("head", "all"))
+            print(f"| {b} | {q} | {cell(times['0'])} | {cell(times['head'])} | {cell(times['all'])} | {ratios} |")
+    os.environ.pop(packed.ENV, None)
     print(f"\nload average after: {os.getloadavg()}")
     return 0
 
