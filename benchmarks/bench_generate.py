@@ -378,8 +378,14 @@ class Method:
         return res
 
 
-def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None) -> Callable:
+def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None, packed: bool = False) -> Callable:
+    """``target.generate``; with ``packed``, with the target's linear layers packed as specjax's forwards run
+    them (:mod:`specjax.packed`, ``SPECJAX_PACKED_LINEARS=all``): what of a speed-up is the packing."""
+    import contextlib
+
     import torch
+
+    from specjax.packed import ENV, model_packed
 
     kwargs: dict[str, Any] = (
         {"do_sample": False}
@@ -391,7 +397,17 @@ def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], None]:
         torch.manual_seed(seed)
-        with torch.inference_mode():
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            if packed:
+                setting = os.environ.get(ENV)
+                os.environ[ENV] = "all"
+                try:  # the setting is read as the layers are swapped in; the other methods keep theirs
+                    stack.enter_context(model_packed(pair.target))
+                finally:
+                    if setting is None:
+                        del os.environ[ENV]
+                    else:
+                        os.environ[ENV] = setting
             out = pair.target.generate(
                 ids,
                 attention_mask=mask,
@@ -487,6 +503,7 @@ def bench_generate(
     impls: Sequence[str] = ("auto",),
     num_prompts: int | None = None,
     variants: Sequence[Variant] = (Variant(),),
+    packed_target: bool = False,
 ) -> list[dict]:
     """Run every method; one row per method (see the module docstring)."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -532,6 +549,10 @@ def bench_generate(
             for d, impl, v in specjax_methods
         ]
 
+    def packed_target_method(batch: int, units: list, temp: float, category: str) -> Method:
+        call = _hf_call(pair, max_new, temp, packed=True)
+        return Method("target-packed", batch, temp, 0, units, call, category=category)
+
     groups: list[list[Method]] = []  # methods timed against each other on the same calls
     for category in categories:
         prompts = category_prompts(pair, category)
@@ -540,6 +561,8 @@ def bench_generate(
         for temp in temperatures:
             if 1 in batch_sizes:
                 one = [Method("target", 1, temp, 0, singles, _hf_call(pair, max_new, temp), category=category)]
+                if packed_target:
+                    one.append(packed_target_method(1, singles, temp, category))
                 if temp == 0.0 and "model" in drafters:
                     one.append(
                         Method(
@@ -594,6 +617,8 @@ def bench_generate(
                 groups.append(one)
             if 8 in batch_sizes:
                 eight = [Method("target", 8, temp, 0, batch8, _hf_call(pair, max_new, temp), category=category)]
+                if packed_target:
+                    eight.append(packed_target_method(8, batch8, temp, category))
                 eight += specjax_group(8, batch8, temp, category)
                 groups.append(eight)
 
@@ -623,6 +648,7 @@ def bench_generate(
     for group in groups:
         base = group[0]
         assisted = next((m for m in group if m.name == "assisted"), None)
+        target_packed = next((m for m in group if m.name == "target-packed"), None)
         for m in group:
             runs = m.results
             tokens = sum(r.tokens for r in runs)
@@ -672,6 +698,8 @@ def bench_generate(
             }
             if m.name.startswith("specjax") and assisted is not None:
                 row["speedup_vs_assisted"] = _paired_ratio(runs, assisted.results)
+            if m.name.startswith("specjax") and target_packed is not None:
+                row["speedup_vs_target_packed"] = _paired_ratio(runs, target_packed.results)
             rows.append(row)
     return rows
 
@@ -706,6 +734,12 @@ def format_table(rows: list[dict]) -> str:
         "transformers' assisted generation (median of the per-call ratios)"
         for r in rows
         if "speedup_vs_assisted" in r
+    ]
+    extra += [
+        f"{r.get('category', '')} specjax[{_drafter_label(r)}] B={r['batch_size']} T={r['temperature']}: "
+        f"{r['speedup_vs_target_packed']:.2f}x target-packed (generate with the layers packed as specjax runs them)"
+        for r in rows
+        if "speedup_vs_target_packed" in r
     ]
     extra += [
         f"{r.get('category', '')} specjax[{_drafter_label(r)}] B={r['batch_size']} T={r['temperature']} "
@@ -758,6 +792,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--packed",
         help="comma-separated settings of SPECJAX_PACKED_LINEARS (all, head, 0: which of the models' linear "
         "layers specjax's forwards run packed for oneDNN), a method each (default: as the environment says)",
+    )
+    parser.add_argument(
+        "--packed-target",
+        action="store_true",
+        help="also time target.generate with the target's linear layers packed as specjax's forwards run them "
+        "(method target-packed; specjax's ratio to it is printed): the part of a speed-up that is the packing",
     )
     jax_threads.add_argument(parser)
     args = parser.parse_args(argv)
@@ -832,6 +872,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         impls=impls,
         num_prompts=args.prompts,
         variants=[Variant(h, c, m) for h in heads for c in contexts for m in packings],
+        packed_target=args.packed_target,
     )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))

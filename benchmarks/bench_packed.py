@@ -7,7 +7,11 @@ Two tables on the default pair's target (SmolLM2-135M-Instruct):
    :class:`specjax.packed.PackedLinear`;
 2. one of the loop's forwards (:class:`specjax.slots.SlotCache`) of q new
    tokens after a 150-token prompt, at B = 1 and 8, with
-   ``SPECJAX_PACKED_LINEARS`` 0 (nothing packed), head and all.
+   ``SPECJAX_PACKED_LINEARS`` 0 (nothing packed), head and all;
+3. one step of the shipped EAGLE head (one row, a slot), its layers dense
+   and packed (the drafter keeps them dense).
+
+The packed copies' sizes are printed first.
 
 The settings alternate call by call; each cell is the median of
 ``--reps`` calls (min-max in brackets). The load average is printed before
@@ -29,6 +33,10 @@ def cell(times: list[float]) -> str:
     return f"{statistics.median(times):.1f} ({min(times):.0f}-{max(times):.0f})"
 
 
+def cell2(times: list[float]) -> str:
+    return f"{statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15, help="calls per cell (default 15)")
@@ -40,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from specjax import packed
-    from specjax.pair import load_target
+    from specjax.drafters.eagle_head import load_head
+    from specjax.pair import default_head_path, load_target
     from specjax.slots import SlotCache
 
     torch.set_num_threads(2)
@@ -48,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     target, _ = load_target()
     head = target.get_output_embeddings()
     copy = packed.PackedLinear(head)
+    for value in ("head", "all"):
+        os.environ[packed.ENV] = value
+        layers = packed.packed_layers(target)[1]
+        size = sum(c.weight_packed.numel() * c.weight_packed.element_size() for *_, c in layers)
+        print(f"{packed.ENV}={value}: {len(layers)} layers packed, {size / 1e6:.0f} MB of copies")
     g = torch.Generator().manual_seed(0)
 
     print("\nLM head alone (ms per product)\n\n| M | dense `linear` | packed |\n|---:|---:|---:|")
@@ -81,6 +95,23 @@ def main(argv: list[str] | None = None) -> int:
             base = statistics.median(times["0"])
             ratios = " | ".join(f"{statistics.median(times[v]) / base:.2f}" for v in ("head", "all"))
             print(f"| {b} | {q} | {cell(times['0'])} | {cell(times['head'])} | {cell(times['all'])} | {ratios} |")
+
+    print("\nthe EAGLE head's step, one row (ms)\n\n| layers dense | packed | packed / dense |\n|---:|---:|---:|")
+    eagle = load_head(default_head_path()).float()
+    d = eagle.config.hidden_size
+    feature, embed = torch.randn(1, 1, d, generator=g), torch.randn(1, 1, d, generator=g)
+    valid = torch.ones(1, 1, dtype=torch.bool)
+    steps: dict[str, list[float]] = {"0": [], "all": []}
+    with torch.inference_mode():
+        for _ in range(10 * args.reps):
+            for value in steps:
+                os.environ[packed.ENV] = value
+                t = time.perf_counter()
+                with packed.model_packed(eagle):
+                    eagle(feature, embed, valid)
+                steps[value].append((time.perf_counter() - t) * 1e3)
+    ratio = statistics.median(steps["all"]) / statistics.median(steps["0"])
+    print(f"| {cell2(steps['0'])} | {cell2(steps['all'])} | {ratio:.2f} |")
     os.environ.pop(packed.ENV, None)
     print(f"\nload average after: {os.getloadavg()}")
     return 0
