@@ -133,6 +133,21 @@ def test_generation_is_the_same_with_every_setting(model, monkeypatch, temperatu
         assert torch.equal(out["all"], model.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0))
 
 
+def test_generate_inside_the_context_is_the_dense_generate(model, monkeypatch):
+    """The documented use on one's own calls: ``generate`` through the packed copies, the layers back after."""
+    monkeypatch.setenv(ENV, "all")
+    ids = torch.tensor([[5, 9, 2, 30, 7], [1, 4, 4, 8, 3]])
+    dense = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    before = _linears(model)
+    ran = []
+    original = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: ran.append(1) or original(self, x))
+    with model_packed(model) as applied:
+        packed = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    assert applied == "all" and ran and _linears(model) == before
+    assert torch.equal(packed, dense)
+
+
 def test_the_schedule_keeps_timings_apart_for_each_setting(model, monkeypatch):
     """Timings taken with packed layers must not price forwards with dense ones (and back)."""
     from specjax.generate.schedule import DraftSchedule

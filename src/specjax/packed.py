@@ -2,11 +2,12 @@
 
 On CPU, torch's dense ``linear`` repacks its weight on every call. For the few
 rows a generation step scores, that repacking costs as much as the product or
-more: SmolLM2-135M's LM head (49,152 × 576) takes 9.2 ms for one row, 23 ms for
-two and 17-19 ms for four to eight on the project's 2-core machines, where
-oneDNN's product over a weight packed once takes 4.6, 5.8 and 6.4-8.5 ms; the
-model's other 210 linear layers pay the same per-call tax
-(``benchmarks/bench_lm_head.py``). :func:`model_packed` swaps such copies in for
+more: SmolLM2-135M's LM head (49,152 × 576) takes 9.2 ms for one row, 22 ms for
+two and 16-17 ms for four to eight on the project's 2-core machines, where
+oneDNN's product over a weight packed once takes 4.4, 5.4 and 6.0-7.1 ms; the
+model's other 210 linear layers pay the same per-call tax, and the whole
+forward over two new tokens takes 94 ms dense, 60 ms packed
+(``benchmarks/bench_packed.py``). :func:`model_packed` swaps such copies in for
 the duration of one forward and puts the model's own layers back after it;
 each copy is made at first use and kept while its layer is alive and
 unchanged (a weight updated in place is packed afresh).
