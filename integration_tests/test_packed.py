@@ -95,6 +95,22 @@ def test_a_nested_forward_of_the_same_model_keeps_the_packing(model, monkeypatch
     assert len(packed_layers(model)[1]) == n and all(type(m) is not PackedLinear for m in model.modules())
 
 
+def test_a_packed_model_is_freed_with_its_copies(tiny_lm, monkeypatch):
+    """The caches hold the model weakly: dropping the last reference frees it and its copies."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv(ENV, "all")
+    model = tiny_lm("llama", vocab_size=300, layers=2, hidden=32, seed=5)
+    ids = torch.tensor([[5, 9, 2]])
+    SlotCache(model, 1, torch.device("cpu")).forward(ids, np.ones((1, 3), bool))
+    alive = weakref.ref(model)
+    copy = weakref.ref(packed_layers(model)[1][0][3])
+    del model
+    gc.collect()
+    assert alive() is None and copy() is None
+
+
 def test_not_taken_where_it_does_not_apply(model, monkeypatch):
     monkeypatch.setenv(ENV, "0")
     assert packed_layers(model) == ("0", [])

@@ -42,10 +42,10 @@ MODES = ("all", "head", "0")
 Layers = list[tuple[nn.Module, str, nn.Linear, "PackedLinear"]]
 # layer -> (its weight's and bias's (data pointer, version) when packed, the packed copy)
 _COPIES: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple[Any, ...], PackedLinear]] = weakref.WeakKeyDictionary()
-# model -> {mode: (the layers' state when planned, the layers)}: what a forward swaps in
-_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[tuple[Any, ...] | None, Layers]]] = (
-    weakref.WeakKeyDictionary()
-)
+# model -> {mode: (the layers' state when planned, [(parent, name, layer) as weak references, copy])}:
+# what a forward swaps in; weak, since a model is its own layers' parent (the value would keep the key alive)
+_Plan = tuple[tuple[Any, ...] | None, list[tuple[Any, str, Any, "PackedLinear"]]]
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[str, _Plan]] = weakref.WeakKeyDictionary()
 
 
 class PackedLinear(nn.Module):
@@ -109,6 +109,8 @@ def _fingerprint(layers: Layers) -> tuple[Any, ...] | None:
     """The layers' weights' (data pointer, version), or None if a layer is no longer where it was."""
     state: list[Any] = []
     for parent, name, dense, _ in layers:
+        if parent is None or dense is None:
+            return None
         current = parent._modules.get(name)
         # a copy in place is a forward of the same model running (nested, or another thread): not moved
         if current is not dense and not isinstance(current, PackedLinear):
@@ -141,10 +143,14 @@ def packed_layers(model: Any) -> tuple[str, Layers]:
         return "0", []
     plans = _PLANS.setdefault(model, {})
     plan = plans.get(mode)
-    if plan is None or plan[0] is None or _fingerprint(plan[1]) != plan[0]:
-        layers = [(parent, name, dense, _copy(dense)) for parent, name, dense in _find_sites(model, mode)]
-        plan = plans[mode] = (_fingerprint(layers), layers)
-    return (mode if plan[1] else "0"), plan[1]
+    if plan is not None:
+        layers = [(parent(), name, dense(), copy) for parent, name, dense, copy in plan[1]]
+        if plan[0] is not None and _fingerprint(layers) == plan[0]:
+            return (mode if layers else "0"), layers
+    layers = [(parent, name, dense, _copy(dense)) for parent, name, dense in _find_sites(model, mode)]
+    refs = [(weakref.ref(parent), name, weakref.ref(dense), copy) for parent, name, dense, copy in layers]
+    plans[mode] = (_fingerprint(layers), refs)
+    return (mode if layers else "0"), layers
 
 
 @contextlib.contextmanager
