@@ -73,12 +73,13 @@ Rows appended to ``--jsonl`` have the fields ``model_pair``, ``method``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -378,14 +379,29 @@ class Method:
         return res
 
 
+@contextlib.contextmanager
+def _packed_setting(value: str | None) -> Iterator[None]:
+    """``SPECJAX_PACKED_LINEARS`` set to ``value`` inside (None: as it is), as it was after."""
+    from specjax.packed import ENV
+
+    before = os.environ.get(ENV)
+    if value is not None:
+        os.environ[ENV] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = before
+
+
 def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None, packed: bool = False) -> Callable:
     """``target.generate``; with ``packed``, with the target's linear layers packed as specjax's forwards run
     them (:mod:`specjax.packed`, ``SPECJAX_PACKED_LINEARS=all``): what of a speed-up is the packing."""
-    import contextlib
-
     import torch
 
-    from specjax.packed import ENV, model_packed
+    from specjax.packed import model_packed
 
     kwargs: dict[str, Any] = (
         {"do_sample": False}
@@ -397,17 +413,8 @@ def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], None]:
         torch.manual_seed(seed)
-        with torch.inference_mode(), contextlib.ExitStack() as stack:
-            if packed:
-                setting = os.environ.get(ENV)
-                os.environ[ENV] = "all"
-                try:  # the setting is read as the layers are swapped in; the other methods keep theirs
-                    stack.enter_context(model_packed(pair.target))
-                finally:
-                    if setting is None:
-                        del os.environ[ENV]
-                    else:
-                        os.environ[ENV] = setting
+        packing = model_packed(pair.target) if packed else contextlib.nullcontext()
+        with torch.inference_mode(), _packed_setting("all" if packed else None), packing:
             out = pair.target.generate(
                 ids,
                 attention_mask=mask,
@@ -435,24 +442,21 @@ def _specjax_call(
     from specjax import speculative_generate
 
     def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], Any]:
-        if variant is not None and variant.packed is not None:
-            from specjax.packed import ENV
-
-            os.environ[ENV] = variant.packed
-        out = speculative_generate(
-            pair.target,
-            make_drafter(pair, drafter, variant),
-            ids,
-            mask,
-            max_new_tokens=max_new,
-            num_draft_tokens=num_draft_tokens,
-            temperature=temperature,
-            seed=seed,
-            eos_token_id=pair.eos or None,
-            pad_token_id=pair.pad,
-            adaptive=adaptive,
-            impl=impl,
-        )
+        with _packed_setting(variant.packed if variant is not None else None):
+            out = speculative_generate(
+                pair.target,
+                make_drafter(pair, drafter, variant),
+                ids,
+                mask,
+                max_new_tokens=max_new,
+                num_draft_tokens=num_draft_tokens,
+                temperature=temperature,
+                seed=seed,
+                eos_token_id=pair.eos or None,
+                pad_token_id=pair.pad,
+                adaptive=adaptive,
+                impl=impl,
+            )
         return out.sequences[:, ids.shape[1] :], out.num_new_tokens.tolist(), out.stats
 
     return call

@@ -82,8 +82,8 @@ def _packable(layer: Any) -> bool:
 
 
 def _state(layer: nn.Linear) -> tuple[Any, ...]:
-    params = [layer.weight] + ([] if layer.bias is None else [layer.bias])
-    return tuple((p.data_ptr(), p._version) for p in params)
+    """The weight's and bias's (data pointer, version): a new one when either is replaced or changed in place."""
+    return tuple((p.data_ptr(), p._version) for p in layer._parameters.values() if p is not None)
 
 
 def _find_sites(model: nn.Module, mode: str) -> list[tuple[nn.Module, str, nn.Linear]]:
@@ -115,7 +115,7 @@ def _fingerprint(layers: Layers) -> tuple[Any, ...] | None:
         # a copy in place is a forward of the same model running (nested, or another thread): not moved
         if current is not dense and not isinstance(current, PackedLinear):
             return None
-        state.extend((p.data_ptr(), p._version) for p in dense._parameters.values() if p is not None)
+        state.append(_state(dense))
     return tuple(state)
 
 
