@@ -38,9 +38,9 @@ tpu = _load("train_eagle_tpu")
 gguf_parts = _load("gguf_parts")
 
 
-@pytest.fixture(scope="module")
-def head():
-    h = EagleHead(EagleConfig(16, 4, 2, 32, 50, 20))
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-layer", "two-layers"])
+def head(request):
+    h = EagleHead(EagleConfig(16, 4, 2, 32, 50, 20, num_layers=request.param))
     init_weights(h, 0)
     with torch.no_grad():  # attention that matters, not the near-identity start
         for p in h.parameters():
@@ -49,8 +49,9 @@ def head():
 
 
 def _jax_head(head):
-    keys = {*tpu.HEAD_KEYS, "fuse.weight"}
-    sd = {k: jnp.asarray(v.numpy()) for k, v in head.state_dict().items() if k in keys}
+    keys = tpu.head_keys(head.config.feature_layers, head.config.num_layers)
+    sd = {k: jnp.asarray(v.numpy()) for k, v in head.state_dict().items() if k != "token_ids"}
+    assert sorted(sd) == sorted(keys)  # the script names every weight of the torch head, and only those
     hc = {f: getattr(head.config, f) for f in head.config.__dataclass_fields__}
     return sd, hc
 
@@ -311,7 +312,7 @@ def test_a_saved_head_resumes_as_saved_and_only_on_its_own_terms(tmp_path):
     """--init-from: the weights come back as written (float16), and a head of another
     configuration or token set is refused with the difference named."""
     cfg = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 96, "vocab": 500}
-    hc = tpu.head_config(cfg, 32, fused=True)
+    hc = tpu.head_config(cfg, 32, fused=True, layers=2)
     g = np.random.default_rng(6)
     hp = {k: v + g.standard_normal(v.shape).astype(np.float32) for k, v in tpu.init_head(hc, 3).items()}
     ids = np.arange(0, 64, 2, dtype=np.int32)
@@ -326,7 +327,9 @@ def test_a_saved_head_resumes_as_saved_and_only_on_its_own_terms(tmp_path):
     with pytest.raises(ValueError, match=r"num_tokens"):
         tpu.resumed_head(path, tpu.head_config(cfg, 16, fused=True), ids[:16])
     with pytest.raises(ValueError, match=r"feature_layers"):
-        tpu.resumed_head(path, tpu.head_config(cfg, 32, fused=False), ids)
+        tpu.resumed_head(path, tpu.head_config(cfg, 32, fused=False, layers=2), ids)
+    with pytest.raises(ValueError, match=r"num_layers"):
+        tpu.resumed_head(path, tpu.head_config(cfg, 32, fused=True), ids)
     with pytest.raises(ValueError, match=r"other tokens"):
         tpu.resumed_head(path, hc, ids + 1)
     with pytest.raises(ValueError, match=r"--init-from"):
@@ -348,3 +351,25 @@ def test_a_saved_head_resumes_as_saved_and_only_on_its_own_terms(tmp_path):
                 "kd",
             ]
         )
+
+
+def test_a_trained_two_layer_head_imports_into_the_torch_head(tmp_path):
+    """``import``: the script's initial weights (every name, both layers) load into specjax's head, which
+    then gives the script's forward."""
+    cfg = {"hidden": 16, "heads": 4, "kv_heads": 2, "intermediate": 32, "vocab": 50}
+    hc = tpu.head_config(cfg, 20, fused=True, layers=2)
+    g = np.random.default_rng(8)
+    hp = {k: (v + 0.3 * g.standard_normal(v.shape)).astype(np.float32) for k, v in tpu.init_head(hc, 1).items()}
+    assert any(k.startswith("deeper.0.") for k in hp)
+    tpu.save_head_npz(tmp_path / "h.npz", hp, hc, np.arange(20, dtype=np.int32), {"train_steps": 1})
+    assert tpu.main(["import", "--npz", str(tmp_path / "h.npz"), "--out", str(tmp_path / "h")]) == 0
+    from specjax.drafters.eagle_head import load_head
+
+    head = load_head(tmp_path / "h")
+    assert head.config.num_layers == 2 and len(head.deeper) == 1
+    f, e, valid = _ragged(3, 9, 16, seed=4)
+    with torch.no_grad():
+        want = head(torch.from_numpy(f), torch.from_numpy(e), torch.from_numpy(valid)).numpy()
+    half = {k: jnp.asarray(v.astype(np.float16).astype(np.float32)) for k, v in hp.items()}  # as shipped
+    got = np.asarray(tpu.head_forward(half, hc, jnp.asarray(f), jnp.asarray(e), jnp.asarray(valid)))
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-3, atol=1e-3)

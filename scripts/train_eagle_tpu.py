@@ -75,19 +75,26 @@ VARIANTS = {
     "kd-noise-wide": (1.0, 1.0, 0.0, 0.2),
     "e3-noise": (1.0, 1.0, 0.0, 0.2),
     "e3-unroll": (1.0, 1.0, 0.5, 0.2),
+    "e3-unroll-deep": (1.0, 1.0, 0.5, 0.2),
 }
 # the head's MLP width as a multiple of the target's (1 where not named): run 7's loss stopped
 # falling after a third of its steps, so a wider head is the capacity lever to measure
 WIDTH = {"kd-noise-wide": 2}
+# the head's decoder layers (1 where not named): runs 11-12 found the one-layer head's agreement flat at
+# ~0.69 with more data or more steps, so depth is the capacity lever left
+DEPTH = {"e3-unroll-deep": 2}
 # EAGLE-3-style input (arXiv 2503.01840): the data holds the target's states after these layers (indices of
 # transformers' output_hidden_states; a low and a middle one of SmolLM2's 30) beside z; the variants named
 # in FUSED read them (the head's feature_layers), the others z alone
 FEATURE_LAYERS = (3, 15)
-FUSED = {"e3-noise", "e3-unroll"}
-HEAD_KEYS = (
-    "fc.weight fc.bias input_norm.weight q_proj.weight k_proj.weight v_proj.weight o_proj.weight "
-    "post_norm.weight gate_proj.weight up_proj.weight down_proj.weight out_norm.weight"
+FUSED = {"e3-noise", "e3-unroll", "e3-unroll-deep"}
+# a decoder layer's weights (torch's names: the first layer's at the top level, the later ones' under
+# ``deeper.<i>.``), and the head's own
+LAYER_KEYS = (
+    "input_norm.weight q_proj.weight k_proj.weight v_proj.weight o_proj.weight "
+    "post_norm.weight gate_proj.weight up_proj.weight down_proj.weight"
 ).split()
+HEAD_KEYS = ["fc.weight", "fc.bias", *LAYER_KEYS, "out_norm.weight"]
 
 
 def log(msg: str) -> None:
@@ -248,7 +255,7 @@ def import_head(args: argparse.Namespace) -> int:
     data = np.load(args.npz)
     cfg = EagleConfig(**json.loads(str(data["config"])))
     head = EagleHead(cfg)
-    keys = head_keys(cfg.feature_layers)
+    keys = head_keys(cfg.feature_layers, cfg.num_layers)
     state = {k: torch.from_numpy(data[k].astype(np.float32)) for k in keys}
     state["token_ids"] = torch.from_numpy(data["token_ids"].astype(np.int64))
     head.load_state_dict(state)
@@ -466,8 +473,11 @@ def generate(
 # ----------------------------------------------------------------------------- the head in JAX
 
 
-def head_config(cfg: dict[str, Any], num_tokens: int, width: int = 1, fused: bool = False) -> dict[str, Any]:
+def head_config(
+    cfg: dict[str, Any], num_tokens: int, width: int = 1, fused: bool = False, layers: int = 1
+) -> dict[str, Any]:
     return {
+        "num_layers": layers,
         "feature_layers": list(FEATURE_LAYERS) if fused else [],
         "hidden_size": cfg["hidden"],
         "num_attention_heads": cfg["heads"],
@@ -480,9 +490,11 @@ def head_config(cfg: dict[str, Any], num_tokens: int, width: int = 1, fused: boo
     }
 
 
-def head_keys(feature_layers: Any) -> list[str]:
-    """The names of a head's weights (torch's), with the fusion layer where it reads ``feature_layers``."""
-    return [*HEAD_KEYS, "fuse.weight"] if feature_layers else list(HEAD_KEYS)
+def head_keys(feature_layers: Any, num_layers: int = 1) -> list[str]:
+    """The names of a head's weights (torch's), with the fusion layer where it reads ``feature_layers``
+    and ``num_layers`` decoder layers."""
+    deeper = [f"deeper.{i}.{k}" for i in range(num_layers - 1) for k in LAYER_KEYS]
+    return [*HEAD_KEYS, *deeper, *(["fuse.weight"] if feature_layers else [])]
 
 
 def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
@@ -501,19 +513,27 @@ def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     if hc["feature_layers"]:  # [0, ..., 0, I]: z alone at the start
         fuse["fuse.weight"] = np.zeros((d, (len(hc["feature_layers"]) + 1) * d), np.float32)
         fuse["fuse.weight"][:, -d:] = np.eye(d)
+
+    def layer(prefix: str) -> dict[str, np.ndarray]:
+        return {
+            f"{prefix}input_norm.weight": np.ones(d, np.float32),
+            f"{prefix}q_proj.weight": rnd(d, d),
+            f"{prefix}k_proj.weight": rnd(kv, d),
+            f"{prefix}v_proj.weight": rnd(kv, d),
+            f"{prefix}o_proj.weight": rnd(d, d, 0.1),
+            f"{prefix}post_norm.weight": np.ones(d, np.float32),
+            f"{prefix}gate_proj.weight": rnd(i, d),
+            f"{prefix}up_proj.weight": rnd(i, d),
+            f"{prefix}down_proj.weight": rnd(d, i, 0.1),
+        }
+
+    deeper = [layer(f"deeper.{j}.") for j in range(hc.get("num_layers", 1) - 1)]
     return {
         **fuse,
         "fc.weight": fc,
         "fc.bias": np.zeros(d, np.float32),
-        "input_norm.weight": np.ones(d, np.float32),
-        "q_proj.weight": rnd(d, d),
-        "k_proj.weight": rnd(kv, d),
-        "v_proj.weight": rnd(kv, d),
-        "o_proj.weight": rnd(d, d, 0.1),
-        "post_norm.weight": np.ones(d, np.float32),
-        "gate_proj.weight": rnd(i, d),
-        "up_proj.weight": rnd(i, d),
-        "down_proj.weight": rnd(d, i, 0.1),
+        **layer(""),
+        **{k: v for p in deeper for k, v in p.items()},
         "out_norm.weight": np.ones(d, np.float32),
     }
 
@@ -547,7 +567,7 @@ def resumed_head(path: Path, hc: dict[str, Any], token_ids: np.ndarray) -> dict[
         raise ValueError(f"--init-from {path}: the saved head's configuration differs from this run's in {diff}")
     if not np.array_equal(ids, token_ids):
         raise ValueError(f"--init-from {path}: the saved head scores other tokens than this run's data gives")
-    names = head_keys(hc["feature_layers"])
+    names = head_keys(hc["feature_layers"], hc.get("num_layers", 1))
     missing = [k for k in names if k not in saved.files]
     if missing:
         raise ValueError(f"--init-from {path}: missing weights {missing}")
@@ -580,14 +600,16 @@ def head_forward(hp: dict[str, Any], hc: dict[str, Any], feats: Any, emb: Any, v
     vl = valid.astype(jnp.int32)
     pos = jnp.cumsum(vl, 1) - vl
     x = jnp.concatenate([feats, emb], -1) @ hp["fc.weight"].T + hp["fc.bias"]
-    h = rms_norm(x, hp["input_norm.weight"], eps)
-    q = rope((h @ hp["q_proj.weight"].T).reshape(b, w, nh, hd), pos, hc["rope_theta"])
-    k = rope((h @ hp["k_proj.weight"].T).reshape(b, w, nkv, hd), pos, hc["rope_theta"])
-    v = (h @ hp["v_proj.weight"].T).reshape(b, w, nkv, hd)
     mask = (jnp.tril(jnp.ones((w, w), bool))[None] & valid[:, None, :]) | jnp.eye(w, dtype=bool)[None]
-    x = x + attend(q, k, v, mask) @ hp["o_proj.weight"].T
-    h = rms_norm(x, hp["post_norm.weight"], eps)
-    x = x + (jax.nn.silu(h @ hp["gate_proj.weight"].T) * (h @ hp["up_proj.weight"].T)) @ hp["down_proj.weight"].T
+    for prefix in ["", *(f"deeper.{i}." for i in range(hc.get("num_layers", 1) - 1))]:
+        lp = {k: hp[prefix + k] for k in LAYER_KEYS}
+        h = rms_norm(x, lp["input_norm.weight"], eps)
+        q = rope((h @ lp["q_proj.weight"].T).reshape(b, w, nh, hd), pos, hc["rope_theta"])
+        k = rope((h @ lp["k_proj.weight"].T).reshape(b, w, nkv, hd), pos, hc["rope_theta"])
+        v = (h @ lp["v_proj.weight"].T).reshape(b, w, nkv, hd)
+        x = x + attend(q, k, v, mask) @ lp["o_proj.weight"].T
+        h = rms_norm(x, lp["post_norm.weight"], eps)
+        x = x + (jax.nn.silu(h @ lp["gate_proj.weight"].T) * (h @ lp["up_proj.weight"].T)) @ lp["down_proj.weight"].T
     return rms_norm(x, hp["out_norm.weight"], eps)
 
 
@@ -1016,7 +1038,7 @@ def train_heads(
 
     for name in args.variant:
         weights = VARIANTS[name]
-        hc = head_config(cfg, args.num_tokens, WIDTH.get(name, 1), name in FUSED)
+        hc = head_config(cfg, args.num_tokens, WIDTH.get(name, 1), name in FUSED, DEPTH.get(name, 1))
 
         def loss_fn(hp: Any, z: Any, x: Any, v: Any, key: Any, weights: Any = weights, hc: Any = hc) -> Any:
             return head_loss(hp, hc, embed, w_sub, z, x, v, weights, key)

@@ -1,15 +1,15 @@
-"""The EAGLE-style draft head: one decoder layer over the target's own features.
+"""The EAGLE-style draft head: a decoder layer (or a few) over the target's own features.
 
 EAGLE (Li et al. 2024, arXiv 2401.15077) drafts at the feature level. At a
 committed position t the target's final normed hidden state ``z_t`` (its LM head
 gives the logits of token t+1: ``logits = W z_t``) and the embedding of the
 token that followed, ``E x_{t+1}``, are fused, ``fc([z_t, E x_{t+1}])``, and one
-decoder layer, attending over the fused inputs of the earlier positions,
-predicts ``z_{t+1}``; the target's LM head on that prediction gives the draft
+decoder layer (``num_layers`` of them), attending over the fused inputs of the
+earlier positions, predicts ``z_{t+1}``; the target's LM head on that prediction gives the draft
 distribution of ``x_{t+2}``. Drafting further feeds the predicted feature back
 with the embedding of the drafted token.
 
-The head stores only its fusion layer, its decoder layer and its norms, and the
+The head stores only its fusion layer, its decoder layers and its norms, and the
 ids of the N target tokens its output scores (the most frequent ones, or all
 V); the embedding and the LM head are the target's (passed in, never copied).
 A token outside those N gets draft probability 0, which keeps the acceptance
@@ -52,15 +52,19 @@ class EagleConfig:
     # (indices into transformers' ``output_hidden_states``: 1 .. num_hidden_layers - 1), fused with
     # z_t by ``fuse`` into the head's input feature at committed positions; () reads z_t alone
     feature_layers: tuple[int, ...] = ()
+    # decoder layers; the first one's weights are named as in a one-layer head (``q_proj.weight``, ...),
+    # the later ones' ``deeper.<i>.q_proj.weight`` (i = 0 for the second layer)
+    num_layers: int = 1
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     def __post_init__(self) -> None:
-        for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if int(getattr(self, f)) <= 0:
-                raise ValueError(f"{f}: expected a positive integer, got {getattr(self, f)!r}")
+        for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "num_layers"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{f}: expected a positive integer, got {v!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size: expected a multiple of num_attention_heads={self.num_attention_heads}, "
@@ -107,6 +111,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 class FeatureCache:
     """The head's keys and values, slot by slot, for B rows that advance raggedly.
 
+    ``keys[l]``, ``values[l]``: f[B, kv_heads, L, head_dim] of decoder layer l.
     Slot s of row b is valid or not (``valid``: bool[B, L]); a row's position
     for RoPE is the number of its valid slots before it, so invalid slots
     (padding, rows that committed fewer pairs) leave no gap.
@@ -114,8 +119,9 @@ class FeatureCache:
 
     def __init__(self, batch: int, config: EagleConfig, device: Any, dtype: torch.dtype) -> None:
         h, hd = config.num_key_value_heads, config.head_dim
-        self.keys = torch.zeros((batch, h, 0, hd), device=device, dtype=dtype)
-        self.values = torch.zeros((batch, h, 0, hd), device=device, dtype=dtype)
+        empty = torch.zeros((batch, h, 0, hd), device=device, dtype=dtype)
+        self.keys = [empty] * config.num_layers
+        self.values = [empty] * config.num_layers
         self.valid = torch.zeros((batch, 0), device=device, dtype=torch.bool)
         self.num_valid = torch.zeros(batch, device=device, dtype=torch.long)
 
@@ -128,16 +134,69 @@ class FeatureCache:
         if length >= self.length:
             return
         self.num_valid = self.num_valid - self.valid[:, length:].sum(dim=1)
-        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
         self.valid = self.valid[:, :length]
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.keys, self.values = self.keys[rows], self.values[rows]
+        self.keys, self.values = [k[rows] for k in self.keys], [v[rows] for v in self.values]
         self.valid, self.num_valid = self.valid[rows], self.num_valid[rows]
 
 
+def _add_decoder_layer(module: nn.Module, config: EagleConfig) -> None:
+    """Give ``module`` a Llama-style decoder layer's weights, under the names a one-layer head's carry."""
+    d, hd = config.hidden_size, config.head_dim
+    nh, nkv = config.num_attention_heads, config.num_key_value_heads
+    module.input_norm = _RMSNorm(d, config.rms_norm_eps)
+    module.q_proj = nn.Linear(d, nh * hd, bias=False)
+    module.k_proj = nn.Linear(d, nkv * hd, bias=False)
+    module.v_proj = nn.Linear(d, nkv * hd, bias=False)
+    module.o_proj = nn.Linear(nh * hd, d, bias=False)
+    module.post_norm = _RMSNorm(d, config.rms_norm_eps)
+    module.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
+    module.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
+    module.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
+
+
+class _DecoderLayer(nn.Module):
+    """A decoder layer after the head's first (``EagleHead.deeper``)."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        _add_decoder_layer(self, config)
+
+
+def _decoder_layer(
+    layer: Any,
+    config: EagleConfig,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    past: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer: (f[B, W, d] out, keys and values f[B, kv_heads, L + W, head_dim]).
+
+    x: f[B, W, d]; positions: i64[B, W] (RoPE); mask: bool[B, W, L + W], the
+    keys each query reads; past: the layer's cached keys and values (L slots)
+    or None (L = 0).
+    """
+    b, w, _ = x.shape
+    nh, nkv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    h = layer.input_norm(x)
+    q = _rope(layer.q_proj(h).view(b, w, nh, hd).transpose(1, 2), positions, config.rope_theta)
+    k = _rope(layer.k_proj(h).view(b, w, nkv, hd).transpose(1, 2), positions, config.rope_theta)
+    v = layer.v_proj(h).view(b, w, nkv, hd).transpose(1, 2)
+    if past is not None:
+        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+    # grouped-query attention without materialising repeated keys and values
+    att = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=nkv != nh)
+    x = x + layer.o_proj(att.transpose(1, 2).reshape(b, w, nh * hd))
+    h = layer.post_norm(x)
+    return x + layer.down_proj(nn.functional.silu(layer.gate_proj(h)) * layer.up_proj(h)), k, v
+
+
 class EagleHead(nn.Module):
-    """fc(2d -> d) over ``[z_t, E x_{t+1}]``, one Llama-style decoder layer, a final RMSNorm.
+    """fc(2d -> d) over ``[z_t, E x_{t+1}]``, Llama-style decoder layers (one by default), a final RMSNorm.
 
     With ``feature_layers`` (k of them), the input feature at a committed
     position is ``fuse([n(h_1), ..., n(h_k), z_t])`` (:meth:`fuse_features`; n:
@@ -154,19 +213,11 @@ class EagleHead(nn.Module):
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         self.config = config
-        d, hd = config.hidden_size, config.head_dim
-        nh, nkv = config.num_attention_heads, config.num_key_value_heads
+        d = config.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=True)
         self.fuse = nn.Linear((len(config.feature_layers) + 1) * d, d, bias=False) if config.feature_layers else None
-        self.input_norm = _RMSNorm(d, config.rms_norm_eps)
-        self.q_proj = nn.Linear(d, nh * hd, bias=False)
-        self.k_proj = nn.Linear(d, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(d, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, d, bias=False)
-        self.post_norm = _RMSNorm(d, config.rms_norm_eps)
-        self.gate_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(d, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, d, bias=False)
+        _add_decoder_layer(self, config)  # the first decoder layer
+        self.deeper = nn.ModuleList(_DecoderLayer(config) for _ in range(config.num_layers - 1))
         self.out_norm = _RMSNorm(d, config.rms_norm_eps)
         self.register_buffer("token_ids", torch.arange(config.num_tokens, dtype=torch.long))
 
@@ -209,33 +260,23 @@ class EagleHead(nn.Module):
         """
         cfg = self.config
         b, w, _ = features.shape
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         v_long = valid.long()
         start = cache.num_valid if cache is not None else torch.zeros(b, dtype=torch.long, device=features.device)
         positions = start[:, None] + torch.cumsum(v_long, dim=1) - v_long
         x = self.fc(torch.cat([features, token_embeds], dim=-1))
-        h = self.input_norm(x)
-        q = _rope(self.q_proj(h).view(b, w, nh, hd).transpose(1, 2), positions, cfg.rope_theta)
-        k = _rope(self.k_proj(h).view(b, w, nkv, hd).transpose(1, 2), positions, cfg.rope_theta)
-        v = self.v_proj(h).view(b, w, nkv, hd).transpose(1, 2)
         causal = torch.ones((w, w), dtype=torch.bool, device=x.device).tril()
-        new_mask = causal[None] & valid[:, None, :]  # [B, W(query), W(key)]
-        new_mask = new_mask | torch.eye(w, dtype=torch.bool, device=x.device)[None]  # never an empty row
+        mask = causal[None] & valid[:, None, :]  # [B, W(query), W(key)]
+        mask = mask | torch.eye(w, dtype=torch.bool, device=x.device)[None]  # never an empty row
         if cache is not None:
-            k = torch.cat([cache.keys, k], dim=2)
-            v = torch.cat([cache.values, v], dim=2)
-            old_mask = cache.valid[:, None, :].expand(b, w, cache.length)
-            mask = torch.cat([old_mask, new_mask], dim=2)
-            cache.keys, cache.values = k, v
+            mask = torch.cat([cache.valid[:, None, :].expand(b, w, cache.length), mask], dim=2)
+        for i, layer in enumerate([self, *self.deeper]):
+            past = (cache.keys[i], cache.values[i]) if cache is not None else None
+            x, k, v = _decoder_layer(layer, cfg, x, positions, mask, past)
+            if cache is not None:
+                cache.keys[i], cache.values[i] = k, v
+        if cache is not None:
             cache.valid = torch.cat([cache.valid, valid], dim=1)
             cache.num_valid = cache.num_valid + v_long.sum(dim=1)
-        else:
-            mask = new_mask
-        # grouped-query attention without materialising repeated keys and values
-        att = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=nkv != nh)
-        x = x + self.o_proj(att.transpose(1, 2).reshape(b, w, nh * hd))
-        h = self.post_norm(x)
-        x = x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
         return self.out_norm(x)
 
     def scores(self, features: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -326,5 +367,6 @@ def init_weights(head: EagleHead, seed: int = 0) -> None:
         if head.fuse is not None:
             head.fuse.weight.zero_()
             head.fuse.weight[:, -d:].copy_(torch.eye(d))
-        head.o_proj.weight.mul_(0.1)
-        head.down_proj.weight.mul_(0.1)
+        for layer in [head, *head.deeper]:
+            layer.o_proj.weight.mul_(0.1)
+            layer.down_proj.weight.mul_(0.1)
