@@ -31,6 +31,7 @@ Fixed seeds and data order; 2 threads. Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -192,6 +193,36 @@ def agreement(head: Any, target: Any, data: list[dict[str, Any]], context: bool 
     return hits / max(total, 1)
 
 
+def agreement_after(head: Any, target: Any, data: list[dict[str, Any]]) -> dict[str, Any]:
+    """Teacher-forced first-position agreement (the context's tokens scored, as the drafter does) at the
+    generated positions of ``data`` that follow a hit of the head and at those that follow a miss.
+
+    A draft starts after the target's correction of a miss (or after a bonus
+    token), so the first draft position runs at roughly the rate after a
+    miss, not the average: this says how far apart the two are.
+    """
+    import torch
+
+    from specjax.drafters.eagle_train import agreement_hits
+
+    embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight
+    after = {True: [0, 0], False: [0, 0]}  # previous pair hit -> [hits, pairs]
+    for i in range(len(data)):
+        ids, z, valid = collate(data, [i])
+        generated = torch.arange(ids.shape[1] - 1)[None, :] >= data[i]["prompt_len"] - 1
+        hit, counted = agreement_hits(head, embed, w, z, ids, valid, generated, context=True)
+        row = hit[0][counted[0]].tolist()
+        for prev, now in itertools.pairwise(row):
+            after[prev][0] += now
+            after[prev][1] += 1
+    return {
+        "after_a_hit": after[True][0] / max(after[True][1], 1),
+        "after_a_miss": after[False][0] / max(after[False][1], 1),
+        "pairs_after_a_hit": after[True][1],
+        "pairs_after_a_miss": after[False][1],
+    }
+
+
 def drafted_acceptance(head: Any, target: Any, tok: Any, prompts: list[str], g: int = 4) -> dict[str, Any]:
     """Acceptance per draft position when the head drafts for the target (greedy, fixed G), and the speed."""
     import torch
@@ -346,6 +377,12 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
         f"teacher-forced first-position agreement on {len(held)} held-out generations: {held_agree:.3f} "
         f"over the head's tokens, {held_context:.3f} with the context's (as the drafter scores)"
     )
+    conditional = agreement_after(head, target, held_data)
+    log(
+        f"the same, after a hit of the head: {conditional['after_a_hit']:.3f} "
+        f"({conditional['pairs_after_a_hit']} pairs), after a miss: {conditional['after_a_miss']:.3f} "
+        f"({conditional['pairs_after_a_miss']} pairs)"
+    )
     covered = {"held-out": coverage(head, [(r["prompt"], r["tokens"]) for r in held])}
     covered.update(benchmark_coverage(head, target, tok))
     for name, (own, context) in covered.items():
@@ -360,6 +397,7 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
         drafted,
         heldout_agreement_first_position_cpu=held_agree,
         heldout_agreement_first_position_cpu_context=held_context,
+        heldout_agreement_first_position_cpu_context_after=conditional,
         greedy_token_coverage={k: {"own": v[0], "with_context": v[1]} for k, v in covered.items()},
         time_per_draft_token_s=t_draft,
         evaluated_on_prompts=args.eval_prompts,

@@ -235,3 +235,31 @@ def test_head_choice_with_context_is_the_argmax_over_the_heads_tokens_and_the_ro
             assert int(got[r, t]) == cand[int((pred[r, t] @ w[cand].T).argmax())]
             assert int(plain[r, t]) == sorted(own)[int((pred[r, t] @ w[sorted(own)].T).argmax())]
     assert (got != plain).any()  # the context changed some choices (odd tokens, ids 40+)
+
+
+def test_agreement_hits_are_per_pair_and_sum_to_the_counts(head):
+    """``agreement_hits`` marks each counted pair where the head's choice is the target's argmax (brute force
+    here), only counted pairs; ``agreement_counts`` is their sum."""
+    from specjax.drafters.eagle_train import agreement_counts, agreement_hits, head_choice
+
+    g = torch.Generator().manual_seed(11)
+    b, length, vocab = 2, 8, CFG.target_vocab_size
+    embed = torch.nn.Embedding.from_pretrained(torch.randn(vocab, D, generator=g))
+    w = torch.randn(vocab, D, generator=g)
+    w[:2] *= 10.0  # two tokens (among the head's) win most argmaxes: hits and misses both occur
+    z = torch.randn(b, length, D, generator=g)
+    tokens = torch.randint(0, vocab, (b, length), generator=g)
+    valid = torch.ones(b, length, dtype=torch.bool)
+    valid[1, 6:] = False
+    scored = torch.arange(length - 1)[None, :].expand(b, -1) >= 2
+    hit, counted = agreement_hits(head, embed, w, z, tokens, valid, scored)
+    with torch.no_grad():
+        pair_valid = valid[:, :-1] & valid[:, 1:]
+        pred = head(z[:, :-1], embed(tokens[:, 1:]), pair_valid)
+        want = (head_choice(head, pred, w) == (z[:, 1:] @ w.T).argmax(-1)) & pair_valid & scored
+    assert torch.equal(counted, pair_valid & scored)
+    assert torch.equal(hit, want) and 0 < int(hit.sum()) < int(counted.sum())
+    assert agreement_counts(head, embed, w, z, tokens, valid, scored) == (int(want.sum()), int(counted.sum()))
+    # negative control: a different target changes the hits
+    other, _ = agreement_hits(head, embed, w, -z, tokens, valid, scored)
+    assert not torch.equal(other, hit)

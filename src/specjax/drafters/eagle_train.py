@@ -30,6 +30,7 @@ from specjax.drafters.eagle_head import EagleHead
 __all__ = [
     "LossWeights",
     "agreement_counts",
+    "agreement_hits",
     "cosine_lr",
     "frequent_tokens",
     "head_loss",
@@ -165,7 +166,7 @@ def head_choice(
     return torch.where(near_best.values > best.values, torch.gather(tokens, 1, near_best.indices), mine)
 
 
-def agreement_counts(
+def agreement_hits(
     head: EagleHead,
     embed: nn.Module,
     lm_head_weight: torch.Tensor,
@@ -175,8 +176,9 @@ def agreement_counts(
     scored: torch.Tensor | None = None,
     own_feature: bool = False,
     context: bool = False,
-) -> tuple[int, int]:
-    """(hits, pairs scored): teacher-forced top-1 agreement of the head with the target's greedy choice.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hit, counted), each bool[B, L-1]: teacher-forced top-1 agreement of the head with the target's
+    greedy choice at each pair, and the pairs that count.
 
     ``z``: f32[B, L, k·d], as :func:`head_loss` takes it. At each pair t,
     whether the argmax of the head's scores equals the argmax
@@ -203,7 +205,23 @@ def agreement_counts(
         present[:, 1:] |= valid[:, :-1]  # the last token has no feature but is context
         mine = head_choice(head, pred, lm_head_weight, (tokens, present) if context else None)
         theirs = (z[:, 1:] @ lm_head_weight.float().T).argmax(-1)
-        return int(((mine == theirs) & count).sum()), int(count.sum())
+        return (mine == theirs) & count, count
+
+
+def agreement_counts(
+    head: EagleHead,
+    embed: nn.Module,
+    lm_head_weight: torch.Tensor,
+    z: torch.Tensor,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    scored: torch.Tensor | None = None,
+    own_feature: bool = False,
+    context: bool = False,
+) -> tuple[int, int]:
+    """(hits, pairs scored): :func:`agreement_hits`, counted."""
+    hit, count = agreement_hits(head, embed, lm_head_weight, z, tokens, valid, scored, own_feature, context)
+    return int(hit.sum()), int(count.sum())
 
 
 def teacher_agreement(
