@@ -99,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prompts (acceptance per position, speed) and time its draft token; merge the figures into DIR's "
         "training_report.json (e.g. a head from scripts/train_eagle_gpu.py, whose summary.json gives the rest)",
     )
+    e.add_argument(
+        "--all-tokens",
+        action="store_true",
+        help="with --evaluate: the head scores every token of the target's vocabulary, its own first (what "
+        "its N leaves out); the figures are printed, DIR's training_report.json is left as it is",
+    )
     e.add_argument("--quick", action="store_true", help="a smoke run: few prompts, two minutes of training")
     args = p.parse_args(argv)
     if args.quick:
@@ -369,6 +375,8 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
     from specjax.drafters.eagle_head import load_head
 
     head = load_head(path).eval()
+    if args.all_tokens:
+        head = widened_head(head)
     held_prompts, held = heldout_greedy(target, tok, args)
     held_data = with_features(target, held, layers=head.target_hidden_layers)
     held_agree = agreement(head, target, held_data)
@@ -391,6 +399,9 @@ def evaluate_only(path: Path, target: Any, tok: Any, args: argparse.Namespace) -
     log(f"drafting on {args.eval_prompts} held-out prompts: {drafted}")
     t_draft = time_per_draft_token(head, target)
     log(f"time per draft token {t_draft * 1e3:.2f} ms")
+    if args.all_tokens:
+        log("--all-tokens: training_report.json left as it is")
+        return 0
     report_file = path / "training_report.json"
     report = json.loads(report_file.read_text()) if report_file.is_file() else {}
     report.update(
@@ -458,6 +469,25 @@ def restricted_head(path: Path, ids: Any) -> Any:
     small.load_state_dict({**state, "token_ids": ids}, strict=True)
     log(f"head from {path}: scores {len(ids)} of its {head.config.num_tokens} tokens")
     return small.eval()
+
+
+def widened_head(head: Any) -> Any:
+    """``head`` scoring every token of the target's vocabulary: its own N first, then the others by id."""
+    import dataclasses
+
+    import torch
+
+    from specjax.drafters.eagle_head import EagleHead
+
+    vocab = head.config.target_vocab_size
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[head.token_ids] = False
+    ids = torch.cat([head.token_ids, torch.arange(vocab)[rest]])
+    wide = EagleHead(dataclasses.replace(head.config, num_tokens=vocab))
+    state = {k: v for k, v in head.state_dict().items() if k != "token_ids"}
+    wide.load_state_dict({**state, "token_ids": ids}, strict=True)
+    log(f"the head scores all {vocab} tokens (its own {head.config.num_tokens} first)")
+    return wide.eval()
 
 
 def evaluate_and_save(
