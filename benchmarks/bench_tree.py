@@ -66,7 +66,8 @@ class TreeRunner:
         rows = [x]
         if dmax > 1:
             tmp = FeatureCache(k, self.head.config, feature.device, feature.dtype)
-            tmp.keys, tmp.values = cache.keys.expand(k, -1, -1, -1), cache.values.expand(k, -1, -1, -1)
+            tmp.keys = [t.expand(k, -1, -1, -1) for t in cache.keys]  # per decoder layer
+            tmp.values = [t.expand(k, -1, -1, -1) for t in cache.values]
             tmp.valid, tmp.num_valid = cache.valid.expand(k, -1), cache.num_valid.expand(k)
             f = feature.expand(k, -1)
             ones = torch.ones((k, 1), dtype=torch.bool)
