@@ -25,7 +25,9 @@ PROMPT = [5, 9, 2, 30, 7]
 RAGGED = ([6, 1, 3, 8], 4)  # the ragged batch: lengths, seed of make_left_padded
 
 
-def train_tiny_head(target, prompts, *, num_tokens: int, steps: int = 100, seed: int = 0, feature_layers=()):
+def train_tiny_head(
+    target, prompts, *, num_tokens: int, steps: int = 100, seed: int = 0, feature_layers=(), num_layers: int = 1
+):
     """A head for ``target`` trained on its greedy continuations of ``prompts``; agreement before/after.
 
     A random target's next token is an arbitrary function of its context, which
@@ -47,7 +49,7 @@ def train_tiny_head(target, prompts, *, num_tokens: int, steps: int = 100, seed:
     mask = torch.cat([mask, torch.ones((len(prompts), 24), dtype=torch.long)], dim=1)
     valid = mask.bool()
     d = target.config.hidden_size
-    head = EagleHead(EagleConfig(d, 4, 2, 2 * d, V, num_tokens, feature_layers=feature_layers))
+    head = EagleHead(EagleConfig(d, 4, 2, 2 * d, V, num_tokens, feature_layers=feature_layers, num_layers=num_layers))
     z = target_features(target, seqs, mask, head.target_hidden_layers).clone()
     init_weights(head, seed)
     head.token_ids.copy_(frequent_tokens([s[m].tolist() for s, m in zip(seqs, valid, strict=True)], num_tokens, V))
@@ -110,6 +112,34 @@ def test_a_head_reading_several_layers_is_greedy_identical(target, trained_fused
         target, EagleDrafter(head), ids, attention_mask=mask, max_new_tokens=17, num_draft_tokens=3, pad_token_id=0
     )
     assert torch.equal(out.sequences, ref)
+
+
+def test_a_two_layer_head_is_greedy_identical(target, left_padded):
+    """A head of two decoder layers (each with its own cache, cut back after every verification) drafts
+    tokens the target accepts, at B = 1 and on a ragged batch, and the output is the target's."""
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    ragged = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    others = torch.randint(1, V, (16, 5), generator=torch.Generator().manual_seed(0)).tolist()
+    head, before, after = train_tiny_head(target, [PROMPT, *ragged, *others], num_tokens=40, num_layers=2)
+    assert len(head.deeper) == 1 and after > before + 0.2 and after > 0.5, (before, after)
+    one = torch.tensor([PROMPT])
+    ref = target.generate(one, do_sample=False, max_new_tokens=24, pad_token_id=0)
+    out = specjax.speculative_generate(
+        target, EagleDrafter(head), one, max_new_tokens=24, num_draft_tokens=4, adaptive=False, pad_token_id=0
+    )
+    assert torch.equal(out.sequences, ref) and out.stats.draft_tokens_accepted > 0, out.stats
+    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=17, pad_token_id=0)
+    out = specjax.speculative_generate(
+        target,
+        EagleDrafter(head),
+        ids,
+        attention_mask=mask,
+        max_new_tokens=17,
+        num_draft_tokens=3,
+        adaptive=False,
+        pad_token_id=0,
+    )
+    assert torch.equal(out.sequences, ref) and out.stats.draft_tokens_accepted > 0, out.stats
 
 
 def test_a_head_reading_layers_the_target_lacks_is_refused(target):
