@@ -79,8 +79,25 @@ def trained(target, left_padded):
     return train_tiny_head(target, [PROMPT, *ragged, *others], num_tokens=40)
 
 
-def test_training_raises_agreement(trained):
-    _, before, after = trained
+@pytest.fixture(scope="module")
+def trained_deep(target, left_padded):
+    """The same data, a head of two decoder layers (each with its own cache, cut back after every
+    verification and row-selected with the batch)."""
+    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
+    ragged = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    others = torch.randint(1, V, (16, 5), generator=torch.Generator().manual_seed(0)).tolist()
+    head, before, after = train_tiny_head(target, [PROMPT, *ragged, *others], num_tokens=40, num_layers=2)
+    assert len(head.deeper) == 1
+    return head, before, after
+
+
+@pytest.fixture(params=["trained", "trained_deep"], ids=["one-layer", "two-layers"])
+def any_trained(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_training_raises_agreement(any_trained):
+    _, before, after = any_trained
     assert after > before + 0.2 and after > 0.5, (before, after)
 
 
@@ -114,34 +131,6 @@ def test_a_head_reading_several_layers_is_greedy_identical(target, trained_fused
     assert torch.equal(out.sequences, ref)
 
 
-def test_a_two_layer_head_is_greedy_identical(target, left_padded):
-    """A head of two decoder layers (each with its own cache, cut back after every verification) drafts
-    tokens the target accepts, at B = 1 and on a ragged batch, and the output is the target's."""
-    ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
-    ragged = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
-    others = torch.randint(1, V, (16, 5), generator=torch.Generator().manual_seed(0)).tolist()
-    head, before, after = train_tiny_head(target, [PROMPT, *ragged, *others], num_tokens=40, num_layers=2)
-    assert len(head.deeper) == 1 and after > before + 0.2 and after > 0.5, (before, after)
-    one = torch.tensor([PROMPT])
-    ref = target.generate(one, do_sample=False, max_new_tokens=24, pad_token_id=0)
-    out = specjax.speculative_generate(
-        target, EagleDrafter(head), one, max_new_tokens=24, num_draft_tokens=4, adaptive=False, pad_token_id=0
-    )
-    assert torch.equal(out.sequences, ref) and out.stats.draft_tokens_accepted > 0, out.stats
-    ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=17, pad_token_id=0)
-    out = specjax.speculative_generate(
-        target,
-        EagleDrafter(head),
-        ids,
-        attention_mask=mask,
-        max_new_tokens=17,
-        num_draft_tokens=3,
-        adaptive=False,
-        pad_token_id=0,
-    )
-    assert torch.equal(out.sequences, ref) and out.stats.draft_tokens_accepted > 0, out.stats
-
-
 def test_a_head_reading_layers_the_target_lacks_is_refused(target):
     head = EagleHead(EagleConfig(32, 4, 2, 64, V, V, feature_layers=(1, 2)))  # the target has 2 layers
     with pytest.raises(ValueError, match=r"after layers \[1, 2\], the target has 2 layers"):
@@ -149,8 +138,8 @@ def test_a_head_reading_layers_the_target_lacks_is_refused(target):
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_identity_batch_of_one(target, trained, adaptive):
-    head, _, _ = trained
+def test_greedy_identity_batch_of_one(target, any_trained, adaptive):
+    head, _, _ = any_trained
     ids = torch.tensor([PROMPT])
     ref = target.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0)
     out = specjax.speculative_generate(
@@ -161,8 +150,8 @@ def test_greedy_identity_batch_of_one(target, trained, adaptive):
         assert out.stats.draft_tokens_accepted > 0, out.stats  # accepted proposals carried the identity too
 
 
-def test_greedy_identity_ragged_left_padded_batch(target, trained, left_padded):
-    head, _, _ = trained
+def test_greedy_identity_ragged_left_padded_batch(target, any_trained, left_padded):
+    head, _, _ = any_trained
     ids, mask = left_padded(RAGGED[0], vocab_size=V, seed=RAGGED[1])
     ref = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=17, pad_token_id=0)
     out = specjax.speculative_generate(
