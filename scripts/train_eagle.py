@@ -107,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     e.add_argument("--quick", action="store_true", help="a smoke run: few prompts, two minutes of training")
     args = p.parse_args(argv)
+    if args.all_tokens and args.evaluate is None:
+        p.error("--all-tokens: expected with --evaluate DIR (it widens the head being evaluated)")
     if args.quick:
         args.train_prompts, args.heldout_prompts, args.max_new_tokens = 64, 8, 48
         args.gen_set_size, args.gen_batch, args.minutes, args.eval_prompts = 64, 32, 2.0, 3

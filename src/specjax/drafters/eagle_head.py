@@ -144,7 +144,7 @@ class FeatureCache:
 
 
 def _add_decoder_layer(module: nn.Module, config: EagleConfig) -> None:
-    """Give ``module`` a Llama-style decoder layer's weights, under the names a one-layer head's carry."""
+    """Give ``module`` a Llama-style decoder layer's weights, under the names a one-layer head gives them."""
     d, hd = config.hidden_size, config.head_dim
     nh, nkv = config.num_attention_heads, config.num_key_value_heads
     module.input_norm = _RMSNorm(d, config.rms_norm_eps)
