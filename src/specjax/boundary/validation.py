@@ -65,16 +65,31 @@ def as_array(name: str, x: Any) -> Any:
             return to_jax(x)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{name}: {err}") from err
-    if isinstance(x, jax.Array | np.ndarray):
+    if isinstance(x, np.ndarray):
+        return native_byte_order(x)
+    if isinstance(x, jax.Array):
         return x
     if isinstance(x, list | tuple | int | float | np.generic):
         try:
-            return np.asarray(x)
+            return native_byte_order(np.asarray(x))
         except ValueError as err:  # ragged nested lists
             raise ValueError(f"{name}: expected a rectangular array, got a ragged nested list") from err
     if hasattr(x, "__array__"):
-        return np.asarray(x)
+        return native_byte_order(np.asarray(x))
     raise ValueError(f"{name}: expected a list, NumPy array, JAX array or torch tensor, got {type(x).__name__}")
+
+
+def native_byte_order(x: np.ndarray) -> np.ndarray:
+    """``x`` with its dtype in this machine's byte order (a converted copy for, e.g., big-endian ``'>f4'``).
+
+    JAX and XLA read host buffers in native order only: a big-endian float32
+    array reached the kernels as garbage numbers (a one-hot "softmax", wrong
+    counts) instead of an error. Arrays already in native order (nearly all)
+    are returned as they are.
+    """
+    if x.dtype.isnative:
+        return x
+    return x.astype(x.dtype.newbyteorder("="))
 
 
 def token_ids_unchecked(x: Any, validate: bool) -> Any:
@@ -364,7 +379,7 @@ def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
     elif type(value).__module__.split(".")[0] == "torch":
         arr = np.asarray(jax.device_get(as_array(name, value)))
     else:
-        arr = np.asarray(value)
+        arr = native_byte_order(np.asarray(value))
     if arr.ndim == 0:
         arr = np.broadcast_to(arr, (batch,))
     if arr.shape != (batch,):

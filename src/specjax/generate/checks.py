@@ -26,6 +26,7 @@ from specjax.kernels.results import AcceptanceResult
 __all__ = [
     "PluginOutputError",
     "check_all_rows_have_tokens",
+    "check_draft_logits",
     "check_draft_output",
     "check_model",
     "check_position_limit",
@@ -240,3 +241,80 @@ def check_draft_output(
             f"an id in [0, V) = [0, {vocab})"
         )
     return tok
+
+
+def check_draft_logits(
+    who: str, logits: Any, tokens: np.ndarray, lengths: np.ndarray, batch: int, *, values: bool
+) -> None:
+    """Check a drafter's draft logits: one f[B, V_draft] array per position, each a distribution.
+
+    ``tokens``: i[B, G] host array of the proposed ids; ``lengths``: i[B], ``k_b``
+    (row b's ``i``-th logits row matters only while ``i < k_b``). Shapes are
+    always checked. With ``values`` (sampled steps, where the acceptance test
+    reads ``q``): every used row must hold no NaN and no +inf and not be all
+    -inf (its softmax would be NaN: the test would then read garbage), and
+    the proposed token must have a finite logit in it (a token outside the
+    logits' width, or at -inf, has ``q(x) = 0``: it was not drawn from these
+    logits, and ``q(x) = 0`` would pass any token the target allows). One max
+    and one gather per position, in the array's own library (no copy of a
+    device array to the host but the (B,) results).
+    """
+    k_max = int(lengths.max(initial=0))
+    for i, lg in enumerate(logits):
+        shape = getattr(lg, "shape", None)
+        if not isinstance(lg, torch.Tensor | np.ndarray) and not hasattr(lg, "__jax_array__") and shape is None:
+            raise PluginOutputError(
+                f"{who} returned draft logits at position {i} as {type(lg).__name__}, expected an array of shape "
+                f"({batch}, V) (a torch tensor, NumPy or JAX array)"
+            )
+        if shape is None or len(shape) != 2 or int(shape[0]) != batch or int(shape[1]) < 1:
+            raise PluginOutputError(
+                f"{who} returned draft logits of shape {tuple(shape or ())} at position {i}, expected ({batch}, V)"
+            )
+        if not values or i >= k_max:
+            continue
+        dt = str(getattr(lg, "dtype", ""))
+        if not any(f in dt for f in ("float16", "float32", "float64")):
+            raise PluginOutputError(f"{who} returned draft logits of dtype {dt} at position {i}, expected floats")
+        rows = np.nonzero(lengths > i)[0]
+        width = int(shape[1])
+        x = np.asarray(tokens[rows, i], np.int64)
+        inside = x < width
+        row_max, at_x = _row_max_and_gather(lg, rows, np.minimum(x, width - 1))
+        at_x = np.where(inside, at_x, -np.inf)
+        bad = np.nonzero(~np.isfinite(row_max))[0]
+        if bad.size:
+            r, m = int(rows[bad[0]]), float(row_max[bad[0]])
+            what = "NaN" if np.isnan(m) else ("+inf" if m > 0 else "only -inf")
+            raise PluginOutputError(
+                f"{who} returned draft logits holding {what} at position {i}, row {r}: expected finite logits "
+                "(-inf only for excluded tokens) whose softmax is the distribution the token was drawn from"
+            )
+        bad = np.nonzero(~np.isfinite(at_x))[0]
+        if bad.size:
+            j = int(bad[0])
+            where = f"outside the logits' width {width}" if not inside[j] else "whose logit is -inf"
+            raise PluginOutputError(
+                f"{who} proposed token {int(x[j])} at row {int(rows[j])}, position {i}, {where}: a sampled draft "
+                "token must be drawn from the draft logits returned with it (q(x) > 0); return logits over the "
+                "whole vocabulary"
+            )
+
+
+def _row_max_and_gather(lg: Any, rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """f64[R] row maxima (NaN if a row holds one) and f64[R] ``lg[rows, ids]``, as host arrays."""
+    if isinstance(lg, torch.Tensor):
+        r = torch.as_tensor(rows, device=lg.device)
+        sel = lg.detach()[r]
+        both = torch.stack(
+            [sel.amax(dim=-1), sel[torch.arange(len(rows), device=lg.device), torch.as_tensor(ids, device=lg.device)]]
+        )
+        out = both.double().cpu().numpy()
+    else:
+        import jax.numpy as jnp
+
+        arr = lg if isinstance(lg, np.ndarray) else jnp.asarray(lg)
+        lib = np if isinstance(arr, np.ndarray) else jnp
+        sel = arr[rows]
+        out = np.asarray(lib.stack([lib.max(sel, axis=-1), sel[np.arange(len(rows)), ids]]), np.float64)
+    return out[0], out[1]

@@ -296,7 +296,9 @@ def run_loop(
                     )
                 )
                 draft_s = time.perf_counter() - t_draft
-                _check_proposal(who, proposal, caps, b_now, target_vocab, check_ids=not trusted)
+                _check_proposal(
+                    who, proposal, caps, b_now, target_vocab, check_ids=not trusted, check_logits=not greedy
+                )
                 paid = int(want.max()) if proposal.paid_tokens is None else int(proposal.paid_tokens)
                 if compiles.seconds == compiled_before:
                     schedule.record_draft(paid, draft_s)
@@ -454,8 +456,11 @@ def run_loop(
     return out
 
 
-def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab: int, *, check_ids: bool) -> None:
-    """A drafter's proposal: shapes, ``0 <= k_b <= max_tokens[b]``, and (third-party drafters) ids in [0, V)."""
+def _check_proposal(
+    who: str, proposal: Any, want: np.ndarray, batch: int, vocab: int, *, check_ids: bool, check_logits: bool
+) -> None:
+    """A drafter's proposal: shapes, ``0 <= k_b <= max_tokens[b]``, (third-party drafters) ids in [0, V),
+    and, with ``check_logits`` (sampled steps), draft logits that are distributions the tokens came from."""
     if not isinstance(proposal, Proposal):
         raise checks.PluginOutputError(
             f"{who} returned {type(proposal).__name__}, expected a specjax.drafters.Proposal"
@@ -477,15 +482,12 @@ def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab
             f"{who} returned tokens of shape {shape}, expected ({batch}, G) with G >= {int(k.max(initial=0))}"
         )
     if proposal.logits is not None:
-        if len(proposal.logits) < int(k.max(initial=0)):
+        if not isinstance(proposal.logits, tuple | list) or len(proposal.logits) < int(k.max(initial=0)):
+            count = len(proposal.logits) if isinstance(proposal.logits, tuple | list) else type(proposal.logits)
             raise checks.PluginOutputError(
-                f"{who} returned {len(proposal.logits)} logits arrays for {int(k.max(initial=0))} draft positions"
+                f"{who} returned {count} logits arrays for {int(k.max(initial=0))} draft positions, expected a "
+                "tuple with one f[B, V] array per position"
             )
-        for lg in proposal.logits:
-            if tuple(lg.shape)[:1] != (batch,) or len(lg.shape) != 2:
-                raise checks.PluginOutputError(
-                    f"{who} returned draft logits of shape {tuple(lg.shape)}, expected ({batch}, V)"
-                )
     if proposal.free_rows is not None:
         free = np.asarray(proposal.free_rows)
         if free.shape != (batch,) or free.dtype != np.bool_:
@@ -508,13 +510,23 @@ def _check_proposal(who: str, proposal: Any, want: np.ndarray, batch: int, vocab
             )
     if proposal.hindsight is not None:
         hits, tests = (np.asarray(a) for a in proposal.hindsight)
-        if hits.shape != (batch,) or tests.shape != (batch,) or bool(((hits < 0) | (hits > tests)).any()):
+        if (
+            hits.shape != (batch,)
+            or tests.shape != (batch,)
+            or not all(np.issubdtype(a.dtype, np.integer) for a in (hits, tests))
+            or bool(((hits < 0) | (hits > tests)).any())
+        ):
             raise checks.PluginOutputError(
                 f"{who} returned hindsight of shapes {hits.shape} and {tests.shape}, expected two integer arrays "
                 f"of shape ({batch},) with 0 <= hits <= tests"
             )
-    if check_ids:
-        checks.check_draft_output(who, proposal.tokens, batch, shape[1], vocab, k)
+    host = checks.check_draft_output(who, proposal.tokens, batch, shape[1], vocab, k) if check_ids else None
+    if proposal.logits is not None:
+        if check_logits and host is None:
+            host = to_host(proposal.tokens)
+        checks.check_draft_logits(
+            who, proposal.logits, host if host is not None else np.zeros((batch, 0)), k, batch, values=check_logits
+        )
 
 
 def _buckets(limit: int) -> list[int]:

@@ -175,12 +175,16 @@ def num_accepted_from_ratios(
     Test ``i`` passes iff ``u_i < p_i(x_i) / q_i(x_i)``. With ``q_i(x_i) = 0``
     that reads ``p_i(x_i) > 0`` (the ratio is +inf, or NaN when both are 0), so
     a token the target gives probability zero never passes, whatever ``u_i``.
+    A NaN ``p_i(x_i)`` or ``q_i(x_i)`` (a non-finite distribution, possible
+    with ``validate=False``) fails the test: the row then emits a token drawn
+    by :func:`residual_weights`' rule, never a draft token vouched for by NaN.
     The inputs are replicated on a mesh (gathered with :func:`vocab_gather` or
     :func:`psum_owned`), so every shard takes the same decisions.
     """
     p, q, u = target_at_draft, draft_at_draft, accept_uniforms
     p_pos, q_pos = is_positive(p), is_positive(q)
     passes = jnp.where(q_pos, (u < positive_ratio(p, q)) | ((u == 0) & p_pos), p_pos)
+    passes &= ~(jnp.isnan(p) | jnp.isnan(q))
     if num_draft_tokens is not None:
         positions = jnp.arange(p.shape[1], dtype=jnp.int32)
         passes = passes & (positions[None, :] < num_draft_tokens[:, None])
@@ -268,16 +272,23 @@ def point_mass(token: jax.Array, ids: jax.Array, dtype: Any) -> jax.Array:
 
 
 def residual_weights(target_row: jax.Array, draft_row: jax.Array, axis_name: AxisName = None) -> jax.Array:
-    """f32[B, L]: ``max(p_n - q_n, 0)``, or ``p_n`` for rows where that sums to zero (over all shards).
+    """f32[B, L]: ``max(p_n - q_n, 0)``, or ``p_n`` for rows where that does not sum to a positive number.
+
+    The residual is empty (sums to zero over all shards) when ``q_n >= p_n``
+    everywhere; its sum is NaN when ``q_n`` or ``p_n`` holds a NaN (a
+    non-finite distribution, possible with ``validate=False``). Either way the
+    row draws from ``p_n``: with the test at ``n`` failed, that is the target's
+    own law at that position, so a broken draft distribution costs speed,
+    never exactness.
 
     Args:
       target_row: f32[B, L], (this shard's slice of) ``p_n``.
       draft_row: f32[B, L], (this shard's slice of) ``q_n`` (zeros when ``n = G``).
       axis_name: the vocabulary mesh axis, or None.
     """
-    residual = jnp.maximum(target_row - draft_row, 0)
+    residual = jnp.maximum(target_row - draft_row, 0)  # NaN stays NaN (jnp.maximum propagates it)
     # Non-negative terms: the global sum is 0 iff every term is, whatever the order.
-    empty = vocab_sum(residual, axis_name) <= 0
+    empty = ~(vocab_sum(residual, axis_name) > 0)
     return jnp.where(empty[:, None], target_row, residual)
 
 

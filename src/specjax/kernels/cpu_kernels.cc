@@ -158,7 +158,7 @@ float residual_block_sum(const float* __restrict xt, RowParams pt, const float* 
   const float cd = pd.c, md = pd.x_max, zd = pd.z, kd = pd.cut;
   for (int64_t j = 0; j < n; ++j) {
     const float w = processed_prob(xt[j], mt, ct, zt, kt) - processed_prob(xd[j], md, cd, zd, kd);
-    terms[j] = w > 0.0f ? w : 0.0f;
+    terms[j] = w < 0.0f ? 0.0f : w;  // NaN kept: the sum is NaN, the row draws from p
   }
   return sum_block(terms, n);
 }
@@ -175,7 +175,7 @@ inline float residual_weight(float xt, const RowParams& pt, const float* xd, con
   const float p = processed_prob(xt, pt.x_max, pt.c, pt.z, pt.cut);
   const float q = use_q ? processed_prob(*xd, pd.x_max, pd.c, pd.z, pd.cut) : 0.0f;
   const float w = p - q;
-  return w > 0.0f ? w : 0.0f;
+  return w < 0.0f ? 0.0f : w;
 }
 
 // Runs body(i) for every i in [0, n), on the calling thread and, when the work
@@ -248,7 +248,7 @@ struct ProbPair {
       const float* __restrict qq = q + lo;
       for (int64_t j = 0; j < n; ++j) {
         const float w = pp[j] - qq[j];
-        terms[j] = w > 0.0f ? w : 0.0f;
+        terms[j] = w < 0.0f ? 0.0f : w;  // NaN kept: the sum is NaN, the row draws from p
       }
       return sum_block(terms, n);
     }
@@ -256,7 +256,7 @@ struct ProbPair {
   }
   float weight(int64_t j, bool use_q) const {
     const float w = p[j] - (use_q ? q[j] : 0.0f);
-    return w > 0.0f ? w : 0.0f;
+    return w < 0.0f ? 0.0f : w;
   }
 };
 
@@ -454,6 +454,7 @@ struct VerifyRow {
   // on the bits where XLA would flush subnormals (rejection.is_positive /
   // positive_ratio), so a token the target gives probability 0 never passes.
   static bool passes(float p, float q, float u) {
+    if (p != p || q != q) return false;  // NaN fails (num_accepted_from_ratios)
     const int32_t pi = __builtin_bit_cast(int32_t, p), qi = __builtin_bit_cast(int32_t, q);
     if (qi <= 0) return pi > 0;
     const int32_t tiny = __builtin_bit_cast(int32_t, FLT_MIN);
