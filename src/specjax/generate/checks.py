@@ -304,12 +304,10 @@ def check_draft_logits(
 def _row_max_and_gather(lg: Any, rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """f64[R] row maxima (NaN if a row holds one) and f64[R] ``lg[rows, ids]``, as host arrays."""
     if isinstance(lg, torch.Tensor):
-        r = torch.as_tensor(rows, device=lg.device)
-        sel = lg.detach()[r]
-        both = torch.stack(
-            [sel.amax(dim=-1), sel[torch.arange(len(rows), device=lg.device), torch.as_tensor(ids, device=lg.device)]]
-        )
-        out = both.double().cpu().numpy()
+        dev = lg.device
+        rows_t = lg.detach()[torch.as_tensor(rows, device=dev)]
+        at = rows_t[torch.arange(len(rows), device=dev), torch.as_tensor(ids, device=dev)]
+        out = torch.stack([rows_t.amax(dim=-1), at]).double().cpu().numpy()
     else:
         import jax.numpy as jnp
 
