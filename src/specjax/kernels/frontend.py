@@ -43,7 +43,6 @@ convert and validate user inputs first, live in :mod:`specjax.boundary.api`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -53,7 +52,7 @@ from jax import lax
 
 from specjax import _compat
 from specjax.kernels import cpu_kernels
-from specjax.kernels.compile_options import VECTOR_OPTIONS
+from specjax.kernels.compile_options import vector_jit
 from specjax.kernels.core import (
     AxisName,
     assemble_tokens,
@@ -537,7 +536,7 @@ def _draw_from_logits(
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
 # per row), or when params.use_top_k / use_top_p change (static fields of the
 # SamplingParams pytree). Never for values.
-@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+@vector_jit
 def _verify_jit(draft_tokens, draft_logits, target_logits, key, params: SamplingParams, num_draft_tokens):
     b, g = draft_tokens.shape
     u = _uniforms(key, b, g + 1)
@@ -545,7 +544,7 @@ def _verify_jit(draft_tokens, draft_logits, target_logits, key, params: Sampling
 
 
 # Recompiles when shapes/dtypes, the key kind or params.use_top_k / use_top_p change.
-@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+@vector_jit
 def _sample_jit(logits, key, params: SamplingParams):
     b = logits.shape[0]
     stats = row_stats(logits, params.temperature, params.active_top_k, params.active_one_minus_top_p, impl=params.impl)

@@ -75,7 +75,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax import _compat
-from specjax.kernels.compile_options import VECTOR_OPTIONS
+from specjax.kernels.compile_options import vector_jit
 from specjax.kernels.core import AxisName
 from specjax.kernels.frontend import _uniforms, verify_core
 from specjax.kernels.rejection import rejection_body
@@ -369,7 +369,7 @@ def _verify_body(
 # Recompiles when shapes/dtypes change, when the key kind changes (one key or one
 # per row), when params.use_top_k / use_top_p change (static fields of the
 # SamplingParams pytree), or the layout changes. Never for values.
-@partial(jax.jit, static_argnames=("layout", "per_shard"), compiler_options=VECTOR_OPTIONS)
+@vector_jit(static_argnames=("layout", "per_shard"))
 def _verify_mesh_jit(
     draft_tokens,
     draft_logits,

@@ -13,13 +13,11 @@ step ``t`` the row key is ``fold_in(row_key, t)``; draft draw ``i`` uses
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.kernels.compile_options import VECTOR_OPTIONS
+from specjax.kernels.compile_options import vector_jit
 from specjax.kernels.core import inverse_cdf
 from specjax.kernels.frontend import _uniforms, row_probs, row_stats, verify_core
 from specjax.kernels.types import AcceptanceResult, SamplingParams
@@ -44,7 +42,7 @@ def step_keys(row_keys: jax.Array, step: jax.Array | int, purpose: int) -> jax.A
 
 # Recompiles when B, the draft vocabulary, `vocab` or params.use_top_k / use_top_p /
 # impl (static fields of the SamplingParams pytree) change.
-@partial(jax.jit, static_argnames=("vocab",), compiler_options=VECTOR_OPTIONS)
+@vector_jit(static_argnames=("vocab",))
 def draft_draw(logits, row_keys, step, purpose, params: SamplingParams, *, vocab):
     """Draw one draft token per row.
 
@@ -92,7 +90,7 @@ def _stack_draft(draft_logits, b: int, vocab: int):
 
 # Recompiles when B, G, the vocabularies, params.use_top_k / use_top_p or point
 # masses (draft_logits None) versus logits change.
-@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+@vector_jit
 def verify_step(
     draft_tokens, draft_logits, target_logits, row_keys, step, params: SamplingParams, num_draft_tokens
 ) -> AcceptanceResult:
@@ -120,7 +118,7 @@ def verify_step(
 
 
 # Recompiles when B, G, the vocabularies or params.use_top_k / use_top_p change.
-@partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+@vector_jit
 def probs_step(draft_logits, target_logits, row_keys, step, params: SamplingParams):
     """Processed probabilities and uniforms for a sampler with the probabilities contract.
 

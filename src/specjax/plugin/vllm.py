@@ -702,15 +702,13 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
     """
     from functools import partial
 
-    import jax
-
     from specjax.kernels import cpu_kernels, flat
-    from specjax.kernels.compile_options import VECTOR_OPTIONS
+    from specjax.kernels.compile_options import vector_jit
 
     impl = cpu_kernels.resolve("auto")  # eager, here: never while tracing
-    summarise = jax.jit(partial(flat.summarise_rows, impl=impl), compiler_options=VECTOR_OPTIONS)
+    summarise = vector_jit(partial(flat.summarise_rows, impl=impl))
 
-    @partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+    @vector_jit
     def finish(
         grid_p,
         grid_argmax,
@@ -739,7 +737,7 @@ def _point_mass_fns() -> tuple[Callable[..., Any], Callable[..., Any], Callable[
         )
         return tokens, n, needs_draw, u[:, g]
 
-    draw = jax.jit(partial(flat.residual_draw, impl=impl), compiler_options=VECTOR_OPTIONS)
+    draw = vector_jit(partial(flat.residual_draw, impl=impl))
     return summarise, finish, draw
 
 
@@ -766,18 +764,15 @@ def _target_probs_fn() -> Callable[..., Any]:
     Zero rows make every test past ``k_b`` fail (``p(x) = 0``); what the kernel
     emits at ``k_b`` is replaced by vLLM's bonus token.
     """
-    from functools import partial
-
-    import jax
     import jax.numpy as jnp
 
     from specjax.kernels import cpu_kernels
-    from specjax.kernels.compile_options import VECTOR_OPTIONS
+    from specjax.kernels.compile_options import vector_jit
     from specjax.kernels.frontend import row_probs, row_stats
 
     impl = cpu_kernels.resolve("auto")  # eager, here: never while tracing
 
-    @partial(jax.jit, compiler_options=VECTOR_OPTIONS)
+    @vector_jit
     def probs(target_logits, key_words, temperature, num_draft_tokens):
         g1 = target_logits.shape[1]
         p = row_probs(row_stats(target_logits, temperature[:, None], impl=impl), target_logits, impl)
