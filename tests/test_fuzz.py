@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import specjax
+from specjax.generate.checks import PluginOutputError
 
 # --------------------------------------------------------------------------- profiles and the property
 
@@ -72,10 +73,17 @@ def host(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-CONTAINERS = ("numpy", "list", "torch", "jax")
+# NumPy in other byte orders and layouts too: big-endian arrays were read as garbage numbers (issue 58)
+CONTAINERS = ("numpy", "list", "torch", "jax", "big-endian", "strided", "fortran")
 
 
 def contain(x: np.ndarray, kind: str) -> Any:
+    if kind == "big-endian":
+        return x.astype(x.dtype.newbyteorder(">")) if x.dtype.kind in "fiu" else x
+    if kind == "strided":  # a view that steps over every other element of a larger buffer
+        return np.repeat(x, 2, axis=-1)[..., ::2] if x.ndim else x
+    if kind == "fortran":
+        return np.asfortranarray(x)
     if kind == "list":
         return x.tolist()
     if kind == "torch":
@@ -193,9 +201,12 @@ def kernel_case(draw):
         else:
             arr = None if defect == "none" else "not an array"
         args[blame] = arr
+        if arr is None and blame == "draft_probs":  # valid: point masses at the draft tokens
+            defect = blame = None
     else:
         defect = None
-    container = draw(st.sampled_from(CONTAINERS if b and g else ("numpy", "torch", "jax")))  # a list loses (0, ...)
+    # a list loses the shape (0, ...)
+    container = draw(st.sampled_from(CONTAINERS if b and g else tuple(c for c in CONTAINERS if c != "list")))
     if container != "numpy":
         args = {
             k: (contain(a, container) if isinstance(a, np.ndarray) and a.dtype != jnp.bfloat16 else a)
@@ -227,7 +238,7 @@ def test_fuzz_rejection_sample(case, sampler):
     check_layout(n, tokens, x.astype(np.int64), np.full(b, g), v)
     if defect is None:  # exact inputs: every sampler agrees with the float64 reference
         ref = specjax.load_sampler("numpy")(
-            **{k: host(a) if not isinstance(a, list) else a for k, a in args.items()}, validate=True
+            **{k: a if a is None or isinstance(a, list) else host(a) for k, a in args.items()}, validate=True
         )
         np.testing.assert_array_equal(n, ref.num_accepted)
         np.testing.assert_array_equal(tokens, ref.tokens)
@@ -253,7 +264,7 @@ def _param(draw, name: str, b: int, valid: bool) -> Any:
         rows = [draw(good) for _ in range(b)] if valid else [value] * b
         if any(r is None for r in rows) or any(isinstance(r, int) and abs(r) > 2**62 for r in rows):
             return value
-        kind = draw(st.sampled_from(["list", "numpy", "torch", "jax"]))
+        kind = draw(st.sampled_from(["list", "numpy", "torch", "jax", "big-endian"]))
         arr = np.asarray(rows)
         if arr.dtype == object:
             return value
@@ -379,11 +390,14 @@ def test_fuzz_verify_from_logits(case, data):
         x[0, 0] = data.draw(st.sampled_from([-1, v, 2**31 - 1]))
         if k is not None:
             k[0] = max(k[0], 1)
+    kinds = [c for c in CONTAINERS if c != "list" or (b and g)]  # a list loses the shape (0, ...)
+    container = data.draw(st.sampled_from(kinds))
+    wrap = (lambda a: contain(a, container) if a.dtype != jnp.bfloat16 else a) if container != "numpy" else np.asarray
     out, err = call(
         specjax.verify_from_logits,
-        x,
-        draft,
-        target,
+        wrap(x),
+        wrap(draft),
+        wrap(target),
         **params,
         num_draft_tokens=k,
         validate=validate,
@@ -561,6 +575,98 @@ def test_fuzz_speculative_generate(tiny_pair, case):
             eos_token_id=kwargs.get("eos_token_id"),
         )
         assert torch.equal(seq[:, : want.shape[1]], want)
+
+
+# --------------------------------------------------------------------------- drafters' outputs (issue 58)
+
+DRAFT_DEFECTS = (None, None, "nan", "+inf", "all -inf", "narrow", "-inf at token", "lists", "hindsight nan", "count")
+
+
+class FuzzDrafter:
+    """Proposes drawn-looking tokens with draft logits over the vocabulary, or with one ``defect``."""
+
+    name = "fuzz-drafter"
+    needs_target_hidden = False
+    cost_per_token_hint = 0.0
+
+    def __init__(self, defect: str | None, seed: int, array: str) -> None:
+        self.defect, self.rng, self.array = defect, np.random.default_rng(seed), array
+
+    def start(self, setup) -> None:
+        pass
+
+    def propose(self, request):
+        from specjax.drafters import Proposal
+
+        b = len(request.contexts)
+        g = int(np.max(request.max_tokens, initial=0))
+        k = np.asarray(request.max_tokens, np.int64).copy()
+        logits = self.rng.normal(size=(g, b, V)).astype(np.float32)
+        tokens = np.stack([np.argmax(row, axis=-1) for row in logits], axis=1) if g else np.zeros((b, 0), np.int64)
+        hindsight = None
+        d, r, i = self.defect, int(self.rng.integers(0, b)), int(self.rng.integers(0, max(g, 1)))
+        if g and d in ("nan", "+inf", "all -inf"):
+            k[r] = max(k[r], i + 1) if request.max_tokens[r] > i else k[r]
+            logits[i, r] = -np.inf if d == "all -inf" else logits[i, r]
+            if d != "all -inf":
+                logits[i, r, int(self.rng.integers(0, V))] = np.nan if d == "nan" else np.inf
+        elif g and d == "narrow":
+            logits = logits[:, :, : V // 2]
+            tokens[:, :] = V - 1
+        elif g and d == "-inf at token":
+            logits[i, r, tokens[r, i]] = -np.inf
+        elif d == "hindsight nan":
+            hindsight = (np.full(b, np.nan), np.ones(b))
+        convert = {"torch": lambda a: torch.from_numpy(a.copy()), "numpy": np.copy, "jax": jnp.asarray}[self.array]
+        arrays: Any = tuple(convert(a) for a in logits)
+        if g and d == "lists":
+            arrays = tuple(a.tolist() for a in logits)
+        elif g and d == "count":
+            arrays = arrays[:-1]
+        return Proposal(tokens, k, arrays, hindsight=hindsight)
+
+    def commit(self, info) -> None:
+        pass
+
+    def select_rows(self, rows) -> None:
+        pass
+
+
+@pytest.mark.slow  # seconds of examples: make test, not make test-fast
+@examples(ci=10, long=100)
+@given(
+    defect=st.sampled_from(DRAFT_DEFECTS),
+    seed=st.integers(0, 2**16),
+    array=st.sampled_from(["torch", "numpy", "jax"]),
+    temperature=st.sampled_from([0.0, 0.8]),
+    b=st.integers(1, 2),
+)
+def test_fuzz_drafter_outputs(tiny_pair, defect, seed, array, temperature, b):
+    """A drafter's broken output is refused naming it, or (greedy, where q is never read) harmless.
+
+    Never a silent result outside the contract: with valid proposals the output is the
+    target's greedy output (greedy) or a full-length generation (sampled).
+    """
+    target, _ = tiny_pair
+    ids = torch.tensor([[5, 17, 42, 8], [3, 3, 9, 1]][:b])
+    drafter = FuzzDrafter(defect, seed, array)
+    kw = dict(max_new_tokens=5, num_draft_tokens=2, adaptive=False, temperature=temperature, seed=seed)
+    try:
+        out = specjax.speculative_generate(target, drafter, ids, **kw)
+    except PluginOutputError as err:
+        assert str(err).startswith("drafter 'fuzz-drafter'"), err
+        assert defect is not None, f"valid proposals refused: {err}"
+        reads_q = defect not in ("lists", "count", "hindsight nan")
+        assert not (temperature == 0 and reads_q), f"greedy steps read q: {err}"
+        return
+    # shapes and hindsight are checked every step, values on sampled steps only
+    assert defect is None or (temperature == 0 and defect not in ("lists", "count", "hindsight nan")), (
+        f"{defect} not refused"
+    )
+    assert out.num_new_tokens.tolist() == [5] * b
+    if temperature == 0:
+        want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+        assert torch.equal(out.sequences, want)
 
 
 # --------------------------------------------------------------------------- the CLI's argument parser

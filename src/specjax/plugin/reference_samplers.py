@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from specjax.boundary.validation import native_byte_order
 from specjax.kernels.results import AcceptanceResult
 
 __all__ = ["numpy_rejection_sample", "torch_rejection_sample"]
@@ -150,7 +151,7 @@ def _as_numpy(name: str, x: Any) -> np.ndarray:
         raise ValueError(f"{name}: expected a rectangular array, got a ragged nested list") from err
     if arr.dtype == object:
         raise ValueError(f"{name}: expected a list, NumPy array, JAX array or torch tensor, got {type(x).__name__}")
-    return arr
+    return native_byte_order(arr)
 
 
 def _point_masses(x: np.ndarray, vocab: int, dtype: Any) -> np.ndarray:
