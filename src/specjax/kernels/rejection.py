@@ -60,6 +60,7 @@ from specjax import _compat
 from specjax.kernels import cpu_kernels
 from specjax.kernels.core import (
     AxisName,
+    _int_view,
     assemble_tokens,
     below_one,
     block_sums,
@@ -75,6 +76,9 @@ from specjax.kernels.core import (
     to_blocks,
 )
 from specjax.kernels.types import AcceptanceResult
+
+# The width of the window each gathered probability is read in, off CPU (:func:`_read_at`).
+_WINDOW = 128
 
 # The primitives live in specjax.kernels.core; they are re-exported here, where
 # they were defined before, for existing imports.
@@ -107,24 +111,64 @@ def _gather_draft_probs(
     it is outside [0, V) (possible with ``validate=False``) and never accepted.
     ``draft_probs=None`` means point masses: ``q_i(x_i) = 1`` where owned.
 
-    One row at a time (``lax.map`` over row indices, the inputs loop
-    invariants): on XLA:CPU a gather over the whole (B, G, V) arrays at once
-    was several times slower, more so as G grows.
+    The values are copied, never computed, so every way of reading them gives
+    the same bits; the way is per platform (:func:`_read_at`).
     """
     size = target_probs.shape[-1]
+    local = draft_tokens - offset
+    inside = (local >= 0) & (local < size)
+    xc = jnp.clip(local, 0, size - 1)
+    p_x = jnp.where(inside, _read_at(target_probs, xc), 0)
+    if draft_probs is None:
+        return p_x, inside.astype(p_x.dtype)
+    return p_x, jnp.where(inside, _read_at(draft_probs, xc), 0)
 
-    def one(i: jax.Array) -> tuple[jax.Array, jax.Array]:
-        local = lax.dynamic_index_in_dim(draft_tokens, i, 0, keepdims=False) - offset  # i32[G]
-        inside = (local >= 0) & (local < size)
-        xc = jnp.clip(local, 0, size - 1)[:, None]
-        p_row = lax.dynamic_index_in_dim(target_probs, i, 0, keepdims=False)[: local.shape[0]]
-        p_x = jnp.where(inside, jnp.take_along_axis(p_row, xc, axis=1)[:, 0], 0)
-        if draft_probs is None:
-            return p_x, inside.astype(p_x.dtype)
-        q_row = lax.dynamic_index_in_dim(draft_probs, i, 0, keepdims=False)
-        return p_x, jnp.where(inside, jnp.take_along_axis(q_row, xc, axis=1)[:, 0], 0)
 
-    return lax.map(one, jnp.arange(draft_tokens.shape[0], dtype=jnp.int32))
+def _read_at(probs: jax.Array, ids: jax.Array) -> jax.Array:
+    """f[B, G]: ``probs[b, i, ids[b, i]]`` for i32[B, G] ``ids`` in [0, L) (``probs``: f[B, >=G, L]).
+
+    :func:`_read_by_row` on XLA:CPU, :func:`_read_by_window` elsewhere; the same bits.
+    """
+    return lax.platform_dependent(probs, ids, cpu=_read_by_row, default=_read_by_window)
+
+
+def _read_by_row(probs: jax.Array, ids: jax.Array) -> jax.Array:
+    """:func:`_read_at` one row at a time (``lax.map`` over row indices, the inputs loop invariants).
+
+    On XLA:CPU a gather over the whole (B, G, V) arrays at once was several
+    times slower, more so as G grows.
+    """
+    g = ids.shape[1]
+
+    def one(i: jax.Array) -> jax.Array:
+        row = lax.dynamic_index_in_dim(probs, i, 0, keepdims=False)[:g]
+        return jnp.take_along_axis(row, lax.dynamic_index_in_dim(ids, i, 0, keepdims=False)[:, None], axis=1)[:, 0]
+
+    return lax.map(one, jnp.arange(ids.shape[0], dtype=jnp.int32))
+
+
+def _read_by_window(probs: jax.Array, ids: jax.Array) -> jax.Array:
+    """:func:`_read_at` as B·G aligned windows of 128 entries, each value picked out by its lane.
+
+    On a TPU a gather of scattered scalars (``take_along_axis``, or the row
+    map) costs about a full read of the arrays (docs/tpu.md); a gather of
+    contiguous windows reads only them.
+    """
+    b, g = ids.shape
+    size = probs.shape[-1]
+    w = min(_WINDOW, size)
+    start = jnp.minimum(ids // w * w, size - w)
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], ids.shape)
+    pos = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[None, :], ids.shape)
+
+    def window(r: jax.Array, i: jax.Array, st: jax.Array) -> jax.Array:
+        return lax.dynamic_slice(probs, (r, i, st), (1, 1, w))[0, 0]
+
+    bits = _int_view(jax.vmap(jax.vmap(window))(rows, pos, start))  # [B, G, w]
+    lane = lax.broadcasted_iota(jnp.int32, (1, 1, w), 2) == (ids - start)[..., None]
+    # Summed as bit patterns (one nonzero term): the value's bits, subnormals and NaN
+    # included, where a float sum would flush subnormals on a TPU.
+    return lax.bitcast_convert_type(jnp.sum(jnp.where(lane, bits, 0), axis=-1, dtype=bits.dtype), probs.dtype)
 
 
 def rejection_body(
