@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-import specjax.plugin.vllm as plugin
 from specjax.kernels import cpu_kernels, flat
 from specjax.kernels.frontend import verify_core
 from specjax.kernels.types import SamplingParams
+from specjax.plugin.vllm import step as plugin_step
 
 
 def reference(draft, ks, logits, width, temperature, keys, bonus):
@@ -40,9 +40,9 @@ def reference(draft, ks, logits, width, temperature, keys, bonus):
 @jax.jit  # one compilation per case's shapes, not op-by-op dispatch in each of its 16 trials
 def _reference_jit(grid, target, keys, temperature, k, bonus):
     width = grid.shape[1]
-    u = plugin._uniforms(keys, width + 1)
+    u = plugin_step._uniforms(keys, width + 1)
     out = verify_core(grid, None, target, u[:, :width], u[:, width], SamplingParams(temperature), k)
-    return plugin._splice_bonus(jnp, out.tokens, out.num_accepted, k, bonus)
+    return plugin_step._splice_bonus(jnp, out.tokens, out.num_accepted, k, bonus)
 
 
 def flat_step(draft, ks, logits, width, temperature, keys, bonus):
@@ -52,7 +52,7 @@ def flat_step(draft, ks, logits, width, temperature, keys, bonus):
     starts = np.cumsum(k, dtype=np.int64) - k
     request = np.repeat(np.arange(len(ks)), ks)
     position = np.arange(sum(ks)) - starts[request]
-    return plugin._point_mass_flat(
+    return plugin_step._point_mass_flat(
         torch.from_numpy(draft), torch.from_numpy(logits), width, k, starts, request, position, temperature, keys, bonus
     )
 
@@ -70,7 +70,7 @@ CASES = [
 @pytest.mark.parametrize("ks,width,vocab,greedy", CASES)
 def test_flat_point_mass_step_equals_verify_core(ks, width, vocab, greedy):
     rng = np.random.default_rng(sum(ks) + vocab)
-    bp = plugin._bucket(len(ks))
+    bp = plugin_step._bucket(len(ks))
     draws = bonuses = 0
     for trial in range(16):
         t = sum(ks)

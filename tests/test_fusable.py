@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-import specjax.plugin.vllm as plugin
 from specjax.kernels import cpu_kernels, frontend, rejection, sharded, steps
 from specjax.kernels.compile_options import vector_jit
 from specjax.kernels.types import SamplingParams
+from specjax.plugin.vllm import step as plugin_step
 
 B, G, V = 3, 2, 40
 IMPLS = ["xla"] + (["cpu"] if cpu_kernels.available() else [])
@@ -51,7 +51,7 @@ def _calls(impl: str):
     k = jnp.full((B,), G, jnp.int32)
     key = jax.random.key(1)
     layout = sharded.MeshLayout(Mesh(np.array(jax.devices()[:1]), ("x",)), batch_axis="x")
-    summarise, finish, draw = plugin._point_mass_fns()
+    summarise, finish, draw = plugin_step._point_mass_fns()
     key_words = jax.lax.bitcast_convert_type(jax.random.key_data(keys), jnp.int32)  # vLLM's int32 words
     flat_rows = t.reshape(-1, V)[: B * G]
     slots = jnp.arange(B * G, dtype=jnp.int32)
@@ -103,7 +103,7 @@ def _calls(impl: str):
             ),
         ),
         ("plugin draw", draw, (t[:, 0], temperature, tokens[:, 0], s)),
-        ("plugin target probs", plugin._target_probs_fn(), (t, key_words, temperature, k)),
+        ("plugin target probs", plugin_step._target_probs_fn(), (t, key_words, temperature, k)),
     ]
 
 

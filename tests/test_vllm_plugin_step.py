@@ -20,6 +20,8 @@ import pytest
 import torch
 
 import specjax.plugin.vllm as plugin
+from specjax.plugin.vllm import repair as plugin_repairs
+from specjax.plugin.vllm import step as plugin_step
 
 V = 50
 
@@ -79,7 +81,7 @@ def test_greedy_rows_follow_vllms_rule(ks, path):
         bonus_in = torch.cat([bonus, torch.tensor([[0]], dtype=torch.int32)])
         meta = metadata([0.0] * len(ks) + [1.0], {len(ks): torch.Generator().manual_seed(0)})
     g = max(ks_in)
-    out = plugin._step(draft_in, ks_in, g, None, logits_in, bonus_in, meta)
+    out = plugin_step.run_step(draft_in, ks_in, g, None, logits_in, bonus_in, meta)
     assert out.dtype == torch.int32 and out.shape == (len(ks_in), g + 1)
     np.testing.assert_array_equal(out.numpy()[: len(ks), : expected.shape[1]], expected)
     assert (out.numpy()[: len(ks), expected.shape[1] :] == -1).all()
@@ -108,7 +110,9 @@ def test_sampled_rows_keep_a_draft_prefix_and_splice_the_bonus(given_probs):
     saw_bonus = saw_correction = False
     for trial in range(30):
         gens = {b: torch.Generator().manual_seed(100 * trial + b) for b in range(len(ks))}
-        out = plugin._step(draft, ks, 4, probs, logits, bonus, metadata([0.8, 1.0, 0.0, 1.3, 0.9], gens)).numpy()
+        out = plugin_step.run_step(
+            draft, ks, 4, probs, logits, bonus, metadata([0.8, 1.0, 0.0, 1.3, 0.9], gens)
+        ).numpy()
         for b, k in enumerate(ks):
             row = out[b]
             emitted = [int(x) for x in row if x != -1]
@@ -133,11 +137,11 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     def gens():
         return {b: torch.Generator().manual_seed(7 + b) for b in range(3)}
 
-    batch = plugin._step(draft, ks, 4, None, logits, bonus, metadata(temperature, gens()))
+    batch = plugin_step.run_step(draft, ks, 4, None, logits, bonus, metadata(temperature, gens()))
     for b in range(3):
         s = sum(ks[:b])
         g = torch.Generator().manual_seed(7 + b)
-        alone = plugin._step(
+        alone = plugin_step.run_step(
             draft[s : s + ks[b]],
             ks[b : b + 1],
             ks[b],
@@ -155,11 +159,11 @@ def test_calls_names_a_bad_mode():
 
 
 def test_expansion_in_torch():
-    got = plugin._expand_batch_to_tokens_torch(
+    got = plugin_repairs._expand_batch_to_tokens_torch(
         torch.tensor([0.5, 0.0, 2.0]), torch.tensor([2, 2, 5]), 5, replace_from=0, replace_to=1
     )
     assert got.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0]
-    assert plugin._expansion_is_wrong(plugin._expand_batch_to_tokens_torch) is False
+    assert plugin_repairs._expansion_is_wrong(plugin_repairs._expand_batch_to_tokens_torch) is False
 
 
 def test_import_is_light_and_register_without_vllm_warns(caplog):

@@ -22,6 +22,7 @@ from conftest import (
 )
 
 import specjax.plugin.vllm as plugin
+from specjax.plugin.vllm import step as plugin_step
 
 # The law test: many seeded requests on a prompt that contains every token id,
 # so the n-gram proposer has a draft after any first token; tokens 2 and 3 are
@@ -157,8 +158,8 @@ def test_kernel_failure_is_logged_once_and_the_step_falls_back(llm, reference, m
 
     handler = Collect(level=logging.WARNING)
     logging.getLogger("vllm.specjax").addHandler(handler)
-    monkeypatch.setattr(plugin, "_point_mass_fns", failing_step)
-    monkeypatch.setattr(plugin, "_greedy_flat", failing_step()[0])  # the all-greedy steps' path
+    monkeypatch.setattr(plugin_step, "_point_mass_fns", failing_step)
+    monkeypatch.setattr(plugin_step, "_greedy_flat", failing_step()[0])  # the all-greedy steps' path
     try:
         fallbacks = plugin.fallbacks()
         out = token_ids(llm.generate(prompts(*GREEDY_PROMPTS), greedy()))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.adapters.host import host_view, jax_on_cpu
+from specjax.boundary.byte_order import native_byte_order
 from specjax.kernels import cpu_kernels
 from specjax.kernels.frontend import TEMPERATURE_RANGE
 from specjax.kernels.types import SamplingParams
@@ -77,19 +78,6 @@ def as_array(name: str, x: Any) -> Any:
     if hasattr(x, "__array__"):
         return native_byte_order(np.asarray(x))
     raise ValueError(f"{name}: expected a list, NumPy array, JAX array or torch tensor, got {type(x).__name__}")
-
-
-def native_byte_order(x: np.ndarray) -> np.ndarray:
-    """``x`` with its dtype in this machine's byte order (a converted copy for, e.g., big-endian ``'>f4'``).
-
-    JAX and XLA read host buffers in native order only: a big-endian float32
-    array reached the kernels as garbage numbers (a one-hot "softmax", wrong
-    counts) instead of an error. Arrays already in native order (nearly all)
-    are returned as they are.
-    """
-    if x.dtype.isnative:
-        return x
-    return x.astype(x.dtype.newbyteorder("="))
 
 
 def token_ids_unchecked(x: Any, validate: bool) -> Any:

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.boundary.validation import native_byte_order
+from specjax.boundary.byte_order import native_byte_order
 from specjax.kernels.results import AcceptanceResult
 
 __all__ = ["numpy_rejection_sample", "torch_rejection_sample"]
