@@ -24,6 +24,9 @@ from specjax.pair import (
     load_default_pair,
     make_pair_drafter,
 )
+from specjax.pair import assets as pair_assets
+from specjax.pair import cache as cache_module
+from specjax.pair import loading as pair_loading
 
 pytestmark = pytest.mark.demo_pair
 
@@ -437,7 +440,7 @@ def test_parse_gguf_once_shares_one_reader_and_restores_gguf(tmp_path: Path) -> 
     writer.write_tensors_to_file()
     writer.close()
     reader_type, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    with pairmod._parse_gguf_once():
+    with pair_loading._parse_gguf_once():
         first = gguf.GGUFReader(path)
         assert gguf.GGUFReader(str(path)) is first  # transformers opens it by str, three times
         assert [t.name for t in first.tensors] == ["a.weight"]
@@ -446,7 +449,7 @@ def test_parse_gguf_once_shares_one_reader_and_restores_gguf(tmp_path: Path) -> 
         assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_type, name_map)
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)  # restored: a new parse per call
-    with pytest.raises(RuntimeError, match="inside"), pairmod._parse_gguf_once():
+    with pytest.raises(RuntimeError, match="inside"), pair_loading._parse_gguf_once():
         raise RuntimeError("inside")
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_type, name_map)
 
@@ -465,20 +468,20 @@ def test_a_damaged_cache_entry_is_reported_removed_and_not_used(
         LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     )
     entry = tmp_path / "entry"
-    digest = pairmod._check_gguf(Path(pairmod.default_target_path()[0]) / pairmod.TARGET_GGUF_FILE)
-    pairmod._save_cached_target(entry, digest, Path("t.gguf"), model, pair.tokenizer)
-    assert pairmod._load_cached_target(entry, digest, torch.float32) is not None  # intact: used
+    digest = pair_assets.check_gguf(Path(pairmod.default_target_path()[0]) / pairmod.TARGET_GGUF_FILE)
+    cache_module.save_cached_target(entry, digest, Path("t.gguf"), model, pair.tokenizer)
+    assert cache_module.load_cached_target(entry, digest, torch.float32) is not None  # intact: used
     weights = entry / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 1  # one flipped bit in a weight
     weights.write_bytes(bytes(data))
-    assert pairmod._load_cached_target(entry, digest, torch.float32) is None
+    assert cache_module.load_cached_target(entry, digest, torch.float32) is None
     err = capsys.readouterr().err
     assert "unusable (model.safetensors: SHA-256 mismatch)" in err and str(entry) in err
     assert not entry.exists()
-    pairmod._save_cached_target(entry, digest, Path("t.gguf"), model, pair.tokenizer)
+    cache_module.save_cached_target(entry, digest, Path("t.gguf"), model, pair.tokenizer)
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
-    assert pairmod._load_cached_target(entry, digest, torch.float32) is None
+    assert cache_module.load_cached_target(entry, digest, torch.float32) is None
     assert "bytes, expected" in capsys.readouterr().err
 
 
@@ -489,7 +492,7 @@ def test_an_unwritable_cache_is_reported_and_skipped(
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     entry = blocker / "targets" / "entry"
-    pairmod._save_cached_target(entry, "0" * 64, Path("t.gguf"), pair.target, pair.tokenizer)
+    cache_module.save_cached_target(entry, "0" * 64, Path("t.gguf"), pair.target, pair.tokenizer)
     err = capsys.readouterr().err
     assert "could not cache the dequantized target" in err and "the next load reads the GGUF file again" in err
     assert blocker.read_text() == "not a directory"
@@ -504,11 +507,11 @@ def test_concurrent_misses_wait_for_one_writer(tmp_path: Path) -> None:
     entry = tmp_path / "targets" / "entry"
     code = (
         "import sys, time, pathlib\n"
-        "from specjax.pair import _entry_lock\n"
+        "from specjax.pair.cache import entry_lock as _entry_lock\n"
         "with _entry_lock(pathlib.Path(sys.argv[1])):\n"
         "    print(time.monotonic(), flush=True)\n"
     )
-    with pairmod._entry_lock(entry):
+    with cache_module.entry_lock(entry):
         proc = subprocess.Popen([sys.executable, "-c", code, str(entry)], stdout=subprocess.PIPE, text=True)
         time.sleep(3.0)
         assert proc.poll() is None, "the second process took the lock while the first held it"
