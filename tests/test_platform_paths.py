@@ -1,12 +1,11 @@
 """The platform-specific paths of the kernels give the bits of the CPU path (issue 54).
 
-Off CPU (TPU, GPU), ``rejection_sample`` reads ``p_i(x_i)`` and ``q_i(x_i)`` as
-aligned windows (:func:`specjax.kernels.rejection._read_by_window`) where XLA:CPU
-maps over rows (:func:`~specjax.kernels.rejection._read_by_row`). Both branches
-are traced on every platform, so they are compared here, on the CPU, against a
-plain ``take_along_axis``, bit for bit: subnormals (which a float sum would flush
-on a TPU), NaN, -0, the last id, vocabularies shorter than or not a multiple of
-the window.
+Off CPU (TPU, GPU) the kernels pick values and rows out of the (B, G, V) inputs
+with :func:`specjax.kernels.core.take_masked` (a compare and an integer sum, no
+gather) where XLA:CPU gathers. The off-CPU branch is compared here, on the CPU,
+against a plain ``take_along_axis``, bit for bit: subnormals (which a float sum
+would flush on a TPU), NaN, -0, the last id, short vocabularies; and whole
+kernels with it against the CPU's.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels import rejection
+from specjax.kernels import core, frontend, rejection
 
 SHAPES = [(3, 2, 40), (4, 3, 300), (2, 4, 1000), (2, 1, 128), (1, 1, 1)]
 
@@ -27,7 +26,7 @@ def _bits(a) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_window_read_gives_the_bits_of_a_plain_gather(dtype, shape):
+def test_masked_take_gives_the_bits_of_a_plain_gather(dtype, shape):
     b, g, v = shape
     rng = np.random.default_rng(sum(shape))
     p = jnp.asarray(rng.random((b, g + 1, v)), dtype)
@@ -39,15 +38,19 @@ def test_window_read_gives_the_bits_of_a_plain_gather(dtype, shape):
         p = p.at[1, 0, special].set(jnp.nan).at[1, g - 1, :].set(-0.0)
         ids = ids.at[1, 0].set(special)
     want = jnp.take_along_axis(p[:, :g], ids[..., None], axis=-1)[..., 0]
-    got = jax.jit(rejection._read_by_window)(p, ids)
+    got = jax.jit(lambda p, i: core.take_masked(p[:, :g], i, 2))(p, ids)
     assert got.dtype == p.dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
+    rows = jnp.asarray(rng.integers(0, g + 1, (b,)), jnp.int32)
+    want_rows = jnp.take_along_axis(p, rows[:, None, None], axis=1)[:, 0]
+    got_rows = core.take_masked(p, rows[:, None], 1)
+    np.testing.assert_array_equal(_bits(got_rows), _bits(want_rows))
     assert float(got[0, 0]) == float(tiny) or dtype != "float32"  # the subnormal survived
 
 
 @pytest.mark.parametrize("point_masses", [False, True])
-def test_kernel_with_the_window_read_gives_the_same_tokens(point_masses, monkeypatch):
-    """The whole kernel with the off-CPU read, on the CPU, against the CPU's read."""
+def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, monkeypatch):
+    """The whole kernel with the off-CPU picks, on the CPU, against the CPU's gathers."""
     rng = np.random.default_rng(54)
     b, g, v = 16, 4, 700
     p = rng.random((b, g + 1, v)) ** 4
@@ -58,8 +61,36 @@ def test_kernel_with_the_window_read_gives_the_same_tokens(point_masses, monkeyp
     u = jnp.asarray(rng.random((b, g)) * 0.02, jnp.float32)  # small: point-mass tests pass too
     s = jnp.asarray(rng.random(b), jnp.float32)
     want = jax.jit(rejection.rejection_body)(x, q, p, u, s)
-    monkeypatch.setattr(rejection, "_read_at", rejection._read_by_window)
+    monkeypatch.setattr(rejection, "take", core.take_masked)
+    monkeypatch.setattr(core, "take", core.take_masked)
+    monkeypatch.setattr(rejection, "_read_at", lambda probs, ids: core.take_masked(probs[:, :g], ids, 2))
     got = jax.jit(lambda *a: rejection.rejection_body(*a))(x, q, p, u, s)
     np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     assert int(np.asarray(want.num_accepted).max()) >= 1
+
+
+@pytest.mark.parametrize("mode", ["T=1", "T=0.7 top-k top-p", "point masses"])
+def test_verify_with_the_masked_take_gives_the_same_tokens(mode, monkeypatch):
+    """verify_core (the JAX path, impl="xla") with the off-CPU picks, against the CPU's gathers."""
+    from specjax.kernels.types import SamplingParams
+
+    rng = np.random.default_rng(7)
+    b, g, v = 8, 3, 500
+    t = jnp.asarray(rng.normal(size=(b, g + 1, v)) * 2, jnp.float32)
+    d = None if mode == "point masses" else jnp.asarray(t[:, :g] + rng.normal(size=(b, g, v)) * 0.5, jnp.float32)
+    x = jnp.argmax(t[:, :g] + jnp.asarray(rng.gumbel(size=(b, g, v)), jnp.float32), -1).astype(jnp.int32)
+    ones = jnp.ones((b,), jnp.float32)
+    filtered = mode == "T=0.7 top-k top-p"
+    params = SamplingParams(
+        ones * (0.7 if filtered else 1.0), jnp.full((b,), 20, jnp.int32), ones * 0.1, filtered, filtered, "xla"
+    )
+    u = jnp.asarray(rng.random((b, g)) * (0.02 if d is None else 1), jnp.float32)  # point masses pass < p(x)
+    s = jnp.asarray(rng.random(b), jnp.float32)
+    k = jnp.full((b,), g, jnp.int32)
+    want = jax.jit(frontend.verify_core)(x, d, t, u, s, params, k)
+    monkeypatch.setattr(frontend, "take", core.take_masked)
+    monkeypatch.setattr(core, "take", core.take_masked)
+    got = jax.jit(lambda *a: frontend.verify_core(*a))(x, d, t, u, s, params, k)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert 0 < int(np.asarray(want.num_accepted).sum()) < b * g  # tests both pass and fail

@@ -13,6 +13,7 @@ runs exactly the single-device code (vocabulary of terms: see
 
 * sums over the vocabulary: :func:`to_blocks`, :func:`block_sums`, :func:`row_sums`;
 * the accept test: :func:`num_accepted_from_ratios` (``u < p/q`` on the bits);
+* a per-platform exact gather: :func:`take`;
 * reductions over a (possibly split) vocabulary: :func:`vocab_max`,
   :func:`vocab_sum`, :func:`vocab_argmax`, :func:`vocab_gather`, :func:`psum_owned`;
 * the residual and the draw: :func:`residual_weights`, :func:`inverse_cdf`,
@@ -49,6 +50,7 @@ __all__ = [
     "psum_owned",
     "residual_weights",
     "row_sums",
+    "take",
     "to_blocks",
     "vocab_argmax",
     "vocab_gather",
@@ -225,6 +227,33 @@ def vocab_argmax(
     return lax.pmin(jnp.where(first < size, first + offset, big), axis_name)
 
 
+def take(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """``x`` at ``index`` along ``axis``, bit for bit (``take_along_axis`` without the kept axis).
+
+    ``index``: i32 of ``x``'s shape without ``axis``, or broadcasting to it
+    (i32[B, 1] picks one row per batch row of f[B, P, V]); in range.
+
+    ``jnp.take_along_axis`` on XLA:CPU. Elsewhere (TPU) a gather of scattered
+    elements or rows costs about a full read of ``x`` and more (its HBM tiles
+    hold 8 rows of 128 entries; docs/tpu.md), so the value is picked by a
+    compare against an iota and a sum over ``axis`` that fuses with the read,
+    summed as integer bit patterns: one nonzero term, so NaN, -0 and
+    subnormals (which float arithmetic flushes on a TPU) come out as they are.
+    """
+
+    def gather(x: jax.Array, index: jax.Array) -> jax.Array:
+        return jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(index, axis), axis=axis), axis)
+
+    return lax.platform_dependent(x, index, cpu=gather, default=lambda x, i: take_masked(x, i, axis))
+
+
+def take_masked(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
+    """:func:`take` off CPU: a compare against an iota and an integer sum of the bits over ``axis``."""
+    bits = _int_view(x)
+    hit = lax.broadcasted_iota(jnp.int32, x.shape, axis % x.ndim) == jnp.expand_dims(index, axis)
+    return lax.bitcast_convert_type(jnp.sum(jnp.where(hit, bits, 0), axis=axis, dtype=bits.dtype), x.dtype)
+
+
 def vocab_gather(x: jax.Array, index: jax.Array, axis_name: AxisName = None, offset: jax.Array | int = 0) -> jax.Array:
     """``x[..., index]`` per row, for a (possibly sharded) last axis; NaN where ``index`` is outside it.
 
@@ -235,7 +264,7 @@ def vocab_gather(x: jax.Array, index: jax.Array, axis_name: AxisName = None, off
     local = index - offset
     size = x.shape[-1]
     inside = (local >= 0) & (local < size)
-    val = jnp.take_along_axis(x, jnp.clip(local, 0, size - 1)[..., None], axis=-1)[..., 0]
+    val = take(x, jnp.clip(local, 0, size - 1), -1)
     if not axis_name:
         return jnp.where(inside, val, jnp.nan)
     found = lax.psum(inside.astype(jnp.int32), axis_name) > 0
@@ -343,13 +372,13 @@ def inverse_cdf(
     found_block = blk < nb
     blk_c = jnp.minimum(blk, nb - 1)
     prev = jnp.where(blk_c > 0, jnp.take_along_axis(cum, jnp.maximum(blk_c - 1, 0)[:, None], axis=1)[:, 0], start)
-    rows = jnp.take_along_axis(blocks, blk_c[:, None, None], axis=1)[:, 0]  # [B, k]
+    rows = take(blocks, blk_c[:, None], 1)  # [B, k]
     j = jnp.sum(prev[:, None] + jnp.cumsum(rows, axis=1) <= threshold[:, None], axis=1, dtype=jnp.int32)
     lane = jnp.arange(k, dtype=jnp.int32)
     # Rounding fallbacks: the last positive entry of the chosen block, or of the shard.
     last_in_block = jnp.max(jnp.where(rows > 0, lane[None, :], -1), axis=1)
     last_block = jnp.max(jnp.where(sums > 0, jnp.arange(nb, dtype=jnp.int32)[None, :], -1), axis=1)
-    last_rows = jnp.take_along_axis(blocks, jnp.maximum(last_block, 0)[:, None, None], axis=1)[:, 0]
+    last_rows = take(blocks, jnp.maximum(last_block, 0)[:, None], 1)
     last_lane = jnp.max(jnp.where(last_rows > 0, lane[None, :], -1), axis=1)
     last_here = jnp.where(last_block >= 0, last_block * k + last_lane, -1)  # local id or -1
 

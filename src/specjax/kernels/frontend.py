@@ -61,6 +61,7 @@ from specjax.kernels.core import (
     num_accepted_from_ratios,
     point_mass,
     residual_weights,
+    take,
     vocab_argmax,
     vocab_gather,
     vocab_max,
@@ -518,7 +519,7 @@ def _draw_from_logits(
     g = x.shape[1]
     size = target_logits.shape[-1]
     ids = (lax.iota(jnp.int32, size) + offset)[None, :]
-    t_row = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
+    t_row = take(target_logits, n[:, None], 1)
     p_n = probs_from_stats(t_sel, t_row, ids)
     if g == 0:
         q_n = jnp.zeros_like(p_n)
@@ -527,7 +528,7 @@ def _draw_from_logits(
         if draft_logits is None:
             q_n = point_mass(jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0], ids[0], jnp.float32)
         else:
-            d_row = jnp.take_along_axis(draft_logits, d_pos[:, None, None], axis=1)[:, 0]
+            d_row = take(draft_logits, d_pos[:, None], 1)
             q_n = probs_from_stats(d_sel, d_row, ids)
         q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
     return inverse_cdf(residual_weights(p_n, q_n, axis_name), sample_uniforms, axis_name, offset)

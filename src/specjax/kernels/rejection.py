@@ -60,7 +60,6 @@ from specjax import _compat
 from specjax.kernels import cpu_kernels
 from specjax.kernels.core import (
     AxisName,
-    _int_view,
     assemble_tokens,
     below_one,
     block_sums,
@@ -73,12 +72,10 @@ from specjax.kernels.core import (
     psum_owned,
     residual_weights,
     row_sums,
+    take,
     to_blocks,
 )
 from specjax.kernels.types import AcceptanceResult
-
-# The width of the window each gathered probability is read in, off CPU (:func:`_read_at`).
-_WINDOW = 128
 
 # The primitives live in specjax.kernels.core; they are re-exported here, where
 # they were defined before, for existing imports.
@@ -127,48 +124,21 @@ def _gather_draft_probs(
 def _read_at(probs: jax.Array, ids: jax.Array) -> jax.Array:
     """f[B, G]: ``probs[b, i, ids[b, i]]`` for i32[B, G] ``ids`` in [0, L) (``probs``: f[B, >=G, L]).
 
-    :func:`_read_by_row` on XLA:CPU, :func:`_read_by_window` elsewhere; the same bits.
-    """
-    return lax.platform_dependent(probs, ids, cpu=_read_by_row, default=_read_by_window)
-
-
-def _read_by_row(probs: jax.Array, ids: jax.Array) -> jax.Array:
-    """:func:`_read_at` one row at a time (``lax.map`` over row indices, the inputs loop invariants).
-
-    On XLA:CPU a gather over the whole (B, G, V) arrays at once was several
-    times slower, more so as G grows.
+    On XLA:CPU one row at a time (``lax.map`` over row indices, the inputs loop
+    invariants): a gather over the whole (B, G, V) arrays at once was several
+    times slower, more so as G grows. Elsewhere :func:`~specjax.kernels.core.take`
+    (a masked pass, no gather).
     """
     g = ids.shape[1]
 
-    def one(i: jax.Array) -> jax.Array:
-        row = lax.dynamic_index_in_dim(probs, i, 0, keepdims=False)[:g]
-        return jnp.take_along_axis(row, lax.dynamic_index_in_dim(ids, i, 0, keepdims=False)[:, None], axis=1)[:, 0]
+    def by_row(probs: jax.Array, ids: jax.Array) -> jax.Array:
+        def one(i: jax.Array) -> jax.Array:
+            row = lax.dynamic_index_in_dim(probs, i, 0, keepdims=False)[:g]
+            return jnp.take_along_axis(row, lax.dynamic_index_in_dim(ids, i, 0, keepdims=False)[:, None], axis=1)[:, 0]
 
-    return lax.map(one, jnp.arange(ids.shape[0], dtype=jnp.int32))
+        return lax.map(one, jnp.arange(ids.shape[0], dtype=jnp.int32))
 
-
-def _read_by_window(probs: jax.Array, ids: jax.Array) -> jax.Array:
-    """:func:`_read_at` as B·G aligned windows of 128 entries, each value picked out by its lane.
-
-    On a TPU a gather of scattered scalars (``take_along_axis``, or the row
-    map) costs about a full read of the arrays (docs/tpu.md); a gather of
-    contiguous windows reads only them.
-    """
-    b, g = ids.shape
-    size = probs.shape[-1]
-    w = min(_WINDOW, size)
-    start = jnp.minimum(ids // w * w, size - w)
-    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], ids.shape)
-    pos = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32)[None, :], ids.shape)
-
-    def window(r: jax.Array, i: jax.Array, st: jax.Array) -> jax.Array:
-        return lax.dynamic_slice(probs, (r, i, st), (1, 1, w))[0, 0]
-
-    bits = _int_view(jax.vmap(jax.vmap(window))(rows, pos, start))  # [B, G, w]
-    lane = lax.broadcasted_iota(jnp.int32, (1, 1, w), 2) == (ids - start)[..., None]
-    # Summed as bit patterns (one nonzero term): the value's bits, subnormals and NaN
-    # included, where a float sum would flush subnormals on a TPU.
-    return lax.bitcast_convert_type(jnp.sum(jnp.where(lane, bits, 0), axis=-1, dtype=bits.dtype), probs.dtype)
+    return lax.platform_dependent(probs, ids, cpu=by_row, default=lambda p, i: take(p[:, :g], i, 2))
 
 
 def rejection_body(
@@ -212,7 +182,10 @@ def rejection_body(
     s = sample_uniforms.astype(ct)
 
     def jax_draw() -> jax.Array:
-        p_n = jnp.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0].astype(ct)
+        def row(probs: jax.Array, index: jax.Array) -> jax.Array:  # f[B, L]: row index[b] of probs[b]
+            return take(probs, index[:, None], 1).astype(ct)
+
+        p_n = row(target_probs, n)
         if g == 0:
             q_n = jnp.zeros_like(p_n)
         else:
@@ -221,7 +194,7 @@ def rejection_body(
                 x_n = jnp.take_along_axis(x, pos[:, None], axis=1)[:, 0]
                 q_n = point_mass(x_n, lax.iota(jnp.int32, size) + offset, ct)
             else:
-                q_n = jnp.take_along_axis(draft_probs, pos[:, None, None], axis=1)[:, 0].astype(ct)
+                q_n = row(draft_probs, pos)
             q_n = jnp.where((n < g)[:, None], q_n, 0)
         return inverse_cdf(residual_weights(p_n, q_n, axis_name), s, axis_name, offset)
 
