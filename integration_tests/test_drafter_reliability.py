@@ -5,8 +5,8 @@ Each test failed before its fix:
 * one drafter object shared by concurrent calls (threads): the calls overwrote each other's
   state (``zip()`` errors, shape errors); now a call given a drafter another call is using
   runs on its ``fork()``, and a third-party drafter without one is refused by name;
-* a sampled draft model whose logits are NaN: an ``IndexError`` inside torch, now a
-  ``ValueError`` naming the draft model;
+* a sampled draft model (or EAGLE head) whose logits are NaN: an ``IndexError`` inside
+  torch, now a ``ValueError`` naming the draft model (or head);
 * ``num_draft_tokens = 10**7`` was accepted (statistics of 10 million entries); now capped,
   and cut to what ``max_new_tokens`` lets a row draft;
 * ``eos_token_id`` as a NumPy array or 0-d array was refused;
@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import specjax
-from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
+from specjax.drafters import EagleDrafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
+from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
 
 V = 96  # shared with the other integration tests: the loop's compilations are shared
 
@@ -32,6 +33,13 @@ V = 96  # shared with the other integration tests: the loop's compilations are s
 def pair(tiny_lm, perturbed_copy):
     target = tiny_lm("llama", vocab_size=V, layers=2, seed=0)
     return target, perturbed_copy(target, noise=0.3, seed=1)
+
+
+def untrained_head(target) -> EagleHead:
+    """An EAGLE head for ``target`` (its near-identity start: it drafts, often wrongly)."""
+    head = EagleHead(EagleConfig(target.config.hidden_size, 4, 2, 64, V, V))
+    init_weights(head, 0)
+    return head.eval()
 
 
 def greedy_reference(target, ids, mask, max_new_tokens):
@@ -85,13 +93,14 @@ def run_overlapping(calls, timeout=120.0):
     return results
 
 
-@pytest.mark.parametrize("kind", ["hybrid", "model", "ngram"])
+@pytest.mark.parametrize("kind", ["hybrid", "model", "ngram", "eagle"])
 def test_one_drafter_shared_by_overlapping_calls_gives_each_its_greedy_output(pair, kind):
     target, draft = pair
     drafter = {
         "hybrid": lambda: HybridDrafter(NgramDrafter(), ModelDrafter(draft)),
         "model": lambda: ModelDrafter(draft),
         "ngram": lambda: NgramDrafter(),
+        "eagle": lambda: EagleDrafter(untrained_head(target)),
     }[kind]()
     prompts = [repeating(1, 12, seed=1), repeating(3, 9, seed=2), repeating(2, 15, seed=3)]
     calls = [
@@ -272,6 +281,20 @@ def test_a_sampled_draft_model_with_nan_logits_is_named(pair, nan_draft, kind):
         r"are not a distribution \(a NaN or \+inf logit, or all -inf\) in row 0 at draft position 1",
     ):
         specjax.speculative_generate(target, drafter, ids, max_new_tokens=6, temperature=1.0, adaptive=False)
+
+
+def test_a_sampled_eagle_head_with_nan_weights_is_named(pair):
+    target, _ = pair
+    head = untrained_head(target)
+    with torch.no_grad():
+        head.fc.weight.fill_(float("nan"))
+    ids = torch.tensor([[5, 17, 42, 8, 23]])
+    with pytest.raises(
+        ValueError,
+        match=r"draft: the eagle head \(drafter 'eagle'\) gave logits that are not a distribution .* "
+        r"at draft position 1",
+    ):
+        specjax.speculative_generate(target, EagleDrafter(head), ids, max_new_tokens=6, temperature=1.0, adaptive=False)
 
 
 def test_a_greedy_draft_model_with_nan_logits_still_gives_the_target_output(pair, nan_draft):
