@@ -24,11 +24,13 @@ import torch
 from specjax.kernels.results import AcceptanceResult
 
 __all__ = [
+    "MAX_DRAFT_TOKENS",
     "PluginOutputError",
     "check_all_rows_have_tokens",
     "check_draft_logits",
     "check_draft_output",
     "check_model",
+    "check_num_draft_tokens",
     "check_position_limit",
     "check_step_output",
     "checked_sampler",
@@ -66,6 +68,33 @@ def check_all_rows_have_tokens(attention_mask: torch.Tensor) -> None:
             f"attention_mask: row{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
             "of the batch is all padding (no real token); every row needs at least one prompt token"
         )
+
+
+# The most draft tokens a step may verify (vLLM's rejection sampler allows as many). The
+# statistics, the schedule's tables and the verification's widths grow with it.
+MAX_DRAFT_TOKENS = 128
+
+
+def check_num_draft_tokens(num_draft_tokens: Any, max_new_tokens: int) -> int:
+    """G for the loop: ``num_draft_tokens`` checked, cut to what a row can use.
+
+    A row drafts at most ``max_new_tokens - 1`` tokens (the step's correction or
+    bonus token comes on top), so a larger G changes nothing but the size of the
+    per-position statistics: G is cut to ``max(1, max_new_tokens - 1)``.
+
+    Raises:
+      ValueError: not an integer in [1, :data:`MAX_DRAFT_TOKENS`].
+    """
+    if (
+        isinstance(num_draft_tokens, bool)
+        or not isinstance(num_draft_tokens, int | np.integer)
+        or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS
+    ):
+        raise ValueError(
+            f"num_draft_tokens: expected an integer in [1, {MAX_DRAFT_TOKENS}] (the most draft tokens a step "
+            f"verifies), got {num_draft_tokens!r}"
+        )
+    return min(int(num_draft_tokens), max(int(max_new_tokens) - 1, 1))
 
 
 def position_limit(model: Any) -> int | None:
