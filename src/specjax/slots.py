@@ -75,11 +75,12 @@ class SlotCache:
       cache: the model's KV cache (``DynamicCache``).
       mask: i64[B, S] (torch, on the cache's device; a fresh copy), 1 where
         slot s of row b holds a real token.
-      num_valid: i64[B] (torch, likewise), valid slots per row (= the next position id).
+      num_valid: i64[B] (torch, likewise), the tokens each row holds (= the next
+        position id), counting those whose slots a sliding window let go.
       full: True while every slot of every row is valid. Forwards then pass
         neither the mask nor the positions (they are all-ones and the defaults),
         so the model takes its causal fast path, as ``generate`` does for an
-        unpadded batch.
+        unpadded batch; once a sliding window let slots go, they pass both.
       input_vocab: when set, token ids >= it (which the model cannot embed: a
         draft whose vocabulary is the target's minus padding) are fed as id 0.
       window: the model's largest sliding window in tokens (None: no layer slides).
