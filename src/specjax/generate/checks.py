@@ -122,30 +122,22 @@ def check_position_limit(name: str, model: Any, prompt_tokens: int, max_new_toke
         )
 
 
-# Layer types whose attention pattern transformers draws over cache slots in a way that rejected
-# draft tokens, kept as invalid slots, would shift (chunks begin at fixed slot offsets), or whose
-# cache evicts slots on its own: no bookkeeping of the slot cache makes them exact.
-_SLOT_BOUND_LAYERS = {
-    "chunked_attention": "chunked-attention",
-    "hybrid_sliding": "hybrid linear and sliding-window attention",
-}
-
-
 def check_cache_layout(name: str, model: Any) -> None:
     """Raise ``ValueError`` for attention layers the loop's KV cache cannot keep exact.
 
     Full and sliding-window attention are exact at any length (a sliding window
-    is honoured by position past the window too: :mod:`specjax.slots`); chunked
-    attention is not, as its chunks are counted in cache slots.
+    is honoured by position past the window too: :mod:`specjax.slots`).
+    Chunked attention (Llama 4's ``attention_chunk_size``) is not: transformers
+    starts its chunks at fixed slot offsets, which the rejected draft tokens
+    kept as invalid slots would shift.
     """
     types, _ = attention_layout(model)
-    for kind, what in _SLOT_BOUND_LAYERS.items():
-        if kind in types:
-            raise ValueError(
-                f"{name}: {what} layers ({kind!r} in config.layer_types) are not supported: speculative decoding "
-                "keeps rejected draft tokens in the KV cache as masked slots, which these layers count; use the "
-                "model's own generate, or a model with full or sliding-window attention"
-            )
+    if "chunked_attention" in types:
+        raise ValueError(
+            f"{name}: chunked-attention layers ('chunked_attention' in config.layer_types) are not supported: "
+            "speculative decoding keeps rejected draft tokens in the KV cache as masked slots, which these layers "
+            "count; use the model's own generate, or a model with full or sliding-window attention"
+        )
 
 
 # --------------------------------------------------------------------------- plugin outputs
