@@ -485,14 +485,8 @@ def test_unknown_sampler_name_is_refused(pairs):
         )
 
 
-def test_sliding_window_too_short_is_refused(tiny_lm):
-    target = tiny_lm("mistral", sliding_window=16)
-    with pytest.raises(ValueError, match=r"target: sliding-window attention \(window 16\) is not supported"):
-        generate(target, target, torch.tensor([[5, 6, 7]]), max_new_tokens=20)
-
-
 def test_sliding_window_layers_within_the_window_are_exact(tiny_lm, perturbed_copy, left_padded):
-    """Mistral with a (large) sliding window: DynamicSlidingWindowLayer caches, rows dropped mid-run."""
+    """Mistral with a (large) sliding window, rows dropped mid-run (past the window: test_sliding_window.py)."""
     target = tiny_lm("mistral", sliding_window=4096)
     draft = perturbed_copy(target, noise=0.05, seed=3)
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=11)

@@ -123,17 +123,6 @@ def check_seed(seed: Any) -> int:
     return int(seed)
 
 
-def _check_sliding_window(model: Any, needed: int, name: str) -> None:
-    window = getattr(model.config, "sliding_window", None)
-    layer_types = getattr(model.config, "layer_types", None) or []
-    uses_window = window is not None and (not layer_types or any("sliding" in t for t in layer_types))
-    if window is not None and uses_window and getattr(model.config, "use_sliding_window", True) and needed > window:
-        raise ValueError(
-            f"{name}: sliding-window attention (window {window}) is not supported for sequences of up to "
-            f"{needed} cache slots; use max_new_tokens and prompts that fit in the window"
-        )
-
-
 def speculative_generate(
     target: Any,
     draft: Any,
@@ -210,7 +199,8 @@ def speculative_generate(
       ValueError: for models that do not share a tokenizer or a device, a padded
         batch without ``attention_mask``, a row that is all padding,
         ``max_new_tokens < 1``, a longest prompt plus ``max_new_tokens`` beyond a
-        model's position limit (refused before any forward pass),
+        model's position limit (refused before any forward pass), a model with
+        chunked-attention layers (sliding windows are exact at any length),
         ``num_draft_tokens`` outside [1, 128], an unknown sampler or bad sampling
         parameters.
       specjax.generate.checks.PluginOutputError: a ``ValueError``: a sampler
@@ -295,10 +285,9 @@ def speculative_generate(
     checks.check_position_limit("target", target, longest, int(max_new_tokens))
     for m in draft_models:
         checks.check_position_limit("draft", m, longest, int(max_new_tokens))
-    needed = prompt_len + max_new_tokens * (num_draft_tokens + 2)
-    _check_sliding_window(target, needed, "target")
+    checks.check_cache_layout("target", target)
     for m in draft_models:
-        _check_sliding_window(m, needed, "draft")
+        checks.check_cache_layout("draft", m)
 
     sampler_fn = _resolve_sampler(sampler)
     with measure_compiles() as setup_compiles:  # a first call compiles these

@@ -1,8 +1,9 @@
 """Checks the generation loop makes on what it is given and on what plugins give back.
 
 Arguments (before any forward pass): the models are torch modules, no row is all
-padding, and the longest prompt plus ``max_new_tokens`` fits in each model's
-position limit.
+padding, the longest prompt plus ``max_new_tokens`` fits in each model's
+position limit, and each model's attention layers are ones the slot cache keeps
+exact (:func:`check_cache_layout`).
 
 Plugin outputs (every step, on the host copies the loop makes anyway): a sampler
 or a drafter is third-party code, and a wrong result would otherwise run to
@@ -22,17 +23,20 @@ import numpy as np
 import torch
 
 from specjax.kernels.results import AcceptanceResult
+from specjax.slots import attention_layout
 
 __all__ = [
     "MAX_DRAFT_TOKENS",
     "PluginOutputError",
     "check_all_rows_have_tokens",
+    "check_cache_layout",
     "check_draft_logits",
     "check_draft_output",
     "check_model",
     "check_num_draft_tokens",
     "check_position_limit",
     "check_step_output",
+    "check_weights_loaded",
     "checked_sampler",
     "plugin_name",
 ]
@@ -58,6 +62,31 @@ def check_model(name: str, model: Any) -> None:
             f"{name}: expected a transformers causal LM (with a config and input embeddings), "
             f"got {type(model).__name__}"
         )
+    check_weights_loaded(name, model)
+
+
+def check_weights_loaded(name: str, model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` if some of ``model``'s weights are on the ``meta`` device.
+
+    The loop reads the weights where they live (one device for both models, and
+    packed copies of the linear layers on a CPU), so they must be resident: an
+    accelerate-offloaded model (``cpu_offload``, a ``device_map`` that offloads)
+    keeps them on ``meta`` between forwards, and a model built without weights
+    (``init_empty_weights``) has nothing to compute with.
+    """
+    meta = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if meta is None:
+        return
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        raise ValueError(
+            f"{name}: its weights are offloaded by accelerate (parameter {meta!r} is on the 'meta' device between "
+            "forwards); speculative decoding needs them resident on one device: load the model without offloading "
+            "(device_map=None or a single device, enough memory), or use its own generate"
+        )
+    raise ValueError(
+        f"{name}: its weights are not loaded (parameter {meta!r} is on the 'meta' device, as after "
+        "init_empty_weights); load them first (from_pretrained, or load_state_dict(..., assign=True))"
+    )
 
 
 def check_all_rows_have_tokens(attention_mask: torch.Tensor) -> None:
@@ -120,6 +149,24 @@ def check_position_limit(name: str, model: Any, prompt_tokens: int, max_new_toke
             f"max_new_tokens: the longest prompt ({prompt_tokens} tokens) plus max_new_tokens = {max_new_tokens} "
             f"needs {prompt_tokens + max_new_tokens} positions, more than the {name}'s limit of {limit} "
             "(config.max_position_embeddings); shorten the prompt or lower max_new_tokens"
+        )
+
+
+def check_cache_layout(name: str, model: Any) -> None:
+    """Raise ``ValueError`` for attention layers the loop's KV cache cannot keep exact.
+
+    Full and sliding-window attention are exact at any length (a sliding window
+    is honoured by position past the window too: :mod:`specjax.slots`).
+    Chunked attention (Llama 4's ``attention_chunk_size``) is not: transformers
+    starts its chunks at fixed slot offsets, which the rejected draft tokens
+    kept as invalid slots would shift.
+    """
+    types, _ = attention_layout(model)
+    if "chunked_attention" in types:
+        raise ValueError(
+            f"{name}: chunked-attention layers ('chunked_attention' in config.layer_types) are not supported: "
+            "speculative decoding keeps rejected draft tokens in the KV cache as masked slots, which these layers "
+            "count; use the model's own generate, or a model with full or sliding-window attention"
         )
 
 
