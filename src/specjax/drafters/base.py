@@ -49,6 +49,7 @@ __all__ = [
     "check_sampled_logits",
     "greedy_pick",
     "is_drafter",
+    "logit_row_max",
     "stop_rows",
 ]
 
@@ -280,6 +281,28 @@ def sampled_confidence(scores: torch.Tensor, temperature: np.ndarray) -> np.ndar
     return torch.exp(z.max(dim=-1).values - torch.logsumexp(z, dim=-1)).double().cpu().numpy()
 
 
+def logit_row_max(logits: Any, rows: np.ndarray | None = None) -> np.ndarray:
+    """f64[R] host array: each row's largest logit, the one rule for "these logits are a distribution".
+
+    A row's logits define a distribution (their softmax) iff this is finite: it
+    is NaN when the row holds a NaN, +inf when it holds a +inf (the softmax is
+    then NaN), -inf when every logit is -inf (nothing has probability). One
+    pass per row, in the array's own library (torch, NumPy or JAX; no copy of
+    the logits to the host).
+
+    Args:
+      logits: f[B, V] (torch, NumPy or JAX).
+      rows: optional i64[R] row indices (default: all rows).
+    """
+    if isinstance(logits, torch.Tensor):
+        sel = logits.detach() if rows is None else logits.detach()[torch.as_tensor(rows, device=logits.device)]
+        return sel.amax(dim=-1).double().cpu().numpy()  # amax propagates NaN
+    if not isinstance(logits, np.ndarray):
+        sel_j = jax.numpy.asarray(logits) if rows is None else jax.numpy.asarray(logits)[rows]
+        return np.asarray(jax.numpy.max(sel_j, axis=-1), np.float64)
+    return np.asarray((logits if rows is None else logits[rows]).max(axis=-1), np.float64)
+
+
 def check_sampled_logits(
     who: str, logits: torch.Tensor, confidence: np.ndarray, rows: np.ndarray, position: int
 ) -> None:
@@ -302,8 +325,7 @@ def check_sampled_logits(
     """
     if not np.isnan(confidence[rows]).any():
         return
-    bad = torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1) | torch.isneginf(logits).all(dim=-1)
-    bad_rows = np.nonzero(bad.cpu().numpy() & rows)[0]
+    bad_rows = np.nonzero(~np.isfinite(logit_row_max(logits)) & rows)[0]
     if bad_rows.size:
         raise ValueError(
             f"draft: {who} gave logits that are not a distribution (a NaN or +inf logit, or all -inf) in row "

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.drafters.base import logit_row_max
 from specjax.kernels.results import AcceptanceResult
 from specjax.slots import attention_layout
 
@@ -356,8 +357,8 @@ def check_draft_logits(
         width = int(shape[1])
         x = np.asarray(tokens[rows, i], np.int64)
         inside = x < width
-        row_max, at_x = _row_max_and_gather(lg, rows, np.minimum(x, width - 1))
-        at_x = np.where(inside, at_x, -np.inf)
+        row_max = logit_row_max(lg, rows)
+        at_x = np.where(inside, _logit_at(lg, rows, np.minimum(x, width - 1)), -np.inf)
         bad = np.nonzero(~np.isfinite(row_max))[0]
         if bad.size:
             r, m = int(rows[bad[0]]), float(row_max[bad[0]])
@@ -377,18 +378,14 @@ def check_draft_logits(
             )
 
 
-def _row_max_and_gather(lg: Any, rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """f64[R] row maxima (NaN if a row holds one) and f64[R] ``lg[rows, ids]``, as host arrays."""
+def _logit_at(lg: Any, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """f64[R] host array ``lg[rows, ids]`` (torch, NumPy or JAX)."""
     if isinstance(lg, torch.Tensor):
         dev = lg.device
-        rows_t = lg.detach()[torch.as_tensor(rows, device=dev)]
-        at = rows_t[torch.arange(len(rows), device=dev), torch.as_tensor(ids, device=dev)]
-        out = torch.stack([rows_t.amax(dim=-1), at]).double().cpu().numpy()
-    else:
+        at = lg.detach()[torch.as_tensor(rows, device=dev), torch.as_tensor(ids, device=dev)]
+        return at.double().cpu().numpy()
+    if not isinstance(lg, np.ndarray):
         import jax.numpy as jnp
 
-        arr = lg if isinstance(lg, np.ndarray) else jnp.asarray(lg)
-        lib = np if isinstance(arr, np.ndarray) else jnp
-        sel = arr[rows]
-        out = np.asarray(lib.stack([lib.max(sel, axis=-1), sel[np.arange(len(rows)), ids]]), np.float64)
-    return out[0], out[1]
+        return np.asarray(jnp.asarray(lg)[rows, ids], np.float64)
+    return np.asarray(lg[rows, ids], np.float64)
