@@ -95,7 +95,7 @@ def test_ngram_index_matches_a_brute_force_search():
 
 
 def test_ngram_options_are_checked():
-    with pytest.raises(ValueError, match=r"min_n: expected an integer >= 1"):
+    with pytest.raises(ValueError, match=r"min_n: expected an integer in \[1, 32\]"):
         NgramDrafter(min_n=0)
     with pytest.raises(ValueError, match=r"max_n: expected an integer >= min_n = 3"):
         NgramDrafter(min_n=3, max_n=2)

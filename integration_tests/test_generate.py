@@ -419,7 +419,8 @@ def test_models_on_different_devices_are_refused(pairs, tiny_lm):
         meta_draft = tiny_lm("llama", layers=1, hidden=16, seed=1)
     assert next(meta_draft.parameters()).device.type == "meta"
     ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match=r"draft: expected the target's device cpu, got meta"):
+    # the only other device here is "meta": weights never loaded, refused as such before the device check
+    with pytest.raises(ValueError, match=r"draft: its weights are not loaded \(parameter '.*' is on the 'meta' device"):
         generate(pairs("llama")["target"], meta_draft, ids, max_new_tokens=2)
 
 
@@ -429,8 +430,8 @@ def test_models_on_different_devices_are_refused(pairs, tiny_lm):
         ({"max_new_tokens": 0}, r"max_new_tokens: expected an integer >= 1, got 0"),
         ({"max_new_tokens": -3}, r"max_new_tokens: expected an integer >= 1, got -3"),
         ({"max_new_tokens": 2.0}, r"max_new_tokens: expected an integer >= 1, got 2.0"),
-        ({"max_new_tokens": 4, "num_draft_tokens": 0}, r"num_draft_tokens: expected an integer >= 1, got 0"),
-        ({"max_new_tokens": 4, "num_draft_tokens": -1}, r"num_draft_tokens: expected an integer >= 1, got -1"),
+        ({"max_new_tokens": 4, "num_draft_tokens": 0}, r"num_draft_tokens: expected an integer in \[1, 128\].*got 0"),
+        ({"max_new_tokens": 4, "num_draft_tokens": -1}, r"num_draft_tokens: expected an integer in \[1, 128\].*got -1"),
         ({"max_new_tokens": 4, "seed": 2**70}, r"seed: expected an integer in \[-2\*\*63, 2\*\*63 - 1\], got 1180591"),
         ({"max_new_tokens": 4, "seed": 1.5}, r"seed: expected an integer .*, got 1.5"),
         ({"max_new_tokens": 4, "pad_token_id": 1.5}, r"pad_token_id: expected token ids \(integers >= 0\), got 1.5"),
@@ -485,14 +486,8 @@ def test_unknown_sampler_name_is_refused(pairs):
         )
 
 
-def test_sliding_window_too_short_is_refused(tiny_lm):
-    target = tiny_lm("mistral", sliding_window=16)
-    with pytest.raises(ValueError, match=r"target: sliding-window attention \(window 16\) is not supported"):
-        generate(target, target, torch.tensor([[5, 6, 7]]), max_new_tokens=20)
-
-
 def test_sliding_window_layers_within_the_window_are_exact(tiny_lm, perturbed_copy, left_padded):
-    """Mistral with a (large) sliding window: DynamicSlidingWindowLayer caches, rows dropped mid-run."""
+    """Mistral with a (large) sliding window, rows dropped mid-run (past the window: test_sliding_window.py)."""
     target = tiny_lm("mistral", sliding_window=4096)
     draft = perturbed_copy(target, noise=0.05, seed=3)
     ids, mask = left_padded(LENGTHS, vocab_size=VOCAB, seed=11)

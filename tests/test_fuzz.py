@@ -3,7 +3,9 @@ per-row parameters, valid and invalid.
 
 Surfaces: ``rejection_sample`` (and the ``numpy`` and ``torch`` samplers, which must agree
 with it), ``sample_from_logits``, ``verify_from_logits``, ``speculative_generate`` on tiny
-Llama models built from configs, and the CLI's argument parser.
+Llama models built from configs (also with one drafter object shared by concurrent calls in
+threads, and any ``num_draft_tokens``), ``NgramDrafter``'s lengths, and the CLI's argument
+parser.
 
 The property: a call either returns a result that satisfies the documented contract (checked
 against an independent reference where one is exact: the float64 ``numpy`` sampler on inputs
@@ -667,6 +669,160 @@ def test_fuzz_drafter_outputs(tiny_pair, defect, seed, array, temperature, b):
     if temperature == 0:
         want = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
         assert torch.equal(out.sequences, want)
+
+
+# --------------------------------------------------------------------------- drafters: shared, n-gram lengths, G
+
+
+def _greedy(target: Any, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    return target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+
+
+@st.composite
+def shared_drafter_case(draw):
+    """A drafter kind and 2-3 calls (prompts, lengths, temperature, seed) that will share one drafter object."""
+    kind = draw(st.sampled_from(["ngram", "model", "hybrid"]))
+    calls = []
+    for _ in range(draw(st.integers(2, 3))):
+        b = draw(st.integers(1, 3))
+        n = draw(st.integers(2, 10))
+        phrase = draw(st.lists(st.integers(1, V - 1), min_size=1, max_size=4))
+        rows = [
+            (phrase * n)[:n] if draw(st.booleans()) else draw(st.lists(st.integers(1, V - 1), min_size=n, max_size=n))
+            for _ in range(b)
+        ]
+        calls.append(
+            dict(
+                ids=torch.tensor(rows),
+                max_new_tokens=draw(st.integers(2, 8)),
+                num_draft_tokens=draw(st.integers(1, 4)),
+                temperature=draw(st.sampled_from([0.0, 0.0, 1.0])),
+                seed=draw(st.integers(0, 3)),
+            )
+        )
+    return kind, calls
+
+
+@pytest.mark.slow  # seconds of examples: make test, not make test-fast
+@examples(ci=6, long=60)
+@given(case=shared_drafter_case())
+def test_fuzz_shared_drafter_across_threads(tiny_pair, case):
+    """Calls sharing one drafter object, all inside their loops at once (threads): each gives what it gives alone."""
+    import threading
+
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+
+    target, draft = tiny_pair
+    kind, calls = case
+
+    def fresh() -> Any:
+        return {"ngram": NgramDrafter, "model": lambda: ModelDrafter(draft)}.get(
+            kind, lambda: HybridDrafter(NgramDrafter(), ModelDrafter(draft))
+        )()
+
+    def run(c: dict, drafter: Any, on_tokens: Any = None) -> torch.Tensor:
+        return specjax.speculative_generate(
+            target,
+            drafter,
+            c["ids"],
+            max_new_tokens=c["max_new_tokens"],
+            num_draft_tokens=c["num_draft_tokens"],
+            temperature=c["temperature"],
+            seed=c["seed"],
+            adaptive=False,  # sampled outputs reproducible from the seed
+            on_tokens=on_tokens,
+        ).sequences
+
+    alone = [run(c, fresh()) for c in calls]
+    shared = fresh()
+    barrier = threading.Barrier(len(calls))
+    results: list[Any] = [None] * len(calls)
+
+    def work(i: int) -> None:
+        waited = [False]
+
+        def on_tokens(row: int, tokens: list[int]) -> None:
+            if not waited[0]:  # every call has started (holds its drafter) before any goes on
+                waited[0] = True
+                barrier.wait(timeout=60)
+
+        try:
+            results[i] = run(calls[i], shared, on_tokens)
+        except BaseException as err:  # judged below
+            barrier.abort()
+            results[i] = err
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a call hung"
+    for c, want, got in zip(calls, alone, results, strict=True):
+        assert isinstance(got, torch.Tensor), [repr(r) for r in results]
+        assert torch.equal(got, want)
+        if c["temperature"] == 0:
+            assert torch.equal(got, _greedy(target, c["ids"], torch.ones_like(c["ids"]), c["max_new_tokens"]))
+
+
+_LENGTHS = st.one_of(
+    st.integers(-3, 40),
+    st.sampled_from([10**3, 10**7, 2**70, 1.0, 2.5, True, None, "5", np.int64(3), np.int32(40)]),
+)
+
+
+@examples(ci=60, long=1000)
+@given(_LENGTHS, _LENGTHS, st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(0, 8))
+def test_fuzz_ngram_lengths(min_n, max_n, context, k):
+    """Any (min_n, max_n): refused by name, or an index that proposes what a brute-force search finds."""
+    from specjax.drafters import NgramDrafter
+    from specjax.drafters.ngram import MAX_NGRAM, NgramIndex
+
+    drafter, err = call(NgramDrafter, min_n, max_n, names=("min_n", "max_n"))
+    if err is not None:
+        return
+    assert 1 <= drafter.min_n <= drafter.max_n <= MAX_NGRAM
+    idx = NgramIndex(context, drafter.min_n, drafter.max_n)
+    want: list[int] = []
+    for n in range(min(drafter.max_n, len(context)), drafter.min_n - 1, -1):
+        suffix = context[len(context) - n :]
+        ends = [e for e in range(n - 1, len(context) - 1) if context[e - n + 1 : e + 1] == suffix]
+        if ends:
+            want = context[ends[-1] + 1 : ends[-1] + 1 + k]
+            break
+    assert idx.lookup(k) == want
+    assert len(idx.tables) == drafter.max_n - drafter.min_n + 1
+
+
+@pytest.mark.slow  # seconds of examples: make test, not make test-fast
+@examples(ci=8, long=100)
+@given(
+    st.one_of(st.integers(-2, 200), st.sampled_from([10**7, 2**63, 2**70, np.int64(128), np.int64(129)])),
+    st.integers(1, 6),
+    st.sampled_from(["ngram", "model"]),
+)
+def test_fuzz_num_draft_tokens(tiny_pair, g, max_new_tokens, drafter):
+    """Any G: refused by name, or the greedy output with statistics no longer than a row can draft."""
+    from specjax.generate.checks import MAX_DRAFT_TOKENS
+
+    target, draft = tiny_pair
+    ids = torch.tensor([[3, 9, 4, 3, 9, 4, 3]])
+    out, err = call(
+        specjax.speculative_generate,
+        target,
+        draft if drafter == "model" else drafter,
+        ids,
+        max_new_tokens=max_new_tokens,
+        num_draft_tokens=g,
+        names=GEN_ARGS,
+    )
+    if err is not None:
+        assert str(err).startswith("num_draft_tokens") and not 1 <= g <= MAX_DRAFT_TOKENS, err
+        return
+    assert 1 <= g <= MAX_DRAFT_TOKENS
+    assert torch.equal(out.sequences, _greedy(target, ids, torch.ones_like(ids), max_new_tokens))
+    positions = len(out.stats.acceptance_rate_per_position)
+    assert positions == len(out.stats.tests_per_position) == min(int(g), max(max_new_tokens - 1, 1))
 
 
 # --------------------------------------------------------------------------- the CLI's argument parser

@@ -2,12 +2,16 @@
 
 Errors a user can fix (a missing model, a bad flag value, an unreadable prompts
 file, models that do not share a tokenizer) print one line on stderr and exit
-with status 2; ``--debug`` shows the traceback instead.
+with status 2; ``--debug`` shows the traceback instead. Output that cannot be
+written (a full disk: ``> /dev/full``) is one line and status 74 (EX_IOERR); a
+reader that stops reading (``specjax generate --json ... | head -1``) ends the
+command quietly with status 1, as Python's documentation advises for SIGPIPE.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -21,6 +25,35 @@ from specjax.console import CLIError, TextStream
 from specjax.runtime import enable_compilation_cache
 
 EXIT_USAGE = 2
+EXIT_IO = 74  # EX_IOERR (sysexits.h): the output could not be written
+EXIT_BROKEN_PIPE = 1  # the reader went away (Python's documented handling of SIGPIPE)
+
+
+class OutputError(Exception):
+    """Writing to standard output failed (``__cause__``: the ``OSError``)."""
+
+
+class _GuardedStdout:
+    """Standard output whose write and flush errors become :class:`OutputError`, told apart from the
+    ``OSError`` of anything else (a model file that cannot be read stays what it is)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            raise OutputError(str(err)) from err
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            raise OutputError(str(err)) from err
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -231,10 +264,28 @@ def read_prompts(path: str) -> list[str]:
         text = item.get("prompt") if isinstance(item, dict) else item
         if not isinstance(text, str):
             raise CLIError(f'--prompts-file {path}: line {number}: expected {{"prompt": "..."}} or a JSON string')
+        check_text(f"--prompts-file {path}: line {number}", text)
         prompts.append(text)
     if not prompts:
         raise CLIError(f"--prompts-file {path}: no prompts in the file")
     return prompts
+
+
+def check_text(where: str, text: str) -> None:
+    """Raise CLIError unless ``text`` is Unicode text UTF-8 can encode.
+
+    Command-line bytes that are not UTF-8 reach Python as lone surrogates
+    (``surrogateescape``), as do ``\\ud800``-style escapes in JSON; tokenizers
+    refuse both with a ``TypeError`` about their input type.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"U+{ord(bad):04X}"
+        raise CLIError(
+            f"{where}: not valid UTF-8 text ({what} at character {err.start}); pass the prompt as UTF-8"
+        ) from None
 
 
 def encode(tokenizer: Any, prompts: Sequence[str], *, chat: bool, device: Any) -> tuple[Any, Any]:
@@ -242,15 +293,26 @@ def encode(tokenizer: Any, prompts: Sequence[str], *, chat: bool, device: Any) -
     if chat:
         if getattr(tokenizer, "chat_template", None) is None:
             raise CLIError("--chat: the tokenizer has no chat template")
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-            for p in prompts
-        ]
+        try:
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+                for p in prompts
+            ]
+        except Exception as err:  # a template is code (Jinja): whatever it raises is one line
+            raise CLIError(
+                f"--chat: the tokenizer's chat template failed on a user message ({_first_line(err)}); "
+                "fix the template or leave out --chat"
+            ) from err
     else:
         texts = list(prompts)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        # Padding slots are masked: any token the vocabulary has will do.
+        tokenizer.pad_token = next(
+            t for t in (tokenizer.eos_token, tokenizer.unk_token, tokenizer.convert_ids_to_tokens(0)) if t is not None
+        )
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
@@ -267,6 +329,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.prompts_file is None):
         raise CLIError("generate: give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
+    if args.prompt is not None:
+        check_text("--prompt", args.prompt)
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
     _check_sampler(args.sampler)  # before the slow model load
     drafter_name = _check_drafter(args)
@@ -279,52 +343,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
     single = len(prompts) == 1 and not args.json
     bar = None if single else tqdm(total=len(prompts), desc="generating", unit="prompt", file=sys.stderr)
-    for start in range(0, len(prompts), args.batch_size):
-        chunk = prompts[start : start + args.batch_size]
-        ids, mask = encode(tok, chunk, chat=args.chat, device=device)
-        stream = TextStream(tok) if single else None
-        try:
-            drafter = _make_drafter(drafter_name, draft, args.eagle_head)
-            out = speculative_generate(
-                target,
-                drafter,
-                ids,
-                mask,
-                max_new_tokens=args.max_new_tokens,
-                num_draft_tokens=args.num_draft_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                seed=args.seed,
-                eos_token_id=eos,
-                pad_token_id=tok.pad_token_id,
-                sampler=args.sampler,
-                target_tokenizer=tok,
-                draft_tokenizer=d_tok,
-                on_tokens=stream,
-            )
-        except (ValueError, TypeError) as err:
-            raise CLIError(f"generate: {_first_line(err)}") from err
-        stats = out.stats.as_dict()
-        for row, prompt in enumerate(chunk):
-            new = out.sequences[row, ids.shape[1] : ids.shape[1] + int(out.num_new_tokens[row])].tolist()
-            text = tok.decode(new, skip_special_tokens=True)
-            if args.json:
-                print(
-                    json.dumps(
-                        {"prompt": prompt, "text": text, "token_ids": new, "stats": stats, "load_time_s": load_s}
-                    ),
-                    flush=True,
+    try:  # the bar ends its line before any error message
+        for start in range(0, len(prompts), args.batch_size):
+            chunk = prompts[start : start + args.batch_size]
+            ids, mask = encode(tok, chunk, chat=args.chat, device=device)
+            stream = TextStream(tok) if single else None
+            try:
+                drafter = _make_drafter(drafter_name, draft, args.eagle_head)
+                out = speculative_generate(
+                    target,
+                    drafter,
+                    ids,
+                    mask,
+                    max_new_tokens=args.max_new_tokens,
+                    num_draft_tokens=args.num_draft_tokens,
+                    temperature=args.temperature,
+                    top_k=args.top_k,
+                    top_p=args.top_p,
+                    seed=args.seed,
+                    eos_token_id=eos,
+                    pad_token_id=tok.pad_token_id,
+                    sampler=args.sampler,
+                    target_tokenizer=tok,
+                    draft_tokenizer=d_tok,
+                    on_tokens=stream,
                 )
-            elif single:
-                print()
-                _print_stats(stats, file=sys.stderr, load_s=load_s)
-            else:
-                print(f"### {prompt}\n{text}\n", flush=True)
+            except (ValueError, TypeError) as err:
+                raise CLIError(f"generate: {_first_line(err)}") from err
+            stats = out.stats.as_dict()
+            for row, prompt in enumerate(chunk):
+                new = out.sequences[row, ids.shape[1] : ids.shape[1] + int(out.num_new_tokens[row])].tolist()
+                text = tok.decode(new, skip_special_tokens=True)
+                if args.json:
+                    print(
+                        json.dumps(
+                            {"prompt": prompt, "text": text, "token_ids": new, "stats": stats, "load_time_s": load_s}
+                        ),
+                        flush=True,
+                    )
+                elif single:
+                    print()
+                    _print_stats(stats, file=sys.stderr, load_s=load_s)
+                else:
+                    print(f"### {prompt}\n{text}\n", flush=True)
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
         if bar is not None:
-            bar.update(len(chunk))
-    if bar is not None:
-        bar.close()
+            bar.close()
     return 0
 
 
@@ -501,6 +567,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not debug:
         _one_line_plugin_warnings()
+    stdout = sys.stdout
+    sys.stdout = _GuardedStdout(stdout)
     try:
         args = build_parser().parse_args(argv)
         handler = {"demo": cmd_demo, "generate": cmd_generate, "bench": cmd_bench}[args.command]
@@ -509,16 +577,45 @@ def main(argv: Sequence[str] | None = None) -> int:
             enable_compilation_cache()
             if args.jax_cpu_threads is not None:
                 _start_jax(args.jax_cpu_threads)
-        return handler(args)
+        status = handler(args)
+        sys.stdout.flush()  # a full disk shows here, not at the interpreter's exit
+        return status
     except CLIError as err:
         if debug:
             raise
-        text = str(err).replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever a path or value holds
-        print(f"error: {text}", file=sys.stderr)
+        _print_error(str(err))
         return EXIT_USAGE
+    except OutputError as err:
+        _discard_stdout(stdout)  # what is still buffered would fail again at exit
+        if isinstance(err.__cause__, BrokenPipeError) or getattr(err.__cause__, "errno", None) == errno.EPIPE:
+            return EXIT_BROKEN_PIPE  # the reader stopped reading: nothing to report
+        if debug:
+            raise
+        _print_error(f"cannot write the output to stdout ({err})")
+        return EXIT_IO
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout = stdout
+
+
+def _print_error(text: str) -> None:
+    one_line = text.replace("\r", "\\r").replace("\n", "\\n")  # one line, whatever a path or value holds
+    print(f"error: {one_line}", file=sys.stderr)
+
+
+def _discard_stdout(stream: Any) -> None:
+    """Point the process's standard output at /dev/null, so that flushing it at exit cannot fail again."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture): nothing flushes at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 class _NoTraceback(logging.Filter):

@@ -20,12 +20,23 @@ turns whatever ``speculative_generate(draft=...)`` was given into a drafter.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from specjax.drafters.base import CommitInfo, Drafter, DraftRequest, DraftSetup, Proposal, SamplingState
+from specjax.drafters.base import (
+    DRAFTER_METHODS,
+    CommitInfo,
+    Drafter,
+    DraftRequest,
+    DraftSetup,
+    Proposal,
+    SamplingState,
+    is_drafter,
+)
 from specjax.drafters.eagle import CONTEXT_TOKENS, EagleDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.model import ModelDrafter
@@ -45,6 +56,8 @@ __all__ = [
     "Proposal",
     "SamplingState",
     "available_drafters",
+    "claim_drafter",
+    "is_drafter",
     "load_drafter",
     "resolve_drafter",
 ]
@@ -129,17 +142,12 @@ def load_drafter(name: str, **options: Any) -> Any:
             raise
         raise ValueError(f"draft: drafter {name!r} ({ep.value}) failed to import: {type(err).__name__}: {err}") from err
     drafter = factory(**options)
-    missing = [m for m in ("start", "propose", "commit", "select_rows") if not callable(getattr(drafter, m, None))]
+    missing = [m for m in DRAFTER_METHODS if not callable(getattr(drafter, m, None))]
     if missing:
         raise ValueError(
             f"draft: drafter {name!r} ({ep.value}) returned a {type(drafter).__name__} without {', '.join(missing)}()"
         )
     return drafter
-
-
-def is_drafter(obj: Any) -> bool:
-    """Whether ``obj`` has the drafter methods (``start``, ``propose``, ``commit``, ``select_rows``)."""
-    return all(callable(getattr(obj, m, None)) for m in ("start", "propose", "commit", "select_rows"))
 
 
 def resolve_drafter(draft: Any) -> Any:
@@ -156,3 +164,64 @@ def resolve_drafter(draft: Any) -> Any:
         f"draft: expected a transformers causal LM, a drafter object or a drafter name "
         f"({', '.join(available_drafters())}), got {type(draft).__name__}"
     )
+
+
+# The drafter objects (and their parts) that running calls use, by id: a drafter holds one
+# call's state from start() to the call's end, so two calls must not share one.
+_in_use: set[int] = set()
+_in_use_lock = threading.Lock()
+
+
+def _parts(drafter: Any) -> list[Any]:
+    """``drafter`` and the drafters inside it (a hybrid drafter's two)."""
+    if isinstance(drafter, HybridDrafter):
+        return [drafter, *_parts(drafter.ngram), *_parts(drafter.fallback)]
+    return [drafter]
+
+
+def _try_claim(drafter: Any) -> bool:
+    """Mark ``drafter`` and its parts in use, unless one of them is already."""
+    ids = {id(p) for p in _parts(drafter)}
+    with _in_use_lock:
+        if ids & _in_use:
+            return False
+        _in_use.update(ids)
+        return True
+
+
+@contextlib.contextmanager
+def claim_drafter(drafter: Any) -> Iterator[Any]:
+    """The drafter one :func:`specjax.speculative_generate` call runs with, kept for the call's duration.
+
+    ``drafter`` itself when no other running call uses it or a part of it (a
+    hybrid drafter's n-gram or fallback drafter); else a fresh drafter from its
+    ``fork()`` (see :class:`Drafter`): a server may share one drafter object
+    between threads. Released when the block ends, also on an error.
+
+    Raises:
+      ValueError: the drafter is in use by another call and has no ``fork()``
+        (or its fork shares a part in use).
+    """
+    mine = drafter
+    if not _try_claim(drafter):
+        name = getattr(drafter, "name", type(drafter).__name__)
+        fork = getattr(drafter, "fork", None)
+        if not callable(fork):
+            raise ValueError(
+                f"draft: drafter {name!r} ({type(drafter).__name__}) is in use by another speculative_generate "
+                "call, and a drafter holds one call's state; pass one drafter object per concurrent call (build "
+                "one per thread or request), or give its class a fork() method that returns a fresh drafter of "
+                "the same configuration (the built-in drafters have one)"
+            )
+        mine = fork()
+        if mine is drafter or not is_drafter(mine) or not _try_claim(mine):
+            raise ValueError(
+                f"draft: drafter {name!r} ({type(drafter).__name__}) is in use by another speculative_generate "
+                f"call, and its fork() returned {type(mine).__name__} that is not a fresh drafter (it must share "
+                "no state with the original); pass one drafter object per concurrent call"
+            )
+    try:
+        yield mine
+    finally:
+        with _in_use_lock:
+            _in_use.difference_update(id(p) for p in _parts(mine))

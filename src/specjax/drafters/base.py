@@ -46,7 +46,10 @@ __all__ = [
     "Drafter",
     "Proposal",
     "SamplingState",
+    "check_sampled_logits",
     "greedy_pick",
+    "is_drafter",
+    "logit_row_max",
     "stop_rows",
 ]
 
@@ -243,6 +246,14 @@ class CommitInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+DRAFTER_METHODS = ("start", "propose", "commit", "select_rows")
+
+
+def is_drafter(obj: Any) -> bool:
+    """Whether ``obj`` has the drafter methods (:data:`DRAFTER_METHODS`)."""
+    return all(callable(getattr(obj, m, None)) for m in DRAFTER_METHODS)
+
+
 def greedy_pick(scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
     """A greedy drafter's choice and its confidence (:attr:`Proposal.confidence`).
 
@@ -268,6 +279,59 @@ def sampled_confidence(scores: torch.Tensor, temperature: np.ndarray) -> np.ndar
     t = np.where(np.asarray(temperature, np.float64) > 0, temperature, 1.0)
     z = scores / torch.as_tensor(t, dtype=scores.dtype, device=scores.device)[:, None]
     return torch.exp(z.max(dim=-1).values - torch.logsumexp(z, dim=-1)).double().cpu().numpy()
+
+
+def logit_row_max(logits: Any, rows: np.ndarray | None = None) -> np.ndarray:
+    """f64[R] host array: each row's largest logit, the one rule for "these logits are a distribution".
+
+    A row's logits define a distribution (their softmax) iff this is finite: it
+    is NaN when the row holds a NaN, +inf when it holds a +inf (the softmax is
+    then NaN), -inf when every logit is -inf (nothing has probability). One
+    pass per row, in the array's own library (torch, NumPy or JAX; no copy of
+    the logits to the host).
+
+    Args:
+      logits: f[B, V] (torch, NumPy or JAX).
+      rows: optional i64[R] row indices (default: all rows).
+    """
+    if isinstance(logits, torch.Tensor):
+        sel = logits.detach() if rows is None else logits.detach()[torch.as_tensor(rows, device=logits.device)]
+        return sel.amax(dim=-1).double().cpu().numpy()  # amax propagates NaN
+    if not isinstance(logits, np.ndarray):
+        sel_j = jax.numpy.asarray(logits) if rows is None else jax.numpy.asarray(logits)[rows]
+        return np.asarray(jax.numpy.max(sel_j, axis=-1), np.float64)
+    return np.asarray((logits if rows is None else logits[rows]).max(axis=-1), np.float64)
+
+
+def check_sampled_logits(
+    who: str, logits: torch.Tensor, confidence: np.ndarray, rows: np.ndarray, position: int
+) -> None:
+    """Before a sampling drafter feeds its draws back: its logits must be distributions.
+
+    A row with a NaN or ``+inf`` logit, or only ``-inf`` ones, has no
+    distribution: its draw is not a token (an embedding lookup then fails
+    deep inside torch) and ``q`` would be NaN in the acceptance test.
+
+    Args:
+      who: the drafter as messages name it (``the draft model LlamaForCausalLM``).
+      logits: f[B', V] the logits drawn from at draft position ``position`` (1-based).
+      confidence: f64[B'] host array, :func:`sampled_confidence` of them: NaN for
+        such rows (and for rows whose scaled logits overflow, told apart here).
+        Only a NaN confidence makes this look at the logits: no cost otherwise.
+      rows: bool[B'] the rows drafting.
+
+    Raises:
+      ValueError: naming the drafter, the row and the position.
+    """
+    if not np.isnan(confidence[rows]).any():
+        return
+    bad_rows = np.nonzero(~np.isfinite(logit_row_max(logits)) & rows)[0]
+    if bad_rows.size:
+        raise ValueError(
+            f"draft: {who} gave logits that are not a distribution (a NaN or +inf logit, or all -inf) in row "
+            f"{int(bad_rows[0])} at draft position {position}; check its weights for NaN or inf and its dtype "
+            "(float16 logits overflow), or draft with another drafter"
+        )
 
 
 def stop_rows(request: DraftRequest, confidence: list[np.ndarray], want: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -304,6 +368,14 @@ class Drafter(Protocol):
       asks_every_step: optional (default: ``cost_per_token_hint == 0``): call
         ``propose`` every step, even when the schedule asks for no tokens, so
         that free proposals (lookups) may come up to ``request.limit``.
+
+    A drafter holds the state of one call (its caches, the rows' contexts)
+    from ``start`` to the call's end. A call that is given a drafter another
+    call is still using (a server sharing one drafter between threads) runs
+    with a fresh drafter from its optional ``fork()`` method: a new drafter of
+    the same configuration that shares the read-only parts (models, heads)
+    and no call state. Without ``fork()`` that call raises a ``ValueError``
+    (:func:`specjax.drafters.claim_drafter`). The built-in drafters have one.
     """
 
     name: str

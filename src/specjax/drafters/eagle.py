@@ -66,6 +66,7 @@ from specjax.drafters.base import (
     DraftRequest,
     DraftSetup,
     Proposal,
+    check_sampled_logits,
     greedy_pick,
     sampled_confidence,
     stop_rows,
@@ -112,6 +113,10 @@ class EagleDrafter:
         # the target tokens scored: the head's N, then context tokens (i64[N + n] on the device)
         self._ids = self.head.token_ids
         self._scored = np.zeros(0, bool)  # bool[V]: in _ids
+
+    def fork(self) -> EagleDrafter:
+        """A fresh drafter over the same head (for a concurrent call; see :class:`~specjax.drafters.Drafter`)."""
+        return EagleDrafter(self.head, self.context_tokens)
 
     # ------------------------------------------------------------------ #
     def start(self, setup: DraftSetup) -> None:
@@ -249,6 +254,7 @@ class EagleDrafter:
                     tokens.append(xj)
                     x = to_torch(xj).to(device=device, dtype=torch.long)
                     confidence.append(sampled_confidence(full, temperature))
+                    check_sampled_logits("the eagle head (drafter 'eagle')", full, confidence[-1], want > i, i + 1)
                     want, go_on = stop_rows(request, confidence, want)
                     if not go_on:
                         break

@@ -61,10 +61,22 @@ class EagleConfig:
         return self.hidden_size // self.num_attention_heads
 
     def __post_init__(self) -> None:
-        for f in ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "num_layers"):
+        for f in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "num_layers",
+            "target_vocab_size",
+        ):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{f}: expected a positive integer, got {v!r}")
+        for f in ("rms_norm_eps", "rope_theta"):  # a JSON number; a string or -1 would load and draft garbage
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{f}: expected a finite number > 0, got {v!r}")
+            object.__setattr__(self, f, float(v))
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size: expected a multiple of num_attention_heads={self.num_attention_heads}, "
@@ -81,7 +93,8 @@ class EagleConfig:
         ):
             raise ValueError(f"feature_layers: expected distinct positive layer indices, got {self.feature_layers!r}")
         object.__setattr__(self, "feature_layers", layers)  # a JSON list arrives as a list
-        if not 0 < self.num_tokens <= self.target_vocab_size:
+        n = self.num_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= self.target_vocab_size:
             raise ValueError(
                 f"num_tokens: expected 1..target_vocab_size={self.target_vocab_size}, got {self.num_tokens}"
             )
@@ -284,18 +297,38 @@ class EagleHead(nn.Module):
         return features @ lm_head_weight[self.token_ids].T
 
 
+def _stored(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """How :func:`save_head` stores one tensor: float16, or float32 where float16 cannot hold its values.
+
+    Raises:
+      ValueError: the tensor holds NaN or inf (a broken head is not saved).
+    """
+    t = tensor.detach().cpu()
+    if not t.is_floating_point():
+        return t.contiguous()
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"eagle head: weight {name} holds NaN or inf; not saving a broken head")
+    half = t.to(torch.float16)
+    # beyond float16's range (|w| > 65504) a weight would become inf: that tensor stays float32
+    return (half if bool(torch.isfinite(half).all()) else t.float()).contiguous()
+
+
 def save_head(head: EagleHead, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (float16) into ``directory``."""
+    """Write ``config.json`` and ``model.safetensors`` into ``directory``.
+
+    Weights are stored as float16, except a tensor with values beyond float16's
+    range (kept float32, so no weight becomes inf).
+
+    Raises:
+      ValueError: a weight holds NaN or inf (nothing is written).
+    """
     from safetensors.torch import save_file
 
+    tensors = {k: _stored(k, v) for k, v in head.state_dict().items()}
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     config = {"model_type": MODEL_TYPE, **asdict(head.config), **(extra or {})}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tensors = {
-        k: (v.detach().to(torch.float16) if v.is_floating_point() else v.detach()).contiguous().cpu()
-        for k, v in head.state_dict().items()
-    }
     save_file(tensors, str(path / "model.safetensors"))
 
 
@@ -337,6 +370,11 @@ def load_head(directory: str | os.PathLike[str]) -> EagleHead:
         if tuple(v.shape) != tuple(want[k].shape):
             raise ValueError(
                 f"eagle head: {weights_file}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(want[k].shape)}"
+            )
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValueError(
+                f"eagle head: {weights_file}: tensor {k} holds NaN or inf (a weight beyond float16's range saved "
+                "as float16 becomes inf); save the head again with this version's save_head"
             )
     ids = tensors["token_ids"]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.target_vocab_size):

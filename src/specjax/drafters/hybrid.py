@@ -24,9 +24,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
-from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal
+from specjax.drafters.base import DRAFTER_METHODS, CommitInfo, DraftRequest, DraftSetup, Proposal, is_drafter
 from specjax.kernels.steps import fit_vocab
 
 __all__ = ["HybridDrafter"]
@@ -46,15 +47,27 @@ class HybridDrafter:
     """``ngram`` where the context's suffix occurred before, ``fallback`` elsewhere.
 
     Args:
-      ngram: an :class:`~specjax.drafters.ngram.NgramDrafter`.
+      ngram: an :class:`~specjax.drafters.ngram.NgramDrafter` (or another
+        drafter of free, deterministic proposals).
       fallback: any drafter proposing with logits (e.g. a
         :class:`~specjax.drafters.model.ModelDrafter`).
+
+    Raises:
+      TypeError: ``ngram`` or ``fallback`` is not a drafter (e.g. a model
+        passed where ``ModelDrafter(model)`` was meant, or None).
     """
 
     needs_target_hidden = False
     asks_every_step = True  # its n-gram rows cost nothing, whatever the fallback costs
 
     def __init__(self, ngram: Any, fallback: Any) -> None:
+        for arg, value in (("ngram", ngram), ("fallback", fallback)):
+            if not is_drafter(value):
+                hint = " (wrap a draft model as ModelDrafter(model))" if isinstance(value, torch.nn.Module) else ""
+                raise TypeError(
+                    f"{arg}: HybridDrafter expects a drafter (with {', '.join(DRAFTER_METHODS)}), "
+                    f"got {type(value).__name__}{hint}"
+                )
         self.ngram, self.fallback = ngram, fallback
         self.name = f"hybrid({ngram.name}, {fallback.name})"
         self.needs_target_hidden = bool(getattr(fallback, "needs_target_hidden", False))
@@ -62,6 +75,24 @@ class HybridDrafter:
         self.cost_per_token_hint = float(getattr(fallback, "cost_per_token_hint", 0.0))
         self.vocab = 0
         self.last_source = ""
+
+    def fork(self) -> HybridDrafter:
+        """A fresh drafter over forks of its two (for a concurrent call; see :class:`~specjax.drafters.Drafter`).
+
+        Raises:
+          ValueError: one of its drafters has no ``fork()``.
+        """
+        forks = []
+        for part in (self.ngram, self.fallback):
+            fork = getattr(part, "fork", None)
+            if not callable(fork):
+                raise ValueError(
+                    f"draft: drafter {self.name!r} is in use by another speculative_generate call and its drafter "
+                    f"{getattr(part, 'name', type(part).__name__)!r} has no fork(); pass one drafter object per "
+                    "concurrent call"
+                )
+            forks.append(fork())
+        return HybridDrafter(*forks)
 
     def start(self, setup: DraftSetup) -> None:
         self.vocab = setup.target_vocab

@@ -33,6 +33,7 @@ from specjax.drafters.base import (
     DraftRequest,
     DraftSetup,
     Proposal,
+    check_sampled_logits,
     greedy_pick,
     sampled_confidence,
     stop_rows,
@@ -55,8 +56,11 @@ class ModelDrafter:
     cost_per_token_hint = 0.003  # seconds; replaced by the loop's measurements
 
     def __init__(self, model: Any) -> None:
-        self.model = model
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"draft: ModelDrafter expects a transformers causal LM, got {type(model).__name__}")
+        self.model: Any = model  # a transformers causal LM
         self.name = f"model:{type(model).__name__}"
+        self._who = f"the draft model {type(model).__name__} (drafter {self.name!r})"
         self.cache: SlotCache | None = None
         self.pending: list[list[int]] = []
         self._fed: Any = None  # the proposals fed to the model during the last propose (JAX, g - 1 columns)
@@ -67,6 +71,10 @@ class ModelDrafter:
         self._untested: list[int] = []
         self._late = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._first: np.ndarray | None = None
+
+    def fork(self) -> ModelDrafter:
+        """A fresh drafter over the same model (for a concurrent call; see :class:`~specjax.drafters.Drafter`)."""
+        return ModelDrafter(self.model)
 
     # ------------------------------------------------------------------ #
     def start(self, setup: DraftSetup) -> None:
@@ -140,6 +148,7 @@ class ModelDrafter:
             )
             draws.append(x)
             confidence.append(sampled_confidence(logits[:, : self.vocab], temperature))
+            check_sampled_logits(self._who, logits[:, : self.vocab], confidence[-1], want > i, i + 1)
             want, go_on = stop_rows(request, confidence, want)
             if not go_on:
                 break  # x was not fed: the fed proposals are the first i

@@ -8,12 +8,16 @@ plain decoding step for it). Proposals are deterministic, so they go to the
 acceptance step as point masses (``q`` = 1 at the token): exact at every
 temperature (Leviathan et al. 2023; Saxena 2023, "prompt lookup decoding").
 
-Each row keeps a hash index per ``n`` from an n-gram to the end position of
-its latest occurrence that has a continuation, updated as tokens are
-committed, so a lookup costs ``max_n - min_n + 1`` dictionary probes whatever
-the context length. Single tokens are not matched by default: on a CPU each
-wasted verification costs about half a decoding step, and one-token matches
-are mostly wrong.
+Each row keeps a hash index per ``n`` from an n-gram's hash to the end
+position of its latest occurrence that has a continuation, updated as tokens
+are committed, so a lookup costs ``max_n - min_n + 1`` dictionary probes
+whatever the context length, and the index holds one entry per context token
+and ``n`` (about 100 bytes each), not the n-grams themselves. A probe that
+finds an entry compares the two n-grams; a hash collision (vanishingly rare)
+costs at most a missed proposal, never a wrong token (the target verifies
+every proposal). ``max_n`` is at most :data:`MAX_NGRAM`. Single tokens are
+not matched by default: on a CPU each wasted verification costs about half a
+decoding step, and one-token matches are mostly wrong.
 """
 
 from __future__ import annotations
@@ -22,7 +26,12 @@ import numpy as np
 
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal
 
-__all__ = ["NgramDrafter", "NgramIndex"]
+__all__ = ["MAX_NGRAM", "NgramDrafter", "NgramIndex"]
+
+# The longest n-gram matched: the index's size and the time to index a token grow with
+# max_n - min_n + 1 (prompt lookup pays off at n of 2 to 5; longer matches are found by the
+# shorter n-grams they end with).
+MAX_NGRAM = 32
 
 
 class NgramIndex:
@@ -32,7 +41,8 @@ class NgramIndex:
 
     def __init__(self, tokens: list[int], min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        # tables[n - min_n]: hash of an n-gram -> the end position of its latest occurrence with a continuation
+        self.tables: list[dict[int, int]] = [{} for _ in range(max_n - min_n + 1)]
         self.context: list[int] = []
         self.extend(tokens)
 
@@ -45,7 +55,7 @@ class NgramIndex:
             if end < 0:
                 continue
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
-                self.tables[n][tuple(ctx[end - n + 1 : end + 1])] = end
+                self.tables[n - self.min_n][hash(tuple(ctx[end - n + 1 : end + 1]))] = end
 
     def lookup(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest earlier occurrence of the context's suffix."""
@@ -54,8 +64,9 @@ class NgramIndex:
         if k <= 0:
             return []
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
-            end = self.tables[n].get(tuple(ctx[size - n :]))
-            if end is not None:
+            suffix = ctx[size - n :]
+            end = self.tables[n - self.min_n].get(hash(tuple(suffix)))
+            if end is not None and ctx[end - n + 1 : end + 1] == suffix:
                 return ctx[end + 1 : end + 1 + k]
         return []
 
@@ -64,11 +75,11 @@ class NgramDrafter:
     """Prompt-lookup drafting (the ``ngram`` drafter).
 
     Args:
-      min_n, max_n: the n-gram lengths matched, longest first (default 2..5).
-        ``min_n = 1`` also matches single tokens.
+      min_n, max_n: the n-gram lengths matched, longest first (default 2..5;
+        at most :data:`MAX_NGRAM` = 32). ``min_n = 1`` also matches single tokens.
 
     Raises:
-      ValueError: ``min_n`` < 1 or ``max_n`` < ``min_n``.
+      ValueError: ``min_n`` or ``max_n`` outside [1, 32], or ``max_n`` < ``min_n``.
     """
 
     name = "ngram"
@@ -77,12 +88,19 @@ class NgramDrafter:
 
     def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
         for arg, value in (("min_n", min_n), ("max_n", max_n)):
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-                raise ValueError(f"{arg}: expected an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 1 <= value <= MAX_NGRAM:
+                raise ValueError(
+                    f"{arg}: expected an integer in [1, {MAX_NGRAM}] (an n-gram length; the index grows with "
+                    f"max_n - min_n + 1), got {value!r}"
+                )
         if max_n < min_n:
             raise ValueError(f"max_n: expected an integer >= min_n = {min_n}, got {max_n}")
         self.min_n, self.max_n = int(min_n), int(max_n)
         self.rows: list[NgramIndex] = []
+
+    def fork(self) -> NgramDrafter:
+        """A fresh drafter with the same options (for a concurrent call; see :class:`~specjax.drafters.Drafter`)."""
+        return NgramDrafter(self.min_n, self.max_n)
 
     def start(self, setup: DraftSetup) -> None:
         self.rows = [NgramIndex(ctx, self.min_n, self.max_n) for ctx in setup.contexts]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from specjax.drafters import HybridDrafter, ModelDrafter, resolve_drafter
+from specjax.drafters import HybridDrafter, ModelDrafter, claim_drafter, resolve_drafter
 from specjax.drafters.base import SamplingState
 from specjax.generate import checks
+from specjax.generate.compile_time import measure_compiles
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 from specjax.registry import load_sampler
 
@@ -85,9 +87,12 @@ def _input_vocab_size(model: Any) -> int:
 
 
 def _token_id(name: str, value: Any) -> int:
-    """One token id: an integer >= 0 (a bool, a float or a string is refused, not converted)."""
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
-        value = value.item()
+    """One token id: an integer >= 0 (a bool, a float or a string is refused, not converted).
+
+    A 0-d torch tensor or NumPy array of integers counts as its integer.
+    """
+    if isinstance(value, torch.Tensor | np.ndarray) and value.ndim == 0:
+        value = value.item()  # a float or bool tensor gives a float or bool: refused below
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise ValueError(f"{name}: expected token ids (integers >= 0), got {value!r}")
     return int(value)
@@ -96,8 +101,8 @@ def _token_id(name: str, value: Any) -> int:
 def _as_id_set(name: str, v: Any) -> set[int]:
     if v is None:
         return set()
-    if isinstance(v, torch.Tensor):
-        v = v.flatten().tolist()  # Python numbers: a float id is refused below
+    if isinstance(v, torch.Tensor | np.ndarray):
+        v = v.flatten().tolist()  # Python numbers: a float or bool id is refused below
     if isinstance(v, list | tuple | set):
         return {_token_id(name, x) for x in v}
     return {_token_id(name, v)}
@@ -116,17 +121,6 @@ def check_seed(seed: Any) -> int:
     ):
         raise ValueError(f"seed: expected an integer in [-2**63, 2**63 - 1], got {seed!r}")
     return int(seed)
-
-
-def _check_sliding_window(model: Any, needed: int, name: str) -> None:
-    window = getattr(model.config, "sliding_window", None)
-    layer_types = getattr(model.config, "layer_types", None) or []
-    uses_window = window is not None and (not layer_types or any("sliding" in t for t in layer_types))
-    if window is not None and uses_window and getattr(model.config, "use_sliding_window", True) and needed > window:
-        raise ValueError(
-            f"{name}: sliding-window attention (window {window}) is not supported for sequences of up to "
-            f"{needed} cache slots; use max_new_tokens and prompts that fit in the window"
-        )
 
 
 def speculative_generate(
@@ -164,11 +158,15 @@ def speculative_generate(
       input_ids: i64[B, P] prompts, left-padded when their lengths differ.
       attention_mask: i64/bool[B, P], 1 for real tokens; required when padded.
       max_new_tokens: tokens to generate per row at most (>= 1).
-      num_draft_tokens: G, the most draft tokens proposed per step (>= 1).
+      num_draft_tokens: G, the most draft tokens proposed per step (1 to
+        :data:`~specjax.generate.checks.MAX_DRAFT_TOKENS` = 128). A row drafts
+        at most ``max_new_tokens - 1`` tokens a step, so G is cut to that
+        (the per-position statistics then have that many entries).
       temperature: scalar or f32[B]; 0 = greedy (the default).
       top_k: None, scalar or i32[B] (0 = off); top_p: None, scalar or f32[B] in (0, 1].
       seed: seeds the per-row JAX keys (row b's draws depend on seed and b only).
-      eos_token_id: an id or a list of ids that end a row (defaults to the target's
+      eos_token_id: an id or several (a list, tuple or set, a torch tensor or a
+        NumPy array of integers) that end a row (defaults to the target's
         generation config).
       pad_token_id: fills rows after they end (defaults to the target's, then EOS).
       sampler: "jax" (the fused kernel), or the name of an installed sampler
@@ -201,13 +199,16 @@ def speculative_generate(
       ValueError: for models that do not share a tokenizer or a device, a padded
         batch without ``attention_mask``, a row that is all padding,
         ``max_new_tokens < 1``, a longest prompt plus ``max_new_tokens`` beyond a
-        model's position limit (refused before any forward pass),
-        ``num_draft_tokens < 1``, an unknown sampler or bad sampling parameters.
+        model's position limit (refused before any forward pass), a model with
+        chunked-attention layers (sliding windows are exact at any length),
+        ``num_draft_tokens`` outside [1, 128], an unknown sampler or bad sampling
+        parameters.
       specjax.generate.checks.PluginOutputError: a ``ValueError``: a sampler
         returned a result outside its contract (wrong shape or dtype,
         ``num_accepted`` outside [0, k_b], a token outside [0, V)); the message
         names the sampler.
     """
+    t_start = time.perf_counter()  # the call's wall time includes its checks and setup
     checks.check_model("target", target)
     drafter = resolve_drafter(draft)
     draft_models = _draft_models(drafter)  # the models inside the drafter (the model and hybrid drafters)
@@ -230,8 +231,7 @@ def speculative_generate(
         raise ValueError(f"input_ids: expected at least one row and one token, got shape {tuple(input_ids.shape)}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int | np.integer) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens: expected an integer >= 1, got {num_draft_tokens!r}")
+    num_draft_tokens = checks.check_num_draft_tokens(num_draft_tokens, int(max_new_tokens))
     for m in draft_models:
         check_pair(target, m, target_tokenizer, draft_tokenizer)
     device = _device(target)
@@ -285,40 +285,43 @@ def speculative_generate(
     checks.check_position_limit("target", target, longest, int(max_new_tokens))
     for m in draft_models:
         checks.check_position_limit("draft", m, longest, int(max_new_tokens))
-    needed = prompt_len + max_new_tokens * (num_draft_tokens + 2)
-    _check_sliding_window(target, needed, "target")
+    checks.check_cache_layout("target", target)
     for m in draft_models:
-        _check_sliding_window(m, needed, "draft")
+        checks.check_cache_layout("draft", m)
 
     sampler_fn = _resolve_sampler(sampler)
-    params = _prepare_params(temperature, top_k, top_p, batch, True, impl)
-    base = jax.random.key(seed)
-    sampling = SamplingState(  # on the device once, for every step's jitted calls
-        jax.device_put(params),
-        jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jax.numpy.arange(batch)),
-    )
+    with measure_compiles() as setup_compiles:  # a first call compiles these
+        params = _prepare_params(temperature, top_k, top_p, batch, True, impl)
+        base = jax.random.key(seed)
+        sampling = SamplingState(  # on the device once, for every step's jitted calls
+            jax.device_put(params),
+            jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jax.numpy.arange(batch)),
+        )
     if not isinstance(adaptive, bool):
         raise TypeError(f"adaptive: expected True or False, got {type(adaptive).__name__}")
 
     target.eval()
     for m in draft_models:
         m.eval()
-    return run_loop(
-        target,
-        drafter,
-        input_ids,
-        attention_mask,
-        max_new_tokens=int(max_new_tokens),
-        num_draft_tokens=int(num_draft_tokens),
-        sampling=sampling,
-        adaptive=adaptive,
-        eos_ids=eos_ids,
-        pad_token_id=int(pad_token_id),
-        target_vocab=target_vocab,
-        sampler=sampler_fn,
-        on_tokens=on_tokens,
-        return_state=return_state,
-    )
+    # one call's state per drafter object: a drafter another call is using is forked
+    with claim_drafter(drafter) as drafter:
+        return run_loop(
+            target,
+            drafter,
+            input_ids,
+            attention_mask,
+            max_new_tokens=int(max_new_tokens),
+            num_draft_tokens=int(num_draft_tokens),
+            sampling=sampling,
+            adaptive=adaptive,
+            eos_ids=eos_ids,
+            pad_token_id=int(pad_token_id),
+            target_vocab=target_vocab,
+            sampler=sampler_fn,
+            on_tokens=on_tokens,
+            return_state=return_state,
+            started=(t_start, setup_compiles.seconds),
+        )
 
 
 def _draft_models(drafter: Any) -> list[Any]:

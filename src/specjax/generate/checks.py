@@ -1,8 +1,9 @@
 """Checks the generation loop makes on what it is given and on what plugins give back.
 
 Arguments (before any forward pass): the models are torch modules, no row is all
-padding, and the longest prompt plus ``max_new_tokens`` fits in each model's
-position limit.
+padding, the longest prompt plus ``max_new_tokens`` fits in each model's
+position limit, and each model's attention layers are ones the slot cache keeps
+exact (:func:`check_cache_layout`).
 
 Plugin outputs (every step, on the host copies the loop makes anyway): a sampler
 or a drafter is third-party code, and a wrong result would otherwise run to
@@ -21,16 +22,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.drafters.base import logit_row_max
 from specjax.kernels.results import AcceptanceResult
+from specjax.slots import attention_layout
 
 __all__ = [
+    "MAX_DRAFT_TOKENS",
     "PluginOutputError",
     "check_all_rows_have_tokens",
+    "check_cache_layout",
     "check_draft_logits",
     "check_draft_output",
     "check_model",
+    "check_num_draft_tokens",
     "check_position_limit",
     "check_step_output",
+    "check_weights_loaded",
     "checked_sampler",
     "plugin_name",
 ]
@@ -56,6 +63,31 @@ def check_model(name: str, model: Any) -> None:
             f"{name}: expected a transformers causal LM (with a config and input embeddings), "
             f"got {type(model).__name__}"
         )
+    check_weights_loaded(name, model)
+
+
+def check_weights_loaded(name: str, model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` if some of ``model``'s weights are on the ``meta`` device.
+
+    The loop reads the weights where they live (one device for both models, and
+    packed copies of the linear layers on a CPU), so they must be resident: an
+    accelerate-offloaded model (``cpu_offload``, a ``device_map`` that offloads)
+    keeps them on ``meta`` between forwards, and a model built without weights
+    (``init_empty_weights``) has nothing to compute with.
+    """
+    meta = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if meta is None:
+        return
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        raise ValueError(
+            f"{name}: its weights are offloaded by accelerate (parameter {meta!r} is on the 'meta' device between "
+            "forwards); speculative decoding needs them resident on one device: load the model without offloading "
+            "(device_map=None or a single device, enough memory), or use its own generate"
+        )
+    raise ValueError(
+        f"{name}: its weights are not loaded (parameter {meta!r} is on the 'meta' device, as after "
+        "init_empty_weights); load them first (from_pretrained, or load_state_dict(..., assign=True))"
+    )
 
 
 def check_all_rows_have_tokens(attention_mask: torch.Tensor) -> None:
@@ -66,6 +98,33 @@ def check_all_rows_have_tokens(attention_mask: torch.Tensor) -> None:
             f"attention_mask: row{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} "
             "of the batch is all padding (no real token); every row needs at least one prompt token"
         )
+
+
+# The most draft tokens a step may verify (vLLM's rejection sampler allows as many). The
+# statistics, the schedule's tables and the verification's widths grow with it.
+MAX_DRAFT_TOKENS = 128
+
+
+def check_num_draft_tokens(num_draft_tokens: Any, max_new_tokens: int) -> int:
+    """G for the loop: ``num_draft_tokens`` checked, cut to what a row can use.
+
+    A row drafts at most ``max_new_tokens - 1`` tokens (the step's correction or
+    bonus token comes on top), so a larger G changes nothing but the size of the
+    per-position statistics: G is cut to ``max(1, max_new_tokens - 1)``.
+
+    Raises:
+      ValueError: not an integer in [1, :data:`MAX_DRAFT_TOKENS`].
+    """
+    if (
+        isinstance(num_draft_tokens, bool)
+        or not isinstance(num_draft_tokens, int | np.integer)
+        or not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS
+    ):
+        raise ValueError(
+            f"num_draft_tokens: expected an integer in [1, {MAX_DRAFT_TOKENS}] (the most draft tokens a step "
+            f"verifies), got {num_draft_tokens!r}"
+        )
+    return min(int(num_draft_tokens), max(int(max_new_tokens) - 1, 1))
 
 
 def position_limit(model: Any) -> int | None:
@@ -91,6 +150,24 @@ def check_position_limit(name: str, model: Any, prompt_tokens: int, max_new_toke
             f"max_new_tokens: the longest prompt ({prompt_tokens} tokens) plus max_new_tokens = {max_new_tokens} "
             f"needs {prompt_tokens + max_new_tokens} positions, more than the {name}'s limit of {limit} "
             "(config.max_position_embeddings); shorten the prompt or lower max_new_tokens"
+        )
+
+
+def check_cache_layout(name: str, model: Any) -> None:
+    """Raise ``ValueError`` for attention layers the loop's KV cache cannot keep exact.
+
+    Full and sliding-window attention are exact at any length (a sliding window
+    is honoured by position past the window too: :mod:`specjax.slots`).
+    Chunked attention (Llama 4's ``attention_chunk_size``) is not: transformers
+    starts its chunks at fixed slot offsets, which the rejected draft tokens
+    kept as invalid slots would shift.
+    """
+    types, _ = attention_layout(model)
+    if "chunked_attention" in types:
+        raise ValueError(
+            f"{name}: chunked-attention layers ('chunked_attention' in config.layer_types) are not supported: "
+            "speculative decoding keeps rejected draft tokens in the KV cache as masked slots, which these layers "
+            "count; use the model's own generate, or a model with full or sliding-window attention"
         )
 
 
@@ -280,8 +357,8 @@ def check_draft_logits(
         width = int(shape[1])
         x = np.asarray(tokens[rows, i], np.int64)
         inside = x < width
-        row_max, at_x = _row_max_and_gather(lg, rows, np.minimum(x, width - 1))
-        at_x = np.where(inside, at_x, -np.inf)
+        row_max = logit_row_max(lg, rows)
+        at_x = np.where(inside, _logit_at(lg, rows, np.minimum(x, width - 1)), -np.inf)
         bad = np.nonzero(~np.isfinite(row_max))[0]
         if bad.size:
             r, m = int(rows[bad[0]]), float(row_max[bad[0]])
@@ -301,18 +378,14 @@ def check_draft_logits(
             )
 
 
-def _row_max_and_gather(lg: Any, rows: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """f64[R] row maxima (NaN if a row holds one) and f64[R] ``lg[rows, ids]``, as host arrays."""
+def _logit_at(lg: Any, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """f64[R] host array ``lg[rows, ids]`` (torch, NumPy or JAX)."""
     if isinstance(lg, torch.Tensor):
         dev = lg.device
-        rows_t = lg.detach()[torch.as_tensor(rows, device=dev)]
-        at = rows_t[torch.arange(len(rows), device=dev), torch.as_tensor(ids, device=dev)]
-        out = torch.stack([rows_t.amax(dim=-1), at]).double().cpu().numpy()
-    else:
+        at = lg.detach()[torch.as_tensor(rows, device=dev), torch.as_tensor(ids, device=dev)]
+        return at.double().cpu().numpy()
+    if not isinstance(lg, np.ndarray):
         import jax.numpy as jnp
 
-        arr = lg if isinstance(lg, np.ndarray) else jnp.asarray(lg)
-        lib = np if isinstance(arr, np.ndarray) else jnp
-        sel = arr[rows]
-        out = np.asarray(lib.stack([lib.max(sel, axis=-1), sel[np.arange(len(rows)), ids]]), np.float64)
-    return out[0], out[1]
+        return np.asarray(jnp.asarray(lg)[rows, ids], np.float64)
+    return np.asarray(lg[rows, ids], np.float64)

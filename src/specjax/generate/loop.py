@@ -66,7 +66,8 @@ class SpeculativeStats:
         denominators of ``acceptance_rate_per_position``).
       adapter_copies: copies the torch→JAX adapters had to make.
       new_tokens: tokens generated (all rows).
-      wall_time_s: wall-clock time of the call.
+      wall_time_s: wall-clock time of the call, from its start (checks and
+        setup included).
       compile_time_s: the part of it spent compiling JAX functions (one-time work
         for shapes not seen before; 0 when every shape was seen).
       tokens_per_s: new_tokens / (wall_time_s - compile_time_s): decoding
@@ -176,6 +177,7 @@ def run_loop(
     on_tokens: Any = None,
     return_state: bool = False,
     adaptive: bool = True,
+    started: tuple[float, float] | None = None,
 ) -> SpeculativeOutput:
     """The loop proper; arguments are already validated by :func:`speculative_generate`.
 
@@ -186,6 +188,9 @@ def run_loop(
     (:mod:`specjax.generate.schedule`); False drafts ``num_draft_tokens`` every
     step (fewer only where ``max_new_tokens`` allows fewer). Finished rows stay
     in the caches until they are dropped, but append no valid slots.
+    ``started``: ``(time.perf_counter() at the caller's start, seconds it spent
+    compiling)``, so that the statistics' times cover the caller's setup too
+    (default: from this call's start).
     """
     import jax
     import jax.numpy as jnp
@@ -193,7 +198,7 @@ def run_loop(
     from specjax.adapters import count_copies, jit_input
     from specjax.kernels import steps
 
-    t_start = time.perf_counter()
+    t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
     device = input_ids.device
     batch, prompt_len = input_ids.shape
     rows = [_Row(i) for i in range(batch)]
@@ -441,7 +446,7 @@ def run_loop(
     d_cache = getattr(drafter, "cache", None)
     stats.draft_forwards = d_cache.forwards if isinstance(d_cache, SlotCache) else 0
     stats.adapter_copies = copies.copies
-    stats.compile_time_s = compiles.seconds
+    stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, tested, passed, gained_total, row_steps, rows, t_start)
     out = _build_output(input_ids, rows, pad_token_id, stats)
     if return_state:
