@@ -101,8 +101,8 @@ def _us(t: float) -> float:
     return round(t * 1e6, 1)
 
 
-def bench_rejection(batches, drafts, vocabs, dtypes, reps: int, device: str) -> list[dict[str, Any]]:
-    rows = []
+def bench_rejection(batches, drafts, vocabs, dtypes, reps: int, device: str, sink) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     print(
         f"\n{'B':>4} {'G':>2} {'V':>7} {'dtype':>8} {'kernel_us':>10} {'read_us':>9} {'k/read':>7} "
         f"{'k/read_q':>8} {'floor_all_us':>12} {'floor_need_us':>13} {'verdict':>8}"
@@ -166,6 +166,7 @@ def bench_rejection(batches, drafts, vocabs, dtypes, reps: int, device: str) -> 
                         f"{need_bytes / HBM_BYTES_PER_S * 1e6:13.1f} {verdict:>8}",
                         flush=True,
                     )
+                    sink(rows[-3:])
                     del args
     return rows
 
@@ -177,8 +178,8 @@ def _params(b: int, mode: str) -> SamplingParams:
     return SamplingParams(ones * 0.7, jnp.full((b,), 50, jnp.int32), ones * 0.1, True, True, "xla")
 
 
-def bench_verify(batches, drafts, dtypes, reps: int, device: str) -> list[dict[str, Any]]:
-    rows = []
+def bench_verify(batches, drafts, dtypes, reps: int, device: str, sink) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     v = VERIFY_VOCAB
     limits = {"sampled": 3.0, "greedy": 1.5}
     print(
@@ -248,6 +249,7 @@ def bench_verify(batches, drafts, dtypes, reps: int, device: str) -> list[dict[s
                         f"{kb / rb:7.2f} {kq / rq:8.2f} {nbytes / HBM_BYTES_PER_S * 1e6:9.1f} {verdict:>8}",
                         flush=True,
                     )
+                sink(rows[-4:])
                 del x, d, t
     return rows
 
@@ -289,14 +291,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         VERIFY_VOCAB = 4000
     else:
         batches, drafts, vocabs, dtypes, verify_batches = BATCHES, DRAFTS, VOCABS, DTYPES, BATCHES
+
+    def sink(new_rows: list[dict[str, Any]]) -> None:  # rows land as they come (a run may be cut short)
+        if args.jsonl:
+            append_jsonl(args.jsonl, new_rows)
+
     rows, trivial_s = bench_trivial(args.reps, device)
+    sink(rows)
     if args.only in (None, "rejection"):
-        rows += bench_rejection(batches, drafts, vocabs, dtypes, args.reps, device)
+        rows += bench_rejection(batches, drafts, vocabs, dtypes, args.reps, device, sink)
     if args.only in (None, "verify"):
-        rows += bench_verify(verify_batches, (4,), dtypes, args.reps, device)
+        rows += bench_verify(verify_batches, (4,), dtypes, args.reps, device, sink)
     b1_verdicts(rows, trivial_s)
-    if args.jsonl:
-        append_jsonl(args.jsonl, rows)
+    if args.jsonl:  # the B = 1 verdicts, as rows of their own
+        append_jsonl(args.jsonl, [dict(r, method=r["method"] + "_b1") for r in rows if "verdict_b1" in r])
     return 0
 
 

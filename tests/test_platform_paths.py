@@ -94,3 +94,35 @@ def test_verify_with_the_masked_take_gives_the_same_tokens(mode, monkeypatch):
     got = jax.jit(lambda *a: frontend.verify_core(*a))(x, d, t, u, s, params, k)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     assert 0 < int(np.asarray(want.num_accepted).sum()) < b * g  # tests both pass and fail
+
+
+@pytest.mark.parametrize("point_masses", [False, True])
+@pytest.mark.parametrize("filtered", [False, True])
+def test_greedy_verify_on_the_jax_path_is_the_greedy_rule(point_masses, filtered):
+    """impl="xla", every row greedy (no draw): the accepted prefix of argmax matches, then argmax.
+
+    The rule of :mod:`specjax.kernels.greedy`, against the JAX path whatever it
+    skips (the draw is replaced by the statistics' argmax when every row is greedy).
+    """
+    from specjax.kernels.greedy import accept_greedy
+    from specjax.kernels.types import SamplingParams
+
+    rng = np.random.default_rng(11)
+    b, g, v = 12, 4, 300
+    t = rng.normal(size=(b, g + 1, v)).astype(np.float32)
+    d = None if point_masses else (t[:, :g] + rng.normal(size=(b, g, v))).astype(np.float32)
+    best = t.argmax(-1)
+    # Some rows follow the target's argmax for a while, so n varies.
+    x = np.where(rng.random((b, g)) < 0.6, best[:, :g], rng.integers(0, v, (b, g))).astype(np.int32)
+    k = rng.integers(0, g + 1, b).astype(np.int32)
+    zeros = jnp.zeros((b,), jnp.float32)
+    params = SamplingParams(zeros, jnp.full((b,), 5, jnp.int32), zeros + 0.1, filtered, filtered, "xla")
+    u = jnp.asarray(rng.random((b, g)), jnp.float32)
+    s = jnp.asarray(rng.random(b), jnp.float32)
+    got = jax.jit(frontend.verify_core)(
+        jnp.asarray(x), None if d is None else jnp.asarray(d), jnp.asarray(t), u, s, params, jnp.asarray(k)
+    )
+    n, tokens = accept_greedy(x, best, k)
+    np.testing.assert_array_equal(np.asarray(got.num_accepted), n)
+    np.testing.assert_array_equal(np.asarray(got.tokens), tokens)
+    assert 0 < n.sum() and (n < k).any()

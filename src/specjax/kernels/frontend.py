@@ -359,23 +359,25 @@ def verify_core(
         )
         return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
-    def all_rows() -> AcceptanceResult:
-        t_stats, d_stats, n = summarise_all_rows()
-        d_sel = None if d_stats is None else _take_rows(d_stats, jnp.minimum(n, g - 1))
-        t_sel = _take_rows(t_stats, n)
-        if not point_masses:
-            return draw(n, t_sel, d_sel)
-
-        # Point masses, every row greedy: p_n is the point mass at argmax p_n, which a
-        # rejected x_n (p_n(x_n) = 0) cannot be, so the residual and the bonus draw
-        # both give argmax p_n: the statistics already hold it; no draw, no pass over V.
+    def draw_unless_greedy(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> AcceptanceResult:
+        # Every row greedy: p_n is the point mass at argmax p_n, and so is q_n (the same
+        # temperature) or the draft's point mass; a rejected x_n is not argmax p_n
+        # (p_n(x_n) = 0), so the residual (or, emptied, p_n itself) and the bonus draw
+        # all give argmax p_n: the statistics hold it; no draw, no pass over V.
         def greedy_rows() -> AcceptanceResult:
             return AcceptanceResult(n, assemble_tokens(x, n, t_sel.argmax))
 
-        return lax.cond(jnp.all(t_sel.greedy), greedy_rows, lambda: draw(n, t_sel, None))
+        return lax.cond(jnp.all(t_sel.greedy), greedy_rows, lambda: draw(n, t_sel, d_sel))
+
+    def all_rows() -> AcceptanceResult:
+        t_stats, d_stats, n = summarise_all_rows()
+        d_sel = None if d_stats is None else _take_rows(d_stats, jnp.minimum(n, g - 1))
+        return draw_unless_greedy(n, _take_rows(t_stats, n), d_sel)
 
     def lazily_one_device() -> AcceptanceResult:
-        return draw(*_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens))
+        return draw_unless_greedy(
+            *_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens)
+        )
 
     def fused_cpu() -> AcceptanceResult:
         # The whole step in one C++ call (cpu_kernels.verify): per batch row,
