@@ -176,3 +176,14 @@ def test_stdout_on_a_full_disk_is_one_line(models, json_lines):
     assert proc.stderr.splitlines()[-1].endswith(
         "error: cannot write the output to stdout ([Errno 28] No space left on device)"
     )
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_num_draft_tokens_flag_is_bounded_by_name(command):
+    """The flag's own error, not the Python argument's from deep inside (issue 58, G is capped at 128)."""
+    from specjax.cli import CLIError, build_parser
+    from specjax.generate.checks import MAX_DRAFT_TOKENS
+
+    assert build_parser().parse_args([command, "--num-draft-tokens", str(MAX_DRAFT_TOKENS)]).num_draft_tokens == 128
+    with pytest.raises(CLIError, match=r"argument --num-draft-tokens: expected an integer in \[1, 128\], got 129"):
+        build_parser().parse_args([command, "--num-draft-tokens", str(MAX_DRAFT_TOKENS + 1)])

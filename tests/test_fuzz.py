@@ -888,6 +888,7 @@ VALUES = [
 )
 def test_fuzz_cli_argument_parser(command, rest):
     from specjax.cli import CLIError, build_parser
+    from specjax.generate.checks import MAX_DRAFT_TOKENS
 
     argv = [*command, *rest]
     assume(not any(a in ("-h", "--help") or a.startswith("--h") for a in argv))
@@ -901,6 +902,7 @@ def test_fuzz_cli_argument_parser(command, rest):
     for name in ("max_new_tokens", "num_draft_tokens", "batch_size", "jax_cpu_threads"):
         value = getattr(args, name, None)
         assert value is None or (isinstance(value, int) and value >= 1), (name, value)
+    assert getattr(args, "num_draft_tokens", None) is None or args.num_draft_tokens <= MAX_DRAFT_TOKENS
     if getattr(args, "top_k", None) is not None:
         assert args.top_k >= 0
     if getattr(args, "temperature", None) is not None:

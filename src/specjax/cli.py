@@ -77,6 +77,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _draft_tokens(text: str) -> int:
+    from specjax.generate.checks import MAX_DRAFT_TOKENS
+
+    value = _positive_int(text)
+    if value > MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_DRAFT_TOKENS}], got {value}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -514,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=_positive_int, default=64)
     demo.add_argument(
         "--num-draft-tokens",
-        type=_positive_int,
+        type=_draft_tokens,
         default=None,
         help="draft tokens per step (default: the pair's tuned value)",
     )
@@ -529,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", metavar="TEXT")
     gen.add_argument("--prompts-file", metavar="FILE.jsonl")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    gen.add_argument("--num-draft-tokens", type=_positive_int, default=4)
+    gen.add_argument("--num-draft-tokens", type=_draft_tokens, default=4)
     gen.add_argument("--temperature", type=_temperature, default=0.0)
     gen.add_argument("--top-k", type=_non_negative_int, default=None)
     gen.add_argument("--top-p", type=_top_p, default=None)
