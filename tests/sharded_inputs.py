@@ -308,7 +308,7 @@ def hlo_inputs(mesh, kernel: str, filters: bool = False) -> tuple[tuple, dict, A
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from specjax.boundary.validation import _prepare_params
+    from specjax.boundary.validation import prepare_params
     from specjax.kernels.frontend import verify_from_logits
     from specjax.kernels.rejection import rejection_sample
     from specjax.kernels.sharded import MeshLayout
@@ -327,7 +327,7 @@ def hlo_inputs(mesh, kernel: str, filters: bool = False) -> tuple[tuple, dict, A
         )
         return args, {"layout": layout}, rejection_sample(x, q, p, u, s)
     x, dl, tl, kw = logits_inputs(b, g, v, seed=5, filters=filters, row_keys=False)
-    params = _prepare_params(kw["temperature"], kw.get("top_k"), kw.get("top_p"), b, False)
+    params = prepare_params(kw["temperature"], kw.get("top_k"), kw.get("top_p"), b, False)
     assert params.use_top_k == params.use_top_p == filters
     args = (
         place(x, mesh, pair),

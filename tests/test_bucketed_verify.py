@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from specjax.boundary.validation import _prepare_params
+from specjax.boundary.validation import prepare_params
 from specjax.generate.loop import _bucketed, _buckets
 from specjax.kernels import steps
 
@@ -37,9 +37,9 @@ def test_padding_changes_no_token(b, batch, width, with_draft_logits):
     temps = np.full(b, 0.7, np.float32)
     temps[0] = 0.0  # a greedy row among sampled ones
     if with_draft_logits:  # per-row parameters, a greedy row among them
-        params = jax.device_put(_prepare_params(temps, rng.integers(0, 20, b), np.full(b, 0.9), b, True, "auto"))
+        params = jax.device_put(prepare_params(temps, rng.integers(0, 20, b), np.full(b, 0.9), b, True, "auto"))
     else:  # one temperature, no top-k / top-p (their fields hold placeholders)
-        params = _prepare_params(0.7, None, None, b, True, "auto")
+        params = prepare_params(0.7, None, None, b, True, "auto")
     keys = jax.random.split(jax.random.key(11), b)
     d_logits = None
     if with_draft_logits and width:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from specjax.boundary.validation import _prepare_params
+from specjax.boundary.validation import prepare_params
 from specjax.generate.loop import greedy_verify
 from specjax.kernels import steps
 
@@ -51,7 +51,7 @@ def test_greedy_verify_equals_the_kernel(b, g, vocab, with_draft_logits):
     logits, draft, k_rows = _case(b * 100 + g, b, g, vocab)
     n, tokens = greedy_verify(torch.from_numpy(draft), torch.from_numpy(logits), k_rows)
 
-    params = jax.device_put(_prepare_params(0.0, None, None, b, True, "auto"))
+    params = jax.device_put(prepare_params(0.0, None, None, b, True, "auto"))
     keys = jax.random.split(jax.random.key(3), b)
     d_logits = None
     if with_draft_logits:  # any draft distribution: a greedy target decides alone

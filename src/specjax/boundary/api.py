@@ -183,10 +183,10 @@ def sample_from_logits(
     if vocab == 0:
         raise ValueError("logits: expected a vocabulary size V >= 1, got V = 0")
     key = _v.as_key(key, batch)
-    params = _v._prepare_params(temperature, top_k, top_p, batch, validate, impl)
+    params = _v.prepare_params(temperature, top_k, top_p, batch, validate, impl)
     logits = _v.for_jit(logits)  # read by the check and the draw
     if validate and batch:
-        _v._check_logits("logits", logits)
+        _v.check_logits("logits", logits)
     if batch == 0:
         return jnp.zeros((0,), jnp.int32), jnp.zeros((0, vocab), jnp.float32)
     return frontend._sample_jit(logits, key, params)
@@ -345,13 +345,13 @@ def _verify_from_logits(
     )
     draft_tokens = _v.as_token_ids("draft_tokens", draft_tokens)
     key = _v.as_key(key, batch)
-    params = _v._prepare_params(temperature, top_k, top_p, batch, validate, impl)
+    params = _v.prepare_params(temperature, top_k, top_p, batch, validate, impl)
     if num_draft_tokens is None:
-        k = _v._full_k(batch, g)
+        k = _v.full_k(batch, g)
     else:
-        k = _v._row_param("num_draft_tokens", num_draft_tokens, batch, "int")
+        k = _v.row_param("num_draft_tokens", num_draft_tokens, batch, "int")
         if validate:
-            kh = _v._host(k)
+            kh = _v.host_copy(k)
             if np.any(kh < 0) or np.any(kh > g):
                 raise ValueError(f"num_draft_tokens: expected values in [0, G] = [0, {g}], got {kh.tolist()}")
         k = np.ascontiguousarray(k, np.int32)
@@ -361,16 +361,16 @@ def _verify_from_logits(
         # read by the check and the step
         draft_tokens, target_logits = _v.for_jit(draft_tokens), _v.for_jit(target_logits)
         draft_logits = None if point_masses else _v.for_jit(draft_logits)
-        lo_hi, t_finite, d_finite = jax.device_get(_v._verify_summary(draft_tokens, k, target_logits, draft_logits))
+        lo_hi, t_finite, d_finite = jax.device_get(_v.verify_summary(draft_tokens, k, target_logits, draft_logits))
         lo, hi = (int(v) for v in np.asarray(lo_hi))
         if lo < 0 or hi >= vocab:
             raise ValueError(
                 f"draft_tokens: expected token ids in [0, V) = [0, {vocab}) at positions < num_draft_tokens, "
                 f"got values in [{lo}, {hi}]"
             )
-        _v._check_logits("target_logits", target_logits, bool(t_finite))
+        _v.check_logits("target_logits", target_logits, bool(t_finite))
         if not point_masses:
-            _v._check_logits("draft_logits", draft_logits, bool(d_finite))
+            _v.check_logits("draft_logits", draft_logits, bool(d_finite))
     if layout is None:
         layout = sharded.mesh_layout(target_logits, "target_logits")  # split over B and/or V?
     verify = frontend._verify_jit if layout is None else partial(sharded.verify_on_mesh, layout=layout)

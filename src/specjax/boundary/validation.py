@@ -353,7 +353,7 @@ def _scalar_row(value: float, batch: int, dtype: type) -> np.ndarray:
     return _constant_row(value, batch, dtype)
 
 
-def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
+def row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
     """A per-row parameter as a host NumPy array of shape (B,).
 
     Parameters are B numbers: they live on the host, where validation reads
@@ -381,7 +381,7 @@ def _row_param(name: str, value: Any, batch: int, kind: str) -> np.ndarray:
     return arr
 
 
-def _host(x: Any) -> np.ndarray:
+def host_copy(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
@@ -403,7 +403,7 @@ def _scalar_float(name: str, value: int | float) -> float:
 def _check_params(temperature, top_k, top_p, validate: bool) -> None:
     if not validate:
         return
-    t = _host(temperature).astype(np.float64)
+    t = host_copy(temperature).astype(np.float64)
     if not np.all(np.isfinite(t)) or np.any(t < 0):
         raise ValueError(f"temperature: expected finite values >= 0 (0 = greedy), got {t.tolist()}")
     lo, hi = TEMPERATURE_RANGE
@@ -413,16 +413,16 @@ def _check_params(temperature, top_k, top_p, validate: bool) -> None:
             f"where the processed distribution is computed faithfully in float32, got {t.tolist()}"
         )
     if top_k is not None:
-        k = _host(top_k)
+        k = host_copy(top_k)
         if np.any(k < 0):
             raise ValueError(f"top_k: expected integers >= 0 (0 = no top-k), got {k.tolist()}")
     if top_p is not None:
-        p = _host(top_p).astype(np.float64)
+        p = host_copy(top_p).astype(np.float64)
         if not np.all((p > 0) & (p <= 1)):
             raise ValueError(f"top_p: expected values in (0, 1], got {p.tolist()}")
 
 
-def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool, impl: str = "auto") -> SamplingParams:
+def prepare_params(temperature, top_k, top_p, batch: int, validate: bool, impl: str = "auto") -> SamplingParams:
     """The per-row parameters as a :class:`SamplingParams` of f32/i32/f32 (B,) arrays.
 
     ``top_k`` / ``top_p`` None set ``use_top_k`` / ``use_top_p`` False and leave a
@@ -444,9 +444,9 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool, impl:
     impl = cpu_kernels.resolve(impl)
     if scalars:  # the common case: Python numbers, prepared once per value and batch size
         return _scalar_params(temperature, top_k, top_p, batch, validate, impl)
-    temperature = _row_param("temperature", temperature, batch, "float")
-    top_k = None if top_k is None else _row_param("top_k", top_k, batch, "int")
-    top_p = None if top_p is None else _row_param("top_p", top_p, batch, "float")
+    temperature = row_param("temperature", temperature, batch, "float")
+    top_k = None if top_k is None else row_param("top_k", top_k, batch, "int")
+    top_p = None if top_p is None else row_param("top_p", top_p, batch, "float")
     _check_params(temperature, top_k, top_p, validate)
     temperature = np.ascontiguousarray(temperature, np.float32)
     if top_k is not None:
@@ -460,7 +460,7 @@ def _prepare_params(temperature, top_k, top_p, batch: int, validate: bool, impl:
 def _scalar_params(
     temperature: float | int, top_k: int | None, top_p: float | int | None, batch: int, validate: bool, impl: str
 ) -> SamplingParams:
-    """:func:`_prepare_params` for Python numbers, once per distinct call (the result is immutable).
+    """:func:`prepare_params` for Python numbers, once per distinct call (the result is immutable).
 
     At B = 1 on a CPU the boundary's Python is a good part of a call, and most
     callers pass the same numbers every step. A call that raises is not cached.
@@ -541,7 +541,7 @@ _all_rows_finite_jit = jax.jit(_all_rows_finite)
 
 
 @jax.jit
-def _verify_summary(draft_tokens, k, target_logits, draft_logits):
+def verify_summary(draft_tokens, k, target_logits, draft_logits):
     """Smallest and largest tested draft token (i32[2]), and whether each logits array is all finite (bool[])."""
     g = draft_tokens.shape[1]
     valid = jnp.arange(g)[None, :] < k[:, None]
@@ -551,7 +551,7 @@ def _verify_summary(draft_tokens, k, target_logits, draft_logits):
     return lo_hi, _all_rows_finite(target_logits), d_finite
 
 
-def _check_logits(name: str, logits: jax.Array, finite: bool | None = None) -> None:
+def check_logits(name: str, logits: jax.Array, finite: bool | None = None) -> None:
     """Raise for NaN, +inf or all -inf rows; ``finite`` (from :func:`_all_rows_finite`) if already known."""
     if finite is None:
         finite = bool(jax.device_get(_all_rows_finite_jit(logits)))
@@ -565,6 +565,6 @@ def _check_logits(name: str, logits: jax.Array, finite: bool | None = None) -> N
 
 
 @functools.cache
-def _full_k(batch: int, g: int) -> np.ndarray:
+def full_k(batch: int, g: int) -> np.ndarray:
     """k_b = G for every row (read-only, shared)."""
     return _constant_row(g, batch, np.int32)

@@ -218,7 +218,7 @@ def speculative_generate(
         _share_gpu_with_torch()
     import jax
 
-    from specjax.boundary.validation import _prepare_params
+    from specjax.boundary.validation import prepare_params
 
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         shape = tuple(input_ids.shape) if hasattr(input_ids, "shape") else type(input_ids).__name__
@@ -291,7 +291,7 @@ def speculative_generate(
 
     sampler_fn = _resolve_sampler(sampler)
     with measure_compiles() as setup_compiles:  # a first call compiles these
-        params = _prepare_params(temperature, top_k, top_p, batch, True, impl)
+        params = prepare_params(temperature, top_k, top_p, batch, True, impl)
         base = jax.random.key(seed)
         sampling = SamplingState(  # on the device once, for every step's jitted calls
             jax.device_put(params),
