@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specjax-installed
 TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
-.PHONY: install install-vllm test-vllm test test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check \
+.PHONY: install install-vllm test-vllm test test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check tpu-check \
 	clean train-draft train-eagle train-eagle-gpu tpu-parts fuzz soak
 
 # --no-compile: pip would byte-compile every module of torch, JAX and transformers
@@ -152,6 +152,12 @@ bench-report: $(STAMP)
 gpu-check:
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m gpu tests integration_tests
 	PYTHONPATH=src $(PYTHON) scripts/gpu_check.py
+
+# On a TPU host (docs/tpu.md; not in CI): the kernel, point-mass, front-end, flat, greedy and
+# golden-table tests with JAX on the chip, then the chip against the CPU on the same inputs, in one
+# process (one program at a time can hold the chip). The tests need torch and transformers.
+tpu-check:
+	PYTHONPATH=src:tests:$$PYTHONPATH HF_HUB_OFFLINE=1 $(PYTHON) scripts/tpu_check.py
 
 train-draft: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) scripts/train_draft.py

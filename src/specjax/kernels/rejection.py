@@ -108,37 +108,39 @@ def _gather_draft_probs(
     it is outside [0, V) (possible with ``validate=False``) and never accepted.
     ``draft_probs=None`` means point masses: ``q_i(x_i) = 1`` where owned.
 
-    The values are copied, never computed, so every way of reading them gives
-    the same bits; the way is per platform (:func:`_read_at`).
-    """
-    size = target_probs.shape[-1]
-    local = draft_tokens - offset
-    inside = (local >= 0) & (local < size)
-    xc = jnp.clip(local, 0, size - 1)
-    p_x = jnp.where(inside, _read_at(target_probs, xc), 0)
-    if draft_probs is None:
-        return p_x, inside.astype(p_x.dtype)
-    return p_x, jnp.where(inside, _read_at(draft_probs, xc), 0)
-
-
-def _read_at(probs: jax.Array, ids: jax.Array) -> jax.Array:
-    """f[B, G]: ``probs[b, i, ids[b, i]]`` for i32[B, G] ``ids`` in [0, L) (``probs``: f[B, >=G, L]).
-
     On XLA:CPU one row at a time (``lax.map`` over row indices, the inputs loop
     invariants): a gather over the whole (B, G, V) arrays at once was several
     times slower, more so as G grows. Elsewhere :func:`~specjax.kernels.core.take`
-    (a masked pass, no gather).
+    (a masked pass, no gather: on a TPU any gather from these arrays costs a
+    full read or more). The values are copied either way, bit for bit.
     """
-    g = ids.shape[1]
+    size = target_probs.shape[-1]
+    g = draft_tokens.shape[1]
 
-    def by_row(probs: jax.Array, ids: jax.Array) -> jax.Array:
-        def one(i: jax.Array) -> jax.Array:
-            row = lax.dynamic_index_in_dim(probs, i, 0, keepdims=False)[:g]
-            return jnp.take_along_axis(row, lax.dynamic_index_in_dim(ids, i, 0, keepdims=False)[:, None], axis=1)[:, 0]
+    def by_row() -> tuple[jax.Array, jax.Array]:
+        def one(i: jax.Array) -> tuple[jax.Array, jax.Array]:
+            local = lax.dynamic_index_in_dim(draft_tokens, i, 0, keepdims=False) - offset  # i32[G]
+            inside = (local >= 0) & (local < size)
+            xc = jnp.clip(local, 0, size - 1)[:, None]
+            p_row = lax.dynamic_index_in_dim(target_probs, i, 0, keepdims=False)[: local.shape[0]]
+            p_x = jnp.where(inside, jnp.take_along_axis(p_row, xc, axis=1)[:, 0], 0)
+            if draft_probs is None:
+                return p_x, inside.astype(p_x.dtype)
+            q_row = lax.dynamic_index_in_dim(draft_probs, i, 0, keepdims=False)
+            return p_x, jnp.where(inside, jnp.take_along_axis(q_row, xc, axis=1)[:, 0], 0)
 
-        return lax.map(one, jnp.arange(ids.shape[0], dtype=jnp.int32))
+        return lax.map(one, jnp.arange(draft_tokens.shape[0], dtype=jnp.int32))
 
-    return lax.platform_dependent(probs, ids, cpu=by_row, default=lambda p, i: take(p[:, :g], i, 2))
+    def masked() -> tuple[jax.Array, jax.Array]:
+        local = draft_tokens - offset
+        inside = (local >= 0) & (local < size)
+        xc = jnp.clip(local, 0, size - 1)
+        p_x = jnp.where(inside, take(target_probs[:, :g], xc, 2), 0)
+        if draft_probs is None:
+            return p_x, inside.astype(p_x.dtype)
+        return p_x, jnp.where(inside, take(draft_probs, xc, 2), 0)
+
+    return lax.platform_dependent(cpu=by_row, default=masked)
 
 
 def rejection_body(
