@@ -281,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (a dry run of the script)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", choices=("rejection", "verify"), help="one section")
+    parser.add_argument("--batches", type=int, nargs="+", help=f"batch sizes (default {BATCHES})")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, help="dtypes (default both)")
     args = parser.parse_args(argv)
     d = jax.devices()[0]
     device = f"{d.platform}:{d.device_kind}"
@@ -291,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         VERIFY_VOCAB = 4000
     else:
         batches, drafts, vocabs, dtypes, verify_batches = BATCHES, DRAFTS, VOCABS, DTYPES, BATCHES
+    if args.batches:
+        batches = verify_batches = tuple(args.batches)
+    if args.dtypes:
+        dtypes = tuple(args.dtypes)
 
     def sink(new_rows: list[dict[str, Any]]) -> None:  # rows land as they come (a run may be cut short)
         if args.jsonl:
