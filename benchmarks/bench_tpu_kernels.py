@@ -16,13 +16,15 @@ inputs (generated on the device):
 * ``floor``: the HBM floor, bytes / 819 GB/s (TPU v5e), of all the inputs
   (``floor_all``) and of what the kernel needs (``floor_needed``: two rows of V per
   batch row for ``rejection_sample``; every logit for ``verify_from_logits``);
-* ``trivial``: a jitted call that adds 1 to 8 floats (the dispatch cost, for B = 1).
+* ``trivial``: a jitted call that adds 1 to 8 floats (the dispatch cost; B = 1 rows
+  are judged against it: within 1.5x).
 
 Each is timed two ways: the median of ``--reps`` blocking calls (call, then
 ``block_until_ready``: what a loop that needs the result pays) and the mean of
 as many calls queued before one block (device time, dispatch overlapped). The
-verdicts use the blocking medians, as issue 54's targets do. Rows are appended
-to ``--jsonl`` with the device named.
+verdicts use the blocking medians, as issue 54's targets do. One row per
+(section, mode, B, G, V, dtype) is appended to ``--jsonl`` as it is measured,
+with the device named.
 """
 
 from __future__ import annotations
@@ -93,82 +95,98 @@ def verify_inputs(b: int, g: int, v: int, dtype: str) -> tuple[jax.Array, ...]:
     return jax.block_until_ready(build(jax.random.key(b + g + v)))
 
 
-def _row(section: str, method: str, b: int, g: int, v: int, dtype: str, **fields: Any) -> dict[str, Any]:
-    return {"section": section, "method": method, "B": b, "G": g, "V": v, "dtype": dtype, **fields}
-
-
 def _us(t: float) -> float:
     return round(t * 1e6, 1)
 
 
-def bench_rejection(batches, drafts, vocabs, dtypes, reps: int, device: str, sink) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def _record(section, mode, b, g, v, dtype, kernel, read, nbytes, need_bytes, limit, trivial_s, device, reps):
+    """One row per (section, mode, B, G, V, dtype): the kernel, the read, the floors and the verdicts."""
+    (kb, kq), (rb, rq) = kernel, read
+    verdict = "-" if limit is None else ("ok" if kb <= limit * rb else "MISS")
+    row = {
+        "section": section,
+        "mode": mode,
+        "B": b,
+        "G": g,
+        "V": v,
+        "dtype": dtype,
+        "kernel_us": _us(kb),
+        "read_us": _us(rb),
+        "kernel_per_read": round(kb / rb, 2),
+        "kernel_queued_us": _us(kq),
+        "read_queued_us": _us(rq),
+        "queued_per_read": round(kq / rq, 2),
+        "floor_all_us": _us(nbytes / HBM_BYTES_PER_S),
+        "floor_needed_us": _us(need_bytes / HBM_BYTES_PER_S),
+        "limit_per_read": limit,
+        "verdict": verdict,
+        "device": device,
+        "reps": reps,
+    }
+    if b == 1:
+        row["per_trivial_call"] = round(kb / trivial_s, 2)
+        row["verdict"] = "ok" if kb <= 1.5 * trivial_s else "MISS"
+        row["limit_per_trivial_call"] = 1.5
+    return row
+
+
+def _print(row: dict[str, Any]) -> None:
+    extra = f" {row['per_trivial_call']:6.2f}x trivial" if "per_trivial_call" in row else ""
     print(
-        f"\n{'B':>4} {'G':>2} {'V':>7} {'dtype':>8} {'kernel_us':>10} {'read_us':>9} {'k/read':>7} "
-        f"{'k/read_q':>8} {'floor_all_us':>12} {'floor_need_us':>13} {'verdict':>8}"
+        f"{row['section']:>9} {row['mode']:>8} {row['B']:4d} {row['G']:2d} {row['V']:7d} {row['dtype']:>8} "
+        f"{row['kernel_us']:10.1f} {row['read_us']:9.1f} {row['kernel_per_read']:7.2f} {row['queued_per_read']:8.2f} "
+        f"{row['floor_all_us']:9.1f} {row['floor_needed_us']:9.1f} {row['verdict']:>6}{extra}",
+        flush=True,
     )
+
+
+HEADER_LINE = (
+    f"{'section':>9} {'mode':>8} {'B':>4} {'G':>2} {'V':>7} {'dtype':>8} {'kernel_us':>10} {'read_us':>9} "
+    f"{'k/read':>7} {'k/read_q':>8} {'floor_all':>9} {'floor_need':>9} {'verdict':>6}"
+)
+
+
+def bench_rejection(batches, drafts, vocabs, dtypes, reps, device, trivial_s, sink) -> None:
+    print(HEADER_LINE)
     for v in vocabs:
         for g in drafts:
             for dtype in dtypes:
                 for b in batches:
                     args = rejection_inputs(b, g, v, dtype)
                     item = jnp.dtype(dtype).itemsize
-                    kb, kq = timed(lambda a=args: _rejection_sample_jit(*a), reps)
-                    rb, rq = timed(lambda a=args: _read(a[1], a[2]), reps)
-                    all_bytes = b * (2 * g + 1) * v * item
-                    need_bytes = b * 2 * v * item
-                    verdict = "-" if b < 64 else ("ok" if kb <= rb else "MISS")
-                    common = {"device": device, "reps": reps}
-                    rows += [
-                        _row(
-                            "rejection",
-                            "kernel",
-                            b,
-                            g,
-                            v,
-                            dtype,
-                            median_us=_us(kb),
-                            queued_us=_us(kq),
-                            ratio_to_read=kb / rb,
-                            ratio_to_read_queued=kq / rq,
-                            verdict=verdict,
-                            **common,
-                        ),
-                        _row(
-                            "rejection",
-                            "read",
-                            b,
-                            g,
-                            v,
-                            dtype,
-                            median_us=_us(rb),
-                            queued_us=_us(rq),
-                            bytes=all_bytes,
-                            **common,
-                        ),
-                        _row(
-                            "rejection",
-                            "floor",
-                            b,
-                            g,
-                            v,
-                            dtype,
-                            floor_all_us=_us(all_bytes / HBM_BYTES_PER_S),
-                            floor_needed_us=_us(need_bytes / HBM_BYTES_PER_S),
-                            bytes=all_bytes,
-                            bytes_needed=need_bytes,
-                            device=device,
-                        ),
-                    ]
-                    print(
-                        f"{b:4d} {g:2d} {v:7d} {dtype:>8} {kb * 1e6:10.1f} {rb * 1e6:9.1f} {kb / rb:7.2f} "
-                        f"{kq / rq:8.2f} {all_bytes / HBM_BYTES_PER_S * 1e6:12.1f} "
-                        f"{need_bytes / HBM_BYTES_PER_S * 1e6:13.1f} {verdict:>8}",
-                        flush=True,
-                    )
-                    sink(rows[-3:])
+                    kernel = timed(lambda a=args: _rejection_sample_jit(*a), reps)
+                    read = timed(lambda a=args: _read(a[1], a[2]), reps)
+                    row = _record(
+                        "rejection", "probs", b, g, v, dtype, kernel, read, b * (2 * g + 1) * v * item,
+                        b * 2 * v * item, 1.0 if b >= 64 else None, trivial_s, device, reps,
+                    )  # fmt: skip
+                    _print(row)
+                    sink([row])
                     del args
-    return rows
+
+
+def bench_verify(batches, drafts, dtypes, reps, device, trivial_s, sink) -> None:
+    v = VERIFY_VOCAB
+    limits = {"sampled": 3.0, "greedy": 1.5}
+    print(HEADER_LINE)
+    for g in drafts:
+        for dtype in dtypes:
+            for b in batches:
+                x, d, t = verify_inputs(b, g, v, dtype)
+                read = timed(lambda d=d, t=t: _read(d, t), reps)
+                nbytes = b * (2 * g + 1) * v * jnp.dtype(dtype).itemsize
+                key = jax.random.key(0)
+                k = jnp.full((b,), g, jnp.int32)
+                for mode in ("sampled", "greedy"):
+                    args = (x, d, t, key, _params(b, mode), k)
+                    kernel = timed(lambda a=args: frontend._verify_jit(*a), reps)
+                    row = _record(
+                        "verify", mode, b, g, v, dtype, kernel, read, nbytes, nbytes,
+                        limits[mode] if b >= 8 else None, trivial_s, device, reps,
+                    )  # fmt: skip
+                    _print(row)
+                    sink([row])
+                del x, d, t
 
 
 def _params(b: int, mode: str) -> SamplingParams:
@@ -178,101 +196,12 @@ def _params(b: int, mode: str) -> SamplingParams:
     return SamplingParams(ones * 0.7, jnp.full((b,), 50, jnp.int32), ones * 0.1, True, True, "xla")
 
 
-def bench_verify(batches, drafts, dtypes, reps: int, device: str, sink) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    v = VERIFY_VOCAB
-    limits = {"sampled": 3.0, "greedy": 1.5}
-    print(
-        f"\n{'B':>4} {'G':>2} {'V':>7} {'dtype':>8} {'mode':>8} {'kernel_us':>10} {'read_us':>9} {'k/read':>7} "
-        f"{'k/read_q':>8} {'floor_us':>9} {'verdict':>8}"
-    )
-    for g in drafts:
-        for dtype in dtypes:
-            for b in batches:
-                x, d, t = verify_inputs(b, g, v, dtype)
-                rb, rq = timed(lambda d=d, t=t: _read(d, t), reps)
-                nbytes = b * (2 * g + 1) * v * jnp.dtype(dtype).itemsize
-                rows.append(
-                    _row(
-                        "verify",
-                        "read",
-                        b,
-                        g,
-                        v,
-                        dtype,
-                        median_us=_us(rb),
-                        queued_us=_us(rq),
-                        bytes=nbytes,
-                        device=device,
-                        reps=reps,
-                    )
-                )
-                rows.append(
-                    _row(
-                        "verify",
-                        "floor",
-                        b,
-                        g,
-                        v,
-                        dtype,
-                        floor_all_us=_us(nbytes / HBM_BYTES_PER_S),
-                        bytes=nbytes,
-                        device=device,
-                    )
-                )
-                key = jax.random.key(0)
-                k = jnp.full((b,), g, jnp.int32)
-                for mode in ("sampled", "greedy"):
-                    params = _params(b, mode)
-                    kb, kq = timed(lambda a=(x, d, t, key, params, k): frontend._verify_jit(*a), reps)
-                    verdict = "-" if b < 8 else ("ok" if kb <= limits[mode] * rb else "MISS")
-                    rows.append(
-                        _row(
-                            "verify",
-                            mode,
-                            b,
-                            g,
-                            v,
-                            dtype,
-                            median_us=_us(kb),
-                            queued_us=_us(kq),
-                            ratio_to_read=kb / rb,
-                            ratio_to_read_queued=kq / rq,
-                            limit=limits[mode],
-                            verdict=verdict,
-                            device=device,
-                            reps=reps,
-                        )
-                    )
-                    print(
-                        f"{b:4d} {g:2d} {v:7d} {dtype:>8} {mode:>8} {kb * 1e6:10.1f} {rb * 1e6:9.1f} "
-                        f"{kb / rb:7.2f} {kq / rq:8.2f} {nbytes / HBM_BYTES_PER_S * 1e6:9.1f} {verdict:>8}",
-                        flush=True,
-                    )
-                sink(rows[-4:])
-                del x, d, t
-    return rows
-
-
-def bench_trivial(reps: int, device: str) -> tuple[list[dict[str, Any]], float]:
+def bench_trivial(reps: int) -> float:
     small = jnp.ones((8,), jnp.float32)
     trivial = jax.jit(lambda a: a + 1)
     tb, tq = timed(lambda: trivial(small), reps)
-    print(f"\ntrivial jitted call: {tb * 1e6:.1f} us blocking, {tq * 1e6:.1f} us queued")
-    return [
-        _row("dispatch", "trivial", 1, 0, 8, "float32", median_us=_us(tb), queued_us=_us(tq), device=device, reps=reps)
-    ], tb
-
-
-def b1_verdicts(rows: list[dict[str, Any]], trivial_s: float) -> None:
-    """B = 1: each kernel within 1.5x of the trivial jitted call (blocking)."""
-    print("\nB = 1 against the trivial call (limit 1.5x):")
-    for r in rows:
-        if r["B"] == 1 and r["method"] in ("kernel", "sampled", "greedy"):
-            ratio = r["median_us"] / (trivial_s * 1e6)
-            r["ratio_to_trivial"] = ratio
-            r["verdict_b1"] = "ok" if ratio <= 1.5 else "MISS"
-            print(f"  {r['section']} {r['method']} G={r['G']} V={r['V']} {r['dtype']}: {ratio:.2f}x {r['verdict_b1']}")
+    print(f"trivial jitted call: {tb * 1e6:.1f} us blocking, {tq * 1e6:.1f} us queued")
+    return tb
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -302,15 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.jsonl:
             append_jsonl(args.jsonl, new_rows)
 
-    rows, trivial_s = bench_trivial(args.reps, device)
-    sink(rows)
+    trivial_s = bench_trivial(args.reps)
     if args.only in (None, "rejection"):
-        rows += bench_rejection(batches, drafts, vocabs, dtypes, args.reps, device, sink)
+        bench_rejection(batches, drafts, vocabs, dtypes, args.reps, device, trivial_s, sink)
     if args.only in (None, "verify"):
-        rows += bench_verify(verify_batches, (4,), dtypes, args.reps, device, sink)
-    b1_verdicts(rows, trivial_s)
-    if args.jsonl:  # the B = 1 verdicts, as rows of their own
-        append_jsonl(args.jsonl, [dict(r, method=r["method"] + "_b1") for r in rows if "verdict_b1" in r])
+        bench_verify(verify_batches, (4,), dtypes, args.reps, device, trivial_s, sink)
     return 0
 
 
