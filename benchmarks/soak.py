@@ -7,9 +7,9 @@ two workloads (``--pair``):
 
 * ``tiny`` (default): a tiny Llama pair built from configs (offline);
 * ``default``: the default pair's target (SmolLM2-135M-Instruct, as ``specjax generate``
-  loads it) with the ``ngram`` drafter, prompts of 2-160 tokens that repeat themselves
-  (so the drafter finds matches and steps vary in width), batches of 1-8 rows: a
-  long-lived process serving varied requests. Its linear layers run through oneDNN as
+  loads it) with the ``ngram`` drafter, greedy, prompts of 2-160 tokens that repeat themselves
+  (so the drafter finds matches and steps vary in width), batches of 1 to ``--max-batch``
+  rows, the largest request first: a long-lived process serving varied requests. Its linear layers run through oneDNN as
   ``SPECJAX_PACKED_LINEARS`` says (:mod:`specjax.packed`), whose per-shape primitives
   made RSS grow with every new prompt length before their rows were bucketed;
 
@@ -170,23 +170,32 @@ def random_call(
 
 
 def default_pair_call(
-    rng: random.Random, vocab: int, max_batch: int, sampler_names: list[str], extra: dict[str, Any]
+    rng: random.Random,
+    vocab: int,
+    max_batch: int,
+    sampler_names: list[str],
+    extra: dict[str, Any],
+    largest: bool = False,
 ) -> Call:
-    """A request to the default pair: 1-8 rows (up to ``max_batch``) of 2-160 tokens, each a random
-    motif repeated (the n-gram drafter finds matches), greedy or T = 0.7, G in {2, 4, 8}."""
-    b = rng.choice([n for n in (1, 2, 3, 4, 6, 8) if n <= max_batch] or [1])
+    """A request to the default pair: 1 to ``max_batch`` rows of 2-160 tokens, each a random
+    motif repeated (the n-gram drafter finds matches), greedy, G = 4, 2-8 new tokens: the shapes
+    vary with the prompts and batch sizes, as in a server; few programs to compile. ``largest``:
+    the most rows and tokens (the run's first call, so that the peak RSS after it moves only with
+    memory kept, not with a larger call's transient buffers)."""
+    batches = [n for n in range(1, 9) if n <= max_batch] or [1]
+    b = batches[-1] if largest else rng.choice(batches)
     rows = []
     for _ in range(b):
-        n = rng.randint(2, 160)
+        n = 160 if largest else rng.randint(2, 160)
         motif = [rng.randint(100, vocab - 1) for _ in range(rng.randint(1, max(1, n // 3)))]
         rows.append((motif * (n // len(motif) + 1))[:n])
     ids, mask = left_padded(rows)
     kwargs: dict[str, Any] = dict(
-        max_new_tokens=rng.randint(4, 16),
-        num_draft_tokens=rng.choice([2, 4, 8]),
+        max_new_tokens=8 if largest else rng.randint(2, 8),
+        num_draft_tokens=4,
         seed=rng.randint(0, 2**31),
         sampler=rng.choice(sampler_names),
-        temperature=rng.choice([0.0, 0.0, 0.7]),
+        temperature=0.0,
         **extra,
     )
     return Call(ids, mask, kwargs)
@@ -297,7 +306,10 @@ def run(args: argparse.Namespace) -> Report:
                 }
             )
         replay = warmup_done and seen and rng.random() < args.replay_fraction
-        call = rng.choice(seen) if replay else make_call(rng, vocab, args.max_batch, samplers, extra)
+        if args.pair == "default" and report.calls == 0:
+            call = default_pair_call(rng, vocab, args.max_batch, samplers, extra, largest=True)
+        else:
+            call = rng.choice(seen) if replay else make_call(rng, vocab, args.max_batch, samplers, extra)
         peak_before = rss_mb()[1]
         try:
             with measure_compiles() as clock:
@@ -351,6 +363,11 @@ def summarize(report: Report, args: argparse.Namespace) -> bool:
         f"shapes, +{report.peak_growth_without_compiles_mb:.1f} MiB over the {report.calls_without_compiles} calls "
         f"that compiled nothing (flat: {'yes' if flat else 'NO'}, tolerance {args.rss_tolerance_mb:.0f} MiB)"
     )
+    if start:
+        print(
+            f"current RSS (after gc): {start['rss_mb']:.1f} MiB at the end of the warm-up, {end['rss_mb']:.1f} MiB "
+            f"at the end, {end['calls'] - start['calls']} calls later"
+        )
     print(
         f"compilations: {report.warmup_compiles} in the warm-up, {report.replay_compiles} in replays of seen "
         f"shapes (must be 0), {report.new_call_compiles} in new random calls after the warm-up"
@@ -394,7 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=4)
-    parser.add_argument("--samplers", default="jax,jax,numpy,torch", help="comma-separated, repeated = more often")
+    parser.add_argument(
+        "--samplers",
+        default=None,
+        help="comma-separated, repeated = more often (tiny: jax,jax,numpy,torch; default: jax)",
+    )
     parser.add_argument("--replay-fraction", type=float, default=0.5)
     parser.add_argument("--report-every", type=float, default=30.0)
     parser.add_argument(
@@ -408,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warmup is None:
         args.warmup = args.seconds / 3
+    if args.samplers is None:
+        args.samplers = "jax" if args.pair == "default" else "jax,jax,numpy,torch"
     report = run(args)
     return 0 if summarize(report, args) else 1
 

@@ -1,23 +1,24 @@
 """The loop's forwards through oneDNN's product for a CPU model's linear layers, on their own weights.
 
 On the project's CPUs (AMD EPYC), torch's dense ``linear`` repacks the weight
-on every call. For the few rows a
-generation step scores, that repacking costs as much as the product or more:
-SmolLM2-135M's LM head (49,152 × 576) takes 9.2 ms for one row, 22 ms for two
-and 16-17 ms for four to eight on the project's 2-core machines, where
-oneDNN's inner product (``mkldnn_linear``) takes 4.4, 5.4 and 6.0-7.1 ms; the
-model's other 210 linear layers pay the same per-call tax, and the whole
-forward over two new tokens takes 94 ms dense, 60 ms through oneDNN
-(``benchmarks/bench_packed.py``). :func:`model_packed` swaps a
-:class:`PackedLinear` in for each such layer for the duration of one forward
-and puts the model's own layers back after it.
+on every call. For the few rows a generation step scores, that repacking costs
+as much as the product or more: SmolLM2-135M's LM head (49,152 × 576) takes
+9.2 ms for one row, 22 ms for two and 16-17 ms for four to eight on the
+project's 2-core machines, where oneDNN's inner product (``mkldnn_linear``)
+takes 4.4, 5.4 and 6.0-7.1 ms; the model's other 210 linear layers pay the
+same per-call tax, and the whole forward over two new tokens takes 94 ms
+dense, 60 ms through oneDNN (``benchmarks/bench_packed.py``).
+:func:`model_packed` swaps a :class:`PackedLinear` in for each such layer for
+the duration of one forward and puts the model's own layers back after it.
 
-The product reads the layer's own weight and bias tensors, not a copy: it
-sees the weights as they are when it runs, however they were written
-(through the parameter, through ``.data`` as PEFT's merges do, or by a
-replaced parameter or layer), at no cost per call. (oneDNN's product over a
-copy made by ``to_mkldnn`` is the same computation, bit for bit, on a
-plain-layout buffer; a copy only cost memory and could go stale.)
+The product reads the layer's own weight and bias tensors, not a copy: it sees
+the weights as they are when it runs, however they were written (through the
+parameter, through ``.data`` as PEFT's merges do, or by a replaced parameter
+or layer), from the next product on and at no cost per call; a write racing a
+forward from another thread is as undefined as it is for torch's own forward.
+(oneDNN's product over a copy made by ``to_mkldnn`` is the same computation,
+bit for bit, on a plain-layout buffer; a copy only cost memory and could go
+stale.)
 
 Shapes: oneDNN keeps a compiled primitive per shape it has run, about a
 megabyte each, for the life of the process. So that a process's set of shapes
@@ -32,10 +33,10 @@ Which layers: ``SPECJAX_PACKED_LINEARS`` (environment, read at each forward)
 is ``all`` (the default: every ``nn.Linear`` of the model), ``head`` (the LM
 head only) or ``0`` (none). Only ``nn.Linear`` modules with float32 weights on
 the CPU, where torch has oneDNN enabled, are taken, and only for float32
-inputs outside autocast; the others run as they are. The outputs are the same products summed in another
-order: they differ from the dense ones by float32 rounding (about 1e-6
-relative), as a forward over several rows already differs from one over a
-single row.
+inputs outside autocast; the others run as they are. The outputs are the same
+products summed in another order: they differ from the dense ones by float32
+rounding (about 1e-6 relative), as a forward over several rows already differs
+from one over a single row.
 """
 
 from __future__ import annotations
