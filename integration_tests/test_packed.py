@@ -137,8 +137,8 @@ def test_a_nested_forward_of_the_same_model_keeps_the_packing(model, monkeypatch
     assert len(packed_layers(model)[1]) == n and all(type(m) is not PackedLinear for m in model.modules())
 
 
-def test_a_packed_model_is_freed_with_its_copies(tiny_lm, monkeypatch):
-    """The caches hold the model weakly: dropping the last reference frees it and its copies."""
+def test_a_packed_model_is_freed_with_its_stand_ins(tiny_lm, monkeypatch):
+    """The plans hold the model weakly: dropping the last reference frees it and its stand-ins."""
     import gc
     import weakref
 
