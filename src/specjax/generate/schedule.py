@@ -133,15 +133,43 @@ PLAIN_REFRESH = 32  # steps since a plain step was timed, after which a close ca
 CLOSE_CALL = 1.25  # ... close: drafting's expected rate is below this many times a plain step's
 PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
 _FORGET = 0.99  # per step without drafting, for the pass/fail counts
-# Timings shared between calls: {(id(model), batch, packed layers): (weakref, timings)}; the
-# forwards' costs differ with the layers' packing (specjax.packed), so each setting has its own.
-_SHARED: dict[tuple[int, int, str], tuple[Any, dict[Any, deque[float]]]] = {}
+
+
+class _PerModel:
+    """``{model: {key: value}}`` by the model's identity, holding it weakly: a model's entries go
+    when the model is freed (a long-lived process loads and drops models)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[Any], dict[Any, Any]]] = {}
+
+    def of(self, model: Any) -> dict[Any, Any]:
+        """The table of ``model`` (made empty on first use)."""
+        key = id(model)
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not model:
+            entries = self._entries
+
+            def drop(ref: weakref.ref[Any]) -> None:  # the model is being freed
+                if entries.get(key, (None,))[0] is ref:
+                    del entries[key]
+
+            entry = (weakref.ref(model, drop), {})
+            entries[key] = entry
+        return entry[1]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# Timings shared between calls: model -> {(batch, packed layers): timings}; the forwards'
+# costs differ with the layers' packing (specjax.packed), so each setting has its own.
+_SHARED = _PerModel()
 _CARRY_WEIGHT = 4.0  # at most this many tests' weight carried into a new call's rows
 _CARRY_DECAY = 0.5  # per call, for the carried tallies
-# Acceptance tallies carried between calls: {(id(model), drafter, greedy): (weakref, f64[2 kinds, 2])},
+# Acceptance tallies carried between calls: model -> {(drafter, greedy): (f64[2 kinds, 2], ...)},
 # [kind, 0] tokens that passed, [kind, 1] tests that failed; and the drafter's calibration
 # (Proposal.confidence), f64[2, _CAL_BINS]: [0] tests that passed, [1] that failed, per bin.
-_CARRIED: dict[tuple[int, str, bool], tuple[Any, np.ndarray, np.ndarray]] = {}
+_CARRIED = _PerModel()
 _CAL_BINS = 10  # equal bins of the drafter's confidence in [0, 1]
 _CAL_PRIOR = 2.0  # tests' weight of the prior that a token passes with the drafter's confidence
 _CAL_DECAY = 0.98  # per step that tests confident proposals, for the bins' counts
@@ -240,12 +268,11 @@ class DraftSchedule:
         model = self._model() if self._model is not None else None
         if model is None:
             return np.zeros((2, 2)), np.zeros((2, _CAL_BINS))
-        key = (id(model), self.drafter_key, bool(greedy))
-        carried = _CARRIED.get(key)
-        if carried is None or carried[0]() is not model:
-            carried = (weakref.ref(model), np.zeros((2, 2)), np.zeros((2, _CAL_BINS)))
-            _CARRIED[key] = carried
-        _, tally, calibration = carried
+        carried = _CARRIED.of(model)
+        key = (self.drafter_key, bool(greedy))
+        if key not in carried:
+            carried[key] = (np.zeros((2, 2)), np.zeros((2, _CAL_BINS)))
+        tally, calibration = carried[key]
         tally *= _CARRY_DECAY
         calibration *= _CARRY_DECAY
         return tally, calibration
@@ -257,12 +284,7 @@ class DraftSchedule:
             return self._own.setdefault(batch, {})
         from specjax.packed import packed_layers
 
-        key = (id(model), batch, packed_layers(model)[0])
-        shared = _SHARED.get(key)
-        if shared is not None and shared[0]() is model:
-            return shared[1]
-        times: dict[Any, deque[float]] = {}
-        _SHARED[key] = (weakref.ref(model), times)
+        times: dict[Any, deque[float]] = _SHARED.of(model).setdefault((batch, packed_layers(model)[0]), {})
         return times
 
     # ------------------------------------------------------------------ #
