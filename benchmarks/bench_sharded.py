@@ -48,11 +48,11 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from _hlo import hlo_collectives
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -67,6 +67,9 @@ from specjax.kernels.sharded import (
     _verify_mesh_jit,
 )
 from specjax.kernels.types import AcceptanceResult, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers
+from _hlo import hlo_collectives
 
 FULL_BATCHES = (8, 64)
 FULL_DRAFTS = (4,)

@@ -1,7 +1,7 @@
 """The ``eagle`` drafter on a tiny random target: greedy identity, a trained head drafts, errors.
 
 A head is trained for a few seconds on the target's own greedy continuations
-(:mod:`specjax.drafters.eagle_train`), so its proposals are accepted often
+(:mod:`recipes.eagle.torch_backend`), so its proposals are accepted often
 enough that the identity tests exercise accepted draft tokens, not only
 corrections. The distribution test at T = 0.7 is in test_generate_stats.py.
 """
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import specjax
+from recipes.eagle.core import LossWeights, frequent_tokens, token_counts
+from recipes.eagle.torch_backend import head_loss, target_features, teacher_agreement
 from specjax.drafters import load_drafter
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
-from specjax.drafters.eagle_train import LossWeights, frequent_tokens, head_loss, target_features, teacher_agreement
 
 V = 48
 
@@ -52,7 +53,8 @@ def train_tiny_head(
     head = EagleHead(EagleConfig(d, 4, 2, 2 * d, V, num_tokens, feature_layers=feature_layers, num_layers=num_layers))
     z = target_features(target, seqs, mask, head.target_hidden_layers).clone()
     init_weights(head, seed)
-    head.token_ids.copy_(frequent_tokens([s[m].tolist() for s, m in zip(seqs, valid, strict=True)], num_tokens, V))
+    counts = token_counts([s[m].tolist() for s, m in zip(seqs, valid, strict=True)], V)
+    head.token_ids.copy_(torch.from_numpy(frequent_tokens(counts, num_tokens)))
     embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
     before = teacher_agreement(head, embed, w, z, seqs, valid)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)

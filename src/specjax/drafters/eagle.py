@@ -29,7 +29,7 @@ prompt brings (a topic's names) are what a fixed frequent set misses most.
 On SmolLM2's held-out open-chat generations the shipped head's N = 4096
 tokens held 0.90 of the target's greedy choices, with the context's 0.95;
 teacher-forced first-position agreement rose from 0.681 to 0.710
-(``scripts/train_eagle.py --evaluate``; docs/drafters.md).
+(``python -m recipes.eagle evaluate``; docs/drafters.md).
 
 A head with ``feature_layers`` (EAGLE-3's low/mid/high-layer input, arXiv
 2503.01840) asks the loop for those layers' states beside z

@@ -1,16 +1,15 @@
-"""scripts/train_eagle_tpu.py and scripts/gguf_parts.py against the implementations they re-write.
+"""recipes.eagle.jax_backend and recipes.gguf_parts against the implementations they re-write.
 
-The TPU recipe re-writes in JAX the target (a Llama forward and a KV-cache
+The JAX backend re-writes the target (a Llama forward and a KV-cache
 generation loop), the EAGLE head and its loss; each is held here against the
 original: transformers' Llama (a tiny one from a config, random weights), and
-:mod:`specjax.drafters.eagle_head` / :mod:`specjax.drafters.eagle_train`. The
+:mod:`specjax.drafters.eagle_head` / :mod:`recipes.eagle.torch_backend`. The
 GGUF parts must give back exactly the weights transformers reads from the file.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import jax
@@ -19,23 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from specjax.drafters import eagle_train
+from recipes import gguf_parts
+from recipes.eagle import cli, core
+from recipes.eagle import jax_backend as tpu
+from recipes.eagle import torch_backend as torch_backend
 from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tpu = _load("train_eagle_tpu")
-gguf_parts = _load("gguf_parts")
+def _hc(cfg, num_tokens, fused=False, layers=1):
+    return core.head_config(cfg, num_tokens, core.Variant(core.LossWeights(), depth=layers, fused=fused))
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-layer", "two-layers"])
@@ -49,7 +40,7 @@ def head(request):
 
 
 def _jax_head(head):
-    keys = tpu.head_keys(head.config.feature_layers, head.config.num_layers)
+    keys = core.head_keys(head.config.feature_layers, head.config.num_layers)
     sd = {k: jnp.asarray(v.numpy()) for k, v in head.state_dict().items() if k != "token_ids"}
     assert sorted(sd) == sorted(keys)  # the script names every weight of the torch head, and only those
     hc = {f: getattr(head.config, f) for f in head.config.__dataclass_fields__}
@@ -86,7 +77,7 @@ def fused_head():
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("unroll", [0.0, 0.5])
-def test_jax_loss_equals_eagle_train_head_loss(head, fused_head, unroll, fused):
+def test_jax_loss_equals_the_torch_head_loss(head, fused_head, unroll, fused):
     if fused:
         head = fused_head
     hp, hc = _jax_head(head)
@@ -96,14 +87,14 @@ def test_jax_loss_equals_eagle_train_head_loss(head, fused_head, unroll, fused):
     embed = torch.nn.Embedding(50, 16)
     w = torch.randn(50, 16, generator=torch.Generator().manual_seed(3))
     weights = (1.0, 0.7, unroll, 0.0)
-    want, parts = eagle_train.head_loss(
+    want, parts = torch_backend.head_loss(
         head, embed, w, torch.from_numpy(z), torch.from_numpy(tokens), torch.from_numpy(valid),
-        eagle_train.LossWeights(*weights),
+        core.LossWeights(*weights),
     )  # fmt: skip
     e = jnp.asarray(embed.weight.detach().numpy())
     got, (reg, ce) = tpu.head_loss(
         hp, hc, e, jnp.asarray(w.numpy())[jnp.asarray(head.token_ids.numpy())], jnp.asarray(z),
-        jnp.asarray(tokens), jnp.asarray(valid), weights, None,
+        jnp.asarray(tokens), jnp.asarray(valid), core.LossWeights(*weights), None,
     )  # fmt: skip
     assert float(got) == pytest.approx(float(want.detach()), rel=1e-4)
     assert float(reg) == pytest.approx(parts["regression"], rel=1e-4)
@@ -312,33 +303,33 @@ def test_a_saved_head_resumes_as_saved_and_only_on_its_own_terms(tmp_path):
     """--init-from: the weights come back as written (float16), and a head of another
     configuration or token set is refused with the difference named."""
     cfg = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 96, "vocab": 500}
-    hc = tpu.head_config(cfg, 32, fused=True, layers=2)
+    hc = _hc(cfg, 32, fused=True, layers=2)
     g = np.random.default_rng(6)
     hp = {k: v + g.standard_normal(v.shape).astype(np.float32) for k, v in tpu.init_head(hc, 3).items()}
     ids = np.arange(0, 64, 2, dtype=np.int32)
     path = tmp_path / "e3-unroll.npz"
-    tpu.save_head_npz(path, hp, hc, ids, {"train_steps": 1})
-    back = tpu.resumed_head(path, hc, ids)
+    core.save_head_npz(path, hp, hc, ids, {"train_steps": 1})
+    back = core.resumed_head(path, hc, ids)
     assert back.keys() == hp.keys()
     for k, v in hp.items():
         assert back[k].dtype == np.float32
         np.testing.assert_array_equal(back[k], v.astype(np.float16).astype(np.float32))
     # negative controls: this run's head or data differ from the saved one's
     with pytest.raises(ValueError, match=r"num_tokens"):
-        tpu.resumed_head(path, tpu.head_config(cfg, 16, fused=True), ids[:16])
+        core.resumed_head(path, _hc(cfg, 16, fused=True), ids[:16])
     with pytest.raises(ValueError, match=r"feature_layers"):
-        tpu.resumed_head(path, tpu.head_config(cfg, 32, fused=False, layers=2), ids)
+        core.resumed_head(path, _hc(cfg, 32, fused=False, layers=2), ids)
     with pytest.raises(ValueError, match=r"num_layers"):
-        tpu.resumed_head(path, tpu.head_config(cfg, 32, fused=True), ids)
+        core.resumed_head(path, _hc(cfg, 32, fused=True), ids)
     with pytest.raises(ValueError, match=r"other tokens"):
-        tpu.resumed_head(path, hc, ids + 1)
+        core.resumed_head(path, hc, ids + 1)
     with pytest.raises(ValueError, match=r"--init-from"):
-        tpu.resumed_head(tmp_path / "missing.npz", hc, ids)
+        core.resumed_head(tmp_path / "missing.npz", hc, ids)
     # one variant per resumed run
     with pytest.raises(SystemExit):
-        tpu.parse_args(
+        cli.parse_args(
             [
-                "train",
+                "jax",
                 "--parts",
                 "p",
                 "--out",
@@ -357,12 +348,12 @@ def test_a_trained_two_layer_head_imports_into_the_torch_head(tmp_path):
     """``import``: the script's initial weights (every name, both layers) load into specjax's head, which
     then gives the script's forward."""
     cfg = {"hidden": 16, "heads": 4, "kv_heads": 2, "intermediate": 32, "vocab": 50}
-    hc = tpu.head_config(cfg, 20, fused=True, layers=2)
+    hc = _hc(cfg, 20, fused=True, layers=2)
     g = np.random.default_rng(8)
     hp = {k: (v + 0.3 * g.standard_normal(v.shape)).astype(np.float32) for k, v in tpu.init_head(hc, 1).items()}
     assert any(k.startswith("deeper.0.") for k in hp)
-    tpu.save_head_npz(tmp_path / "h.npz", hp, hc, np.arange(20, dtype=np.int32), {"train_steps": 1})
-    assert tpu.main(["import", "--npz", str(tmp_path / "h.npz"), "--out", str(tmp_path / "h")]) == 0
+    core.save_head_npz(tmp_path / "h.npz", hp, hc, np.arange(20, dtype=np.int32), {"train_steps": 1})
+    assert cli.main(["import", "--npz", str(tmp_path / "h.npz"), "--out", str(tmp_path / "h")]) == 0
     from specjax.drafters.eagle_head import load_head
 
     head = load_head(tmp_path / "h")

@@ -1,10 +1,8 @@
 """Read the cross-device collectives and their sizes out of a compiled program's HLO text.
 
 Used by the mesh tests (no collective carries a vocabulary-sized array) and by
-benchmarks/bench_sharded.py (bytes moved per call); moved out of
-``specjax.kernels.sharded``, which never needed it. Importable from
-benchmarks/ (run as scripts) and from tests/ (``pythonpath`` in pyproject.toml's
-pytest options).
+benchmarks/bench_sharded.py (bytes moved per call), which puts tests/ on its
+``sys.path``. Not part of specjax.
 """
 
 from __future__ import annotations

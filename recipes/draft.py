@@ -30,9 +30,9 @@ Stages (each prints its wall time):
 
 Usage::
 
-    HF_HUB_OFFLINE=1 python scripts/train_draft.py            # the shipped recipe
-    HF_HUB_OFFLINE=1 python scripts/train_draft.py --quick    # a few-minute smoke run
-    python scripts/train_draft.py --help
+    HF_HUB_OFFLINE=1 python -m recipes.draft            # the shipped recipe
+    HF_HUB_OFFLINE=1 python -m recipes.draft --quick    # a few-minute smoke run
+    python -m recipes.draft --help
 
 Generated data are cached under ``data-cache/`` (keyed by the data settings), so
 a rerun with different model or training settings skips generation; pass
@@ -57,7 +57,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
 
 DEFAULT_OUT = REPO / "src" / "specjax" / "assets" / "smollm2-draft"
 DEFAULT_CACHE = REPO / "data-cache"
@@ -582,7 +581,7 @@ def n_params(model: Any) -> int:
 
 def make_batches(records: list[dict[str, Any]], max_tokens: int, rng: random.Random) -> list[list[int]]:
     """Group sequences of similar length into batches of about ``max_tokens`` (padded) tokens."""
-    from specjax.drafters.eagle_train import pack_by_length
+    from recipes.eagle.core import pack_by_length
 
     batches = pack_by_length([len(r["prompt"]) + len(r["tokens"]) for r in records], max_tokens)
     rng.shuffle(batches)

@@ -2,10 +2,8 @@
 
 It builds the full (B, G, V) residual, as the obvious JAX code would, so the
 benchmarks can measure what :func:`specjax.rejection_sample`'s gather-first
-design buys (docs/benchmarks.md), and tests compare the kernel with it. Moved
-out of ``specjax.kernels.rejection``: nothing in the package uses it.
-Importable from benchmarks/ (run as scripts) and from tests/ (``pythonpath``
-in pyproject.toml's pytest options).
+design buys (docs/benchmarks.md), and tests compare the kernel with it.
+Benchmarks put tests/ on their ``sys.path`` to import it.
 """
 
 from __future__ import annotations

@@ -1,52 +1,42 @@
-#!/usr/bin/env python
-"""Train the default pair's EAGLE head on a TPU with JAX: far more, and more varied, target data.
+"""The EAGLE recipe in JAX, end to end on one accelerator (the shipped head's: a TPU v5e).
 
-``scripts/train_eagle_gpu.py`` is the recipe in torch on a CUDA GPU; the lent
-accelerator is now a TPU, where torch cannot run. This is the same recipe in
-JAX, end to end on the chip, with two changes the GPU run's report pointed to
-(docs/draft.md: "more varied prompts are the next lever"):
+The target (SmolLM2, a Llama) is re-written here in JAX: a forward that gives
+its hidden states (:func:`features`) and a KV-cache generation loop
+(:func:`generate`); so are the head (:func:`head_forward`) and its loss
+(:func:`head_loss`, :func:`recipes.eagle.torch_backend.head_loss`'s). Each is
+held against the original in ``recipes/tests/test_jax_backend.py``.
 
-* **Self-generated prompts** (the "Magpie" trick, Xu et al. 2024, arXiv
-  2406.08464): the target, given its chat template up to the start of a user
-  turn, samples the user's message itself. Thousands of prompts in the target's
-  own distribution, beside the template x topic ones of
-  ``train_draft.build_prompts``.
-* **Several times the data**: a JAX generation loop with a KV cache, many rows
-  at a time.
+Steps of ``train``, all timed:
 
-Steps, all timed: (1) the target's weights from the parts of its GGUF file
-(``scripts/gguf_parts.py``: the device takes about 30 MB per upload) and the
-tokenized prompts (``prepare``, run where transformers is); (2) self-generated
-prompts; (3) greedy and sampled continuations (``--temperature``) of every
-prompt, within ``--gen-minutes``; (4) the target's hidden states at every
-position (one teacher-forced forward): its final normed state z and, for
-EAGLE-3-style heads, the states after ``FEATURE_LAYERS``, kept on the host (z
-in bfloat16, the others in int8: :func:`quantise`) and fed to the chip batch by
-batch (:class:`Batches`);
-(5) for each ``--variant``, a head with the 4,096 most frequent tokens of the
-data, trained with the loss of :func:`specjax.drafters.eagle_train.head_loss`
-(re-written here in JAX: feature regression + distillation, noise on the input
-features, optionally the unrolled pass) by AdamW with a cosine schedule;
-(6) its teacher-forced agreement with the target's greedy token on the held-out
-prompts' greedy generations, and its weights (float16, torch's names) in
-``OUT/<variant>.npz``.
+1. the target's weights from the parts of its GGUF file
+   (:mod:`recipes.gguf_parts`: a remote device may take about 30 MB per upload)
+   and the tokenized prompts (``prepare``, run where transformers is); the
+   chip's target is checked against the CPU's (:func:`check_target`) before
+   any data is made;
+2. self-generated prompts (the "Magpie" trick, Xu et al. 2024, arXiv
+   2406.08464): the target, given its chat template up to the start of a user
+   turn, samples the user's message itself, beside the draft recipe's
+   template x topic prompts (:func:`recipes.draft.build_prompts`);
+3. greedy, then sampled (``--temperature``) continuations of every prompt,
+   within ``--gen-minutes`` or ``--max-positions``;
+4. the target's states at every position (one teacher-forced forward): z and,
+   for a fused variant, the states after ``FEATURE_LAYERS``, kept on the host
+   (z in bfloat16, the others in int8: :func:`quantise`) and fed to the chip
+   batch by batch (:class:`Batches`);
+5. for each ``--variant`` (:data:`recipes.eagle.core.VARIANTS`), a head scoring
+   the ``--num-tokens`` most frequent tokens of the data, trained by AdamW with
+   a cosine schedule for its share of ``--train-minutes``;
+6. its teacher-forced agreement with the target's greedy token on the held-out
+   prompts' greedy answers and on the CPU's reference features, and its
+   weights (float16, torch's names) in ``OUT/<variant>.npz``
+   (:func:`recipes.eagle.core.save_head_npz`).
 
-Locally, ``python scripts/train_eagle_tpu.py import --npz OUT/kd-noise.npz
---out DIR`` turns those weights into a head directory
-(:func:`specjax.drafters.eagle_head.save_head`); ``python scripts/train_eagle.py
---evaluate DIR`` then measures it on the CPU. Usage::
-
-    make tpu-parts      # here: gguf_parts.py split + this script's prepare, into .tpu-w/
-    python scripts/train_eagle_tpu.py train --parts .tpu-w --out OUT        # on the TPU
-    python scripts/train_eagle_tpu.py train --parts .tpu-w --out OUT --quick  # a smoke run, any JAX device
-
-A call on the lent device runs at most 10 minutes: ``--save-data D --train-minutes 0``
-in one call and ``--load-data D --train-minutes M`` in the next (the machine
-keeps its local files while warm) give the data and the training a call each;
-``--load-data D --init-from OUT/<variant>.npz --lr L`` in a further call trains
-that head on (a fresh optimiser and schedule, from the saved float16 weights).
-
-The training step only needs numpy and JAX.
+``python -m recipes.eagle import`` turns such a file into a head directory and
+``python -m recipes.eagle evaluate`` measures it on the CPU (recipes/README.md).
+A call on a lent device may be limited in time: ``--save-data D
+--train-minutes 0`` in one call and ``--load-data D`` in the next give the data
+and the training a call each; ``--init-from OUT/<variant>.npz`` trains a saved
+head on (a fresh optimiser and schedule). ``train`` needs only numpy and JAX.
 """
 
 from __future__ import annotations
@@ -54,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -62,70 +51,45 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-T0 = time.perf_counter()
-EOS_ID = 2  # <|im_end|>
-VARIANTS = {
-    # name: (regression, distill, unroll, noise)
-    "kd": (1.0, 1.0, 0.0, 0.05),
-    "kd-noise": (1.0, 1.0, 0.0, 0.2),
-    "kd-unroll": (1.0, 1.0, 0.5, 0.2),
-    "kd-noise-wide": (1.0, 1.0, 0.0, 0.2),
-    "e3-noise": (1.0, 1.0, 0.0, 0.2),
-    "e3-unroll": (1.0, 1.0, 0.5, 0.2),
-    "e3-unroll-deep": (1.0, 1.0, 0.5, 0.2),
-}
-# the head's MLP width as a multiple of the target's (1 where not named): run 7's loss stopped
-# falling after a third of its steps, so a wider head is the capacity lever to measure
-WIDTH = {"kd-noise-wide": 2}
-# the head's decoder layers (1 where not named): runs 11-12 found the one-layer head's agreement flat at
-# ~0.69 with more data or more steps, so depth is the capacity lever left
-DEPTH = {"e3-unroll-deep": 2}
-# EAGLE-3-style input (arXiv 2503.01840): the data holds the target's states after these layers (indices of
-# transformers' output_hidden_states; a low and a middle one of SmolLM2's 30) beside z; the variants named
-# in FUSED read them (the head's feature_layers), the others z alone
-FEATURE_LAYERS = (3, 15)
-FUSED = {"e3-noise", "e3-unroll", "e3-unroll-deep"}
-# a decoder layer's weights (torch's names: the first layer's at the top level, the later ones' under
-# ``deeper.<i>.``), and the head's own
-LAYER_KEYS = (
-    "input_norm.weight q_proj.weight k_proj.weight v_proj.weight o_proj.weight "
-    "post_norm.weight gate_proj.weight up_proj.weight down_proj.weight"
-).split()
-HEAD_KEYS = ["fc.weight", "fc.bias", *LAYER_KEYS, "out_norm.weight"]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
+from recipes.eagle.core import (
+    EOS_ID,
+    FEATURE_LAYERS,
+    LAYER_KEYS,
+    VARIANTS,
+    LossWeights,
+    cosine_lr,
+    frequent_tokens,
+    head_config,
+    log,
+    resumed_head,
+    save_head_npz,
+)
 
 # ----------------------------------------------------------------------------- prepare (local, transformers)
 
 
 def prepare(args: argparse.Namespace) -> int:
     """Tokenize the template prompts and the self-prompting template into ``--out`` (npz)."""
-    import gguf_parts
-    import train_draft
     from transformers import AutoTokenizer
+
+    from recipes import draft, gguf_parts
 
     gguf = args.gguf or Path(gguf_parts.default_gguf())
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    train, held = train_draft.build_prompts(100_000, 40, 0)
-    marker = train_draft.chat_ids(tok, "Hello")
+    train, held = draft.build_prompts(100_000, 40, 0)
+    marker = draft.chat_ids(tok, "Hello")
     # the template around the user's message: everything before it, everything after
     user = tok.encode("Hello", add_special_tokens=False)
     cut = next(i for i in range(len(marker)) if marker[i : i + len(user)] == user)
     prefix, suffix = marker[:cut], marker[cut + len(user) :]
 
     def pack(prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = [train_draft.chat_ids(tok, p) for p in prompts]
+        ids = [draft.chat_ids(tok, p) for p in prompts]
         return np.concatenate([np.asarray(i, np.int32) for i in ids]), np.cumsum([0] + [len(i) for i in ids])
 
     tr_ids, tr_off = pack(train)
     ho_ids, ho_off = pack(held)
-    ref_ids, ref_valid, ref_feats = reference(gguf, [train_draft.chat_ids(tok, p) for p in held[:REF_ROWS]])
+    ref_ids, ref_valid, ref_feats = reference(gguf, [draft.chat_ids(tok, p) for p in held[:REF_ROWS]])
     np.savez(
         args.out,
         train_ids=tr_ids,
@@ -152,7 +116,7 @@ def reference(gguf: Path, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndar
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specjax.drafters.eagle_train import target_features
+    from recipes.eagle.torch_backend import target_features
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     seqs = []
@@ -246,32 +210,12 @@ def check_target(params: Any, pr: Any, feat_fn: Any, gen_fn: Any, args: argparse
     return res
 
 
-def import_head(args: argparse.Namespace) -> int:
-    """Weights from ``train`` (npz) -> a head directory, through specjax's own ``save_head``."""
-    import torch
-
-    from specjax.drafters.eagle_head import EagleConfig, EagleHead, save_head
-
-    data = np.load(args.npz)
-    cfg = EagleConfig(**json.loads(str(data["config"])))
-    head = EagleHead(cfg)
-    keys = head_keys(cfg.feature_layers, cfg.num_layers)
-    state = {k: torch.from_numpy(data[k].astype(np.float32)) for k in keys}
-    state["token_ids"] = torch.from_numpy(data["token_ids"].astype(np.int64))
-    head.load_state_dict(state)
-    report = json.loads(str(data["report"]))
-    save_head(head, args.out)
-    (Path(args.out) / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{args.npz} -> {args.out}")
-    return 0
-
-
 # ----------------------------------------------------------------------------- the target in JAX
 
 
 def target_params(parts: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(params with layers stacked, float32 numpy, matrices as [in, out]; config) from the GGUF parts."""
-    import gguf_parts
+    from recipes import gguf_parts
 
     paths = sorted(parts.glob("part*.npz"))
     return params_from_state_dict(gguf_parts.load_state_dict(paths), gguf_parts.load_config(paths))
@@ -473,30 +417,6 @@ def generate(
 # ----------------------------------------------------------------------------- the head in JAX
 
 
-def head_config(
-    cfg: dict[str, Any], num_tokens: int, width: int = 1, fused: bool = False, layers: int = 1
-) -> dict[str, Any]:
-    return {
-        "num_layers": layers,
-        "feature_layers": list(FEATURE_LAYERS) if fused else [],
-        "hidden_size": cfg["hidden"],
-        "num_attention_heads": cfg["heads"],
-        "num_key_value_heads": cfg["kv_heads"],
-        "intermediate_size": cfg["intermediate"] * width,
-        "target_vocab_size": cfg["vocab"],
-        "num_tokens": num_tokens,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-    }
-
-
-def head_keys(feature_layers: Any, num_layers: int = 1) -> list[str]:
-    """The names of a head's weights (torch's), with the fusion layer where it reads ``feature_layers``
-    and ``num_layers`` decoder layers."""
-    deeper = [f"deeper.{i}.{k}" for i in range(num_layers - 1) for k in LAYER_KEYS]
-    return [*HEAD_KEYS, *deeper, *(["fuse.weight"] if feature_layers else [])]
-
-
 def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     """Weights in torch's layout ([out, in]) and names, as ``eagle_head.init_weights`` sets them up."""
     rng = np.random.default_rng(seed)
@@ -536,42 +456,6 @@ def init_head(hc: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
         **{k: v for p in deeper for k, v in p.items()},
         "out_norm.weight": np.ones(d, np.float32),
     }
-
-
-def save_head_npz(path: Path, hp: Any, hc: dict[str, Any], token_ids: np.ndarray, report: dict[str, Any]) -> None:
-    """Write a trained head (weights in float16, its configuration, tokens and report) for ``import``
-    and ``--init-from``."""
-    host = {k: np.asarray(v, np.float16) for k, v in hp.items()}
-    np.savez(path, token_ids=token_ids, config=json.dumps(hc), report=json.dumps(report), **host)
-
-
-def resumed_head(path: Path, hc: dict[str, Any], token_ids: np.ndarray) -> dict[str, np.ndarray]:
-    """The weights a ``train`` run saved (``OUT/<variant>.npz``), to train on from (``--init-from``).
-
-    ``hc``: the head configuration this run trains (:func:`head_config`);
-    ``token_ids``: i32[N], the tokens it scores (from this run's data). The
-    saved head must have the same configuration and score the same tokens
-    (a head is not resumed on other data's token set); ``ValueError`` names
-    what differs. Returns float32 arrays under :func:`init_head`'s names (the
-    file holds float16: resuming starts from the weights as shipped).
-    """
-    try:
-        saved = np.load(path)
-        cfg = json.loads(str(saved["config"]))
-        ids = np.asarray(saved["token_ids"])
-    except (OSError, KeyError, ValueError) as e:
-        raise ValueError(f"--init-from {path}: expected an OUT/<variant>.npz written by train ({e})") from None
-    hc = json.loads(json.dumps(hc))  # as saved: tuples as lists
-    if cfg != hc:
-        diff = sorted(k for k in set(cfg) | set(hc) if cfg.get(k) != hc.get(k))
-        raise ValueError(f"--init-from {path}: the saved head's configuration differs from this run's in {diff}")
-    if not np.array_equal(ids, token_ids):
-        raise ValueError(f"--init-from {path}: the saved head scores other tokens than this run's data gives")
-    names = head_keys(hc["feature_layers"], hc.get("num_layers", 1))
-    missing = [k for k in names if k not in saved.files]
-    if missing:
-        raise ValueError(f"--init-from {path}: missing weights {missing}")
-    return {k: np.asarray(saved[k], np.float32) for k in names}
 
 
 def fuse_features(hp: dict[str, Any], hc: dict[str, Any], hidden: Any) -> Any:
@@ -621,14 +505,14 @@ def head_loss(
     z: Any,
     tokens: Any,
     valid: Any,
-    weights: Any,
+    weights: LossWeights,
     key: Any,
 ) -> tuple[Any, Any]:
-    """:func:`specjax.drafters.eagle_train.head_loss` in JAX: (loss, (regression, distill))."""
+    """:func:`recipes.eagle.torch_backend.head_loss` in JAX: (loss, (regression, distill))."""
     import jax
     import jax.numpy as jnp
 
-    reg_w, distill_w, unroll_w, noise = weights
+    reg_w, distill_w, unroll_w, noise = weights.regression, weights.distill, weights.unroll, weights.noise
     feats_in, target_out = fuse_features(hp, hc, z[:, :-1]), z[:, 1:, -hc["hidden_size"] :]
     pair_valid = valid[:, :-1] & valid[:, 1:]
     emb = embed[tokens[:, 1:]]
@@ -657,7 +541,7 @@ def head_loss(
 
 def agreement(hp: Any, hc: dict[str, Any], embed: Any, token_ids: Any, z: Any, ids: Any, valid: Any, plen: Any) -> Any:
     """i32[4]: (hits, n) at the first draft position and (hits, n) at the second, own feature
-    (:func:`specjax.drafters.eagle_train.agreement_counts` over the generated positions)."""
+    (:func:`recipes.eagle.torch_backend.agreement_counts` over the generated positions)."""
     import jax.numpy as jnp
 
     pair_valid = valid[:, :-1] & valid[:, 1:]
@@ -751,8 +635,8 @@ def dequantise(z: Any, taps: Any, scales: Any, ch: Any) -> Any:
 
 
 class Store:
-    """Sequences, and their features on the host (the chip's 15.75 GB held a quarter of what three
-    states per position take: ``run9-oom.log``), one set of arrays per length bucket."""
+    """Sequences, and their features on the host (a TPU v5e's 15.75 GB holds a quarter of what three
+    states per position take for the default data), one set of arrays per length bucket."""
 
     def __init__(self, sizes: tuple[int, ...]) -> None:
         self.sizes = sizes
@@ -1031,14 +915,14 @@ def train_heads(
     counts = np.zeros(vocab, np.int64)
     for d in data.values():
         counts += np.bincount(np.asarray(d["ids"])[np.asarray(d["valid"])], minlength=vocab)[:vocab]
-    token_ids = np.sort(np.argsort(-counts, kind="stable")[: args.num_tokens]).astype(np.int32)
+    token_ids = frequent_tokens(counts, args.num_tokens).astype(np.int32)
     embed = params["embed"]
     w_sub = embed[jnp.asarray(token_ids)]
     ch = jnp.asarray(next(iter(data.values()))["ch"])
 
     for name in args.variant:
-        weights = VARIANTS[name]
-        hc = head_config(cfg, args.num_tokens, WIDTH.get(name, 1), name in FUSED, DEPTH.get(name, 1))
+        weights = VARIANTS[name].weights
+        hc = head_config(cfg, args.num_tokens, VARIANTS[name])
 
         def loss_fn(hp: Any, z: Any, x: Any, v: Any, key: Any, weights: Any = weights, hc: Any = hc) -> Any:
             return head_loss(hp, hc, embed, w_sub, z, x, v, weights, key)
@@ -1070,7 +954,7 @@ def train_heads(
             progress = (time.perf_counter() - start) / budget
             if progress >= 1:
                 break
-            lr = args.lr * min(1.0, (n_step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * progress))
+            lr = cosine_lr(args.lr, n_step, progress, warmup=100)
             key, k = jax.random.split(key)
             hp, opt, loss, parts = step(hp, opt, batches.next(), k, jnp.float32(lr))
             n_step += 1
@@ -1117,7 +1001,7 @@ def train_heads(
             "heldout_agreement_first_position": float(a1),
             "heldout_agreement_second_position_own_feature": float(a2),
             "cpu_reference_agreement_first_position": float(c1),
-            "loss_weights": dict(zip(("regression", "distill", "unroll", "noise"), weights, strict=True)),
+            "loss_weights": {k: getattr(weights, k) for k in ("regression", "distill", "unroll", "noise")},
             "intermediate_size": hc["intermediate_size"],
             "train_steps": n_step,
             "seconds_waiting_for_batches": batches.waited,
@@ -1136,72 +1020,3 @@ def train_heads(
         )
         save_head_npz(args.out / f"{name}.npz", hp, hc, token_ids, report)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    pp = sub.add_parser("prepare")
-    pp.add_argument("--gguf", type=Path)
-    pp.add_argument("--out", type=Path, required=True)
-    pi = sub.add_parser("import")
-    pi.add_argument("--npz", type=Path, required=True)
-    pi.add_argument("--out", type=Path, required=True)
-    pt = sub.add_parser("train")
-    pt.add_argument("--parts", type=Path, required=True, help="gguf_parts' part*.npz and prepare's prompts.npz")
-    pt.add_argument("--out", type=Path, required=True)
-    pt.add_argument("--self-prompts", type=int, default=30_000)
-    pt.add_argument("--prompt-minutes", type=float, default=1.0)
-    pt.add_argument("--user-tokens", type=int, default=64)
-    pt.add_argument("--user-temperature", type=float, default=1.0)
-    pt.add_argument("--gen-minutes", type=float, default=3.0)
-    pt.add_argument("--max-positions", type=int, default=9_000_000)
-    pt.add_argument("--train-minutes", type=float, default=3.0, help="shared among the variants")
-    pt.add_argument("--train-prompts", type=int, default=100_000)
-    pt.add_argument("--heldout-prompts", type=int, default=40)
-    pt.add_argument("--max-new-tokens", type=int, default=160)
-    pt.add_argument("--temperature", type=float, default=0.8)
-    pt.add_argument("--gen-batch", type=int, default=512)
-    pt.add_argument("--feature-rows", type=int, default=128)
-    pt.add_argument("--num-tokens", type=int, default=4096)
-    pt.add_argument("--batch-tokens", type=int, default=32768)
-    pt.add_argument("--lr", type=float, default=2e-3)
-    pt.add_argument("--variant", action="append", choices=sorted(VARIANTS))
-    pt.add_argument("--seed", type=int, default=0)
-    pt.add_argument(
-        "--precision",
-        choices=("auto", "default", "high", "highest"),
-        default="auto",
-        help="JAX's matrix-product precision (a TPU's default rounds float32 inputs to bfloat16); "
-        "auto: the default if the target check passes there, else highest",
-    )
-    pt.add_argument("--save-data", type=Path, help="also write the generated data and features here, for --load-data")
-    pt.add_argument("--load-data", type=Path, help="train on what --save-data wrote (no check, no generation)")
-    pt.add_argument(
-        "--init-from",
-        type=Path,
-        help="train on from a head this script saved (OUT/<variant>.npz; same configuration and data), "
-        "with a fresh optimiser and learning-rate schedule (set --lr lower), e.g. in a second call",
-    )
-    pt.add_argument("--quick", action="store_true", help="a smoke run: tiny budgets")
-    args = p.parse_args(argv)
-    if args.cmd == "train":
-        args.variant = args.variant or ["kd-noise"]
-        if args.init_from is not None and len(args.variant) != 1:
-            p.error("--init-from: expected one --variant (the saved head's)")
-        args.prompt_buckets = (64, 128, 192)
-        args.seq_buckets = (128, 192, 256, 320)
-        if args.quick:
-            args.self_prompts, args.user_tokens, args.gen_batch, args.max_new_tokens = 8, 16, 8, 16
-            args.train_prompts, args.heldout_prompts, args.gen_minutes, args.max_positions = 16, 4, 0.01, 2000
-            args.train_minutes, args.batch_tokens, args.feature_rows, args.num_tokens = 0.3, 1024, 8, 512
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    return {"prepare": prepare, "import": import_head, "train": train}[args.cmd](args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -16,7 +16,7 @@ Layout of each (uncompressed -- deflate saves only ~4%) ``part{i}.npz``:
 
 Usage::
 
-    python scripts/gguf_parts.py split [--gguf model.gguf] --out DIR   # needs gguf
+    python -m recipes.gguf_parts split [--gguf model.gguf] --out DIR   # needs gguf
     sd = load_state_dict(sorted(glob("DIR/part*.npz")))  # numpy only
     cfg = load_config(paths)
 """
