@@ -170,20 +170,6 @@ def test_greedy_identity_ragged_left_padded_batch(target, any_trained, left_padd
     assert out.stats.draft_tokens_accepted > 0
 
 
-@pytest.mark.parametrize("shape", [(4,), (4, 3), (3, 2, 1)])
-def test_tree_drafting_experiment_is_greedy_identical(target, trained, shape):
-    """benchmarks/bench_tree.py's tree loop: the target's greedy tokens, with drafts accepted on the way
-    (so its cache compaction to the accepted path is exercised), for a chain and two trees."""
-    from bench_tree import TreeRunner
-
-    head, _, _ = trained
-    ids = torch.tensor([PROMPT])
-    ref = target.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0)[0, len(PROMPT) :].tolist()
-    new, verifications = TreeRunner(target, head).generate(ids, 24, -1, shape)
-    assert new == ref
-    assert len(new) > verifications, (len(new), verifications)  # some verification kept a drafted token
-
-
 def test_never_drafts_past_max_new_tokens(target, trained):
     head, _, _ = trained
     ids = torch.tensor([PROMPT])
