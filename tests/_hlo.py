@@ -131,3 +131,27 @@ def hlo_collectives(hlo_text: str) -> list[dict[str, Any]]:
             }
         )
     return found
+
+
+def analytic_bytes(kernel: str, method: str, batch: int, g: int, vocab: int, shards: int = 8) -> int:
+    """Collective operand bytes per device per call of the mesh kernels, from the algorithm (float32/int32:
+    4 bytes), vocabulary split in ``shards``: the formula docs/distributed.md gives and the mesh tests hold
+    against :func:`hlo_collectives` of the compiled program.
+
+    probs, sharded: psum of (p_i(x_i), q_i(x_i)) 2·B·G; psum of the residual
+    sums B; all-gather of the shard totals B (operand); pmax of (candidate,
+    fallback) ids 2·B.
+    logits, sharded: per target position (B·(G+1)) and per draft position
+    (B·G): pmax of the row's max, psum of its normaliser and pmin of its argmax
+    (3 each); at the draft tokens, psum of the flags saying whether a shard
+    holds the id (B·G; an id outside the vocabulary is never accepted) and of
+    the two gathered logits (2·B·G); then B + B + 2·B for the draw as above.
+    naive: all-gather operands of the local vocabulary slices, B·G·V/S +
+    B·(G+1)·V/S (each device receives S-1 times that).
+    """
+    local = -(-vocab // shards)
+    if method == "naive":
+        return 4 * (batch * g * local + batch * (g + 1) * local)
+    if kernel == "probs":
+        return 4 * (2 * batch * g + batch + batch + 2 * batch)
+    return 4 * (3 * batch * (g + 1) + 3 * batch * g + batch * g + 2 * batch * g + batch + batch + 2 * batch)
