@@ -364,3 +364,45 @@ def test_a_trained_two_layer_head_imports_into_the_torch_head(tmp_path):
     half = {k: jnp.asarray(v.astype(np.float16).astype(np.float32)) for k, v in hp.items()}  # as shipped
     got = np.asarray(tpu.head_forward(half, hc, jnp.asarray(f), jnp.asarray(e), jnp.asarray(valid)))
     np.testing.assert_allclose(got[valid], want[valid], rtol=1e-3, atol=1e-3)
+
+
+def test_a_short_training_run_writes_heads_that_import(tmp_path, llama):
+    """``train_heads`` end to end on the tiny Llama's own states: per variant (one reading z, one fused) a
+    head file whose weights moved from their start, a report, and a head directory specjax loads."""
+    import argparse
+
+    from specjax.drafters.eagle_head import load_head
+
+    _, params, cfg = llama
+    g = np.random.default_rng(9)
+    seqs = [g.integers(3, 97, int(n)).tolist() for n in g.integers(12, 30, 24)]
+    feat_fn = jax.jit(lambda p, i, v: tpu.features(p, cfg, i, v))
+    ids = np.full((4, 32), tpu.EOS_ID, np.int32)
+    valid = np.zeros((4, 32), bool)
+    for j, s in enumerate(seqs[:4]):
+        ids[j, : len(s)], valid[j, : len(s)] = s, True
+    ref = np.asarray(feat_fn(params, jnp.asarray(ids), jnp.asarray(valid)))
+    ch = tpu.channel_scale(ref, valid, cfg["hidden"])
+    store, held = tpu.Store((32,)), tpu.Store((32,))
+    store.add([s[:4] for s in seqs[4:]], [s[4:] for s in seqs[4:]])
+    held.add([s[:4] for s in seqs[:4]], [s[4:] for s in seqs[:4]])
+    data, hdata = (x.build(feat_fn, params, 8, ch) for x in (store, held))
+    pr = {"ref_ids": ids, "ref_valid": valid, "ref_feats": ref}
+    args = argparse.Namespace(
+        seed=0, num_tokens=20, variant=["kd-noise", "e3-unroll"], init_from=None, batch_tokens=256,
+        train_minutes=0.1, lr=1e-2, out=tmp_path,
+    )  # fmt: skip
+    summary = {"self_prompts": 0, "generation_s": 0.0, "args": {}, "variants": {}}
+    tpu.train_heads(args, params, cfg, pr, data, hdata, summary)
+    for name in args.variant:
+        hc = core.head_config(cfg, 20, core.VARIANTS[name])
+        saved = np.load(tmp_path / f"{name}.npz")
+        start = tpu.init_head(hc, 0)
+        assert any(not np.array_equal(saved[k], v.astype(np.float16)) for k, v in start.items())  # trained
+        report = summary["variants"][name]
+        assert report["train_steps"] >= 1 and report["loss_weights"]["noise"] == 0.2
+        assert 0.0 <= report["heldout_agreement_first_position"] <= 1.0
+        core.import_head(tmp_path / f"{name}.npz", tmp_path / name)
+        head = load_head(tmp_path / name)
+        assert head.config.feature_layers == ((3, 15) if name == "e3-unroll" else ())
+        assert head.token_ids.tolist() == sorted(head.token_ids.tolist()) and len(head.token_ids) == 20

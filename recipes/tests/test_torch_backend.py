@@ -106,3 +106,36 @@ def test_agreement_hits_are_per_pair_and_sum_to_the_counts(head):
     # negative control: a different target changes the hits
     other, _ = agreement_hits(head, embed, w, -z, tokens, valid, scored)
     assert not torch.equal(other, hit)
+
+
+def test_the_torch_training_loop_trains_a_head_on_a_targets_own_states():
+    """``Store`` -> ``train_variant`` -> ``agreement`` on a tiny Llama: the head's weights move from their start
+    and its agreement with the target's greedy tokens is a share."""
+    import argparse
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recipes.eagle.torch_backend import Store, agreement, train_variant
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(
+        LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2)
+    ).eval().requires_grad_(False)  # fmt: skip
+    g = np.random.default_rng(3)
+    seqs = [g.integers(3, 256, int(n)).tolist() for n in g.integers(10, 24, 16)]
+    store = Store()
+    store.add(target, [s[:4] for s in seqs], [s[4:] for s in seqs])
+    data = store.packed()
+    shape = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 256}
+    token_ids = torch.arange(0, 256, 2)
+    args = argparse.Namespace(seed=0, lr=1e-2, device="cpu", train_minutes=0.02, variant=["kd"], batch_tokens=128)
+    head, steps, epochs, _ = train_variant("kd", shape, token_ids, target, data, args)
+    assert steps >= 1 and epochs >= 1
+
+    start = EagleHead(EagleConfig(64, 4, 2, 128, 256, 128))
+    init_weights(start, 0)
+    moved = [k for k, v in start.state_dict().items() if k != "token_ids" and not torch.equal(v, head.state_dict()[k])]
+    assert moved  # negative control: lr 0 leaves every weight where init_weights put it
+    first, second = agreement(head, target, data)
+    assert 0.0 <= first <= 1.0 and 0.0 <= second <= 1.0
