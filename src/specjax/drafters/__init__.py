@@ -90,7 +90,7 @@ def _eagle(head: Any = None, context_tokens: int = CONTEXT_TOKENS, **_: Any) -> 
     if head is None:
         raise ValueError(
             "draft: the 'eagle' drafter needs a trained head: load_drafter('eagle', head=DIRECTORY) "
-            "(a directory written by specjax.drafters.eagle_head.save_head, e.g. by scripts/train_eagle.py)"
+            "(a directory written by specjax.drafters.eagle_head.save_head, e.g. by recipes/eagle)"
         )
     return EagleDrafter(head, context_tokens)
 
