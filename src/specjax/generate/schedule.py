@@ -308,8 +308,7 @@ class DraftSchedule:
         the widest width not yet timed (on the default pair, a 1-token draft priced as a forward
         over 8 tokens, 119 ms against 54 ms for a plain step), so the schedule stopped drafting,
         never timed that width, and decoded plainly until an exploring step: a process's first
-        call drafted in 24-46 % of its steps, 72-78 % once priced here
-        (``benchmarks/bench_first_calls.py``).
+        call drafted in 24-46 % of its steps, 72-78 % once priced here.
         """
         if not self.adaptive or q <= 1:
             return q
