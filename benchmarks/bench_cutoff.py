@@ -24,17 +24,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _straightforward import straightforward_cutoff
 from results_io import append_jsonl
 
 from specjax.kernels.core import cutoff
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers
+from _straightforward import straightforward_cutoff
 
 VOCAB = 49152
 

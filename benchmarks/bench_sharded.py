@@ -25,7 +25,7 @@ Bytes moved between devices per call, per device, two ways: from the compiled
 HLO (the operand sizes of every all-reduce / all-gather / collective-permute /
 all-to-all, times the trip count of the loops around it; see
 :func:`specjax.kernels.sharded.hlo_collectives`), and analytically from the
-algorithm (formulas in :func:`analytic_bytes`). Times are medians of calls
+algorithm (formulas in ``tests/_hlo.py``'s :func:`analytic_bytes`). Times are medians of calls
 after warm-up with ``block_until_ready``. Eight simulated devices share two
 cores here, so absolute times say little; the ratios measured in the same run
 are what to read.
@@ -48,11 +48,11 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from _hlo import hlo_collectives
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -67,6 +67,9 @@ from specjax.kernels.sharded import (
     _verify_mesh_jit,
 )
 from specjax.kernels.types import AcceptanceResult, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers
+from _hlo import analytic_bytes, hlo_collectives
 
 FULL_BATCHES = (8, 64)
 FULL_DRAFTS = (4,)
@@ -214,28 +217,6 @@ def make_inputs(kernel: str, batch: int, g: int, vocab: int, mesh) -> dict[str, 
     return {"one_device": one, "sharded": sharded, "naive": naive}
 
 
-def analytic_bytes(kernel: str, method: str, batch: int, g: int, vocab: int, shards: int = SHARDS) -> int:
-    """Collective operand bytes per device per call, from the algorithm (float32/int32: 4 bytes).
-
-    probs, sharded: psum of (p_i(x_i), q_i(x_i)) 2·B·G; psum of the residual
-    sums B; all-gather of the shard totals B (operand); pmax of (candidate,
-    fallback) ids 2·B.
-    logits, sharded: per target position (B·(G+1)) and per draft position
-    (B·G): pmax of the row's max, psum of its normaliser and pmin of its argmax
-    (3 each); at the draft tokens, psum of the flags saying whether a shard
-    holds the id (B·G; an id outside the vocabulary is never accepted) and of
-    the two gathered logits (2·B·G); then B + B + 2·B for the draw as above.
-    naive: all-gather operands of the local vocabulary slices, B·G·V/S +
-    B·(G+1)·V/S (each device receives S-1 times that).
-    """
-    local = -(-vocab // shards)
-    if method == "naive":
-        return 4 * (batch * g * local + batch * (g + 1) * local)
-    if kernel == "probs":
-        return 4 * (2 * batch * g + batch + batch + 2 * batch)
-    return 4 * (3 * batch * (g + 1) + 3 * batch * g + batch * g + 2 * batch * g + batch + batch + 2 * batch)
-
-
 def hlo_bytes(jitted, args: tuple, **static: Any) -> tuple[int, int, int]:
     """(operand bytes, result bytes, executions) of the collectives of the compiled call, per device."""
     found = hlo_collectives(jitted.lower(*args, **static).compile().as_text())
@@ -276,7 +257,7 @@ def bench(kernel: str, batch: int, g: int, vocab: int, mesh, *, budget_s: float,
             row = Row(median_us=t * 1e6, reps=reps, **common)
         if method != "one_device":
             row.hlo_bytes, result_bytes, row.collectives = hlo_bytes(fn, args, **static)
-            row.analytic_bytes = analytic_bytes(kernel, method, batch, g, vocab)
+            row.analytic_bytes = analytic_bytes(kernel, method, batch, g, vocab, SHARDS)
             row.extra["hlo_result_bytes"] = result_bytes
         rows.append(row)
     return rows

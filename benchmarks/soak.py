@@ -1,9 +1,19 @@
 """Soak test: many random speculative generations for a given time (not run in CI).
 
-Runs ``speculative_generate`` over and over on a tiny Llama pair built from configs
-(offline), with random prompts (batch sizes, left padding, lengths), ``max_new_tokens``,
-draft lengths, samplers (``jax``, ``numpy``, ``torch``) and sampling parameters (greedy,
-temperature, top-k, top-p, seeds), and reports:
+Runs ``speculative_generate`` over and over, with random prompts (batch sizes, left
+padding, lengths), ``max_new_tokens``, draft lengths, samplers (``jax``, ``numpy``,
+``torch``) and sampling parameters (greedy, temperature, top-k, top-p, seeds), on one of
+two workloads (``--pair``):
+
+* ``tiny`` (default): a tiny Llama pair built from configs (offline);
+* ``default``: the default pair's target (SmolLM2-135M-Instruct, as ``specjax generate``
+  loads it) with the ``ngram`` drafter, greedy, prompts of 2-160 tokens that repeat themselves
+  (so the drafter finds matches and steps vary in width), batches of 1 to ``--max-batch``
+  rows, the largest request first: a long-lived process serving varied requests. Its linear layers run through oneDNN as
+  ``SPECJAX_PACKED_LINEARS`` says (:mod:`specjax.packed`), whose per-shape primitives
+  made RSS grow with every new prompt length before their rows were bucketed;
+
+and reports:
 
 * **errors**: calls that raised, or whose output breaks the contract (shape, prompt kept,
   ``1 <= new <= max_new_tokens``, ids in [0, V)); must be 0;
@@ -21,6 +31,7 @@ Usage::
 
     python benchmarks/soak.py --seconds 300            # 5 minutes; exit status 1 if a check fails
     python benchmarks/soak.py --seconds 60 --json out.json
+    python benchmarks/soak.py --pair default --seconds 240 --report-every 20
 
 Absolute speeds on a shared CPU are noise here; the checks are counts.
 """
@@ -73,6 +84,7 @@ class Report:
     peak_growth_without_compiles_mb: float = 0.0  # after the warm-up, over calls that compiled nothing
     peak_growth_with_compiles_mb: float = 0.0  # after the warm-up, over calls that compiled new shapes
     calls_without_compiles: int = 0
+    packing: str = ""
     rss_timeline: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -116,17 +128,23 @@ def tiny_pair(vocab: int, hidden: int) -> tuple[Any, Any]:
     return target, draft
 
 
+def left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """i64[B, P] ids (0 as padding) and their attention mask, for rows of token ids."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row) :] = torch.tensor(row)
+        mask[b, width - len(row) :] = 1
+    return ids, mask
+
+
 def random_call(
     rng: random.Random, vocab: int, max_batch: int, sampler_names: list[str], extra: dict[str, Any]
 ) -> Call:
     b = rng.choice([n for n in (1, 2, 4, 8) if n <= max_batch] or [1])  # few batch sizes: the warm-up can see them
     lengths = [rng.randint(1, 16) for _ in range(b)]
-    width = max(lengths)
-    ids = torch.zeros((b, width), dtype=torch.long)
-    mask = torch.zeros((b, width), dtype=torch.long)
-    for r, n in enumerate(lengths):
-        ids[r, width - n :] = torch.tensor([rng.randint(1, vocab - 1) for _ in range(n)])
-        mask[r, width - n :] = 1
+    ids, mask = left_padded([[rng.randint(1, vocab - 1) for _ in range(n)] for n in lengths])
     mode = rng.choice(["greedy", "temperature", "top_k", "top_p", "both", "per_row"])
     kwargs: dict[str, Any] = dict(
         max_new_tokens=rng.randint(1, 24),
@@ -148,6 +166,38 @@ def random_call(
         kwargs["top_k"] = [rng.choice([0, 3, 50]) for _ in range(b)]
     if rng.random() < 0.3:
         kwargs["eos_token_id"] = rng.randint(1, vocab - 1)
+    return Call(ids, mask, kwargs)
+
+
+def default_pair_call(
+    rng: random.Random,
+    vocab: int,
+    max_batch: int,
+    sampler_names: list[str],
+    extra: dict[str, Any],
+    largest: bool = False,
+) -> Call:
+    """A request to the default pair: 1 to ``max_batch`` rows of 2-160 tokens, each a random
+    motif repeated (the n-gram drafter finds matches), greedy, G = 4, 2-8 new tokens: the shapes
+    vary with the prompts and batch sizes, as in a server; few programs to compile. ``largest``:
+    the most rows and tokens (the run's first call, so that the peak RSS after it moves only with
+    memory kept, not with a larger call's transient buffers)."""
+    batches = [n for n in range(1, 9) if n <= max_batch] or [1]
+    b = batches[-1] if largest else rng.choice(batches)
+    rows = []
+    for _ in range(b):
+        n = 160 if largest else rng.randint(2, 160)
+        motif = [rng.randint(100, vocab - 1) for _ in range(rng.randint(1, max(1, n // 3)))]
+        rows.append((motif * (n // len(motif) + 1))[:n])
+    ids, mask = left_padded(rows)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=8 if largest else rng.randint(2, 8),
+        num_draft_tokens=4,
+        seed=rng.randint(0, 2**31),
+        sampler=rng.choice(sampler_names),
+        temperature=0.0,
+        **extra,
+    )
     return Call(ids, mask, kwargs)
 
 
@@ -174,12 +224,29 @@ def run(args: argparse.Namespace) -> Report:
     import specjax
     from specjax.generate.compile_time import measure_compiles
 
-    target, draft = tiny_pair(args.vocab, args.hidden)
+    report = Report()
+
+    from specjax.packed import packed_layers
+
     params = inspect.signature(specjax.speculative_generate).parameters
-    extra = {"adaptive": False} if "adaptive" in params else {}  # measured-cost draft lengths vary run to run
+    extra: dict[str, Any] = {"adaptive": False} if "adaptive" in params else {}  # measured costs vary run to run
+    if args.pair == "default":
+        from specjax.pair import load_target
+
+        target, _ = load_target()
+        draft: Any = "ngram"
+        vocab = int(target.config.vocab_size)
+        make_call = default_pair_call
+        eos = target.generation_config.eos_token_id
+        extra["eos_token_id"] = eos[0] if isinstance(eos, list) else eos  # one id: check_output reads it
+    else:
+        target, draft = tiny_pair(args.vocab, args.hidden)
+        vocab = args.vocab
+        make_call = random_call
+    mode, layers = packed_layers(target)
+    report.packing = f"{mode} ({len(layers)} layers through oneDNN)"
     rng = random.Random(args.seed)
     samplers = args.samplers.split(",")
-    report = Report()
     seen: list[Call] = []
     t0 = time.perf_counter()
     next_report = 0.0
@@ -194,8 +261,8 @@ def run(args: argparse.Namespace) -> Report:
 
     monitoring.register_event_duration_secs_listener(on_event)
     print(
-        f"soak: {args.seconds:.0f} s ({args.warmup:.0f} s warm-up), vocab {args.vocab}, batch <= {args.max_batch}, "
-        f"samplers {samplers}",
+        f"soak: {args.pair} pair, {args.seconds:.0f} s ({args.warmup:.0f} s warm-up), vocab {vocab}, "
+        f"batch <= {args.max_batch}, samplers {samplers}, linear layers: {report.packing}",
         flush=True,
     )
     print(
@@ -239,12 +306,15 @@ def run(args: argparse.Namespace) -> Report:
                 }
             )
         replay = warmup_done and seen and rng.random() < args.replay_fraction
-        call = rng.choice(seen) if replay else random_call(rng, args.vocab, args.max_batch, samplers, extra)
+        if args.pair == "default" and report.calls == 0:
+            call = default_pair_call(rng, vocab, args.max_batch, samplers, extra, largest=True)
+        else:
+            call = rng.choice(seen) if replay else make_call(rng, vocab, args.max_batch, samplers, extra)
         peak_before = rss_mb()[1]
         try:
             with measure_compiles() as clock:
                 out = specjax.speculative_generate(target, draft, call.input_ids, call.attention_mask, **call.kwargs)
-            problem = check_output(call, out, args.vocab)
+            problem = check_output(call, out, vocab)
             if problem:
                 report.errors.append(f"{call.describe()}: {problem}")
             report.new_tokens += int(out.num_new_tokens.sum())
@@ -282,6 +352,7 @@ def summarize(report: Report, args: argparse.Namespace) -> bool:
     growth = end["peak_mb"] - start["peak_mb"] if start else 0.0
     flat = report.calls_without_compiles > 0 and report.peak_growth_without_compiles_mb <= args.rss_tolerance_mb
     print()
+    print(f"{args.pair} pair, linear layers: {report.packing}")
     print(f"calls {report.calls} ({report.replays} replays of warm-up calls), new tokens {report.new_tokens}")
     print(f"errors: {len(report.errors)} (must be 0)")
     for e in report.errors[:20]:
@@ -292,6 +363,11 @@ def summarize(report: Report, args: argparse.Namespace) -> bool:
         f"shapes, +{report.peak_growth_without_compiles_mb:.1f} MiB over the {report.calls_without_compiles} calls "
         f"that compiled nothing (flat: {'yes' if flat else 'NO'}, tolerance {args.rss_tolerance_mb:.0f} MiB)"
     )
+    if start:
+        print(
+            f"current RSS (after gc): {start['rss_mb']:.1f} MiB at the end of the warm-up, {end['rss_mb']:.1f} MiB "
+            f"at the end, {end['calls'] - start['calls']} calls later"
+        )
     print(
         f"compilations: {report.warmup_compiles} in the warm-up, {report.replay_compiles} in replays of seen "
         f"shapes (must be 0), {report.new_call_compiles} in new random calls after the warm-up"
@@ -305,6 +381,8 @@ def summarize(report: Report, args: argparse.Namespace) -> bool:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(
                 {
+                    "pair": args.pair,
+                    "packing": report.packing,
                     "calls": report.calls,
                     "replays": report.replays,
                     "new_tokens": report.new_tokens,
@@ -328,11 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", 300)))
     parser.add_argument("--warmup", type=float, default=None, help="warm-up seconds (default: a third of the run)")
+    parser.add_argument("--pair", choices=("tiny", "default"), default="tiny", help="the workload (see above)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=4)
-    parser.add_argument("--samplers", default="jax,jax,numpy,torch", help="comma-separated, repeated = more often")
+    parser.add_argument(
+        "--samplers",
+        default=None,
+        help="comma-separated, repeated = more often (tiny: jax,jax,numpy,torch; default: jax)",
+    )
     parser.add_argument("--replay-fraction", type=float, default=0.5)
     parser.add_argument("--report-every", type=float, default=30.0)
     parser.add_argument(
@@ -346,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warmup is None:
         args.warmup = args.seconds / 3
+    if args.samplers is None:
+        args.samplers = "jax" if args.pair == "default" else "jax,jax,numpy,torch"
     report = run(args)
     return 0 if summarize(report, args) else 1
 

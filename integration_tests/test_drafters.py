@@ -684,23 +684,6 @@ def test_sampled_model_drafter_reports_its_peak_probability_and_stops_where_told
     assert np.asarray(q.tokens)[:, :2].tolist() == tokens[:, :2].tolist()  # the same keys: the same draws
 
 
-def test_bench_confidence_withholds_the_confidence_and_the_early_stop(models):
-    """benchmarks/bench_confidence.py's control: the same drafter, its confidence never reaching the loop."""
-    from bench_confidence import WithoutConfidence
-
-    from specjax.drafters.base import DraftRequest
-
-    rec = Recorder()
-    wrapped = WithoutConfidence(rec)
-    assert wrapped.asks_every_step and wrapped.name == "recorder"
-    ids = torch.tensor([repetitive_prompt(7, 8)])
-    specjax.speculative_generate(models["target"], wrapped, ids, max_new_tokens=4, num_draft_tokens=3)
-    assert rec.offered and all(w is None for w in rec.offered)  # the loop offered it; the wrapper did not pass it on
-    request = DraftRequest(0, [[1, 2]], np.array([2]), np.array([True]), None, None, lambda c: np.array([True]))
-    assert rec.propose(request).confidence is not None  # negative control: the drafter itself reports one
-    assert wrapped.propose(request).confidence is None
-
-
 def test_model_drafter_after_a_step_that_committed_only_fed_tokens(models):
     """The loop tested fewer proposals than the draft fed, and the target's token after them was the next
     fed one: every committed token is already in the draft's cache. Its next proposal must still come

@@ -1,7 +1,7 @@
 """The ``eagle`` drafter on a tiny random target: greedy identity, a trained head drafts, errors.
 
 A head is trained for a few seconds on the target's own greedy continuations
-(:mod:`specjax.drafters.eagle_train`), so its proposals are accepted often
+(:mod:`recipes.eagle.torch_backend`), so its proposals are accepted often
 enough that the identity tests exercise accepted draft tokens, not only
 corrections. The distribution test at T = 0.7 is in test_generate_stats.py.
 """
@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import specjax
+from recipes.eagle.core import LossWeights, frequent_tokens, token_counts
+from recipes.eagle.torch_backend import head_loss, target_features, teacher_agreement
 from specjax.drafters import load_drafter
 from specjax.drafters.eagle import EagleDrafter
 from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
-from specjax.drafters.eagle_train import LossWeights, frequent_tokens, head_loss, target_features, teacher_agreement
 
 V = 48
 
@@ -52,7 +53,8 @@ def train_tiny_head(
     head = EagleHead(EagleConfig(d, 4, 2, 2 * d, V, num_tokens, feature_layers=feature_layers, num_layers=num_layers))
     z = target_features(target, seqs, mask, head.target_hidden_layers).clone()
     init_weights(head, seed)
-    head.token_ids.copy_(frequent_tokens([s[m].tolist() for s, m in zip(seqs, valid, strict=True)], num_tokens, V))
+    counts = token_counts([s[m].tolist() for s, m in zip(seqs, valid, strict=True)], V)
+    head.token_ids.copy_(torch.from_numpy(frequent_tokens(counts, num_tokens)))
     embed, w = target.get_input_embeddings(), target.get_output_embeddings().weight.detach()
     before = teacher_agreement(head, embed, w, z, seqs, valid)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
@@ -166,20 +168,6 @@ def test_greedy_identity_ragged_left_padded_batch(target, any_trained, left_padd
     )
     assert torch.equal(out.sequences, ref)
     assert out.stats.draft_tokens_accepted > 0
-
-
-@pytest.mark.parametrize("shape", [(4,), (4, 3), (3, 2, 1)])
-def test_tree_drafting_experiment_is_greedy_identical(target, trained, shape):
-    """benchmarks/bench_tree.py's tree loop: the target's greedy tokens, with drafts accepted on the way
-    (so its cache compaction to the accepted path is exercised), for a chain and two trees."""
-    from bench_tree import TreeRunner
-
-    head, _, _ = trained
-    ids = torch.tensor([PROMPT])
-    ref = target.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=0)[0, len(PROMPT) :].tolist()
-    new, verifications = TreeRunner(target, head).generate(ids, 24, -1, shape)
-    assert new == ref
-    assert len(new) > verifications, (len(new), verifications)  # some verification kept a drafted token
 
 
 def test_never_drafts_past_max_new_tokens(target, trained):

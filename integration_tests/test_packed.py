@@ -1,4 +1,4 @@
-"""specjax.packed: the loop's forwards through prepacked linear layers give the dense layers' outputs."""
+"""specjax.packed: the loop's forwards through oneDNN's linear layers give the dense layers' outputs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import specjax
-from specjax.packed import ENV, PackedLinear, model_packed, packed_layers
+from specjax.packed import ENV, ROWS_BUCKETS, ROWS_EXACT, PackedLinear, model_packed, packed_layers, rows_bucket
 from specjax.slots import SlotCache
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -23,12 +23,56 @@ def _linears(model):
     return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, PackedLinear))}
 
 
-def test_packed_linear_is_the_dense_product():
+# (leading shape, the rows oneDNN runs: None = torch's dense linear)
+ROWS = [((1,), 1), ((2, 5), 10), ((1, 16), 16), ((17,), 24), ((3, 11), 48), ((4, 16), 64), ((5, 13), None)]
+
+
+@pytest.mark.parametrize(("lead", "rows"), ROWS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_the_dense_product(monkeypatch, lead, rows, bias):
     g = torch.Generator().manual_seed(0)
-    for bias in (False, True):
-        dense = torch.nn.Linear(24, 300, bias=bias)
-        x = torch.randn(2, 5, 24, generator=g)
+    dense = torch.nn.Linear(24, 300, bias=bias)
+    x = torch.randn(*lead, 24, generator=g)
+    ran = []
+    onednn = torch._C._nn.mkldnn_linear
+    monkeypatch.setattr(torch._C._nn, "mkldnn_linear", lambda x, *a: ran.append(x.shape[0]) or onednn(x, *a))
+    with torch.no_grad():
         torch.testing.assert_close(PackedLinear(dense)(x), dense(x), rtol=1e-5, atol=1e-5)
+    assert ran == ([] if rows is None else [rows])
+
+
+def test_rows_given_to_onednn_are_a_bounded_set():
+    """oneDNN keeps a primitive per shape for the process's life: the row counts it sees are bounded."""
+    seen = {rows_bucket(n) for n in range(1, 20_000)}
+    assert seen - {None} == set(range(1, ROWS_EXACT + 1)) | set(ROWS_BUCKETS)
+    assert all(rows_bucket(n) is None or rows_bucket(n) >= n for n in range(1, 200))
+    assert all(rows_bucket(n) == n for n in range(1, ROWS_EXACT + 1))  # a step's rows are not padded
+
+
+def test_a_forward_over_any_prompt_length_gives_onednn_bucketed_rows(model, monkeypatch):
+    monkeypatch.setenv(ENV, "all")
+    ran = set()
+    onednn = torch._C._nn.mkldnn_linear
+    monkeypatch.setattr(torch._C._nn, "mkldnn_linear", lambda x, *a: ran.add(x.shape[0]) or onednn(x, *a))
+    for length in range(1, 80, 3):
+        ids = torch.arange(1, length + 1).remainder(290).unsqueeze(0) + 1
+        with torch.no_grad(), model_packed(model):
+            packed = model(ids).logits
+        torch.testing.assert_close(packed, model(ids).logits, rtol=1e-5, atol=1e-5)
+    assert ran and ran <= set(range(1, ROWS_EXACT + 1)) | set(ROWS_BUCKETS)
+
+
+def test_a_forward_that_records_gradients_gets_torchs_gradients(model, monkeypatch):
+    monkeypatch.setenv(ENV, "all")
+    ids = torch.tensor([[5, 9, 2, 30, 7]])
+    head = model.get_output_embeddings()
+    model(ids).logits.square().mean().backward()
+    dense = head.weight.grad.clone()
+    head.weight.grad = None
+    with model_packed(model):
+        model(ids).logits.square().mean().backward()
+    torch.testing.assert_close(head.weight.grad, dense)
+    model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("mode", ["all", "head"])
@@ -53,18 +97,16 @@ def test_a_forward_runs_the_packed_layers_and_puts_the_models_back(model, monkey
     assert _linears(model) == before  # back after an error too
 
 
-def test_the_copies_are_kept_and_made_afresh_when_a_weight_changes(model, monkeypatch):
+def test_the_stand_ins_are_kept_and_read_the_weights_as_they_are(model, monkeypatch):
     monkeypatch.setenv(ENV, "all")
-    first = {id(d): c for _, _, d, c in packed_layers(model)[1]}
-    assert {id(d): c for _, _, d, c in packed_layers(model)[1]} == first  # kept
+    first = {id(d): s for _, _, d, s in packed_layers(model)[1]}
     changed = model.model.layers[0].mlp.up_proj
     with torch.no_grad():
-        changed.weight.mul_(2.0)  # in place: a new version
-    second = {id(d): c for _, _, d, c in packed_layers(model)[1]}
-    assert second[id(changed)] is not first[id(changed)]
-    assert all(second[k] is first[k] for k in first if k != id(changed))
+        changed.weight.mul_(2.0)
+    assert {id(d): s for _, _, d, s in packed_layers(model)[1]} == first  # kept: nothing to refresh
     x = torch.randn(3, changed.in_features)
-    torch.testing.assert_close(second[id(changed)](x), changed(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(first[id(changed)](x), changed(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_layer_replaced_by_the_user_is_packed_and_kept(model, monkeypatch):
@@ -95,8 +137,8 @@ def test_a_nested_forward_of_the_same_model_keeps_the_packing(model, monkeypatch
     assert len(packed_layers(model)[1]) == n and all(type(m) is not PackedLinear for m in model.modules())
 
 
-def test_a_packed_model_is_freed_with_its_copies(tiny_lm, monkeypatch):
-    """The caches hold the model weakly: dropping the last reference frees it and its copies."""
+def test_a_packed_model_is_freed_with_its_stand_ins(tiny_lm, monkeypatch):
+    """The plans hold the model weakly: dropping the last reference frees it and its stand-ins."""
     import gc
     import weakref
 
@@ -175,3 +217,40 @@ def test_the_schedule_keeps_timings_apart_for_each_setting(model, monkeypatch):
     tables = {value: table(value) for value in ("all", "head", "0")}
     assert len({id(t) for t in tables.values()}) == 3
     assert all(table(value) is t for value, t in tables.items())  # each shared between calls
+
+
+# A weight written through ``.data`` (PEFT's LoRA merge and unmerge write ``weight.data += delta``):
+# neither the parameter's version nor its storage changes, and the next generation must see it.
+WRITES = {
+    "head copy_": ("head", lambda w, new: w.data.copy_(new)),
+    "head +=": ("head", lambda w, new: w.data.__iadd__(new - w.data)),
+    "body copy_": ("body", lambda w, new: w.data.copy_(new)),
+    "body +=": ("body", lambda w, new: w.data.__iadd__(new - w.data)),
+}
+
+
+def _generate(model, ids, entry):
+    if entry == "speculative_generate":
+        return specjax.speculative_generate(
+            model, model, ids, max_new_tokens=10, num_draft_tokens=3, pad_token_id=0
+        ).sequences
+    with model_packed(model) as applied:
+        assert applied == "all"
+        return model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+
+
+@pytest.mark.parametrize("entry", ["speculative_generate", "model_packed"])
+@pytest.mark.parametrize("write", sorted(WRITES))
+def test_a_weight_written_through_data_is_used_by_the_next_call(model, monkeypatch, entry, write):
+    monkeypatch.setenv(ENV, "all")
+    where, apply = WRITES[write]
+    layer = model.get_output_embeddings() if where == "head" else model.model.layers[0].mlp.down_proj
+    ids = torch.tensor([[5, 9, 2, 30, 7], [1, 4, 4, 8, 3]])
+    before = _generate(model, ids, entry)  # the layers planned (and, before, their copies made)
+    new = torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(1)) * 3 * layer.weight.std()
+    version, pointer = layer.weight._version, layer.weight.data_ptr()
+    apply(layer.weight, new)
+    assert (layer.weight._version, layer.weight.data_ptr()) == (version, pointer)  # invisible to both
+    expected = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
+    assert not torch.equal(expected, before)  # the write changes the greedy output
+    assert torch.equal(_generate(model, ids, entry), expected)

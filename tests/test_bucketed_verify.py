@@ -1,4 +1,4 @@
-"""The loop's bucketed sampled verification (``specjax.generate.loop._bucketed``).
+"""The loop's bucketed sampled verification (``specjax.generate.verify.bucketed``).
 
 ``verify_step`` compiles once per shape, so the loop pads its inputs to a few
 bucketed shapes (rows to a power of two, positions to 1, 2, 3, 5, 9, ...). The
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from specjax.boundary.validation import prepare_params
-from specjax.generate.loop import _bucketed, _buckets
+from specjax.generate.verify import bucketed as _bucketed
+from specjax.generate.verify import buckets as _buckets
 from specjax.kernels import steps
 
 

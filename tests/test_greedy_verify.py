@@ -1,6 +1,6 @@
 """The loop's all-greedy acceptance step (torch argmax) against the JAX kernel's.
 
-``specjax.generate.loop.greedy_verify`` decides a step when every row is
+``specjax.generate.verify.greedy_verify`` decides a step when every row is
 greedy, without the kernel: it must give exactly
 :func:`specjax.kernels.steps.verify_step`'s accepted counts and tokens, with
 point-mass drafts and with draft logits (a greedy target's result does not
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specjax.boundary.validation import prepare_params
-from specjax.generate.loop import greedy_verify
+from specjax.generate.verify import greedy_verify
 from specjax.kernels import steps
 
 

@@ -82,11 +82,16 @@ def fake(monkeypatch: pytest.MonkeyPatch, clean_registry: None) -> types.SimpleN
 
     groups: dict[str, list[md.EntryPoint]] = {registry.PLUGINS_GROUP: [], registry.SAMPLERS_GROUP: []}
 
-    def install(plugins: dict[str, str] | None = None, samplers: list[tuple[str, str]] | None = None) -> None:
+    def install(
+        plugins: dict[str, str] | None = None,
+        samplers: list[tuple[str, str]] | None = None,
+        drafters: list[tuple[str, str]] | None = None,
+    ) -> None:
         groups[registry.PLUGINS_GROUP] = [
             md.EntryPoint(n, v, registry.PLUGINS_GROUP) for n, v in (plugins or {}).items()
         ]
         groups[registry.SAMPLERS_GROUP] = [md.EntryPoint(n, v, registry.SAMPLERS_GROUP) for n, v in (samplers or [])]
+        groups["specjax.drafters"] = [md.EntryPoint(n, v, "specjax.drafters") for n, v in (drafters or [])]
 
     monkeypatch.setattr(registry, "_entry_points", lambda group: list(groups.get(group, [])))
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
@@ -416,3 +421,31 @@ def test_custom_generate_registry(fake: types.SimpleNamespace) -> None:
     assert registry.load_custom_generate("specjax") is hf.speculative_decoding
     with pytest.raises(ValueError, match=r"custom_generate: unknown name 'x'; registered: specjax"):
         registry.load_custom_generate("x")
+
+
+def test_drafter_entry_points_follow_the_registry_rules(
+    fake: types.SimpleNamespace, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One reading of entry points for every group: drafters get the samplers' rules (issue 57)."""
+    from specjax.drafters import available_drafters, load_drafter
+
+    fake.install(
+        drafters=[
+            ("ngram", f"{FAKE}:sampler_a"),  # shadows a built-in: ignored, with a warning
+            ("twice", f"{FAKE}:sampler_a"),
+            ("twice", f"{FAKE}:sampler_b"),
+            ("gone", "no_such_module_xyz:make"),
+            ("kept", f"{FAKE}:sampler_a"),
+        ]
+    )
+    with caplog.at_level(logging.WARNING, logger="specjax.plugin"):
+        assert {"gone", "kept", "twice"} <= set(available_drafters())
+    assert any("'ngram' is reserved for the built-in" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match=rf"draft: drafter 'twice' is ambiguous: declared as {FAKE}:sampler_a"):
+        load_drafter("twice")
+    with pytest.raises(ValueError, match=r"draft: drafter 'gone': cannot import no_such_module_xyz:make"):
+        load_drafter("gone")
+    with pytest.raises(ValueError, match=r"draft: drafter 'kept' \(.*:sampler_a\) returned a str without start"):
+        load_drafter("kept")
+    monkeypatch.setenv(registry.ENV_VAR, "gone")  # SPECJAX_PLUGINS filters drafters by name too
+    assert "kept" not in available_drafters() and "gone" in available_drafters()

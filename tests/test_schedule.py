@@ -229,6 +229,22 @@ def test_costs_follow_the_batch_size_when_rows_leave():
     ) == pytest.approx(0.040)
 
 
+def test_the_shared_tables_let_go_of_a_freed_model():
+    """A long-lived process loads and drops models: their timings and tallies go with them."""
+    import gc
+
+    from specjax.generate import schedule
+
+    before = (len(schedule._SHARED), len(schedule._CARRIED))
+    models = [_Model() for _ in range(3)]
+    for m in models:
+        DraftSchedule(2, 4, adaptive=True, draft_cost_hint=0.0, model=m, drafter_key="ngram", greedy=True)
+    assert (len(schedule._SHARED), len(schedule._CARRIED)) == (before[0] + 3, before[1] + 3)
+    del models, m
+    gc.collect()
+    assert (len(schedule._SHARED), len(schedule._CARRIED)) == before
+
+
 def test_free_lookups_and_paid_drafts_are_learned_apart():
     """A hybrid's n-gram rows pass, its model's fail: pay for no model draft, keep verifying lookups."""
     free = np.array([True])

@@ -414,7 +414,7 @@ def _check_drafter(args: argparse.Namespace) -> str:
             return name  # the embedded pair's head
         raise CLIError(
             "--drafter eagle: with --target, give the head's directory instead, --drafter DIR "
-            "(config.json and model.safetensors, e.g. written by scripts/train_eagle.py)"
+            "(config.json and model.safetensors, e.g. written by `python -m recipes.eagle torch`)"
         )
     if name not in ("model", "hybrid", "hybrid-model") and _is_eagle_head(Path(name)):
         from specjax.drafters.eagle_head import load_head

@@ -55,7 +55,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,9 +72,11 @@ __all__ = [
     "load_plugins",
     "load_plugins_by_group",
     "load_sampler",
+    "named_entry_points",
     "plugin_status",
     "register_custom_generate",
     "register_sampler",
+    "resolve_target",
     "sampler_origins",
 ]
 
@@ -203,6 +205,53 @@ def _allowed_for_process() -> frozenset[str] | None:
 def _filter_note() -> str:
     raw = _env_at_load
     return "" if raw is None else f" ({ENV_VAR}={raw!r} restricts which entry points load)"
+
+
+def named_entry_points(
+    group: str, reserved: Mapping[str, str | None], allowed: frozenset[str] | None
+) -> tuple[dict[str, _Target], dict[str, list[str]]]:
+    """The allowed entry points of ``group`` as lazy targets by name, and the names declared twice.
+
+    The one reading of a group of named objects (samplers, drafters): an entry
+    point whose name is in ``reserved`` (the package's own names) is skipped,
+    with a warning unless it declares the reserved target itself (``None``:
+    any ``specjax.`` target); one not in ``allowed`` (``SPECJAX_PLUGINS``;
+    None allows all) is skipped; a name two distributions declare with
+    different targets is returned in ``clashes`` (``{name: [spec (origin)]}``)
+    rather than chosen.
+    """
+    table: dict[str, _Target] = {}
+    clashes: dict[str, list[str]] = {}
+    for ep in _entry_points(group):
+        spec = ep.value.replace(" ", "")
+        if ep.name in reserved:
+            own = reserved[ep.name]
+            if (spec != own) if own is not None else not spec.startswith("specjax."):
+                logger.warning(
+                    "%s: ignoring %s = %s from %s: the name %r is reserved for the built-in %s",
+                    group,
+                    ep.name,
+                    ep.value,
+                    _dist_label(ep) or "unknown distribution",
+                    ep.name,
+                    own or "one",
+                )
+            continue
+        if allowed is not None and ep.name not in allowed:
+            continue
+        label = _dist_label(ep) or "unknown distribution"
+        target = _Target(spec, None, f"entry point {group}:{ep.name} of {label}")
+        old = table.get(ep.name)
+        if old is not None and old.spec != target.spec:
+            clashes.setdefault(ep.name, [f"{old.spec} ({old.origin})"]).append(f"{target.spec} ({target.origin})")
+            continue
+        table[ep.name] = target
+    return table, clashes
+
+
+def resolve_target(kind: str, name: str, target: _Target) -> Callable[..., Any]:
+    """Import a lazy target (``module:attr``) once; ``ImportError``/``TypeError`` naming ``kind`` and ``name``."""
+    return _resolve(kind, name, target)
 
 
 def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
@@ -372,31 +421,8 @@ def register_custom_generate(name: str, fn: Callable[..., Any] | str, *, overrid
 
 def _sampler_table() -> tuple[dict[str, _Target], dict[str, list[str]]]:
     """Visible samplers ``{name: target}`` and ambiguous names ``{name: [origins]}``."""
-    allowed = _allowed_for_process()
-    table: dict[str, _Target] = {_ALWAYS: _Target(BUILTIN_SAMPLERS[_ALWAYS], None, "built in (always available)")}
-    clashes: dict[str, list[str]] = {}
-    for ep in _entry_points(SAMPLERS_GROUP):
-        if ep.name == _ALWAYS:
-            if ep.value.replace(" ", "") != BUILTIN_SAMPLERS[_ALWAYS]:
-                logger.warning(
-                    "%s: ignoring %s = %s from %s: the name %r is reserved for %s",
-                    SAMPLERS_GROUP,
-                    ep.name,
-                    ep.value,
-                    _dist_label(ep),
-                    ep.name,
-                    BUILTIN_SAMPLERS[_ALWAYS],
-                )
-            continue
-        if allowed is not None and ep.name not in allowed:
-            continue
-        label = _dist_label(ep) or "unknown distribution"
-        target = _Target(ep.value.replace(" ", ""), None, f"entry point {SAMPLERS_GROUP}:{ep.name} of {label}")
-        old = table.get(ep.name)
-        if old is not None and old.spec != target.spec:
-            clashes.setdefault(ep.name, [f"{old.spec} ({old.origin})"]).append(f"{target.spec} ({target.origin})")
-            continue
-        table[ep.name] = target
+    table, clashes = named_entry_points(SAMPLERS_GROUP, {_ALWAYS: BUILTIN_SAMPLERS[_ALWAYS]}, _allowed_for_process())
+    table[_ALWAYS] = _Target(BUILTIN_SAMPLERS[_ALWAYS], None, "built in (always available)")
     with _lock:
         registered = dict(_samplers.registered)
     for name, target in registered.items():

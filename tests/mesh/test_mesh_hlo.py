@@ -16,8 +16,11 @@ from sharded_inputs import (
     hlo_check,
     hlo_inputs,
     host,
+    logits_inputs,
     make_mesh,
     naive_rejection_jit,
+    place,
+    probs_inputs,
     vocab_sized,
 )
 
@@ -87,18 +90,36 @@ def test_rounding_edge_s_below_one_1x8() -> None:
 
 @pytest.mark.parametrize("kernel", ["probs", "logits"])
 def test_collective_bytes_are_the_documented_formula(kernel: str) -> None:
-    """The bytes each device sends per call (docs/distributed.md, bench_sharded.analytic_bytes) are the
+    """The bytes each device sends per call (docs/distributed.md, ``_hlo.analytic_bytes``) are the
     compiled program's, at two vocabulary sizes (so independent of V); a wrong formula is caught."""
-    import bench_sharded
-    from _hlo import hlo_collectives
+    import jax
+    from _hlo import analytic_bytes, hlo_collectives
+    from jax.sharding import PartitionSpec as P
+
+    from specjax.boundary.validation import _prepare_params
+    from specjax.kernels.sharded import MeshLayout, _rejection_sample_mesh_jit, _verify_mesh_jit
 
     mesh = make_mesh("1x8")
     batch, g = 3, 2
+    layout, split, rep = MeshLayout(mesh, None, "v"), P(None, None, "v"), P()
     for vocab in (512, 2048):
-        inputs = bench_sharded.make_inputs(kernel, batch, g, vocab, mesh)
-        layout = bench_sharded.MeshLayout(mesh, None, "v")
-        fn = bench_sharded._rejection_sample_mesh_jit if kernel == "probs" else bench_sharded._verify_mesh_jit
-        found = hlo_collectives(fn.lower(*inputs["sharded"], layout=layout).compile().as_text())
+        if kernel == "probs":
+            x, q, p, u, s = probs_inputs(batch, g, vocab, seed=5)
+            args = tuple(place(a, mesh, split if a.ndim == 3 else rep) for a in (x, q, p, u, s))
+            fn = _rejection_sample_mesh_jit
+        else:
+            x, dl, tl, kw = logits_inputs(batch, g, vocab, seed=5, filters=False, row_keys=False)
+            params = _prepare_params(kw["temperature"], kw.get("top_k"), kw.get("top_p"), batch, False)
+            args = (
+                place(x, mesh, rep),
+                place(dl, mesh, split),
+                place(tl, mesh, split),
+                place(kw["key"], mesh, rep),
+                jax.tree.map(lambda a: place(np.asarray(a), mesh, rep), params),
+                place(np.asarray(kw["num_draft_tokens"]), mesh, rep),
+            )
+            fn = _verify_mesh_jit
+        found = hlo_collectives(fn.lower(*args, layout=layout).compile().as_text())
         sent = sum(c["operand_bytes"] * c["count"] for c in found)
-        assert sent == bench_sharded.analytic_bytes(kernel, "sharded", batch, g, vocab), (vocab, found)
-    assert bench_sharded.analytic_bytes(kernel, "sharded", batch, g + 1, 512) != sent  # the formula sees G
+        assert sent == analytic_bytes(kernel, "sharded", batch, g, vocab), (vocab, found)
+    assert analytic_bytes(kernel, "sharded", batch, g + 1, 512) != sent  # the formula sees G

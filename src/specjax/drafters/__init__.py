@@ -21,7 +21,6 @@ turns whatever ``speculative_generate(draft=...)`` was given into a drafter.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -41,7 +40,7 @@ from specjax.drafters.eagle import CONTEXT_TOKENS, EagleDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.model import ModelDrafter
 from specjax.drafters.ngram import NgramDrafter
-from specjax.registry import allowed_names
+from specjax.registry import ENV_VAR, allowed_names, named_entry_points, resolve_target
 
 __all__ = [
     "DRAFTERS_GROUP",
@@ -90,7 +89,7 @@ def _eagle(head: Any = None, context_tokens: int = CONTEXT_TOKENS, **_: Any) -> 
     if head is None:
         raise ValueError(
             "draft: the 'eagle' drafter needs a trained head: load_drafter('eagle', head=DIRECTORY) "
-            "(a directory written by specjax.drafters.eagle_head.save_head, e.g. by scripts/train_eagle.py)"
+            "(a directory written by specjax.drafters.eagle_head.save_head, e.g. by recipes/eagle)"
         )
     return EagleDrafter(head, context_tokens)
 
@@ -98,25 +97,14 @@ def _eagle(head: Any = None, context_tokens: int = CONTEXT_TOKENS, **_: Any) -> 
 _BUILTIN: dict[str, Callable[..., Any]] = {"model": _model, "ngram": _ngram, "hybrid": _hybrid, "eagle": _eagle}
 
 
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    allowed = allowed_names()
-    found: dict[str, importlib.metadata.EntryPoint] = {}
-    for ep in importlib.metadata.entry_points(group=DRAFTERS_GROUP):
-        if ep.name in _BUILTIN:
-            if not ep.value.startswith("specjax."):
-                logger.warning(
-                    "%s: ignoring %s = %s: the name %r is built in", DRAFTERS_GROUP, ep.name, ep.value, ep.name
-                )
-            continue
-        if allowed is not None and ep.name not in allowed:
-            continue
-        found[ep.name] = ep
-    return found
+def _entry_points() -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The installed ``specjax.drafters`` entry points by name, and names declared twice (the registry's rule)."""
+    return named_entry_points(DRAFTERS_GROUP, dict.fromkeys(_BUILTIN), allowed_names())
 
 
 def available_drafters() -> list[str]:
     """Sorted names :func:`load_drafter` accepts: the built-ins and the installed entry points."""
-    return sorted({*_BUILTIN, *_entry_points()})
+    return sorted({*_BUILTIN, *_entry_points()[0]})
 
 
 def load_drafter(name: str, **options: Any) -> Any:
@@ -131,21 +119,26 @@ def load_drafter(name: str, **options: Any) -> Any:
         raise TypeError(f"draft: expected a drafter name (str), got {type(name).__name__}")
     if name in _BUILTIN:
         return _BUILTIN[name](**options)
-    eps = _entry_points()
+    eps, clashes = _entry_points()
+    if name in clashes:
+        raise ValueError(
+            f"draft: drafter {name!r} is ambiguous: declared as "
+            + " and as ".join(clashes[name])
+            + f"; uninstall one, or choose one with {ENV_VAR}"
+        )
     if name not in eps:
         raise ValueError(f"draft: unknown drafter {name!r}; available drafters: {', '.join(available_drafters())}")
-    ep = eps[name]
+    target = eps[name]
     try:
-        factory = ep.load()
-    except BaseException as err:  # also SystemExit from the plugin's import; an interrupt goes on
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        raise ValueError(f"draft: drafter {name!r} ({ep.value}) failed to import: {type(err).__name__}: {err}") from err
+        factory = resolve_target("drafter", name, target)
+    except (ImportError, TypeError) as err:
+        raise ValueError(f"draft: {err}") from err
     drafter = factory(**options)
     missing = [m for m in DRAFTER_METHODS if not callable(getattr(drafter, m, None))]
     if missing:
         raise ValueError(
-            f"draft: drafter {name!r} ({ep.value}) returned a {type(drafter).__name__} without {', '.join(missing)}()"
+            f"draft: drafter {name!r} ({target.spec}) returned a {type(drafter).__name__} without "
+            f"{', '.join(missing)}()"
         )
     return drafter
 

@@ -25,11 +25,8 @@ token does not pay.
 Besides the head's N tokens, the drafter scores the tokens of the rows'
 contexts (prompt and committed tokens, the union over the batch's rows, until
 ``context_tokens`` more are scored; none are dropped after): rare words a
-prompt brings (a topic's names) are what a fixed frequent set misses most.
-On SmolLM2's held-out open-chat generations the shipped head's N = 4096
-tokens held 0.90 of the target's greedy choices, with the context's 0.95;
-teacher-forced first-position agreement rose from 0.681 to 0.710
-(``scripts/train_eagle.py --evaluate``; docs/drafters.md).
+prompt brings (a topic's names) are what a fixed frequent set misses most
+(docs/drafters.md gives the shipped head's figures).
 
 A head with ``feature_layers`` (EAGLE-3's low/mid/high-layer input, arXiv
 2503.01840) asks the loop for those layers' states beside z
@@ -46,9 +43,9 @@ pairs) in one forward; when every row is greedy, that forward also scores the
 head in hindsight on the tokens the target committed in plain steps (its first
 choice just before each), which the proposal reports to the loop's schedule
 (``Proposal.hindsight``). Steps where the loop's adaptive length does not draft
-(a plain decoding step) then cost the head nothing: running it on every
-commit was a head forward per step, about the margin between a plain step of
-the loop and one of transformers' ``generate`` at batch 1. Positions
+(a plain decoding step) then cost the head nothing (a head forward per step
+would be about the margin between a plain step of the loop and one of
+transformers' ``generate`` at batch 1). Positions
 in the head's cache count valid pairs only, so one forward over the
 concatenated commits gives the features of one forward per commit.
 """

@@ -1,116 +1,49 @@
 """The cost-aware draft length: how many tokens to draft and verify, per step and per row.
 
-A step that drafts ``k`` tokens for a row whose draft tokens pass with
-probability ``α`` each gains ``E(α, k) = (1 − α^(k+1)) / (1 − α)`` tokens on
-average (Leviathan et al. 2023, eq. 1) and costs the drafter's time for ``k``
-tokens plus one target forward over ``k + 1`` tokens; a plain decoding step
-(``k = 0``) gains 1 token for a forward over 1 token. The schedule picks the
-width ``w`` (the batch's largest ``k``, with ``k_b = min(w, what row b may
-and can draft)``) that shortens the call most per second: a call ends when
-its last row does, so a step's worth is what it is expected to take off
-the largest remaining token count among the rows, ``E[max_b r_b − max_b
-(r_b − X_b)]`` with ``X_b`` the tokens row b gains (:func:`expected_call_gain`),
-1 for a plain step. At B = 1 that is the expected tokens per second; in a
-batch, drafting pays only where it advances the rows that lag (drafts that
-put rows ahead of the others, the others still needing their steps at the
-batch's width, made the n-gram drafter slower than plain decoding at B = 8
-on input-grounded prompts), and only as far as the lagging rows all pass
-together: rows that need the same count gain the call a token more only
-when every one of them passes (the largest of the rows' expected gains, used
-before, counted each row's expectation as the batch's and drafted at B = 8
-on open chat in half the steps, for 0.80-0.92 of plain decoding's speed).
-``w = 0`` is a plain decoding step, so a drafter that does not pay is not
-used.
+:class:`DraftSchedule` is asked by the loop before each step and told after
+it. Its contract:
 
-Costs are measured, not assumed, during the call (and kept for later calls
-with the same model and batch size):
+* **Choice.** Each step it picks the width ``w`` (the batch's largest ``k``;
+  row b drafts ``k_b = min(w, what the row may and can draft)``) that
+  shortens the call most per second. A row whose draft tokens pass with
+  probability ``α`` each gains ``E(α, k) = (1 − α^(k+1)) / (1 − α)`` tokens
+  (Leviathan et al. 2023, eq. 1); a call ends when its last row does, so a
+  step is worth ``E[max_b r_b − max_b (r_b − X_b)]`` (:func:`expected_call_gain`,
+  ``r_b`` the tokens row b still needs, ``X_b`` those it gains), over its cost:
+  the drafter's time for the tokens, one target forward over ``w + 1`` tokens
+  and the rest of the step. ``w = 0`` is a plain decoding step (worth 1), so a
+  drafter that does not pay is not used; a paid draft (a model) must beat a
+  plain step by ``PAID_MARGIN``.
+* **Costs** are measured, never assumed, and kept per model, batch size and
+  packing setting for later calls: the target forward over ``q`` tokens (the
+  median of its recent times, the first at a new shape ignored; an unmeasured
+  ``q`` priced by the line through the measured widths around it, or a prior
+  scaled from the nearest one), the drafter's time per token, and the rest
+  of a step, apart for drafting and plain steps. A width not yet timed is run
+  once, padded with a filler token that is never tested, on a step that
+  drafts anyway (the decision is priced at the width the step needs:
+  :meth:`DraftSchedule.priced_width`); a width measured dearer than a wider one
+  is padded up to it.
+* **Acceptance** ``α`` per row: decaying counts of passed and failed tests
+  over a fixed prior, apart for a drafter's own proposals and the free
+  lookups it mixes in (``Proposal.free_rows``), plus the tests of the tokens a
+  drafter scores in hindsight (``Proposal.hindsight``); the tests of earlier
+  calls with the same target and drafter (greedy or sampled, as this call)
+  are carried in at a bounded weight. A paid draft is at most one token wider
+  than the tests behind its estimate. When every row is greedy and the
+  drafter reports ``Proposal.confidence``, each position is priced by that
+  confidence calibrated per bin against the tests
+  (:meth:`DraftSchedule.calibrated`), and :meth:`DraftSchedule.worth_drafting`
+  stops a row once one more token does not pay.
+* **Exploration.** After ``EXPLORE_EVERY`` steps without drafting a step
+  verifies one token anyway (the interval doubles while that does not lead
+  to drafting); until a plain step has been timed, every
+  ``EXPLORE_PLAIN_AFTER``-th drafting step is a plain one, and a plain time
+  ``PLAIN_REFRESH`` steps old is refreshed when drafting wins by less than
+  ``CLOSE_CALL``.
 
-* the target forward over ``q`` tokens: every step times its forward. The
-  estimate for ``q`` is the median of its last few times, ignoring the first
-  one (torch's first calls at a new shape are many times slower); until ``q``
-  has such a time, the straight line between the measured widths on either
-  side, or beyond them a prior of ``T(1)·(1 + 0.12·(q − 1))``, with ``T(1)``
-  inferred the same way from the nearest measured width while plain steps
-  have no time of their own (a plain step must never look free or
-  prohibitive for want of a measurement; and an unmeasured q = 2 between
-  measured 1 and 3 must not look cheaper than the line through them: the
-  prior alone made a synthetic target's q = 2 look cheap, and its drafts one
-  token wide after every failure). When the step needs
-  ``q`` tokens and ``q + 1`` has no time yet, it runs ``q + 1`` once (a filler
-  token that is never tested) to learn it (a one-time cost of a step that
-  drafts anyway: the decision to draft is priced at the width it needs,
-  :meth:`DraftSchedule.priced_width`); a width measured to cost more than
-  a larger one (on these CPUs, ``q = 3`` and ``7`` hit a slow matrix-product
-  path of a large LM head) is then padded up to the cheaper width;
-* the drafter's time per proposed token and the rest of a step (verification,
-  bookkeeping, the drafter's bookkeeping), the same way, the rest separately
-  for steps that verify draft tokens and plain steps: it is not the same
-  work;
-* ``α`` per row: a decaying count of passed and failed tests (a prior of 0.6
-  for a row that has not drafted yet), kept apart for a drafter's own
-  proposals and for free lookups it mixes in (``Proposal.free_rows``: the
-  ``hybrid`` drafter's n-gram rows, whose acceptance on input-grounded text is
-  several times its fallback model's); a paid draft is planned from the
-  acceptance of paid drafts, and each row's proposal is trimmed by the
-  acceptance of its kind. A drafter may also score itself after the fact
-  on the tokens the target committed in plain steps (``Proposal.hindsight``:
-  the ``model`` and ``eagle`` drafters, greedy, from the forward that catches
-  up on them when they next draft): those
-  count as tests too, so a drafter that does not pay keeps being measured,
-  and one that starts paying again is chosen on evidence, not on the prior. A row that stops drafting forgets
-  slowly, so it tries again later. The prior never decays, which keeps the
-  estimate above a low acceptance (about 0.2 for a drafter accepted 8% of the
-  time); a prior that decays with the counts drafted less on the default
-  pair and lost more on open chat than it saved on input-grounded prompts
-  (``E(α, k)`` assumes independent tests; acceptances come in runs).
-
-A drafter may say how sure it is of each token it proposes
-(``Proposal.confidence``: the ``eagle`` drafter's head probability of its
-greedy choice). In calls where every row is greedy (only there: with
-sampling, a tested count chosen from the drawn tokens would bias the output)
-the schedule then prices each position by that confidence, calibrated per bin
-against the outcomes of the tests (:meth:`DraftSchedule.calibrated`), in
-place of the row's acceptance (:func:`expected_call_gain`, one probability per
-position); asks such a drafter for up to G tokens once a step drafts at all;
-and offers it :meth:`DraftSchedule.worth_drafting` to stop a row once one
-more token does not pay. The widths a step may verify are each run until
-timed, once per model and batch size (short drafts otherwise left the wide
-widths priced by a prior scaled from the slow ``q = 2`` shape, and the
-schedule never drafted wide).
-
-A paid draft widens with the evidence behind its estimate: a row drafts at most
-one token more than the (decayed) number of tests of the drafter it has seen,
-so the first drafts of a call, priced by the prior, are narrow. A call does
-not start from the prior alone, though: the tests of earlier calls on the same
-target with the same drafter, greedy or sampled as this one, are carried in
-(halved per call), at the weight of at most ``_CARRY_WEIGHT`` tests per row, as
-if seen a few steps ago; so a drafter that passed drafts wide from the first
-step, and one that failed does not pay for the first steps of every call.
-
-Estimates only improve where the schedule looks, so it looks again: after
-``EXPLORE_EVERY`` steps without drafting, a step verifies one proposed token
-even if the estimates say no (at most one slightly wider forward in that many
-steps), which refreshes the costs and the acceptance (the interval doubles after
-each exploring step that does not lead to drafting, up to four times
-``EXPLORE_EVERY``: a drafter that keeps failing is looked at less); a drafter that scores
-itself in hindsight refreshes the acceptance by drafting alone (its catch-up
-forward scores the committed tokens), so its proposal is then verified only
-if the fresh tests say it pays (an exploring step of the ``model`` drafter on
-input-grounded prompts, which it rarely passes, also cost a wider target
-forward). The other way round,
-while a plain step has no time of its own (its prior comes from a drafting
-width, and a forward's cost grows with its width faster at larger batches:
-at B = 8 the synthetic target's forward over 5 tokens costs 1.8 times one
-over 1 token, not the prior's 1.5), every ``EXPLORE_PLAIN_AFTER``-th step
-that would draft is a plain step instead, until two have been timed (the
-first is the warm-up); the timings are kept for later calls. A plain step's
-time is refreshed the same way when it is ``PLAIN_REFRESH`` steps old and
-drafting wins by less than ``CLOSE_CALL``: a plain time measured high (a
-noisy warm-up call) otherwise made drafting look better than it was, and the
-schedule drafted on without timing a plain step again. Drafting that must be
-paid for (a model) is chosen only when its expected rate beats a plain step's
-by ``PAID_MARGIN``: estimates are noisy, and a wasted draft costs more than a
-missed one.
+The choice depends only on past steps, never on the current step's random
+draws, so the output distribution is unchanged whatever the schedule picks.
 """
 
 from __future__ import annotations
@@ -133,15 +66,43 @@ PLAIN_REFRESH = 32  # steps since a plain step was timed, after which a close ca
 CLOSE_CALL = 1.25  # ... close: drafting's expected rate is below this many times a plain step's
 PAID_MARGIN = 1.05  # a paid draft must promise this much more than a plain step
 _FORGET = 0.99  # per step without drafting, for the pass/fail counts
-# Timings shared between calls: {(id(model), batch, packed layers): (weakref, timings)}; the
-# forwards' costs differ with the layers' packing (specjax.packed), so each setting has its own.
-_SHARED: dict[tuple[int, int, str], tuple[Any, dict[Any, deque[float]]]] = {}
+
+
+class _PerModel:
+    """``{model: {key: value}}`` by the model's identity, holding it weakly: a model's entries go
+    when the model is freed (a long-lived process loads and drops models)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[Any], dict[Any, Any]]] = {}
+
+    def of(self, model: Any) -> dict[Any, Any]:
+        """The table of ``model`` (made empty on first use)."""
+        key = id(model)
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not model:
+            entries = self._entries
+
+            def drop(ref: weakref.ref[Any]) -> None:  # the model is being freed
+                if entries.get(key, (None,))[0] is ref:
+                    del entries[key]
+
+            entry = (weakref.ref(model, drop), {})
+            entries[key] = entry
+        return entry[1]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# Timings shared between calls: model -> {(batch, packed layers): timings}; the forwards'
+# costs differ with the layers' packing (specjax.packed), so each setting has its own.
+_SHARED = _PerModel()
 _CARRY_WEIGHT = 4.0  # at most this many tests' weight carried into a new call's rows
 _CARRY_DECAY = 0.5  # per call, for the carried tallies
-# Acceptance tallies carried between calls: {(id(model), drafter, greedy): (weakref, f64[2 kinds, 2])},
+# Acceptance tallies carried between calls: model -> {(drafter, greedy): (f64[2 kinds, 2], ...)},
 # [kind, 0] tokens that passed, [kind, 1] tests that failed; and the drafter's calibration
 # (Proposal.confidence), f64[2, _CAL_BINS]: [0] tests that passed, [1] that failed, per bin.
-_CARRIED: dict[tuple[int, str, bool], tuple[Any, np.ndarray, np.ndarray]] = {}
+_CARRIED = _PerModel()
 _CAL_BINS = 10  # equal bins of the drafter's confidence in [0, 1]
 _CAL_PRIOR = 2.0  # tests' weight of the prior that a token passes with the drafter's confidence
 _CAL_DECAY = 0.98  # per step that tests confident proposals, for the bins' counts
@@ -240,12 +201,11 @@ class DraftSchedule:
         model = self._model() if self._model is not None else None
         if model is None:
             return np.zeros((2, 2)), np.zeros((2, _CAL_BINS))
-        key = (id(model), self.drafter_key, bool(greedy))
-        carried = _CARRIED.get(key)
-        if carried is None or carried[0]() is not model:
-            carried = (weakref.ref(model), np.zeros((2, 2)), np.zeros((2, _CAL_BINS)))
-            _CARRIED[key] = carried
-        _, tally, calibration = carried
+        carried = _CARRIED.of(model)
+        key = (self.drafter_key, bool(greedy))
+        if key not in carried:
+            carried[key] = (np.zeros((2, 2)), np.zeros((2, _CAL_BINS)))
+        tally, calibration = carried[key]
         tally *= _CARRY_DECAY
         calibration *= _CARRY_DECAY
         return tally, calibration
@@ -257,12 +217,7 @@ class DraftSchedule:
             return self._own.setdefault(batch, {})
         from specjax.packed import packed_layers
 
-        key = (id(model), batch, packed_layers(model)[0])
-        shared = _SHARED.get(key)
-        if shared is not None and shared[0]() is model:
-            return shared[1]
-        times: dict[Any, deque[float]] = {}
-        _SHARED[key] = (weakref.ref(model), times)
+        times: dict[Any, deque[float]] = _SHARED.of(model).setdefault((batch, packed_layers(model)[0]), {})
         return times
 
     # ------------------------------------------------------------------ #
@@ -353,8 +308,7 @@ class DraftSchedule:
         the widest width not yet timed (on the default pair, a 1-token draft priced as a forward
         over 8 tokens, 119 ms against 54 ms for a plain step), so the schedule stopped drafting,
         never timed that width, and decoded plainly until an exploring step: a process's first
-        call drafted in 24-46 % of its steps, 72-78 % once priced here
-        (``benchmarks/bench_first_calls.py``).
+        call drafted in 24-46 % of its steps, 72-78 % once priced here.
         """
         if not self.adaptive or q <= 1:
             return q

@@ -13,7 +13,7 @@ This is the point-mass case of the kernel's contract
 already holds the logits in torch reaches the argmax with one torch
 reduction, where the jitted step costs a dispatch, a summary of every row and
 a sync (docs/design.md, "Host synchronisation"). Its callers:
-:func:`specjax.generate.loop.greedy_verify` (the loop's all-greedy steps) and
+:func:`specjax.generate.verify.greedy_verify` (the loop's all-greedy steps) and
 the vLLM plugin's all-greedy steps (:mod:`specjax.plugin.vllm`).
 ``tests/test_greedy_verify.py`` checks both against the JAX steps, token for
 token.

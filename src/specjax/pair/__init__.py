@@ -5,7 +5,7 @@
   and never imported (its ``__init__`` needs packages this project does not
   install); the file is located with :func:`importlib.util.find_spec` and loaded
   by transformers, which dequantizes it to float32.
-* **Draft**: a narrow Llama trained by ``scripts/train_draft.py`` (``make
+* **Draft**: a narrow Llama trained by ``recipes/draft.py`` (``make
   train-draft``) to imitate the target's greedy choices, stored as a transformers
   model (``config.json`` + ``model.safetensors`` in float16) in
   ``specjax/assets/smollm2-draft``. It shares the target's tokenizer. See

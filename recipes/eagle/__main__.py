@@ -1,0 +1,3 @@
+from recipes.eagle.cli import main
+
+raise SystemExit(main())

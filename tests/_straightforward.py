@@ -1,0 +1,71 @@
+"""The straightforward JAX acceptance kernel: a benchmark peer and a test reference, not part of specjax.
+
+It builds the full (B, G, V) residual, as the obvious JAX code would, so the
+benchmarks can measure what :func:`specjax.rejection_sample`'s gather-first
+design buys (docs/benchmarks.md), and tests compare the kernel with it.
+Benchmarks put tests/ on their ``sys.path`` to import it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.kernels.rejection import assemble_tokens, num_accepted_from_ratios
+from specjax.kernels.types import AcceptanceResult
+
+__all__ = ["straightforward_cutoff", "straightforward_rejection_sample"]
+
+
+def straightforward_rejection_sample(
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    accept_uniforms: jax.Array,
+    sample_uniforms: jax.Array,
+) -> AcceptanceResult:
+    """The obvious JAX version, for benchmarks: builds the full (B, G, V) residual.
+
+    Same contract as :func:`rejection_sample` (without the rounding fallbacks),
+    kept to measure what the kernel's gather-first design buys.
+    """
+    return _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms)
+
+
+@jax.jit
+def _straightforward_jit(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms):
+    g = draft_tokens.shape[1]
+    p = target_probs.astype(jnp.float32)
+    q = draft_probs.astype(jnp.float32)
+    onehot = jax.nn.one_hot(draft_tokens, p.shape[-1], dtype=jnp.float32)
+    p_x = jnp.sum(p[:, :g] * onehot, axis=-1)
+    q_x = jnp.sum(q * onehot, axis=-1)
+    n = num_accepted_from_ratios(p_x, q_x, accept_uniforms)
+    residual = jnp.maximum(p[:, :g] - q, 0)  # (B, G, V)
+    residual = residual / jnp.sum(residual, axis=-1, keepdims=True)
+    dists = jnp.concatenate([residual, p[:, g:] / jnp.sum(p[:, g:], axis=-1, keepdims=True)], axis=1)
+    cdf = jnp.cumsum(dists, axis=-1)  # (B, G+1, V)
+    ys = jnp.sum(cdf <= sample_uniforms[:, None, None], axis=-1, dtype=jnp.int32)
+    y = jnp.take_along_axis(ys, n[:, None], axis=1)[:, 0]
+    return AcceptanceResult(n, assemble_tokens(draft_tokens, n, y, target_probs.shape[-1]))
+
+
+@jax.jit
+def straightforward_cutoff(scaled: jax.Array, top_k: jax.Array, one_minus_top_p: jax.Array) -> jax.Array:
+    """The top-k then top-p cutoff by a full sort of every row, as transformers' warpers do it.
+
+    f32[R, V] scaled logits, i32[R] top_k (0 keeps all), f32[R] ``1 - top_p``
+    (0 keeps all) -> f32[R], the smallest kept value (-inf when nothing is
+    dropped): the sort-based algorithm that :func:`specjax.kernels.core.cutoff`
+    replaced, kept as its benchmark peer (benchmarks/bench_cutoff.py).
+    """
+    vocab = scaled.shape[-1]
+    asc = jnp.sort(scaled, axis=-1)
+    k = jnp.clip(top_k, 0, vocab)
+    kth = jnp.take_along_axis(asc, (vocab - jnp.maximum(k, 1))[:, None], axis=-1)[:, 0]
+    cut = jnp.where(k > 0, kth, -jnp.inf)
+    masked = jnp.where(asc >= cut[:, None], asc, -jnp.inf)
+    cum = jnp.cumsum(jax.nn.softmax(masked, axis=-1), axis=-1)
+    dropped = jnp.sum(cum <= one_minus_top_p[:, None], axis=-1)
+    cut_p = jnp.take_along_axis(asc, jnp.minimum(dropped, vocab - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where(one_minus_top_p > 0, jnp.maximum(cut, cut_p), cut)
