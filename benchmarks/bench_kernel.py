@@ -42,12 +42,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax_threads
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helpers
 from _straightforward import _straightforward_jit, straightforward_rejection_sample
 from results_io import append_jsonl, flat_record
 
