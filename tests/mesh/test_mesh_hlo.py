@@ -96,7 +96,7 @@ def test_collective_bytes_are_the_documented_formula(kernel: str) -> None:
     from _hlo import analytic_bytes, hlo_collectives
     from jax.sharding import PartitionSpec as P
 
-    from specjax.boundary.validation import _prepare_params
+    from specjax.boundary.validation import prepare_params
     from specjax.kernels.sharded import MeshLayout, _rejection_sample_mesh_jit, _verify_mesh_jit
 
     mesh = make_mesh("1x8")
@@ -109,7 +109,7 @@ def test_collective_bytes_are_the_documented_formula(kernel: str) -> None:
             fn = _rejection_sample_mesh_jit
         else:
             x, dl, tl, kw = logits_inputs(batch, g, vocab, seed=5, filters=False, row_keys=False)
-            params = _prepare_params(kw["temperature"], kw.get("top_k"), kw.get("top_p"), batch, False)
+            params = prepare_params(kw["temperature"], kw.get("top_k"), kw.get("top_p"), batch, False)
             args = (
                 place(x, mesh, rep),
                 place(dl, mesh, split),
