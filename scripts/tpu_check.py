@@ -157,6 +157,14 @@ def _classify_rejection(args, rows, tokens_by_impl) -> tuple[int, list[str]]:
     return bad, notes
 
 
+def _try_cpp(results: dict, run) -> None:
+    """The C++ CPU kernels' tokens into ``results``, or a line saying why they could not run here."""
+    try:
+        results["cpu-c++"] = run()
+    except Exception as err:  # reported; the JAX comparison goes on
+        print(f"    (C++ CPU kernels not compared: {type(err).__name__}: {str(err)[:160]})")
+
+
 def compare_rejection(quick: bool) -> bool:
     import jax
     import jax.numpy as jnp
@@ -184,7 +192,7 @@ def compare_rejection(quick: bool) -> bool:
             chip = run(acc)
             results = {"cpu-jax": run(cpu)}
             if has_cpp and dtype == "float32":
-                results["cpu-c++"] = run(cpu, "cpu")
+                _try_cpp(results, lambda run=run: run(cpu, "cpu"))
             diff = sorted({r for t in results.values() for r in np.flatnonzero((t != chip).any(1))})
             line = ", ".join(f"{k}: {int((t == chip).all(1).sum())}/{b} rows equal" for k, t in results.items())
             # Decide the differing rows, and (float32) the first 8 rows, against float64.
@@ -237,7 +245,7 @@ def compare_verify(quick: bool) -> bool:
             chip = run(acc)
             results = {"cpu-jax": run(cpu)}
             if has_cpp:
-                results["cpu-c++"] = run(cpu, "cpu")
+                _try_cpp(results, lambda run=run: run(cpu, "cpu"))
             diff = sorted({r for tk in results.values() for r in np.flatnonzero((tk != chip).any(1))})
             rows = sorted(set(diff) | set(range(min(4, b))))
             u, s = kernel_uniforms(key, b, g)
