@@ -1,0 +1,257 @@
+"""A one-off probe on the TPU: the cost of each candidate formulation of the kernels' reads.
+
+Ran once at commit 545ff49 (``PYTHONPATH=src:$PYTHONPATH python3 benchmarks/tpu_probe.py``;
+rows in benchmarks/results/tpu-probe.jsonl, findings in docs/tpu.md): there "kernel
+(window read)" was the kernel of that commit; at later commits it is the current kernel.
+``--small`` runs tiny sizes (a dry run on the CPU).
+"""
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specjax.kernels import frontend
+from specjax.kernels import rejection as R
+from specjax.kernels.core import cutoff, inverse_cdf
+from specjax.kernels.rejection import _rejection_sample_jit
+from specjax.kernels.types import SamplingParams
+
+SMALL = "--small" in sys.argv
+print(jax.devices(), flush=True)
+
+
+def tm(name, fn, *args, reps=20):
+    f = jax.jit(fn)
+    try:
+        jax.block_until_ready(f(*args))
+        jax.block_until_ready(f(*args))
+    except Exception as e:
+        print(f"{name:40s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return None
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    outs = [f(*args) for _ in range(reps)]
+    jax.block_until_ready(outs)
+    q = (time.perf_counter() - t0) / reps
+    b = statistics.median(ts)
+    print(f"{name:40s} blocking {b * 1e6:10.1f} us   queued {q * 1e6:10.1f} us", flush=True)
+    return q
+
+
+def inputs(b, g, v, dtype):
+    k = jax.random.split(jax.random.key(0), 5)
+    t = jax.random.uniform(k[0], (b, g + 1, v), jnp.float32) ** 4
+    t = (t / jnp.sum(t, -1, keepdims=True)).astype(dtype)
+    d = (t[:, :g].astype(jnp.float32) * jax.random.uniform(k[1], (b, g, v), jnp.float32, 0.5, 1.5)).astype(dtype)
+    x = jax.random.randint(k[2], (b, g), 0, v, jnp.int32)
+    u = jax.random.uniform(k[3], (b, g))
+    s = jax.random.uniform(k[4], (b,))
+    return jax.block_until_ready((x, d, t, u, s))
+
+
+def px_masked(x, d, t):
+    v = t.shape[-1]
+    g = x.shape[1]
+    hit = lax.broadcasted_iota(jnp.int32, (1, 1, v), 2) == x[..., None]
+    return jnp.sum(jnp.where(hit, t[:, :g], 0), -1), jnp.sum(jnp.where(hit, d, 0), -1)
+
+
+def px_window(x, d, t, w=128):
+    v = t.shape[-1]
+    b, g = x.shape
+    start = jnp.clip((x // w) * w, 0, v - w)
+    bi = jnp.broadcast_to(jnp.arange(b)[:, None], (b, g))
+    gi = jnp.broadcast_to(jnp.arange(g)[None, :], (b, g))
+
+    def one(arr, bb, gg, st):
+        return lax.dynamic_slice(arr, (bb, gg, st), (1, 1, w))[0, 0]
+
+    f = jax.vmap(jax.vmap(one, (None, 0, 0, 0)), (None, 0, 0, 0))
+    wt = f(t, bi, gi, start)
+    wd = f(d, bi, gi, start)
+    lane = lax.broadcasted_iota(jnp.int32, (1, 1, w), 2) == (x - start)[..., None]
+    return jnp.sum(jnp.where(lane, wt, 0), -1), jnp.sum(jnp.where(lane, wd, 0), -1)
+
+
+def px_tal(x, d, t):
+    g = x.shape[1]
+    return (
+        jnp.take_along_axis(t[:, :g], x[..., None], -1)[..., 0],
+        jnp.take_along_axis(d, x[..., None], -1)[..., 0],
+    )
+
+
+def rows_tal(t, n):
+    return jnp.take_along_axis(t, n[:, None, None], axis=1)[:, 0]
+
+
+def rows_vmap(t, n):
+    return jax.vmap(lambda a, i: lax.dynamic_index_in_dim(a, i, 0, False))(t, n)
+
+
+def rows_masked(t, n):
+    gg = lax.broadcasted_iota(jnp.int32, (1, t.shape[1], 1), 1)
+    return jnp.sum(jnp.where(gg == n[:, None, None], t, 0), 1)
+
+
+def read_all(x, d, t):
+    return jnp.sum(t.astype(jnp.float32)) + jnp.sum(d.astype(jnp.float32))
+
+
+def rej_probe():
+    cases = [(64, 4, 128256), (256, 4, 128256), (256, 4, 32000)] if not SMALL else [(4, 4, 2000)]
+    for b, g, v in cases:
+        for dtype in (jnp.float32, jnp.bfloat16) if b == 256 and v == 128256 else (jnp.float32,):
+            x, d, t, u, s = inputs(b, g, v, dtype)
+            n = jax.random.randint(jax.random.key(9), (b,), 0, g + 1)
+            print(f"--- rejection B={b} G={g} V={v} {jnp.dtype(dtype).name}", flush=True)
+            tm("read_all", read_all, x, d, t)
+            tm("kernel (window read)", lambda *a: _rejection_sample_jit(*a), x, d, t, u, s)
+
+            def old(*a):
+                keep = R._read_at
+                R._read_at = R._read_by_row
+                try:
+                    return R.rejection_body(*a)
+                finally:
+                    R._read_at = keep
+
+            tm("kernel (row map read, as at 49a69d9)", old, x, d, t, u, s)
+            o1 = jax.jit(old)(x, d, t, u, s)
+            o2 = _rejection_sample_jit(x, d, t, u, s)
+            print("old==new tokens:", bool(jnp.all(o1.tokens == o2.tokens)), flush=True)
+            r1 = jax.jit(px_masked)(x, d, t)
+            r2 = jax.jit(px_window)(x, d, t)
+            r3 = jax.jit(px_tal)(x, d, t)
+            print("px agree", bool(jnp.all(r1[0] == r3[0]) & jnp.all(r2[0] == r3[0]) & jnp.all(r2[1] == r3[1])))
+            tm("px_masked", px_masked, x, d, t)
+            tm("px_window128", px_window, x, d, t)
+            tm("px_window1024", lambda *a: px_window(*a, w=1024), x, d, t)
+            tm("px_tal", px_tal, x, d, t)
+            tm("rows_tal (t and d)", lambda t, d, n, g=g: (rows_tal(t, n), rows_tal(d, jnp.minimum(n, g - 1))), t, d, n)
+            tm(
+                "rows_vmap (t and d)",
+                lambda t, d, n, g=g: (rows_vmap(t, n), rows_vmap(d, jnp.minimum(n, g - 1))),
+                t,
+                d,
+                n,
+            )
+            tm(
+                "rows_masked (t and d)",
+                lambda t, d, n, g=g: (rows_masked(t, n), rows_masked(d, jnp.minimum(n, g - 1))),
+                t,
+                d,
+                n,
+            )
+            p_n = rows_vmap(t, n).astype(jnp.float32)
+            q_n = rows_vmap(d, jnp.minimum(n, g - 1)).astype(jnp.float32)
+            tm("inverse_cdf on residual", lambda p, q, s: inverse_cdf(jnp.maximum(p - q, 0), s), p_n, q_n, s)
+            del x, d, t
+
+
+def hier_top(x, k=256):
+    """Exact top-k values (descending) of each row of f32[R, V] via block maxima."""
+    r, v = x.shape
+    nb = -(-v // 128)
+    xp = jnp.pad(x, ((0, 0), (0, nb * 128 - v)), constant_values=-jnp.inf).reshape(r, nb, 128)
+    m = jnp.max(xp, -1)
+    _, bi = lax.top_k(m, k)
+    cand = jnp.take_along_axis(xp, bi[:, :, None], axis=1)  # R, k, 128
+    cand = cand.reshape(r, k * 16, 8)
+    m2 = jnp.max(cand, -1)
+    _, bi2 = lax.top_k(m2, k)
+    cand2 = jnp.take_along_axis(cand, bi2[:, :, None], axis=1).reshape(r, k * 8)
+    return lax.top_k(cand2, k)[0]
+
+
+def hier_top_vmap(x, k=256):
+    r, v = x.shape
+    nb = -(-v // 128)
+    xp = jnp.pad(x, ((0, 0), (0, nb * 128 - v)), constant_values=-jnp.inf).reshape(r, nb, 128)
+    m = jnp.max(xp, -1)
+    _, bi = lax.top_k(m, k)
+    cand = jax.vmap(lambda a, i: a[i])(xp, bi)  # R, k, 128
+    cand = cand.reshape(r, k * 16, 8)
+    m2 = jnp.max(cand, -1)
+    _, bi2 = lax.top_k(m2, k)
+    cand2 = jax.vmap(lambda a, i: a[i])(cand, bi2).reshape(r, k * 8)
+    return lax.top_k(cand2, k)[0]
+
+
+def topk_probe():
+    for rows, v in [(40, 128256), (576, 128256)] if not SMALL else [(8, 40000)]:
+        x = jax.random.normal(jax.random.key(1), (rows, v), jnp.float32) * 3
+        print(f"--- top-k rows={rows} V={v}", flush=True)
+        tm("read sum", lambda x: jnp.sum(x), x)
+        tm("max", lambda x: jnp.max(x, -1), x)
+        tm(
+            "max+blockmax",
+            lambda x, v=v, rows=rows: (jnp.max(x, -1), jnp.max(x[:, : v // 128 * 128].reshape(rows, -1, 128), -1)),
+            x,
+        )
+        tm("top_k 256", lambda x: lax.top_k(x, 256)[0], x)
+        tm("top_k 64", lambda x: lax.top_k(x, 64)[0], x)
+        tm("top_k 8", lambda x: lax.top_k(x, 8)[0], x)
+        tm("approx_max_k 256", lambda x: lax.approx_max_k(x, 256)[0], x)
+        tm("approx_max_k 256 r.99", lambda x: lax.approx_max_k(x, 256, recall_target=0.99)[0], x)
+        if not SMALL:
+            m = jnp.max(x[:, : v // 128 * 128].reshape(rows, -1, 128), -1)
+            tm("top_k (R,1002)->256", lambda m: lax.top_k(m, 256)[0], m)
+            y = x[:, :4096]
+            tm("top_k (R,4096)->256", lambda m: lax.top_k(m, 256)[0], y)
+            tm("top_k (R,2048)->256", lambda m: lax.top_k(m, 256)[0], y[:, :2048])
+            tm("sort (R,2048)", lambda m: lax.sort(m, dimension=-1), y[:, :2048])
+            tm("sort (R,1024)", lambda m: lax.sort(m, dimension=-1), y[:, :1024])
+        h = jax.jit(hier_top)(x)
+        ref = lax.top_k(x, 256)[0]
+        print("hier exact:", bool(jnp.all(h == ref)), flush=True)
+        tm("hier_top", hier_top, x)
+        h = jax.jit(hier_top_vmap)(x)
+        print("hier_vmap exact:", bool(jnp.all(h == ref)), flush=True)
+        tm("hier_top_vmap", hier_top_vmap, x)
+        k = jnp.full((rows,), 50, jnp.int32)
+        p = jnp.full((rows,), 0.1, jnp.float32)
+        xs = (x - jnp.max(x, -1, keepdims=True)) / 0.7
+        tm("cutoff k50 p.9 (current)", cutoff, xs, k, p)
+        del x
+
+
+def verify_probe():
+    for b, g, v in [(8, 4, 128256), (64, 4, 128256)] if not SMALL else [(2, 4, 1000)]:
+        kk = jax.random.split(jax.random.key(3), 3)
+        tl = jax.random.normal(kk[0], (b, g + 1, v)) * 3
+        dl = tl[:, :g] + jax.random.normal(kk[1], (b, g, v))
+        x = jax.random.randint(kk[2], (b, g), 0, v)
+        key = jax.random.key(5)
+        ones = jnp.ones((b,), jnp.float32)
+        sampled = SamplingParams(ones * 0.7, jnp.full((b,), 50, jnp.int32), ones * 0.1, True, True, "xla")
+        greedy = SamplingParams(ones * 0, None, None, False, False, "xla")
+        nk = jnp.full((b,), g, jnp.int32)
+        print(f"--- verify B={b} G={g} V={v}", flush=True)
+        tm("read logits", lambda a, c: jnp.sum(a) + jnp.sum(c), tl, dl)
+        tm("verify sampled", lambda *a: frontend._verify_jit.__wrapped__(*a), x, dl, tl, key, sampled, nk)
+        tm("verify greedy", lambda *a: frontend._verify_jit.__wrapped__(*a), x, dl, tl, key, greedy, nk)
+        tm(
+            "verify T=1 no filter",
+            lambda *a: frontend._verify_jit.__wrapped__(*a),
+            x,
+            dl,
+            tl,
+            key,
+            SamplingParams(ones, None, None, False, False, "xla"),
+            nk,
+        )
+    tm("trivial", lambda a: a + 1, jnp.ones((8,)))
+
+
+rej_probe()
+topk_probe()
+verify_probe()
