@@ -212,6 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", choices=("rejection", "verify"), help="one section")
     parser.add_argument("--batches", type=int, nargs="+", help=f"batch sizes (default {BATCHES})")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, help="dtypes (default both)")
+    parser.add_argument("--vocabs", type=int, nargs="+", help=f"rejection_sample's vocabularies (default {VOCABS})")
+    parser.add_argument("--drafts", type=int, nargs="+", help=f"rejection_sample's draft lengths (default {DRAFTS})")
     args = parser.parse_args(argv)
     d = jax.devices()[0]
     device = f"{d.platform}:{d.device_kind}"
@@ -226,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches = verify_batches = tuple(args.batches)
     if args.dtypes:
         dtypes = tuple(args.dtypes)
+    vocabs = tuple(args.vocabs or vocabs)
+    drafts = tuple(args.drafts or drafts)
 
     def sink(new_rows: list[dict[str, Any]]) -> None:  # rows land as they come (a run may be cut short)
         if args.jsonl:

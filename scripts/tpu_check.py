@@ -64,12 +64,12 @@ class _Outcomes:
                 self.failed.append(report.nodeid)
 
 
-def run_tests(quick: bool) -> bool:
+def run_tests(quick: bool, files: list[str] | None = None) -> bool:
     import pytest
 
     plugin = _Outcomes()
     args = ["-q", "-p", "no:cacheprovider", "--tb=short", "-rf", "-W", "ignore::RuntimeWarning"]
-    files = TEST_FILES[:3] if quick else TEST_FILES
+    files = files or (TEST_FILES[:3] if quick else TEST_FILES)
     t0 = time.perf_counter()
     code = pytest.main([*args, *files], plugins=[plugin])
     code_golden = pytest.main([*args, GOLDEN_TESTS[0], "-k", GOLDEN_TESTS[1]], plugins=[plugin])
@@ -165,7 +165,7 @@ def _try_cpp(results: dict, run) -> None:
         print(f"    (C++ CPU kernels not compared: {type(err).__name__}: {str(err)[:160]})")
 
 
-def compare_rejection(quick: bool) -> bool:
+def compare_rejection(quick: bool, batches: list[int] | None = None) -> bool:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -180,6 +180,8 @@ def compare_rejection(quick: bool) -> bool:
     cases = [(64, 4, 32000), (64, 4, 128256), (64, 4, 151936), (256, 4, 151936)]
     if quick:
         cases = [(16, 4, 4000)]
+    if batches:
+        cases = [(b, g, v) for b in batches for (_, g, v) in dict.fromkeys((1, g, v) for _, g, v in cases)]
     all_ok = True
     for seed, (b, g, v) in enumerate(cases):
         rng = np.random.default_rng(seed)
@@ -206,7 +208,7 @@ def compare_rejection(quick: bool) -> bool:
     return all_ok
 
 
-def compare_verify(quick: bool) -> bool:
+def compare_verify(quick: bool, batches: list[int] | None = None) -> bool:
     import jax
     import numpy as np
     from frontend_reference import kernel_uniforms, make_case, per_row, ref_verify_row, sample_draft_tokens
@@ -219,6 +221,8 @@ def compare_verify(quick: bool) -> bool:
     has_cpp = cpu_kernels.available()
     print(f"\n== verify_from_logits: {_device()} against the CPU (JAX code{', C++ kernels' if has_cpp else ''})")
     shapes = [(8, 4, 128256), (64, 4, 128256)] if not quick else [(4, 3, 3000)]
+    if batches:
+        shapes = [(b, g, v) for b in batches for (_, g, v) in dict.fromkeys((1, g, v) for _, g, v in shapes)]
     settings = [("greedy", 0.0, None, None), ("T=1", 1.0, None, None), ("T=0.7 k50 p0.9", 0.7, 50, 0.9)]
     all_ok = True
     for seed, (b, g, v) in enumerate(shapes):
@@ -274,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes and the first test files only")
     parser.add_argument("--no-tests", action="store_true", help="skip the pytest part")
+    parser.add_argument("--files", nargs="+", metavar="TEST_FILE", help=f"test files (default: {' '.join(TEST_FILES)})")
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes of the comparison (default 64 256 / 8 64)")
     parser.add_argument("--allow-cpu", action="store_true", help="run where the default backend is the CPU")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
@@ -287,10 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ok = True
     if not args.no_tests:
-        ok &= run_tests(args.quick)
+        ok &= run_tests(args.quick, args.files)
     ok &= run_golden()
-    ok &= compare_rejection(args.quick)
-    ok &= compare_verify(args.quick)
+    ok &= compare_rejection(args.quick, args.batches)
+    ok &= compare_verify(args.quick, args.batches)
     print(f"\n== tpu-check: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
