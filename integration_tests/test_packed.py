@@ -163,7 +163,7 @@ def test_not_taken_where_it_does_not_apply(model, monkeypatch):
 @pytest.mark.parametrize("value", ["yes", "1", ""])
 def test_a_bad_setting_is_one_clear_error(model, monkeypatch, value):
     monkeypatch.setenv(ENV, value)
-    with pytest.raises(ValueError, match=f"{ENV}: expected one of all, head, 0"):
+    with pytest.raises(ValueError, match=f"{ENV}: expected one of auto, all, head, 0"):
         packed_layers(model)
 
 
@@ -254,3 +254,25 @@ def test_a_weight_written_through_data_is_used_by_the_next_call(model, monkeypat
     expected = model.generate(ids, do_sample=False, max_new_tokens=10, pad_token_id=0)
     assert not torch.equal(expected, before)  # the write changes the greedy output
     assert torch.equal(_generate(model, ids, entry), expected)
+
+
+@pytest.mark.parametrize(("vendor", "mode"), [("AuthenticAMD", "all"), ("GenuineIntel", "0"), ("", "0")])
+def test_auto_runs_onednn_on_amd_cpus_only(monkeypatch, vendor, mode):
+    """The default, ``auto``: oneDNN where torch's dense small-row products were measured slow (AMD x86-64:
+    0.63-0.87x the forward's time), torch's own product where oneDNN was slower (Intel: 1.21-1.83x) or
+    nothing was measured (docs/benchmarks.md)."""
+    from specjax import packed
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(packed, "cpu_vendor", lambda: vendor)
+    assert packed.packed_mode() == mode
+    monkeypatch.setenv(ENV, "all")  # an explicit setting wins
+    assert packed.packed_mode() == "all"
+
+
+def test_cpu_vendor_reads_this_machine():
+    from specjax import packed
+
+    vendor = packed.cpu_vendor()
+    with open("/proc/cpuinfo", encoding="utf-8") as fh:
+        assert f"vendor_id\t: {vendor}" in fh.read() or vendor == ""

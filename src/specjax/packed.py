@@ -30,18 +30,25 @@ rows (a prompt's prefill, large batches) take torch's dense ``linear``, where
 the repacking is spread over the rows.
 
 Which layers: ``SPECJAX_PACKED_LINEARS`` (environment, read at each forward)
-is ``all`` (the default: every ``nn.Linear`` of the model), ``head`` (the LM
-head only) or ``0`` (none). Only ``nn.Linear`` modules with float32 weights on
-the CPU, where torch has oneDNN enabled, are taken, and only for float32
-inputs outside autocast; the others run as they are. The outputs are the same
-products summed in another order: they differ from the dense ones by float32
-rounding (about 1e-6 relative), as a forward over several rows already differs
-from one over a single row.
+is ``auto`` (the default), ``all`` (every ``nn.Linear`` of the model), ``head``
+(the LM head only) or ``0`` (none). ``auto`` is ``all`` on AMD x86-64 CPUs and
+``0`` elsewhere: torch's dense product is MKL's, whose small-row products on
+AMD CPUs repack the weight (there oneDNN made the default target's forward
+0.63-0.87× as long), and which on Intel CPUs is faster than oneDNN's (there
+``all`` made it 1.23-1.83× as long; ``benchmarks/bench_packed.py``, both in
+docs/benchmarks.md); other CPUs were not measured and keep torch's own path.
+Only ``nn.Linear`` modules with float32 weights on the CPU, where torch has
+oneDNN enabled, are taken, and only for float32 inputs outside autocast; the
+others run as they are. The outputs are the same products summed in another
+order: they differ from the dense ones by float32 rounding (about 1e-6
+relative), as a forward over several rows already differs from one over a single
+row.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 from collections.abc import Iterator
@@ -57,6 +64,8 @@ __all__ = [
     "ROWS_BUCKETS",
     "ROWS_EXACT",
     "PackedLinear",
+    "auto_mode",
+    "cpu_vendor",
     "model_packed",
     "packed_layers",
     "packed_mode",
@@ -64,7 +73,7 @@ __all__ = [
 ]
 
 ENV = "SPECJAX_PACKED_LINEARS"
-MODES = ("all", "head", "0")
+MODES = ("auto", "all", "head", "0")
 ROWS_EXACT = 16  # rows given to oneDNN as they are: a step's batch × width at small batches
 ROWS_BUCKETS = (24, 32, 48, 64)  # above that, padded up to the next of these; more rows run dense
 
@@ -129,11 +138,32 @@ def _onednn_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def packed_mode() -> str:
-    """The setting of ``SPECJAX_PACKED_LINEARS``: ``all`` (default), ``head`` or ``0``."""
-    value = os.environ.get(ENV, "all").strip()
+    """The setting of ``SPECJAX_PACKED_LINEARS`` as it applies here: ``all``, ``head`` or ``0``.
+
+    ``auto`` (the default) is :func:`auto_mode`.
+    """
+    value = os.environ.get(ENV, "auto").strip()
     if value not in MODES:
         raise ValueError(f"{ENV}: expected one of {', '.join(MODES)}, got {value!r}")
-    return value
+    return auto_mode() if value == "auto" else value
+
+
+def auto_mode() -> str:
+    """``all`` on an AMD x86-64 CPU, where torch's dense small-row products are slow; else ``0``."""
+    return "all" if cpu_vendor() == "AuthenticAMD" else "0"
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``, ...) from /proc/cpuinfo; "" where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _packable(layer: nn.Linear) -> bool:
