@@ -326,6 +326,7 @@ class Result:
     steps: int = 0
     draft_steps: int = 0
     compile_seconds: float = 0.0  # JAX compilation inside the call (specjax's stats)
+    step_ms: tuple[float, float, float] | None = None  # per step: drafting, target forwards, the loop's own work
 
 
 @dataclass
@@ -373,6 +374,9 @@ class Method:
                 res.per_position = list(stats.acceptance_rate_per_position)
             res.steps, res.draft_steps = stats.steps, stats.draft_steps
             res.compile_seconds = stats.compile_time_s
+            if stats.steps:
+                parts = (stats.draft_time_s, stats.target_time_s, stats.loop_time_s)
+                res.step_ms = tuple(1e3 * t / stats.steps for t in parts)  # type: ignore[assignment]
             # one-time work per shape and process (see the module doc)
             res.seconds = max(res.seconds - res.compile_seconds, 1e-9)
             res.cpu_seconds = max(res.cpu_seconds - res.compile_seconds, 1e-9)
@@ -681,6 +685,11 @@ def bench_generate(
                     if runs and all(r.per_position for r in runs)
                     else None
                 ),
+                "step_ms": (
+                    [round(statistics.median(v), 2) for v in zip(*(r.step_ms for r in runs), strict=True)]
+                    if runs and all(r.step_ms for r in runs)
+                    else None
+                ),
                 "draft_step_fraction": (
                     sum(r.draft_steps for r in runs) / sum(r.steps for r in runs)
                     if m.name.startswith("specjax") and sum(r.steps for r in runs)
@@ -744,6 +753,13 @@ def format_table(rows: list[dict]) -> str:
         f"{r['speedup_vs_target_packed']:.2f}x target-packed (generate with the layers packed as specjax runs them)"
         for r in rows
         if "speedup_vs_target_packed" in r
+    ]
+    extra += [
+        f"{r.get('category', '')} {r['method']}[{_drafter_label(r)}] B={r['batch_size']} T={r['temperature']} "
+        f"G={r['num_draft_tokens']}: per step (medians of calls) drafting {r['step_ms'][0]:.2f} ms, target "
+        f"{r['step_ms'][1]:.2f} ms, the loop's own work {r['step_ms'][2]:.2f} ms"
+        for r in rows
+        if r.get("step_ms") is not None
     ]
     extra += [
         f"{r.get('category', '')} specjax[{_drafter_label(r)}] B={r['batch_size']} T={r['temperature']} "

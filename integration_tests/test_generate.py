@@ -656,6 +656,9 @@ def test_stats_are_consistent(draft_kind, batch, max_new_tokens, g, temperature,
     assert s.tokens_per_s == pytest.approx(s.new_tokens / (s.wall_time_s - s.compile_time_s))
     assert s.adapter_copies == 0  # fresh contiguous logits cross to JAX without a copy
     assert set(s.as_dict()) >= {"steps", "acceptance_rate", "tokens_per_s", "acceptance_rate_per_position"}
+    # where the steps' time went: each part measured, together within the call's wall time
+    assert s.target_time_s > 0 and s.loop_time_s > 0 and s.draft_time_s > 0
+    assert s.draft_time_s + s.target_time_s + s.loop_time_s <= s.wall_time_s
     if draft_kind == "same":
         assert s.steps == math.ceil(max_new_tokens / (g + 1))
         assert s.mean_accepted_length == pytest.approx(max_new_tokens / s.steps)

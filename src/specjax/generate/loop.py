@@ -87,6 +87,11 @@ class SpeculativeStats:
       draft_steps: steps that verified at least one proposed token (the others
         were plain decoding steps: no proposal, or the adaptive draft length
         chose none).
+      draft_time_s / target_time_s / loop_time_s: where the steps' time went:
+        the drafter's proposals, the target's forwards, and the rest (the
+        loop's own work: verification, bookkeeping, the drafter's commit);
+        compilation included. ``loop_time_s / steps`` is the loop's cost per
+        step beside the two models.
     """
 
     steps: int = 0
@@ -106,6 +111,9 @@ class SpeculativeStats:
     tokens_per_s: float = 0.0
     drafter: str = ""
     draft_steps: int = 0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    loop_time_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -527,10 +535,12 @@ def run_loop(
             run.commit(batch, scored, n, tokens)  # 5.
             # the step's time besides drafting and the target forward (verification, bookkeeping,
             # the drafter's commit), apart for steps that verified drafts and plain ones
+            rest_s = time.perf_counter() - t_step - draft_s - scored.seconds
+            run.stats.draft_time_s += draft_s
+            run.stats.target_time_s += scored.seconds
+            run.stats.loop_time_s += rest_s
             if timed():
-                run.schedule.record_overhead(
-                    time.perf_counter() - t_step - draft_s - scored.seconds, drafted=batch.g > 0
-                )
+                run.schedule.record_overhead(rest_s, drafted=batch.g > 0)
             run.shrink()  # 6.
 
     stats = run.stats
