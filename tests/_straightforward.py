@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels.rejection import assemble_tokens, num_accepted_from_ratios
+from specjax.kernels.core import assemble_tokens, num_accepted_from_ratios
 from specjax.kernels.types import AcceptanceResult
 
 __all__ = ["straightforward_cutoff", "straightforward_rejection_sample"]

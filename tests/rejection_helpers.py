@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from reference import Reference, as_kernel_float, is_tie
 
-from specjax.kernels.rejection import rejection_sample
+from specjax import rejection_sample
 from specjax.kernels.results import AcceptanceResult
 
 F32_BELOW_ONE = float(np.nextafter(np.float32(1), np.float32(0)))  # 1 - 2**-24

@@ -208,9 +208,8 @@ def place(x: np.ndarray, mesh, spec):
 def run_case(case: Case, mesh_name: str) -> str:
     from jax.sharding import PartitionSpec as P
 
-    from specjax.kernels.frontend import verify_from_logits
-    from specjax.kernels.rejection import rejection_sample
-    from specjax.kernels.sharded import rejection_sample_sharded, verify_from_logits_sharded
+    from specjax import rejection_sample, verify_from_logits
+    from specjax.boundary.api import rejection_sample_sharded, verify_from_logits_sharded
 
     mesh = make_mesh(mesh_name, case.auto_axes)
     vocab_axis = "v" if MESHES[mesh_name][1] > 1 else None
@@ -308,9 +307,8 @@ def hlo_inputs(mesh, kernel: str, filters: bool = False) -> tuple[tuple, dict, A
     import jax
     from jax.sharding import PartitionSpec as P
 
+    from specjax import rejection_sample, verify_from_logits
     from specjax.boundary.validation import prepare_params
-    from specjax.kernels.frontend import verify_from_logits
-    from specjax.kernels.rejection import rejection_sample
     from specjax.kernels.sharded import MeshLayout
 
     b, g, v = HLO_BATCH, HLO_DRAFT, HLO_VOCAB

@@ -152,7 +152,7 @@ def test_draw_equals_the_jax_draw_and_a_float64_reference():
 
 
 def test_draw_falls_back_to_p_when_the_residual_is_zero():
-    """q == p: max(p - q, 0) is all zero, so the token is drawn from p (rejection.residual_weights)."""
+    """q == p: max(p - q, 0) is all zero, so the token is drawn from p (core.residual_weights)."""
     t, _, temperature, _, s = _draw_inputs(64, 300, seed=5)
     d = t[:, :1].copy()
     n = np.zeros(64, np.int32)

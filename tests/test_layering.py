@@ -6,10 +6,8 @@ functions alike (a function-local import is still a dependency, and hiding a
 circle inside a function is what this test exists to stop), and so do the
 lazy exports of packages (``_EXPORTS = {"name": "specjax.module"}``) and
 ``importlib.import_module("specjax....")`` with a constant name. The layers are
-the ones docs/design.md ("Layers") describes. The old import paths of moved
-public names (``_MOVED`` tables, see :mod:`specjax._compat`) are not
-dependencies: they resolve upward for users only, and the package itself must
-never import through them (checked here too).
+the ones docs/design.md ("Layers") describes. Each public name has one import
+path: no module keeps a table of old paths that resolve upward.
 
 The checker's own tests, on synthetic modules, come first: each shows it flags
 what it should.
@@ -18,7 +16,6 @@ what it should.
 from __future__ import annotations
 
 import ast
-import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +27,6 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 #: Lowest first. A module belongs to the layer of its longest matching prefix; a
 #: module may import its own layer and the ones below, never one above.
 LAYERS: list[tuple[str, ...]] = [
-    ("specjax._compat",),  # old import paths of moved names (imports nothing of specjax)
     ("specjax.kernels", "specjax.runtime"),  # pure JAX: jax.Array in and out
     ("specjax.adapters",),  # torch <-> JAX, device and memory policy
     ("specjax.boundary",),  # user inputs in: conversion, validation, the public entry points
@@ -89,22 +85,6 @@ def _string_targets(node: ast.AST) -> Iterable[tuple[str, int]]:
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
         if name == "import_module" and isinstance(node.args[0].value, str):
             yield node.args[0].value, node.lineno
-
-
-def moved_names(tree: ast.Module) -> dict[str, str]:
-    """A module's ``_MOVED = {name: new module}`` table (old paths kept for users), or {}."""
-    for node in tree.body:
-        if (
-            isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == "_MOVED" for t in node.targets)
-            and isinstance(node.value, ast.Dict)
-        ):
-            return {
-                ast.literal_eval(k): ast.literal_eval(v)
-                for k, v in zip(node.value.keys, node.value.values, strict=True)
-                if k
-            }
-    return {}
 
 
 def imports_of(
@@ -204,7 +184,6 @@ def upward(found: Iterable[Import], layers: list[tuple[str, ...]] = LAYERS) -> l
 class Graph:
     imports: list[Import]
     from_names: dict[str, list[tuple[str, str, int]]]
-    moved: dict[str, dict[str, str]]
 
     def edges(self) -> dict[str, set[str]]:
         out: dict[str, set[str]] = {}
@@ -218,15 +197,11 @@ def build(sources: Mapping[str, tuple[str, bool]]) -> Graph:
     known = set(sources)
     imports: list[Import] = []
     from_names: dict[str, list[tuple[str, str, int]]] = {}
-    moved: dict[str, dict[str, str]] = {}
     for name, (text, is_package) in sources.items():
         found, names = imports_of(text, name, is_package, known)
         imports += found
         from_names[name] = names
-        table = moved_names(ast.parse(text))
-        if table:
-            moved[name] = table
-    return Graph(imports, from_names, moved)
+    return Graph(imports, from_names)
 
 
 def package_sources() -> dict[str, tuple[str, bool]]:
@@ -266,13 +241,6 @@ def test_checker_flags_an_upward_import_and_accepts_downward_ones() -> None:
     assert cycles(graph.edges()) == [["pkg.high", "pkg.low"]]
 
 
-def test_checker_reads_moved_tables() -> None:
-    text = '_MOVED = {"f": "pkg.high"}\n\ndef __getattr__(name):\n    return name\n'
-    graph = build({"pkg": ("", True), "pkg.low": (text, False), "pkg.high": ("from pkg.low import f\n", False)})
-    assert graph.moved == {"pkg.low": {"f": "pkg.high"}}
-    assert graph.from_names["pkg.high"] == [("pkg.low", "f", 1)]
-
-
 def test_every_module_is_in_a_layer() -> None:
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("elsewhere.module")
@@ -293,21 +261,22 @@ def test_no_import_of_a_higher_layer() -> None:
     assert upward(GRAPH.imports) == []
 
 
-def test_the_package_never_imports_through_an_old_path() -> None:
-    bad = [
-        f"{source}:{line}: from {module} import {name} (moved to {GRAPH.moved[module][name]})"
-        for source, names in GRAPH.from_names.items()
-        for module, name, line in names
-        if name in GRAPH.moved.get(module, {})
-    ]
-    assert bad == []
-
-
-@pytest.mark.parametrize("module", sorted(GRAPH.moved))
-def test_old_paths_resolve_to_the_new_objects(module: str) -> None:
-    old = importlib.import_module(module)
-    for name, new_module in GRAPH.moved[module].items():
-        assert getattr(old, name) is getattr(importlib.import_module(new_module), name), (module, name)
+def test_one_path_per_public_name() -> None:
+    """No module keeps old import paths: no ``_MOVED`` table, and a module ``__getattr__`` only for a
+    package's lazy namespace of its own public names (``_EXPORTS``, which the graph counts as imports)."""
+    doors = []
+    for name, (text, _) in package_sources().items():
+        assigned = {
+            t.id
+            for n in ast.parse(text).body
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Name)
+        }
+        getattr_ = any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(text).body)
+        if "_MOVED" in assigned or (getattr_ and "_EXPORTS" not in assigned):
+            doors.append(name)
+    assert doors == []
 
 
 def test_kernels_import_neither_torch_nor_adapters() -> None:

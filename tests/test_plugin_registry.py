@@ -29,7 +29,7 @@ EXPECTED = {
         "transformers": "specjax.plugin.hf:register",
     },
     "specjax.samplers": {
-        "jax": "specjax.kernels.rejection:rejection_sample",
+        "jax": "specjax.boundary.api:rejection_sample",
         "numpy": "specjax.plugin.reference_samplers:numpy_rejection_sample",
         "torch": "specjax.plugin.reference_samplers:torch_rejection_sample",
     },
@@ -111,7 +111,7 @@ def test_entry_points_declared_by_the_installed_distribution() -> None:
 
 
 def test_installed_entry_points_load() -> None:
-    from specjax.kernels.rejection import rejection_sample
+    from specjax import rejection_sample
     from specjax.plugin import hf, reference_samplers
 
     loaded = {ep.name: ep.load() for ep in md.distribution("specjax").entry_points if ep.group.startswith("specjax.")}
@@ -127,7 +127,7 @@ def test_builtin_plugin_registers_the_entry_point_targets() -> None:
 
 
 def test_real_plugins_load_and_resolve(clean_registry: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from specjax.kernels.rejection import rejection_sample
+    from specjax import rejection_sample
     from specjax.plugin import hf
     from specjax.plugin.reference_samplers import numpy_rejection_sample, torch_rejection_sample
 
@@ -358,9 +358,9 @@ def test_register_sampler_rules(fake: types.SimpleNamespace) -> None:
         r"got 'no_colon'",
     ):
         registry.register_sampler("x", "no_colon")
-    with pytest.raises(ValueError, match=r"sampler 'jax': reserved for specjax.kernels.rejection:rejection_sample"):
+    with pytest.raises(ValueError, match=r"sampler 'jax': reserved for specjax.boundary.api:rejection_sample"):
         registry.register_sampler("jax", fake.mod.sampler_a)
-    registry.register_sampler("jax", "specjax.kernels.rejection:rejection_sample")  # the same target: allowed
+    registry.register_sampler("jax", "specjax.boundary.api:rejection_sample")  # the same target: allowed
 
 
 def test_lazy_targets_fail_clearly_on_use(fake: types.SimpleNamespace) -> None:
@@ -405,7 +405,7 @@ def test_plugin_registration_conflicting_with_an_entry_point(fake: types.SimpleN
 def test_entry_point_named_jax_cannot_replace_the_kernel(
     fake: types.SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from specjax.kernels.rejection import rejection_sample
+    from specjax import rejection_sample
 
     fake.install(samplers=[("jax", f"{FAKE}:sampler_a")])
     with caplog.at_level(logging.WARNING, logger="specjax.plugin"):

@@ -33,8 +33,8 @@ from rejection_helpers import (
     valid_inputs,
 )
 
-from specjax.kernels import rejection as rejection_module
-from specjax.kernels.rejection import rejection_sample
+from specjax import rejection_sample
+from specjax.kernels import core
 
 # --------------------------------------------------------------------------- examples
 
@@ -286,8 +286,8 @@ def test_row_and_block_sums_equal_float64_sums(vocab: int, dtype: str) -> None:
     x = rng.random((3, 2, vocab)).astype(dtype)
     tol = 1e-6 if dtype == "float32" else 1e-12
     with jax.enable_x64(dtype == "float64"):
-        rows = np.asarray(jax.jit(rejection_module.row_sums)(jnp.asarray(x)))
-        blocks = np.asarray(jax.jit(rejection_module.block_sums)(jnp.asarray(x.reshape(3, 2 * vocab, 1))))
+        rows = np.asarray(jax.jit(core.row_sums)(jnp.asarray(x)))
+        blocks = np.asarray(jax.jit(core.block_sums)(jnp.asarray(x.reshape(3, 2 * vocab, 1))))
     assert rows.shape == (3, 2) and rows.dtype == np.dtype(dtype)
     np.testing.assert_allclose(rows, x.astype(np.float64).sum(-1), rtol=tol)
     np.testing.assert_allclose(blocks, x.reshape(3, 2 * vocab), rtol=tol)
@@ -310,9 +310,7 @@ def test_blocked_draw_equals_the_float64_inverse_cdf(vocab: int) -> None:
     s = rng.random(b)
     s[-4:] = F32_BELOW_ONE
     p32, q32, s32 = (jnp.asarray(a, jnp.float32) for a in (p, q, s))
-    got = jax.jit(lambda p, q, s: rejection_module.inverse_cdf(rejection_module.residual_weights(p, q), s))(
-        p32, q32, s32
-    )
+    got = jax.jit(lambda p, q, s: core.inverse_cdf(core.residual_weights(p, q), s))(p32, q32, s32)
     got = np.asarray(got)
     weights = np.maximum(np.asarray(p32, np.float64) - np.asarray(q32, np.float64), 0)
     weights[:8] = np.asarray(p32[:8], np.float64)

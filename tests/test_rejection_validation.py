@@ -25,9 +25,9 @@ from rejection_helpers import (
     valid_inputs,
 )
 
+from specjax import rejection_sample
 from specjax.boundary import validation as validation_module
 from specjax.kernels import rejection as rejection_module
-from specjax.kernels.rejection import rejection_sample
 
 # --------------------------------------------------------------------------- validation
 

@@ -30,8 +30,9 @@ from _hlo import hlo_collectives
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from specjax import rejection_sample
+from specjax.boundary import api
 from specjax.kernels import core, sharded
-from specjax.kernels.rejection import rejection_sample
 
 
 def test_core_cases_cover_every_mesh_kernel_and_feature() -> None:
@@ -95,9 +96,9 @@ def test_mesh_layout_rejects_a_split_draft_axis() -> None:
 def test_explicit_functions_check_their_axes(kwargs: dict, match: str) -> None:
     mesh = one_device_mesh()
     with pytest.raises(ValueError, match=match):
-        sharded.rejection_sample_sharded([[0]], [[[1.0]]], [[[1.0], [1.0]]], [[0.5]], [0.5], mesh=mesh, **kwargs)
+        api.rejection_sample_sharded([[0]], [[[1.0]]], [[[1.0], [1.0]]], [[0.5]], [0.5], mesh=mesh, **kwargs)
     with pytest.raises(ValueError, match=match):
-        sharded.verify_from_logits_sharded(
+        api.verify_from_logits_sharded(
             [[0]], [[[1.0]]], [[[1.0], [1.0]]], key=jax.random.key(0), temperature=1.0, mesh=mesh, **kwargs
         )
 

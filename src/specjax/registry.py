@@ -90,11 +90,9 @@ ENV_VAR = "SPECJAX_PLUGINS"
 #: (the package's own kernel) is always available, whatever SPECJAX_PLUGINS says;
 #: the ``builtin_samplers`` plugin (:mod:`specjax.plugin.builtin`) registers the
 #: others. pyproject.toml's ``specjax.samplers`` entry points repeat this table as
-#: the distribution's metadata (tests/test_plugin_registry.py keeps them equal);
-#: the ``jax`` target is its published path, which resolves to
-#: :func:`specjax.boundary.api.rejection_sample`.
+#: the distribution's metadata (tests/test_plugin_registry.py keeps them equal).
 BUILTIN_SAMPLERS: dict[str, str] = {
-    "jax": "specjax.kernels.rejection:rejection_sample",
+    "jax": "specjax.boundary.api:rejection_sample",
     "numpy": "specjax.plugin.reference_samplers:numpy_rejection_sample",
     "torch": "specjax.plugin.reference_samplers:torch_rejection_sample",
 }

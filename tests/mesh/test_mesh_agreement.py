@@ -18,7 +18,7 @@ from sharded_inputs import (
 
 
 def test_agreement_probs_1x8() -> None:
-    from specjax.kernels.rejection import rejection_sample
+    from specjax import rejection_sample
 
     check_copies(rejection_sample(*probs_inputs(16, 4, 1000, seed=7)), per_shard_probs(bad=False))
 
@@ -28,7 +28,7 @@ def test_agreement_probs_1x8() -> None:
 def test_agreement_logits_1x8() -> None:
     import jax.numpy as jnp
 
-    from specjax.kernels.frontend import verify_from_logits
+    from specjax import verify_from_logits
     from specjax.kernels.sharded import MeshLayout, verify_on_mesh
     from specjax.kernels.types import SamplingParams
 

@@ -45,9 +45,8 @@ def test_mesh_equals_one_device_full_matrix(mesh_name: str, case: Case) -> None:
 @full_matrix
 def test_tuple_vocab_axis_2x4() -> None:
     """The vocabulary split over both mesh axes at once (a tuple of axis names, 8 shards)."""
-    from specjax.kernels.frontend import verify_from_logits
-    from specjax.kernels.rejection import rejection_sample
-    from specjax.kernels.sharded import rejection_sample_sharded, verify_from_logits_sharded
+    from specjax import rejection_sample, verify_from_logits
+    from specjax.boundary.api import rejection_sample_sharded, verify_from_logits_sharded
 
     mesh = make_mesh("2x4")
     args = probs_inputs(16, 4, 1000, seed=3)

@@ -65,7 +65,7 @@ def test_rounding_edge_s_below_one_1x8() -> None:
     """
     import jax
 
-    from specjax.kernels.rejection import rejection_sample
+    from specjax import rejection_sample
     from specjax.kernels.sharded import _rejection_sample_mesh_jit
 
     mesh = make_mesh("1x8")

@@ -18,8 +18,7 @@ WORKER = Path(__file__).with_name("multiprocess_worker.py")
 @pytest.mark.slow
 @full_matrix
 def test_multiprocess_2x4_two_processes(tmp_path: Path) -> None:
-    from specjax.kernels.frontend import verify_from_logits
-    from specjax.kernels.rejection import rejection_sample
+    from specjax import rejection_sample, verify_from_logits
 
     with socket.socket() as sock:
         sock.bind(("localhost", 0))

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specjax import rejection_sample, verify_from_logits
-from specjax.kernels.sharded import rejection_sample_sharded, verify_from_logits_sharded
+from specjax.boundary.api import rejection_sample_sharded, verify_from_logits_sharded
 
 
 def test_point_masses_on_a_mesh_equal_one_device() -> None:

@@ -19,14 +19,3 @@ The public functions that take user inputs (lists, NumPy, torch) live in
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-from specjax import _compat
-
-# `from specjax.kernels import rejection_sample` still works (see specjax._compat).
-_MOVED = {"rejection_sample": "specjax.boundary.api"}
-
-
-def __getattr__(name: str) -> Any:
-    return _compat.moved(__name__, name, _MOVED)

@@ -8,8 +8,8 @@ XLA:CPU thunk, and on small machines each costs tens of µs in hand-offs alone
 * :func:`verify`: the whole acceptance step from logits, per batch row,
   position by position, reading a position's rows only while the tests before
   it pass; then the correction or bonus draw (the draw of
-  :func:`specjax.kernels.rejection.inverse_cdf` of
-  :func:`specjax.kernels.rejection.residual_weights`, with the same fallbacks);
+  :func:`specjax.kernels.core.inverse_cdf` of
+  :func:`specjax.kernels.core.residual_weights`, with the same fallbacks);
 * :func:`row_stats`: per row, the max, the first index of the max and the
   normaliser ``sum_j [s_j >= cut] exp(s_j)`` with ``s_j = (x_j - max)·c``;
 * :func:`probs`: the processed probabilities of whole rows (the draft's draw
@@ -432,8 +432,8 @@ def draw_probs(target: jax.Array, draft: jax.Array, rows: jax.Array, sample_unif
       sample_uniforms: f32[B] in [0, 1).
 
     Returns:
-      i32[B], as :func:`specjax.kernels.rejection.inverse_cdf` of
-      :func:`specjax.kernels.rejection.residual_weights` (the block sums are
+      i32[B], as :func:`specjax.kernels.core.inverse_cdf` of
+      :func:`specjax.kernels.core.residual_weights` (the block sums are
       added in another order, so a draw at a CDF step can differ by rounding).
     """
     call = jax.ffi.ffi_call("specjax_draw_probs", jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32))

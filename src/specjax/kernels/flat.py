@@ -15,7 +15,7 @@ instead, in three stages, each jitted by the caller
    on zero-copy slices of the (T, V) array whose lengths are powers of two,
    so it compiles once per slice length, not once per T.
 2. :func:`accept`: on the (B, G) grid, the accepted prefix
-   (:func:`~specjax.kernels.rejection.num_accepted_from_ratios` with
+   (:func:`~specjax.kernels.core.num_accepted_from_ratios` with
    ``q_i(x_i) = 1``, the point mass) and the emitted token wherever no draw is
    needed: the bonus token when every draft token passed, the argmax for a
    greedy row (the residual of a point mass ``p_n`` without ``x_n`` is

@@ -43,14 +43,13 @@ convert and validate user inputs first, live in :mod:`specjax.boundary.api`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax import _compat
 from specjax.kernels import cpu_kernels
 from specjax.kernels.compile_options import vector_jit
 from specjax.kernels.core import (
@@ -555,11 +554,3 @@ def _sample_jit(logits, key, params: SamplingParams):
     # clipped: an unvalidated degenerate row (NaN) still gives an id in [0, V), never -1
     tokens = jnp.clip(inverse_cdf(probs, _uniforms(key, b, 1)[:, 0]), 0, logits.shape[-1] - 1)
     return tokens, probs
-
-
-# The public functions (inputs of any kind) live at the boundary now; the old paths still resolve. See specjax._compat.
-_MOVED = {"sample_from_logits": "specjax.boundary.api", "verify_from_logits": "specjax.boundary.api"}
-
-
-def __getattr__(name: str) -> Any:
-    return _compat.moved(__name__, name, _MOVED)

@@ -50,50 +50,27 @@ inputs first, lives in :mod:`specjax.boundary.api`.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import _compat
 from specjax.kernels import cpu_kernels
 from specjax.kernels.core import (
     AxisName,
     assemble_tokens,
     below_one,
-    block_sums,
     compute_dtype,
     inverse_cdf,
-    is_positive,
     num_accepted_from_ratios,
     point_mass,
-    positive_ratio,
     psum_owned,
     residual_weights,
-    row_sums,
     take,
-    to_blocks,
 )
 from specjax.kernels.types import AcceptanceResult
 
-# The primitives live in specjax.kernels.core; they are re-exported here, where
-# they were defined before, for existing imports.
-__all__ = [
-    "assemble_tokens",
-    "below_one",
-    "block_sums",
-    "compute_dtype",
-    "inverse_cdf",
-    "is_positive",
-    "num_accepted_from_ratios",
-    "point_mass",
-    "positive_ratio",
-    "rejection_body",
-    "residual_weights",
-    "row_sums",
-    "to_blocks",
-]
+__all__ = ["rejection_body"]
 
 
 def _gather_draft_probs(
@@ -231,12 +208,3 @@ def _rejection_sample_jit(
     impl: str = "xla",
 ) -> AcceptanceResult:
     return rejection_body(draft_tokens, draft_probs, target_probs, accept_uniforms, sample_uniforms, impl=impl)
-
-
-# The public rejection_sample (inputs of any kind) lives at the boundary now; this path (and the installed
-# `specjax.samplers` entry point metadata) still resolves to it. See specjax._compat.
-_MOVED = {"rejection_sample": "specjax.boundary.api"}
-
-
-def __getattr__(name: str) -> Any:
-    return _compat.moved(__name__, name, _MOVED)

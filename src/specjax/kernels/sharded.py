@@ -74,7 +74,6 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax import _compat
 from specjax.kernels.compile_options import vector_jit
 from specjax.kernels.core import AxisName
 from specjax.kernels.frontend import _uniforms, verify_core
@@ -452,12 +451,3 @@ def verify_on_mesh(
         layout=layout,
         per_shard=per_shard,
     )
-
-
-# The public mesh functions (inputs of any kind) live at the boundary now; the old paths
-# still resolve. See specjax._compat.
-_MOVED = {"rejection_sample_sharded": "specjax.boundary.api", "verify_from_logits_sharded": "specjax.boundary.api"}
-
-
-def __getattr__(name: str) -> Any:
-    return _compat.moved(__name__, name, _MOVED)
