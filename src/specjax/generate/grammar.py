@@ -1,0 +1,276 @@
+"""Grammar-constrained output under speculation: a JSON schema or a regular expression, through xgrammar.
+
+A grammar is a prefix-dependent logits processor: at each position, the tokens
+that keep the output a prefix of a word of the grammar keep their logits, every
+other token gets ``-inf`` (transformers and vLLM apply it the same way, before
+temperature, top-k and top-p). Speculation stays exact when the target's
+logits at draft position ``i`` are masked with the grammar's state after the
+committed tokens *and* draft tokens ``x_0 .. x_{i-1}``, the prefix plain
+decoding would have seen there (Leviathan et al. 2023, arXiv:2211.17192; Chen
+et al. 2023, arXiv:2302.01318: the acceptance test then follows the masked
+distribution). So each step, per row:
+
+1. :meth:`GrammarRows.valid_prefix`: point-mass proposals (n-gram lookups, the
+   ``hybrid`` drafter's n-gram rows, any proposal of a greedy call) are cut at
+   their first token the grammar refuses. Exact: such a token has masked target
+   probability 0, so it would be rejected with certainty and the emitted token
+   drawn from the masked target distribution there, which is what the bonus
+   token of the cut proposal is drawn from. Sampled proposals are not cut (a
+   count chosen from the drawn tokens would bias the output; the masked target
+   rejects an invalid token instead).
+2. :meth:`GrammarRows.draft_masks`: the matcher is advanced along the draft,
+   filling the bitmask of each of the ``k_b + 1`` positions; it stops at a
+   refused token (later positions are never reached: all tokens allowed there).
+3. :meth:`GrammarRows.mask_logits`: ``-inf`` where a position's bitmask is 0.
+4. :meth:`GrammarRows.commit`: after verification the matcher is rolled back to
+   the accepted prefix and advanced along the emitted (correction or bonus)
+   token.
+
+The library is xgrammar (what vLLM uses), chosen by measurement on the SmolLM2
+tokenizer (docs/grammar.md): its token bitmask costs microseconds per position
+and its rollback is O(1) per token. It is an optional dependency (``pip install
+specjax[grammar]``), imported when a grammar is compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["GrammarRows", "GrammarSpec", "compile_grammar", "grammar_spec"]
+
+_INSTALL_HINT = "install it with `pip install 'specjax[grammar]'` (or `pip install xgrammar`)"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a call constrains its output to: ``kind`` is ``"json_schema"`` or ``"regex"``, ``source`` its text.
+
+    A JSON schema's text is the schema serialised with :func:`json.dumps`.
+    """
+
+    kind: str
+    source: str
+
+
+def grammar_spec(json_schema: Any = None, regex: Any = None) -> GrammarSpec | None:
+    """The call's constraint from ``speculative_generate``'s arguments (None: unconstrained).
+
+    Args:
+      json_schema: None, a JSON schema as a dict, as JSON text, or a pydantic
+        model class (its ``model_json_schema()``).
+      regex: None, or a regular expression (str) the whole output must match.
+
+    Raises:
+      ValueError: both given, a schema that is not JSON text or a JSON object,
+        or an empty regex.
+      TypeError: an argument of another type.
+    """
+    if json_schema is not None and regex is not None:
+        raise ValueError("json_schema, regex: expected at most one output constraint, got both")
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise TypeError(f"regex: expected a regular expression (str), got {type(regex).__name__}")
+        if not regex:
+            raise ValueError("regex: expected a non-empty regular expression, got ''")
+        return GrammarSpec("regex", regex)
+    if json_schema is None:
+        return None
+    schema_of = getattr(json_schema, "model_json_schema", None)
+    if isinstance(json_schema, type) and callable(schema_of):  # a pydantic model class
+        json_schema = schema_of()
+    if isinstance(json_schema, str):
+        try:
+            parsed = json.loads(json_schema)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"json_schema: expected a JSON schema, got text that is not JSON ({err})") from None
+        json_schema = parsed
+    if isinstance(json_schema, bool) or not isinstance(json_schema, dict):
+        raise (ValueError if isinstance(json_schema, list | int | float | bool) else TypeError)(
+            "json_schema: expected a JSON schema (a dict, JSON text or a pydantic model class), got "
+            f"{type(json_schema).__name__}"
+        )
+    return GrammarSpec("json_schema", json.dumps(json_schema))
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as err:
+        raise ImportError(f"json_schema / regex: grammar-constrained output needs xgrammar; {_INSTALL_HINT}") from err
+    return xgrammar
+
+
+# xgrammar's tokenizer tables (one pass over the vocabulary, ~0.1 s for 49k tokens) and its
+# compiler (with its cache of compiled grammars), per tokenizer object and vocabulary size.
+_COMPILERS: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+
+def _compiler(tokenizer: Any, vocab_size: int) -> Any:
+    xgr = _xgrammar()
+    per_tok = _COMPILERS.setdefault(tokenizer, {})
+    if vocab_size not in per_tok:
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        except Exception as err:
+            raise ValueError(
+                f"target_tokenizer: xgrammar could not read {type(tokenizer).__name__} ({err}); pass the "
+                "target's Hugging Face tokenizer"
+            ) from None
+        per_tok[vocab_size] = xgr.GrammarCompiler(info)
+    return per_tok[vocab_size]
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: int) -> Any:
+    """``spec`` compiled against ``tokenizer`` for logits of width ``vocab_size`` (an ``xgrammar.CompiledGrammar``).
+
+    JSON schemas compile without free whitespace (``", "`` and ``": "`` between
+    items): a model can otherwise spend its tokens on whitespace forever, and
+    the output is the same JSON. Compiled grammars are cached per tokenizer.
+
+    Raises:
+      ValueError: ``tokenizer`` is None or unreadable, or the schema / regex
+        does not compile (xgrammar's reason is quoted).
+      ImportError: xgrammar is not installed.
+    """
+    if tokenizer is None:
+        raise ValueError(
+            f"target_tokenizer: {spec.kind} needs the target's tokenizer to map the grammar onto token ids; "
+            "pass target_tokenizer=..."
+        )
+    compiler = _compiler(tokenizer, vocab_size)
+    try:
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.source)
+        return compiler.compile_json_schema(spec.source, any_whitespace=False)
+    except RuntimeError as err:
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{spec.kind}: xgrammar cannot compile it: {reason}") from None
+
+
+def _unpack(bitmask: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """bool[..., vocab] on ``device`` from i32[..., ceil(vocab / 32)] bitmasks (token t: bit t % 32 of word t // 32)."""
+    words = torch.from_numpy(bitmask).to(device)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(-2)[..., :vocab].bool()
+
+
+class GrammarRows:
+    """One grammar matcher per row of the loop's batch (host state; xgrammar's ``GrammarMatcher``).
+
+    Each matcher holds the row's committed tokens plus the draft tokens it was
+    advanced along by the last :meth:`draft_masks` (``advanced[b]`` of them),
+    which :meth:`commit` rolls back.
+
+    Args:
+      compiled: the ``xgrammar.CompiledGrammar`` (:func:`compile_grammar`).
+      batch: B, the rows.
+      stop_ids: the token ids that end a row (the call's EOS ids): the grammar
+        allows them, and only them, once the output is complete.
+      vocab: V, the width of the logits the masks apply to.
+    """
+
+    def __init__(self, compiled: Any, batch: int, stop_ids: list[int], vocab: int) -> None:
+        xgr = _xgrammar()
+        self.vocab = vocab
+        self.matchers = [xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids)) for _ in range(batch)]
+        self.advanced = [0] * batch
+        self.drafted: list[list[int]] = [[] for _ in range(batch)]
+        self.words = (vocab + 31) // 32
+
+    def valid_prefix(self, tokens: np.ndarray, k: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """i64[B']: ``k`` cut, in the ``rows`` (bool[B']), to each proposal's longest grammar-valid prefix.
+
+        ``tokens``: i64[B', G] host array of proposals, row b's first ``k[b]``
+        used. The matchers end where they began.
+        """
+        out = np.asarray(k, np.int64).copy()
+        for b in np.nonzero(np.asarray(rows) & (out > 0))[0]:
+            m = self.matchers[b]
+            valid = 0
+            while valid < out[b] and not m.is_terminated() and m.accept_token(int(tokens[b, valid])):
+                valid += 1
+            if valid:
+                m.rollback(valid)
+            out[b] = valid
+        return out
+
+    def draft_masks(self, tokens: np.ndarray, k: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """i32[B', W+1, ceil(V/32)] bitmasks of the positions the target scores, ``[last, x_0 .. x_{W-1}]``.
+
+        Row b's position ``i <= k[b]`` gets the grammar's mask after its
+        committed tokens and ``x_0 .. x_{i-1}``; positions after a refused token
+        (never reached: that token is rejected), after the end of the grammar,
+        and in inactive rows allow every token. ``tokens``: i64[B', W] host
+        array; ``k``: i64[B']; ``active``: bool[B'].
+        """
+        b_now, width = tokens.shape
+        masks = np.full((b_now, width + 1, self.words), -1, np.int32)
+        flat = masks.reshape(b_now * (width + 1), self.words)
+        for b in range(b_now):
+            m, self.advanced[b], self.drafted[b] = self.matchers[b], 0, []
+            if not active[b] or m.is_terminated():
+                continue
+            for i in range(int(k[b]) + 1):
+                m.fill_next_token_bitmask(flat, b * (width + 1) + i)
+                if i == int(k[b]):
+                    break
+                t = int(tokens[b, i])
+                if not m.accept_token(t):
+                    break
+                self.advanced[b] += 1
+                self.drafted[b].append(t)
+                if m.is_terminated():
+                    break
+        return masks
+
+    def mask_logits(self, logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
+        """``logits`` (f[B', W+1, V'], torch) with ``-inf`` where ``masks`` (:meth:`draft_masks`) refuse a token.
+
+        Ids at or past the grammar's vocabulary V (padding) are refused.
+        """
+        allowed = _unpack(masks, min(self.vocab, logits.shape[-1]), logits.device)
+        if logits.shape[-1] > allowed.shape[-1]:
+            pad = torch.zeros((*allowed.shape[:-1], logits.shape[-1] - allowed.shape[-1]), dtype=torch.bool)
+            allowed = torch.cat([allowed, pad.to(logits.device)], dim=-1)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def commit(self, emitted: list[list[int]]) -> None:
+        """Roll each matcher back to the accepted prefix and advance it along the row's emitted tokens.
+
+        ``emitted``: B' host lists, each row's committed tokens this step (its
+        accepted draft tokens, then the correction or bonus token; empty for
+        finished rows).
+
+        Raises:
+          RuntimeError: an emitted token the grammar refuses (the masked target
+            gives it probability 0: a broken invariant, not user error).
+        """
+        for b, (m, new) in enumerate(zip(self.matchers, emitted, strict=True)):
+            drafted = self.drafted[b]
+            same = 0
+            while same < min(len(drafted), len(new)) and drafted[same] == new[same]:
+                same += 1
+            if self.advanced[b] > same:
+                m.rollback(self.advanced[b] - same)
+            self.advanced[b], self.drafted[b] = 0, []
+            for t in new[same:]:
+                if m.is_terminated():
+                    break
+                if not m.accept_token(int(t)):
+                    raise RuntimeError(
+                        f"grammar: row {b} emitted token {int(t)}, which the grammar does not allow after the "
+                        "row's output so far (its masked probability is 0)"
+                    )
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (indices into the current rows), in that order."""
+        self.matchers = [self.matchers[j] for j in rows]
+        self.advanced = [self.advanced[j] for j in rows]
+        self.drafted = [self.drafted[j] for j in rows]
