@@ -148,6 +148,15 @@ class DraftRequest:
         far, it returns bool[B'], the rows for which one more token is
         expected to pay. A drafter may stop drafting the other rows early
         (proposing fewer than ``max_tokens[b]``); ignoring it is also correct.
+      process: None, or the loop's processing of a drafter's logits before it
+        draws (a grammar's mask): ``process(i, logits, previous)`` with ``i``
+        the draft position (0, 1, … in order, once each), ``logits`` f[B', V']
+        (torch) and ``previous`` the tokens drawn at ``i - 1`` (i[B'], any array
+        library; None at 0) returns the logits to draw from (and to return as
+        the proposal's logits). A drafter that draws from a model's logits
+        calls it, so that it proposes tokens the grammar allows; a lookup may
+        ignore it (the loop cuts point-mass proposals at their first refused
+        token).
     """
 
     step: int
@@ -157,6 +166,7 @@ class DraftRequest:
     sampling: SamplingState
     limit: np.ndarray | None = None
     worth_drafting: Callable[[np.ndarray], np.ndarray] | None = None
+    process: Callable[[int, Any, Any], Any] | None = None
 
     @property
     def allowed(self) -> np.ndarray:

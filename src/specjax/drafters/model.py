@@ -135,6 +135,8 @@ class ModelDrafter:
         want = np.where(active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
         for i in range(g):
             logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
+            if request.process is not None:
+                logits = request.process(i, logits, draws[-1] if draws else None)
             self._held.append(logits)
             lj = jit_input(logits)
             logits_out.append(lj)
@@ -189,6 +191,8 @@ class ModelDrafter:
                 logits = scored[:, -1]
             else:
                 logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
+            if request.process is not None:
+                logits = request.process(i, logits, drawn[-1] if drawn else None)
             x, conf = greedy_pick(logits[:, : self.vocab])  # i64[B'], f64[B']
             drawn.append(x)
             confidence.append(conf)

@@ -12,6 +12,7 @@ from specjax.drafters import HybridDrafter, ModelDrafter, claim_drafter, resolve
 from specjax.drafters.base import SamplingState
 from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
+from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 from specjax.registry import load_sampler
 
@@ -144,6 +145,8 @@ def speculative_generate(
     return_state: bool = False,
     adaptive: bool = True,
     impl: str = "auto",
+    json_schema: Any = None,
+    regex: str | None = None,
 ) -> SpeculativeOutput:
     """Generate with the target's distribution, drafting with a smaller model or another drafter.
 
@@ -190,6 +193,15 @@ def speculative_generate(
         available), ``"xla"`` (the JAX code) or ``"cpu"`` (the kernels, else a
         ValueError); as :func:`specjax.verify_from_logits`. The draft's draw and
         the acceptance test use the same one, so ``q`` is the same bits in both.
+      json_schema: constrain every row's output to JSON that the schema
+        accepts (a dict, JSON text or a pydantic model class), written compactly
+        (``", "`` and ``": "`` between items); regex: to a string the regular
+        expression matches whole. At most one of the two; both need
+        ``target_tokenizer`` and an EOS id (a row ends when its output is
+        complete). Each draft position is masked with the grammar's state after
+        the tokens before it (exact; :mod:`specjax.generate.grammar`). Needs
+        xgrammar (``pip install 'specjax[grammar]'``). A row cut short by
+        ``max_new_tokens`` ends with an incomplete (but valid-so-far) output.
 
     Returns:
       :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``.
@@ -299,6 +311,7 @@ def speculative_generate(
         )
     if not isinstance(adaptive, bool):
         raise TypeError(f"adaptive: expected True or False, got {type(adaptive).__name__}")
+    grammar = _grammar_rows(json_schema, regex, target_tokenizer, eos_ids, batch, target_vocab)
 
     target.eval()
     for m in draft_models:
@@ -321,7 +334,23 @@ def speculative_generate(
             on_tokens=on_tokens,
             return_state=return_state,
             started=(t_start, setup_compiles.seconds),
+            grammar=grammar,
         )
+
+
+def _grammar_rows(
+    json_schema: Any, regex: Any, tokenizer: Any, eos_ids: set[int], batch: int, vocab: int
+) -> GrammarRows | None:
+    """The call's grammar matchers (None without ``json_schema`` / ``regex``), or a ValueError."""
+    spec = grammar_spec(json_schema, regex)
+    if spec is None:
+        return None
+    if not eos_ids:
+        raise ValueError(
+            f"eos_token_id: {spec.kind} needs an EOS token id to end a complete output; pass eos_token_id=... "
+            "(or set the target's generation_config.eos_token_id)"
+        )
+    return GrammarRows(compile_grammar(spec, tokenizer, vocab), batch, sorted(eos_ids), vocab)
 
 
 def _draft_models(drafter: Any) -> list[Any]:

@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.slots import to_host
+
 __all__ = ["GrammarRows", "GrammarSpec", "compile_grammar", "grammar_spec"]
 
 _INSTALL_HINT = "install it with `pip install 'specjax[grammar]'` (or `pip install xgrammar`)"
@@ -183,6 +185,49 @@ class GrammarRows:
         self.advanced = [0] * batch
         self.drafted: list[list[int]] = [[] for _ in range(batch)]
         self.words = (vocab + 31) // 32
+        self._drawing: list[int | None] = []  # per row: draft draws fed to its matcher (None: refused/ended)
+
+    def process_draft(self, position: int, logits: Any, previous: Any) -> Any:
+        """A model drafter's logits at draft ``position`` (0-based), masked like the target's there.
+
+        The drafter calls this once per position, in order (through
+        :attr:`specjax.drafters.DraftRequest.process`): ``logits`` f[B', V'] (torch)
+        and ``previous`` the tokens it drew at ``position - 1`` (i[B'], any array
+        library; None at position 0). The matchers advance along the draws;
+        :meth:`end_draft` takes them back to the committed tokens. Drawing from
+        the masked logits only proposes tokens the grammar allows: the
+        draft's distribution is then the masked one (the proposal's logits are
+        these), which the acceptance test needs.
+        """
+        if position == 0:
+            self.end_draft()
+            self._drawing = [0 if not m.is_terminated() else None for m in self.matchers]
+        else:
+            drawn = np.asarray(to_host(previous)).reshape(-1)
+            for b, m in enumerate(self.matchers):
+                count = self._drawing[b]
+                if count is None:
+                    continue
+                if not m.accept_token(int(drawn[b])):  # a row that does not draft: its draws do not matter
+                    m.rollback(count)
+                    self._drawing[b] = None
+                elif m.is_terminated():  # drew a stop token: the row's draft ends there
+                    m.rollback(count + 1)
+                    self._drawing[b] = None
+                else:
+                    self._drawing[b] = count + 1
+        masks = np.full((len(self.matchers), self.words), -1, np.int32)
+        for b, m in enumerate(self.matchers):
+            if self._drawing[b] is not None:
+                m.fill_next_token_bitmask(masks, b)
+        return self.mask_logits(logits[:, None], masks[:, None])[:, 0]
+
+    def end_draft(self) -> None:
+        """Take the matchers back to the committed tokens after :meth:`process_draft` (no-op otherwise)."""
+        for m, count in zip(self.matchers, self._drawing, strict=False):
+            if count:
+                m.rollback(count)
+        self._drawing = []
 
     def valid_prefix(self, tokens: np.ndarray, k: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """i64[B']: ``k`` cut, in the ``rows`` (bool[B']), to each proposal's longest grammar-valid prefix.

@@ -38,6 +38,7 @@ bookkeeping: EOS, lengths, cache masks). Logits never leave the device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -51,9 +52,10 @@ from specjax.generate import checks
 from specjax.generate.checks import check_step_output
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import DraftBatch, check_proposal, draft_batch, no_proposal
+from specjax.generate.grammar import GrammarRows
 from specjax.generate.schedule import DraftSchedule
 from specjax.generate.verify import Verifier, choose_verifier
-from specjax.slots import SlotCache
+from specjax.slots import SlotCache, to_host
 
 __all__ = ["LoopState", "SpeculativeOutput", "SpeculativeStats", "run_loop"]
 
@@ -209,8 +211,10 @@ class _Run:
         greedy: bool,
         adaptive: bool,
         on_tokens: Any,
+        grammar: GrammarRows | None = None,
     ) -> None:
         self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, eos_ids, on_tokens
+        self.grammar = grammar
         self.max_new_tokens, self.num_draft_tokens, self.target_vocab = max_new_tokens, num_draft_tokens, target_vocab
         self.device = input_ids.device
         batch, prompt_len = input_ids.shape
@@ -328,8 +332,11 @@ class _Run:
                     self.sampling,
                     caps,
                     self.schedule.worth_drafting if self.use_confidence else None,
+                    self.grammar.process_draft if self.grammar is not None else None,
                 )
             )
+            if self.grammar is not None:
+                self.grammar.end_draft()
             draft_s = time.perf_counter() - t_draft
             check_proposal(
                 self.who,
@@ -347,6 +354,8 @@ class _Run:
                 self.schedule.record_hindsight(*proposal.hindsight)
             # (kept once seen: a hybrid drafter's steps where only lookups answer have none)
             self.schedule.confident |= self.use_confidence and proposal.confidence is not None
+            if self.grammar is not None:
+                proposal = self.grammar_cut(proposal)
         else:
             proposal = no_proposal(b_now)
         confidence = proposal.confidence if self.use_confidence else None
@@ -362,6 +371,22 @@ class _Run:
         self.stats.draft_steps += int(g > 0)
         width = self.schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
         return draft_batch(proposal, k, width, self.last, self.device, confidence), draft_s
+
+    def grammar_cut(self, proposal: Proposal) -> Proposal:
+        """The proposal with its point-mass rows cut at their first grammar-refused token (see
+        :mod:`specjax.generate.grammar`; sampled rows are left to the masked verification)."""
+        assert self.grammar is not None
+        k = np.asarray(proposal.num_tokens, np.int64)
+        if self.greedy or proposal.logits is None:
+            point = np.ones(len(k), bool)
+        elif proposal.free_rows is not None:
+            point = np.asarray(proposal.free_rows, bool)
+        else:
+            return proposal
+        if not (point & (k > 0)).any():
+            return proposal
+        cut = self.grammar.valid_prefix(to_host(proposal.tokens), k, point)
+        return dataclasses.replace(proposal, num_tokens=cut)
 
     # 3. Score -----------------------------------------------------------------------------------
 
@@ -387,6 +412,14 @@ class _Run:
             self.schedule.record_verify(width + 1, seconds)
         self.prefix = None
         return _Scored(logits, hidden, start_slot, seconds)
+
+    def constrain(self, batch: DraftBatch, scored: _Scored, active: np.ndarray) -> None:
+        """With a grammar: mask the scored logits, each position with the grammar's state after the
+        prefix it sees (committed tokens, then the draft tokens before it)."""
+        if self.grammar is None:
+            return
+        masks = self.grammar.draft_masks(batch.tokens_t.cpu().numpy(), batch.k, active)
+        scored.logits = self.grammar.mask_logits(scored.logits, masks)
 
     # 5. Commit ----------------------------------------------------------------------------------
 
@@ -430,6 +463,8 @@ class _Run:
         # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
         self.t_cache.invalidate(scored.start_slot, 1 + kept)
         self.drafter.commit(CommitInfo(emitted_rows, n, batch.k, scored.hidden))
+        if self.grammar is not None:
+            self.grammar.commit(emitted_rows)
         self.schedule.record_outcome(batch.k, n, batch.free_rows, batch.confidence)
         self.step += 1
 
@@ -459,6 +494,8 @@ class _Run:
         self.t_cache.select_rows(np.asarray(keep, np.int64))
         self.drafter.select_rows(keep)
         self.schedule.select_rows(keep)
+        if self.grammar is not None:
+            self.grammar.select_rows(keep)
         self.cache_rows = [self.cache_rows[j] for j in keep]
         self.last = self.last[keep]
         # per-row parameters and keys follow their rows (gathered once per change)
@@ -489,6 +526,7 @@ def run_loop(
     return_state: bool = False,
     adaptive: bool = True,
     started: tuple[float, float] | None = None,
+    grammar: GrammarRows | None = None,
 ) -> SpeculativeOutput:
     """The loop proper; arguments are already validated by :func:`speculative_generate`.
 
@@ -501,7 +539,8 @@ def run_loop(
     in the caches until they are dropped, but append no valid slots.
     ``started``: ``(time.perf_counter() at the caller's start, seconds it spent
     compiling)``, so that the statistics' times cover the caller's setup too
-    (default: from this call's start).
+    (default: from this call's start). ``grammar``: the rows' grammar matchers
+    (:class:`~specjax.generate.grammar.GrammarRows`), or None.
     """
     from specjax.adapters import count_copies
 
@@ -522,6 +561,7 @@ def run_loop(
             greedy=greedy,
             adaptive=adaptive,
             on_tokens=on_tokens,
+            grammar=grammar,
         )
         while run.active():
             t_step = time.perf_counter()
@@ -529,6 +569,7 @@ def run_loop(
             remaining, active, caps, want = run.plan()  # 1.
             batch, draft_s = run.draft(remaining, active, caps, want, timed)  # 2.
             scored = run.score(batch, active)  # 3.
+            run.constrain(batch, scored, active)  # (a grammar's masks, per draft position)
             n, tokens = verify(batch, scored.logits, run.sampling, run.step)  # 4.
             check_step_output("the verification step", n, tokens, batch.k, target_vocab)
             scored.logits = None  # type: ignore[assignment]  # the torch buffer is free again

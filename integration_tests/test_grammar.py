@@ -1,0 +1,376 @@
+"""Grammar-constrained output (``json_schema=`` / ``regex=``) under speculation, on the real SmolLM2 tokenizer.
+
+Tiny Llamas built from configs with the SmolLM2 vocabulary (49,152 ids), so the
+grammars compile against a real byte-level BPE tokenizer (marked ``demo_pair``:
+the tokenizer comes from the default target's package). Checked, each against
+something independent of the loop:
+
+* :class:`GrammarRows` alone: the mask of every draft position equals a fresh
+  xgrammar matcher's after that position's prefix, and after any accept/reject
+  outcome the rolled-back matcher equals a fresh one fed the committed tokens
+  (random drafts, many cases);
+* greedy output equals ``target.generate`` with xgrammar's own transformers
+  logits processor (plain constrained decoding), at B = 1 and on a ragged
+  batch, for the ``model``, ``ngram`` and ``hybrid`` drafters, with drafts
+  accepted and rejected (asserted);
+* at T = 0.7, every output over many seeds parses under its schema (or matches
+  its regex); negative controls: the same runs without the constraint do not
+  all parse, and a commit that does not roll the matcher back fails;
+* bad arguments raise ``ValueError`` / ``TypeError`` naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import specjax
+from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
+
+pytestmark = pytest.mark.demo_pair
+
+V = 49152  # SmolLM2's vocabulary
+EOS = 2  # <|im_end|>
+G = 4
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        # (a pattern, not maxLength: xgrammar 0.2.9 lets raw control characters into length-bounded
+        # strings, which JSON forbids; mlc-ai/xgrammar#800, docs/grammar.md)
+        "name": {"type": "string", "pattern": "^[A-Za-z ]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,6}@(mail|post)\.(com|org)"
+# prompts whose text holds outputs' pieces, so that n-gram lookups propose them
+PROMPTS = {
+    "json_schema": (
+        '{"name": "Ada", "age": 36, "ok": true, "tags": ["red", "blue"]}\n',
+        'Example: {"name": "Bob", "age": 42, "ok": false, "tags": []}. Now:',
+        "x",
+    ),
+    "regex": ("Contacts: ann@mail.com, bob@post.org, cy@mail.org\n", "An address like joe@post.com:", "x"),
+}
+
+
+def conforms(text: str) -> bool:
+    """Whether ``text`` is JSON that SCHEMA accepts (a validator written for SCHEMA alone)."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (
+        isinstance(doc, dict)
+        and set(doc) == {"name", "age", "ok", "tags"}
+        and isinstance(doc["name"], str)
+        and re.fullmatch("[A-Za-z ]{1,8}", doc["name"]) is not None
+        and isinstance(doc["age"], int)
+        and not isinstance(doc["age"], bool)
+        and 0 <= doc["age"] <= 120
+        and isinstance(doc["ok"], bool)
+        and isinstance(doc["tags"], list)
+        and len(doc["tags"]) <= 4
+        and all(t in ("red", "green", "blue") for t in doc["tags"])
+    )
+
+
+CONSTRAINTS = {
+    "json_schema": ({"json_schema": SCHEMA}, conforms),
+    "regex": ({"regex": REGEX}, lambda text: re.fullmatch(REGEX, text) is not None),
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from specjax.pair import load_target
+
+    return load_target()[1]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_lm, perturbed_copy):
+    target = tiny_lm("llama", vocab_size=V, layers=2, hidden=32, seed=0)
+    return {"target": target, "draft": perturbed_copy(target, noise=0.3, seed=3)}
+
+
+def prompts(tok, kind: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = [tok.encode(p) for p in PROMPTS[kind][:batch]]
+    width = max(map(len, enc))
+    ids = torch.tensor([[0] * (width - len(e)) + e for e in enc])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+    return ids, mask
+
+
+def drafter(kind: str, models) -> Any:
+    if kind == "model":
+        return ModelDrafter(models["draft"])
+    if kind == "ngram":
+        return NgramDrafter(min_n=1)
+    return HybridDrafter(NgramDrafter(min_n=1), ModelDrafter(models["draft"]))
+
+
+def outputs(out, ids, tok) -> list[str]:
+    width = ids.shape[1]
+    rows = [out.sequences[b, width : width + int(out.num_new_tokens[b])].tolist() for b in range(len(ids))]
+    return [tok.decode([t for t in r if t != EOS]) for r in rows]
+
+
+def compiled(tok, kind: str):
+    kwargs = CONSTRAINTS[kind][0]
+    return compile_grammar(grammar_spec(**kwargs), tok, V)
+
+
+# --------------------------------------------------------------------------- #
+# GrammarRows against fresh matchers
+# --------------------------------------------------------------------------- #
+
+
+def fresh_matcher(grammar, prefix: list[int]) -> Any:
+    """A new matcher fed ``prefix``, or None when the grammar refuses one of its tokens."""
+    import xgrammar as xgr
+
+    m = xgr.GrammarMatcher(grammar, override_stop_tokens=[EOS])
+    return m if all(m.accept_token(int(t)) for t in prefix) else None
+
+
+def fresh_mask(grammar, prefix: list[int]) -> np.ndarray | None:
+    """The bitmask after ``prefix`` from a new matcher (None when the prefix is refused or ended with EOS)."""
+    import xgrammar as xgr
+
+    m = fresh_matcher(grammar, prefix)
+    if m is None or m.is_terminated():
+        return None
+    mask = xgr.allocate_token_bitmask(1, V).numpy()
+    m.fill_next_token_bitmask(mask)
+    return mask[0]
+
+
+def allowed_ids(mask: np.ndarray) -> np.ndarray:
+    return np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0]
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+def test_masks_and_rollback_equal_fresh_matchers(tok, kind):
+    """Random drafts mixing valid continuations and arbitrary tokens, random outcomes: each row's proposal
+    is cut where a fresh matcher refuses it, each draft position's mask is a fresh matcher's after its
+    prefix, and after each commit the rows' state is that of their committed tokens."""
+    grammar = compiled(tok, kind)
+    rng = np.random.default_rng(0)
+    batch, steps = 3, 12
+    rows = GrammarRows(grammar, batch, [EOS], V)
+    committed: list[list[int]] = [[] for _ in range(batch)]
+    cut_seen = rolled_back = 0
+    for _ in range(steps):
+        k = rng.integers(0, G + 1, batch)
+        tokens = np.zeros((batch, G), np.int64)
+        for b in range(batch):
+            for i in range(int(k[b])):
+                mask = fresh_mask(grammar, committed[b] + tokens[b, :i].tolist())
+                valid = mask is not None and rng.random() < 0.8
+                tokens[b, i] = int(rng.choice(allowed_ids(mask))) if valid else int(rng.integers(3, V))
+        cut = rows.valid_prefix(tokens, k, np.ones(batch, bool))
+        masks = rows.draft_masks(tokens, cut, np.ones(batch, bool))
+        emitted = []
+        for b in range(batch):
+            accepted = [
+                i for i in range(int(k[b]) + 1) if fresh_matcher(grammar, committed[b] + tokens[b, :i].tolist())
+            ]
+            assert cut[b] == max(accepted)
+            cut_seen += int(cut[b] < k[b])
+            for i in range(int(cut[b]) + 1):
+                expect = fresh_mask(grammar, committed[b] + tokens[b, :i].tolist())
+                if expect is not None:
+                    np.testing.assert_array_equal(masks[b, i], expect)
+            # accept n of the valid drafts, then emit a token the mask at position n allows
+            n = int(rng.integers(0, int(cut[b]) + 1))
+            rolled_back += int(n < cut[b])
+            kept = tokens[b, :n].tolist()
+            last = fresh_mask(grammar, committed[b] + kept)
+            if last is not None:
+                choices = allowed_ids(last)
+                kept.append(int(rng.choice(choices[choices != EOS] if len(choices) > 1 else choices)))
+            emitted.append(kept)
+        rows.commit(emitted)
+        for b in range(batch):
+            committed[b] += emitted[b]
+    assert cut_seen and rolled_back  # both paths ran
+    masks = rows.draft_masks(np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), np.ones(batch, bool))
+    for b in range(batch):
+        expect = fresh_mask(grammar, committed[b])
+        if expect is not None:
+            np.testing.assert_array_equal(masks[b, 0], expect)
+
+
+def test_mask_logits_refuses_exactly_the_masked_ids(tok):
+    rows = GrammarRows(compiled(tok, "regex"), 1, [EOS], V)
+    masks = rows.draft_masks(np.zeros((1, 0), np.int64), np.zeros(1, np.int64), np.ones(1, bool))
+    logits = torch.randn(1, 1, V + 64)  # a head padded beyond the tokenizer
+    out = rows.mask_logits(logits, masks)
+    allowed = np.unpackbits(masks[0, 0].view(np.uint8), bitorder="little")[:V].astype(bool)
+    finite = torch.isfinite(out[0, 0]).numpy()
+    assert finite[:V].tolist() == allowed.tolist() and not finite[V:].any()
+    assert torch.equal(out[0, 0, :V][torch.as_tensor(allowed)], logits[0, 0, :V][torch.as_tensor(allowed)])
+    assert 0 < allowed.sum() < V
+
+
+# --------------------------------------------------------------------------- #
+# Greedy: equal to plain constrained decoding
+# --------------------------------------------------------------------------- #
+
+
+def pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, length - x.shape[1]), value=0)
+
+
+def plain_constrained(target, ids, mask, grammar, max_new_tokens: int) -> torch.Tensor:
+    """transformers' greedy ``generate`` with xgrammar's own logits processor."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    return target.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        logits_processor=[LogitsProcessor(grammar)],
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid"])
+def test_greedy_matches_plain_constrained_decoding(draft_kind, kind, batch, tok, models):
+    ids, mask = prompts(tok, kind, batch)
+    target = models["target"]
+    ref = plain_constrained(target, ids, mask, compiled(tok, kind), 60)
+    out = specjax.speculative_generate(
+        target,
+        drafter(draft_kind, models),
+        ids,
+        mask,
+        max_new_tokens=60,
+        num_draft_tokens=G,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        target_tokenizer=tok,
+        adaptive=False,
+        **CONSTRAINTS[kind][0],
+    )
+    # both pad finished rows with 0 (after their EOS)
+    new, expect = out.sequences[:, ids.shape[1] :], ref[:, ids.shape[1] :]
+    length = max(new.shape[1], expect.shape[1])
+    assert torch.equal(pad_to(new, length), pad_to(expect, length))
+    assert all(CONSTRAINTS[kind][1](text) for text in outputs(out, ids, tok))
+    # drafts were tested and some rejected (the rollback ran), and some accepted (n-gram lookups on the
+    # regex prompts find the random target's choices too rarely for that)
+    assert out.stats.draft_tokens_accepted < out.stats.draft_tokens_proposed
+    assert out.stats.draft_tokens_accepted > 0 or (draft_kind, kind) == ("ngram", "regex")
+
+
+# --------------------------------------------------------------------------- #
+# Sampled: every output valid; negative controls
+# --------------------------------------------------------------------------- #
+
+
+def sampled_texts(models, tok, kind: str, draft_kind: str, seeds: range, constrained: bool = True) -> list[str]:
+    ids, mask = prompts(tok, kind, 3)
+    texts = []
+    for seed in seeds:
+        out = specjax.speculative_generate(
+            models["target"],
+            drafter(draft_kind, models),
+            ids,
+            mask,
+            max_new_tokens=60,
+            num_draft_tokens=G,
+            temperature=0.7,
+            seed=seed,
+            eos_token_id=EOS,
+            pad_token_id=0,
+            target_tokenizer=tok,
+            **(CONSTRAINTS[kind][0] if constrained else {}),
+        )
+        texts += outputs(out, ids, tok)
+    return texts
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid"])
+def test_every_sampled_output_is_valid(draft_kind, kind, tok, models):
+    texts = sampled_texts(models, tok, kind, draft_kind, range(8))
+    bad = [t for t in texts if not CONSTRAINTS[kind][1](t)]
+    assert not bad, bad[:3]
+    assert len(set(texts)) > len(texts) // 2  # sampled: the outputs vary
+
+
+def test_negative_control_unconstrained_outputs_do_not_parse(tok, models):
+    texts = sampled_texts(models, tok, "json_schema", "model", range(2), constrained=False)
+    assert not any(conforms(t) for t in texts)
+
+
+def test_negative_control_a_commit_without_rollback_fails(tok, models, monkeypatch):
+    """A commit that keeps the rejected draft tokens in the matchers: the run fails or its outputs do not parse."""
+
+    def no_rollback(self, emitted):
+        for b, (m, new) in enumerate(zip(self.matchers, emitted, strict=True)):
+            for t in new[self.advanced[b] :]:
+                if not m.is_terminated() and not m.accept_token(int(t)):
+                    raise RuntimeError(f"row {b} refused {t}")
+            self.advanced[b], self.drafted[b] = 0, []
+
+    monkeypatch.setattr(GrammarRows, "commit", no_rollback)
+    try:
+        texts = sampled_texts(models, tok, "json_schema", "model", range(4))
+    except RuntimeError:
+        return
+    assert not all(conforms(t) for t in texts)
+
+
+# --------------------------------------------------------------------------- #
+# Errors
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"json_schema": SCHEMA, "regex": "a"}, ValueError, "json_schema, regex: expected at most one"),
+        ({"json_schema": "{not json"}, ValueError, "json_schema: expected a JSON schema, got text that is not JSON"),
+        ({"json_schema": [1]}, ValueError, "json_schema: expected a JSON schema .* got list"),
+        ({"json_schema": 3.5}, ValueError, "json_schema: expected a JSON schema .* got float"),
+        ({"json_schema": {"type": "nonsense"}}, ValueError, "json_schema: xgrammar cannot compile it: .*nonsense"),
+        ({"regex": "[a-"}, ValueError, "regex: xgrammar cannot compile it"),
+        ({"regex": ""}, ValueError, "regex: expected a non-empty regular expression"),
+        ({"regex": 5}, TypeError, "regex: expected a regular expression"),
+        ({"regex": "a", "target_tokenizer": None}, ValueError, "target_tokenizer: regex needs the target's tokenizer"),
+        ({"regex": "a", "eos_token_id": []}, ValueError, "eos_token_id: regex needs an EOS token id"),
+    ],
+)
+def test_bad_constraints_are_refused(kwargs, error, message, tok, models):
+    ids, mask = prompts(tok, "regex", 1)
+    call = {"eos_token_id": EOS, "target_tokenizer": tok, **kwargs}
+    with pytest.raises(error, match=message):
+        specjax.speculative_generate(models["target"], "ngram", ids, mask, max_new_tokens=4, **call)
+
+
+def test_a_pydantic_model_gives_its_schema():
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    spec = grammar_spec(json_schema=Person)
+    assert spec is not None and json.loads(spec.source) == Person.model_json_schema()
