@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import specjax
-from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
 
 pytestmark = pytest.mark.demo_pair
@@ -277,6 +277,67 @@ def test_greedy_matches_plain_constrained_decoding(draft_kind, kind, batch, tok,
     # regex prompts find the random target's choices too rarely for that)
     assert out.stats.draft_tokens_accepted < out.stats.draft_tokens_proposed
     assert out.stats.draft_tokens_accepted > 0 or (draft_kind, kind) == ("ngram", "regex")
+
+
+class CorruptingOracle:
+    """Proposes the reference continuation with its third token replaced by one the grammar refuses
+    (point masses): the loop must cut each proposal to its first two tokens."""
+
+    name = "oracle"
+    needs_target_hidden = False
+    cost_per_token_hint = 0.0
+
+    def __init__(self, reference: list[int], prompt_len: int, grammar) -> None:
+        self.reference, self.prompt_len, self.grammar = reference, prompt_len, grammar
+
+    def start(self, setup) -> None:
+        pass
+
+    def propose(self, request):
+        ctx = request.contexts[0]
+        done = len(ctx) - self.prompt_len
+        want = self.reference[done : done + int(request.allowed[0])]
+        if len(want) > 2:
+            # a token the grammar refuses after the reference's first two
+            want[2] = next(
+                t for t in range(100, V) if fresh_matcher(self.grammar, [*self.reference[: done + 2], t]) is None
+            )
+        tokens = np.zeros((1, max(len(want), 1)), np.int32)
+        tokens[0, : len(want)] = want
+        return Proposal(tokens, np.array([len(want)], np.int64), None, paid_tokens=0)
+
+    def commit(self, info) -> None:
+        pass
+
+    def select_rows(self, rows) -> None:
+        pass
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_point_mass_proposals_are_cut_at_their_first_refused_token(temperature, tok, models):
+    ids, mask = prompts(tok, "json_schema", 1)
+    grammar = compiled(tok, "json_schema")
+    target = models["target"]
+    ref = plain_constrained(target, ids, mask, grammar, 40)[0, ids.shape[1] :].tolist()
+    out = specjax.speculative_generate(
+        target,
+        CorruptingOracle(ref, ids.shape[1], grammar),
+        ids,
+        mask,
+        max_new_tokens=40,
+        num_draft_tokens=G,
+        temperature=temperature,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        target_tokenizer=tok,
+        adaptive=False,
+        json_schema=SCHEMA,
+    )
+    if temperature == 0:
+        assert out.sequences[0, ids.shape[1] :].tolist() == ref
+    # only the two valid tokens of each proposal were tested (and, greedy, all accepted)
+    assert out.stats.tests_per_position[2:] == [0] * (G - 2) and out.stats.tests_per_position[0] > 0
+    assert temperature or out.stats.draft_tokens_accepted == out.stats.draft_tokens_proposed
 
 
 # --------------------------------------------------------------------------- #
