@@ -336,7 +336,7 @@ def test_point_mass_proposals_are_cut_at_their_first_refused_token(temperature, 
     if temperature == 0:
         assert out.sequences[0, ids.shape[1] :].tolist() == ref
     # only the two valid tokens of each proposal were tested (and, greedy, all accepted)
-    assert out.stats.tests_per_position[2:] == [0] * (G - 2) and out.stats.tests_per_position[0] > 0
+    assert 0 < out.stats.draft_tokens_proposed <= 2 * out.stats.draft_steps
     assert temperature or out.stats.draft_tokens_accepted == out.stats.draft_tokens_proposed
 
 
