@@ -273,3 +273,67 @@ def test_generate_keeps_its_compiled_steps_in_the_specjax_cache(models, tmp_path
     off = forkserver.run(args, timeout=300, env=env, cwd=tmp_path)
     assert off.returncode == 0, off.stderr
     assert not (tmp_path / "off").exists()
+
+
+def test_generate_regex_constrains_the_output(models):
+    """--regex: every row's tokens spell a string the regex matches (then EOS), greedy and sampled."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["target"])
+    for temperature in ("0", "0.9"):
+        proc = run_cli(
+            "generate",
+            "--target",
+            str(models["target"]),
+            "--draft",
+            str(models["draft"]),
+            "--prompt",
+            "w1 w2 w3",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            temperature,
+            "--regex",
+            "w1(w2|w3){1,3}",
+            "--json",
+        )
+        assert proc.returncode == 0, proc.stderr
+        ids = json.loads(proc.stdout)["token_ids"]
+        assert ids[-1] == tok.eos_token_id
+        assert re.fullmatch("w1(w2|w3){1,3}", "".join(tok.convert_ids_to_tokens(ids[:-1]))), ids
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "pattern"),
+    [
+        (None, [], r"--json-schema .*: cannot read it"),
+        ("{not json", [], r"--json-schema .*: not JSON \(Expecting property name"),
+        ("[1, 2]", [], r"--json-schema .*: expected a JSON schema \(an object\), got a JSON list"),
+        ('{"type": "nonsense"}', [], r"generate: json_schema: xgrammar cannot compile it: .*nonsense"),
+        ('{"type": "string"}', ["--regex", "a"], r"argument --regex: not allowed with argument --json-schema"),
+    ],
+)
+def test_bad_json_schema_one_line_exit_2(models, tmp_path, content, extra, pattern):
+    import re
+
+    path = tmp_path / "schema.json"
+    if content is not None:
+        path.write_text(content)
+    proc = run_cli(
+        "generate",
+        "--target",
+        str(models["target"]),
+        "--draft",
+        str(models["draft"]),
+        "--prompt",
+        "w1",
+        "--json-schema",
+        str(path),
+        *extra,
+    )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]  # (xgrammar may warn about the word-level tokenizer first)
+    assert re.search(pattern, last), proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -280,6 +280,21 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def read_json_schema(path: str) -> Any:
+    """The JSON schema in file ``path`` (``--json-schema``), read before the models load."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CLIError(f"--json-schema {path}: cannot read it ({_first_line(err)})") from err
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CLIError(f"--json-schema {path}: not JSON ({err.msg} at line {err.lineno})") from err
+    if not isinstance(schema, dict):
+        raise CLIError(f"--json-schema {path}: expected a JSON schema (an object), got a JSON {type(schema).__name__}")
+    return schema
+
+
 def check_text(where: str, text: str) -> None:
     """Raise CLIError unless ``text`` is Unicode text UTF-8 can encode.
 
@@ -341,6 +356,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         check_text("--prompt", args.prompt)
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
+    schema = read_json_schema(args.json_schema) if args.json_schema is not None else None
     _check_sampler(args.sampler)  # before the slow model load
     drafter_name = _check_drafter(args)
     device = _torch_device(args.device)
@@ -376,8 +392,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     target_tokenizer=tok,
                     draft_tokenizer=d_tok,
                     on_tokens=stream,
+                    json_schema=schema,
+                    regex=args.regex,
                 )
-            except (ValueError, TypeError) as err:
+            except (ValueError, TypeError, ImportError) as err:
                 raise CLIError(f"generate: {_first_line(err)}") from err
             stats = out.stats.as_dict()
             for row, prompt in enumerate(chunk):
@@ -555,6 +573,16 @@ def build_parser() -> argparse.ArgumentParser:
         "else the EAGLE head, or the draft model where there is no head), hybrid-model (ngram, "
         "else the draft model), a draft model path, an EAGLE head's directory, or an installed "
         "drafter's name",
+    )
+    constrain = gen.add_mutually_exclusive_group()
+    constrain.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="constrain the output to JSON that the schema in FILE accepts (needs xgrammar: "
+        "pip install 'specjax[grammar]')",
+    )
+    constrain.add_argument(
+        "--regex", metavar="PATTERN", help="constrain the output to a string PATTERN matches (needs xgrammar)"
     )
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")

@@ -350,7 +350,7 @@ def _grammar_rows(
             f"eos_token_id: {spec.kind} needs an EOS token id to end a complete output; pass eos_token_id=... "
             "(or set the target's generation_config.eos_token_id)"
         )
-    return GrammarRows(compile_grammar(spec, tokenizer, vocab), batch, sorted(eos_ids), vocab)
+    return GrammarRows(compile_grammar(spec, tokenizer, vocab), batch, sorted(eos_ids), vocab, spec.kind)
 
 
 def _draft_models(drafter: Any) -> list[Any]:

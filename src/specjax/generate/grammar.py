@@ -176,11 +176,12 @@ class GrammarRows:
       stop_ids: the token ids that end a row (the call's EOS ids): the grammar
         allows them, and only them, once the output is complete.
       vocab: V, the width of the logits the masks apply to.
+      name: the argument the grammar came from, for messages (``json_schema`` or ``regex``).
     """
 
-    def __init__(self, compiled: Any, batch: int, stop_ids: list[int], vocab: int) -> None:
+    def __init__(self, compiled: Any, batch: int, stop_ids: list[int], vocab: int, name: str = "grammar") -> None:
         xgr = _xgrammar()
-        self.vocab = vocab
+        self.vocab, self.name = vocab, name
         self.matchers = [xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids)) for _ in range(batch)]
         self.advanced = [0] * batch
         self.drafted: list[list[int]] = [[] for _ in range(batch)]
@@ -219,7 +220,7 @@ class GrammarRows:
         masks = np.full((len(self.matchers), self.words), -1, np.int32)
         for b, m in enumerate(self.matchers):
             if self._drawing[b] is not None:
-                m.fill_next_token_bitmask(masks, b)
+                self._fill(m, masks, b)
         return self.mask_logits(logits[:, None], masks[:, None])[:, 0]
 
     def end_draft(self) -> None:
@@ -263,7 +264,7 @@ class GrammarRows:
             if not active[b] or m.is_terminated():
                 continue
             for i in range(int(k[b]) + 1):
-                m.fill_next_token_bitmask(flat, b * (width + 1) + i)
+                self._fill(m, flat, b * (width + 1) + i)
                 if i == int(k[b]):
                     break
                 t = int(tokens[b, i])
@@ -313,6 +314,16 @@ class GrammarRows:
                         f"grammar: row {b} emitted token {int(t)}, which the grammar does not allow after the "
                         "row's output so far (its masked probability is 0)"
                     )
+
+    def _fill(self, matcher: Any, masks: np.ndarray, index: int) -> None:
+        """``masks[index]`` = the matcher's next-token bitmask, or a ValueError when it allows no token."""
+        matcher.fill_next_token_bitmask(masks, index)
+        if not masks[index].any():
+            raise ValueError(
+                f"{self.name}: no token of the tokenizer continues the output under the grammar (the "
+                "tokenizer cannot spell what the grammar requires next); check that the schema or regex fits "
+                "the tokenizer's vocabulary"
+            )
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (indices into the current rows), in that order."""
