@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -210,6 +211,84 @@ def test_masks_and_rollback_equal_fresh_matchers(tok, kind):
         expect = fresh_mask(grammar, committed[b])
         if expect is not None:
             np.testing.assert_array_equal(masks[b, 0], expect)
+
+
+@dataclass(frozen=True)
+class RowPrefixes:
+    """The fields of the processor chain's ``Prefixes`` that a row processor reads (prefixes right-aligned)."""
+
+    rows: np.ndarray
+    ids: np.ndarray
+    lengths: np.ndarray
+    committed: np.ndarray
+    prompt_length: int
+
+    def prefix(self, n: int) -> np.ndarray:
+        return self.ids[n, self.ids.shape[1] - int(self.lengths[n]) :]
+
+
+def row_prefixes(prompt: list[int], prefixes: list[tuple[int, list[int], int]]) -> RowPrefixes:
+    """``(batch row, generated tokens, committed count)`` triples as the chain passes them."""
+    full = [prompt + gen for _, gen, _ in prefixes]
+    width = max(map(len, full))
+    ids = np.array([[0] * (width - len(f)) + f for f in full], np.int64)
+    return RowPrefixes(
+        np.array([r for r, _, _ in prefixes]),
+        ids,
+        np.array([len(f) for f in full]),
+        np.array([len(prompt) + c for _, _, c in prefixes]),
+        len(prompt),
+    )
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+def test_row_processor_masks_equal_fresh_matchers(tok, kind):
+    """As a row processor (process_rows): a drafter's positions one call each, then the target's positions
+    of every row in one call, then a random outcome; each scores row is masked as a fresh matcher fed its
+    prefix's generated tokens masks it."""
+    grammar = compiled(tok, kind)
+    rng = np.random.default_rng(1)
+    batch, prompt = 3, [5, 6, 7]
+    rows = GrammarRows(grammar, batch, [EOS], V)
+    rows.start(batch, len(prompt))
+    committed: list[list[int]] = [[] for _ in range(batch)]
+
+    def check(calls: list[tuple[int, list[int], int]]) -> None:
+        out = rows.process_rows(row_prefixes(prompt, calls), torch.zeros(len(calls), V))
+        for n, (_, gen, _) in enumerate(calls):
+            expect = fresh_mask(grammar, gen)
+            finite = torch.isfinite(out[n]).numpy()
+            if expect is None:  # refused or ended: never reached, every token allowed
+                assert finite.all()
+            else:
+                assert (
+                    finite.tolist() == np.unpackbits(expect.view(np.uint8), bitorder="little")[:V].astype(bool).tolist()
+                )
+
+    for _ in range(10):
+        k = rng.integers(0, G + 1, batch)
+        drafts: list[list[int]] = [[] for _ in range(batch)]
+        for b in range(batch):
+            for _ in range(int(k[b])):
+                mask = fresh_mask(grammar, committed[b] + drafts[b])
+                valid = mask is not None and rng.random() < 0.8
+                drafts[b].append(int(rng.choice(allowed_ids(mask))) if valid else int(rng.integers(3, V)))
+        for i in range(int(k.max())):  # a drafter: position i of the rows that draft that far
+            check([(b, committed[b] + drafts[b][:i], len(committed[b])) for b in range(batch) if k[b] > i])
+        check(
+            [(b, committed[b] + drafts[b][:i], len(committed[b])) for b in range(batch) for i in range(int(k[b]) + 1)]
+        )
+        for b in range(batch):  # accept n valid drafts, emit an allowed token
+            n = 0
+            while (
+                n < k[b] and fresh_mask(grammar, committed[b] + drafts[b][: n + 1]) is not None and rng.random() < 0.7
+            ):
+                n += 1
+            committed[b] += drafts[b][:n]
+            last = fresh_mask(grammar, committed[b])
+            if last is not None:
+                choices = allowed_ids(last)
+                committed[b].append(int(rng.choice(choices[choices != EOS] if len(choices) > 1 else choices)))
 
 
 def test_mask_logits_refuses_exactly_the_masked_ids(tok):

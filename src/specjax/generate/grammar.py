@@ -180,12 +180,9 @@ class GrammarRows:
     """
 
     def __init__(self, compiled: Any, batch: int, stop_ids: list[int], vocab: int, name: str = "grammar") -> None:
-        xgr = _xgrammar()
-        self.vocab, self.name = vocab, name
-        self.matchers = [xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids)) for _ in range(batch)]
-        self.advanced = [0] * batch
-        self.drafted: list[list[int]] = [[] for _ in range(batch)]
+        self.vocab, self.name, self.compiled, self.stop_ids = vocab, name, compiled, list(stop_ids)
         self.words = (vocab + 31) // 32
+        self.start(batch, 0)
         self._drawing: list[int | None] = []  # per row: draft draws fed to its matcher (None: refused/ended)
 
     def process_draft(self, position: int, logits: Any, previous: Any) -> Any:
@@ -314,6 +311,58 @@ class GrammarRows:
                         f"grammar: row {b} emitted token {int(t)}, which the grammar does not allow after the "
                         "row's output so far (its masked probability is 0)"
                     )
+
+    # -- as a row processor of the loop's processor chain (:mod:`specjax.generate.processors`) -------
+
+    def start(self, batch: int, prompt_length: int) -> None:
+        """Fresh matchers for ``batch`` rows, indexed by batch row (a row processor's ``start``)."""
+        self.matchers = [self._new_matcher() for _ in range(batch)]
+        self.advanced = [0] * batch
+        self.drafted: list[list[int]] = [[] for _ in range(batch)]
+        self.fed: list[list[int]] = [[] for _ in range(batch)]  # _follow's record of what each matcher holds
+        self.stable = [0] * batch
+        self.prompt_length = prompt_length
+
+    def process_rows(self, prefixes: Any, scores: torch.Tensor) -> torch.Tensor:
+        """f[N, V] ``scores`` masked, scores row n with the grammar's state after its prefix's generated tokens.
+
+        ``prefixes``: a :class:`specjax.generate.processors.Prefixes` (``rows``,
+        ``lengths``, ``committed``, ``prefix(n)``; the first ``prompt_length``
+        tokens of a prefix are the prompt's columns). A row's matcher follows
+        the prefixes it is asked about: it rolls back to where the new prefix
+        leaves the tokens it has seen and advances from there, so calls may
+        come in any order (a drafter's positions, then the target's).
+        Positions after a refused token or the end of the grammar allow every
+        token (they are never reached).
+        """
+        masks = np.full((len(prefixes.rows), self.words), -1, np.int32)
+        for n, row in enumerate(np.asarray(prefixes.rows)):
+            generated = prefixes.prefix(n)[self.prompt_length :]
+            if self._follow(int(row), generated, int(prefixes.committed[n]) - self.prompt_length):
+                self._fill(self.matchers[int(row)], masks, n)
+        return self.mask_logits(scores[:, None], masks[:, None])[:, 0]
+
+    def _follow(self, row: int, tokens: Any, committed: int) -> bool:
+        """Bring row ``row``'s matcher to the state after ``tokens`` (its generated tokens, the first
+        ``committed`` of them committed): whether it holds them all and has not ended."""
+        m, fed = self.matchers[row], self.fed[row]
+        same = min(self.stable[row], len(fed), len(tokens))
+        while same < min(len(fed), len(tokens)) and fed[same] == int(tokens[same]):
+            same += 1
+        if len(fed) > same:
+            m.rollback(len(fed) - same)
+            del fed[same:]
+        ok = True
+        for t in tokens[same:]:
+            if m.is_terminated() or not m.accept_token(int(t)):
+                ok = False
+                break
+            fed.append(int(t))
+        self.stable[row] = max(self.stable[row], min(committed, len(fed)))
+        return ok and not m.is_terminated()
+
+    def _new_matcher(self) -> Any:
+        return _xgrammar().GrammarMatcher(self.compiled, override_stop_tokens=list(self.stop_ids))
 
     def _fill(self, matcher: Any, masks: np.ndarray, index: int) -> None:
         """``masks[index]`` = the matcher's next-token bitmask, or a ValueError when it allows no token."""
