@@ -173,6 +173,7 @@ def test_masks_and_rollback_equal_fresh_matchers(tok, kind):
     committed: list[list[int]] = [[] for _ in range(batch)]
     cut_seen = rolled_back = 0
     for _ in range(steps):
+        rows.begin_step(list(range(batch)), committed)
         k = rng.integers(0, G + 1, batch)
         tokens = np.zeros((batch, G), np.int64)
         for b in range(batch):
@@ -202,10 +203,10 @@ def test_masks_and_rollback_equal_fresh_matchers(tok, kind):
                 choices = allowed_ids(last)
                 kept.append(int(rng.choice(choices[choices != EOS] if len(choices) > 1 else choices)))
             emitted.append(kept)
-        rows.commit(emitted)
         for b in range(batch):
             committed[b] += emitted[b]
     assert cut_seen and rolled_back  # both paths ran
+    rows.begin_step(list(range(batch)), committed)
     masks = rows.draft_masks(np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), np.ones(batch, bool))
     for b in range(batch):
         expect = fresh_mask(grammar, committed[b])
@@ -293,6 +294,7 @@ def test_row_processor_masks_equal_fresh_matchers(tok, kind):
 
 def test_mask_logits_refuses_exactly_the_masked_ids(tok):
     rows = GrammarRows(compiled(tok, "regex"), 1, [EOS], V)
+    rows.begin_step([0], [[]])
     masks = rows.draft_masks(np.zeros((1, 0), np.int64), np.zeros(1, np.int64), np.ones(1, bool))
     logits = torch.randn(1, 1, V + 64)  # a head padded beyond the tokenizer
     out = rows.mask_logits(logits, masks)
@@ -460,20 +462,14 @@ def test_negative_control_unconstrained_outputs_do_not_parse(tok, models):
     assert not any(conforms(t) for t in texts)
 
 
-def test_negative_control_a_commit_without_rollback_fails(tok, models, monkeypatch):
-    """A commit that keeps the rejected draft tokens in the matchers: the run fails or its outputs do not parse."""
+def test_negative_control_a_matcher_that_does_not_roll_back_fails(tok, models, monkeypatch):
+    """Matchers whose rollback does nothing keep rejected draft tokens: the run fails or its outputs do not parse."""
+    import xgrammar as xgr
 
-    def no_rollback(self, emitted):
-        for b, (m, new) in enumerate(zip(self.matchers, emitted, strict=True)):
-            for t in new[self.advanced[b] :]:
-                if not m.is_terminated() and not m.accept_token(int(t)):
-                    raise RuntimeError(f"row {b} refused {t}")
-            self.advanced[b], self.drafted[b] = 0, []
-
-    monkeypatch.setattr(GrammarRows, "commit", no_rollback)
+    monkeypatch.setattr(xgr.GrammarMatcher, "rollback", lambda self, num_tokens=1: None)
     try:
         texts = sampled_texts(models, tok, "json_schema", "model", range(4))
-    except RuntimeError:
+    except ValueError:
         return
     assert not all(conforms(t) for t in texts)
 

@@ -8,9 +8,12 @@ logits at draft position ``i`` are masked with the grammar's state after the
 committed tokens *and* draft tokens ``x_0 .. x_{i-1}``, the prefix plain
 decoding would have seen there (Leviathan et al. 2023, arXiv:2211.17192; Chen
 et al. 2023, arXiv:2302.01318: the acceptance test then follows the masked
-distribution). So each step, per row:
+distribution). So each step, per row (:class:`GrammarRows`, one matcher per row):
 
-1. :meth:`GrammarRows.valid_prefix`: point-mass proposals (n-gram lookups, the
+1. A model drafter draws from its logits masked the same way
+   (:meth:`GrammarRows.process_draft`), so it proposes only tokens the grammar
+   allows and its proposal's logits are the masked law it drew from.
+2. :meth:`GrammarRows.valid_prefix`: point-mass proposals (n-gram lookups, the
    ``hybrid`` drafter's n-gram rows, any proposal of a greedy call) are cut at
    their first token the grammar refuses. Exact: such a token has masked target
    probability 0, so it would be rejected with certainty and the emitted token
@@ -18,13 +21,13 @@ distribution). So each step, per row:
    token of the cut proposal is drawn from. Sampled proposals are not cut (a
    count chosen from the drawn tokens would bias the output; the masked target
    rejects an invalid token instead).
-2. :meth:`GrammarRows.draft_masks`: the matcher is advanced along the draft,
-   filling the bitmask of each of the ``k_b + 1`` positions; it stops at a
-   refused token (later positions are never reached: all tokens allowed there).
-3. :meth:`GrammarRows.mask_logits`: ``-inf`` where a position's bitmask is 0.
-4. :meth:`GrammarRows.commit`: after verification the matcher is rolled back to
-   the accepted prefix and advanced along the emitted (correction or bonus)
-   token.
+3. :meth:`GrammarRows.draft_masks`: the bitmask of each of the ``k_b + 1``
+   positions the target scores, the matcher advanced along the draft; it stops
+   at a refused token (later positions are never reached: all tokens allowed).
+4. :meth:`GrammarRows.mask_logits`: ``-inf`` where a position's bitmask is 0.
+
+No commit call: each matcher follows the prefixes it is asked about, rolling
+back to the accepted prefix when the next step asks about it.
 
 The library is xgrammar (what vLLM uses), chosen by measurement on the SmolLM2
 tokenizer (docs/grammar.md): its token bitmask costs microseconds per position
@@ -164,11 +167,14 @@ def _unpack(bitmask: np.ndarray, vocab: int, device: torch.device) -> torch.Tens
 
 
 class GrammarRows:
-    """One grammar matcher per row of the loop's batch (host state; xgrammar's ``GrammarMatcher``).
+    """One grammar matcher per batch row (host state; xgrammar's ``GrammarMatcher``).
 
-    Each matcher holds the row's committed tokens plus the draft tokens it was
-    advanced along by the last :meth:`draft_masks` (``advanced[b]`` of them),
-    which :meth:`commit` rolls back.
+    A row's matcher follows the prefixes it is asked about: asked for the mask
+    after a row's generated tokens, it rolls back to where they leave what it
+    holds and advances from there (xgrammar rolls back in O(1) per token). So
+    the drafter's positions, the target's positions and the next step's need no
+    explicit commit or rollback call, and the calls may come in any order.
+    Committed tokens are never compared again (``stable``).
 
     Args:
       compiled: the ``xgrammar.CompiledGrammar`` (:func:`compile_grammar`).
@@ -183,98 +189,80 @@ class GrammarRows:
         self.vocab, self.name, self.compiled, self.stop_ids = vocab, name, compiled, list(stop_ids)
         self.words = (vocab + 31) // 32
         self.start(batch, 0)
-        self._drawing: list[int | None] = []  # per row: draft draws fed to its matcher (None: refused/ended)
+
+    def start(self, batch: int, prompt_length: int) -> None:
+        """Fresh matchers for ``batch`` rows (also a row processor's ``start``: ``prompt_length`` columns of each
+        prefix :meth:`process_rows` sees are the prompt's)."""
+        xgr = _xgrammar()
+        self.matchers = [xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_ids) for _ in range(batch)]
+        self.fed: list[list[int]] = [[] for _ in range(batch)]  # the generated tokens each matcher holds
+        self.stable = [0] * batch  # how many of them are committed
+        self.prompt_length = prompt_length
+        self._step: tuple[list[int], list[list[int]]] = ([], [])
+        self._drawn: list[list[int]] = []
+
+    # -- the loop's calls (specjax.generate.loop) ------------------------------------------------
+
+    def begin_step(self, rows: list[int], generated: list[list[int]]) -> None:
+        """The step's cache rows: ``rows[j]`` the batch row of cache row j, ``generated[j]`` its committed
+        generated tokens (read, not copied: unchanged until the step commits)."""
+        self._step = (list(rows), generated)
+        self._drawn = [[] for _ in rows]
 
     def process_draft(self, position: int, logits: Any, previous: Any) -> Any:
-        """A model drafter's logits at draft ``position`` (0-based), masked like the target's there.
+        """A model drafter's logits f[B', V'] at draft ``position`` (0-based), masked like the target's there.
 
         The drafter calls this once per position, in order (through
-        :attr:`specjax.drafters.DraftRequest.process`): ``logits`` f[B', V'] (torch)
-        and ``previous`` the tokens it drew at ``position - 1`` (i[B'], any array
-        library; None at position 0). The matchers advance along the draws;
-        :meth:`end_draft` takes them back to the committed tokens. Drawing from
-        the masked logits only proposes tokens the grammar allows: the
-        draft's distribution is then the masked one (the proposal's logits are
-        these), which the acceptance test needs.
+        :attr:`specjax.drafters.DraftRequest.process`), with ``previous`` the
+        tokens it drew at ``position - 1`` (i[B'], any array library; None at
+        0). Drawing from the masked logits proposes only tokens the grammar
+        allows, and the draft's distribution is then the masked one (the
+        proposal's logits are these), which the acceptance test needs.
         """
-        if position == 0:
-            self.end_draft()
-            self._drawing = [0 if not m.is_terminated() else None for m in self.matchers]
-        else:
-            drawn = np.asarray(to_host(previous)).reshape(-1)
-            for b, m in enumerate(self.matchers):
-                count = self._drawing[b]
-                if count is None:
-                    continue
-                if not m.accept_token(int(drawn[b])):  # a row that does not draft: its draws do not matter
-                    m.rollback(count)
-                    self._drawing[b] = None
-                elif m.is_terminated():  # drew a stop token: the row's draft ends there
-                    m.rollback(count + 1)
-                    self._drawing[b] = None
-                else:
-                    self._drawing[b] = count + 1
-        masks = np.full((len(self.matchers), self.words), -1, np.int32)
-        for b, m in enumerate(self.matchers):
-            if self._drawing[b] is not None:
-                self._fill(m, masks, b)
+        rows, generated = self._step
+        if position:
+            for j, t in enumerate(np.asarray(to_host(previous)).reshape(-1).tolist()):
+                self._drawn[j].append(int(t))
+        masks = self._masks([(r, generated[j], self._drawn[j], len(generated[j])) for j, r in enumerate(rows)])
         return self.mask_logits(logits[:, None], masks[:, None])[:, 0]
 
-    def end_draft(self) -> None:
-        """Take the matchers back to the committed tokens after :meth:`process_draft` (no-op otherwise)."""
-        for m, count in zip(self.matchers, self._drawing, strict=False):
-            if count:
-                m.rollback(count)
-        self._drawing = []
+    def valid_prefix(self, tokens: np.ndarray, k: np.ndarray, cut: np.ndarray) -> np.ndarray:
+        """i64[B']: ``k`` cut, in the rows ``cut`` (bool[B']), to each proposal's longest grammar-valid prefix.
 
-    def valid_prefix(self, tokens: np.ndarray, k: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """i64[B']: ``k`` cut, in the ``rows`` (bool[B']), to each proposal's longest grammar-valid prefix.
-
-        ``tokens``: i64[B', G] host array of proposals, row b's first ``k[b]``
-        used. The matchers end where they began.
+        ``tokens``: i64[B', G] host array of proposals, row j's first ``k[j]`` used.
         """
+        rows, generated = self._step
         out = np.asarray(k, np.int64).copy()
-        for b in np.nonzero(np.asarray(rows) & (out > 0))[0]:
-            m = self.matchers[b]
-            valid = 0
-            while valid < out[b] and not m.is_terminated() and m.accept_token(int(tokens[b, valid])):
-                valid += 1
-            if valid:
-                m.rollback(valid)
-            out[b] = valid
+        for j in np.nonzero(np.asarray(cut) & (out > 0))[0]:
+            gen = generated[j]
+            self._follow(rows[j], gen, tokens[j, : out[j]].tolist(), len(gen))
+            out[j] = max(len(self.fed[rows[j]]) - len(gen), 0)
         return out
 
     def draft_masks(self, tokens: np.ndarray, k: np.ndarray, active: np.ndarray) -> np.ndarray:
         """i32[B', W+1, ceil(V/32)] bitmasks of the positions the target scores, ``[last, x_0 .. x_{W-1}]``.
 
-        Row b's position ``i <= k[b]`` gets the grammar's mask after its
+        Row j's position ``i <= k[j]`` gets the grammar's mask after its
         committed tokens and ``x_0 .. x_{i-1}``; positions after a refused token
         (never reached: that token is rejected), after the end of the grammar,
         and in inactive rows allow every token. ``tokens``: i64[B', W] host
         array; ``k``: i64[B']; ``active``: bool[B'].
         """
+        rows, generated = self._step
         b_now, width = tokens.shape
-        masks = np.full((b_now, width + 1, self.words), -1, np.int32)
-        flat = masks.reshape(b_now * (width + 1), self.words)
-        for b in range(b_now):
-            m, self.advanced[b], self.drafted[b] = self.matchers[b], 0, []
-            if not active[b] or m.is_terminated():
-                continue
-            for i in range(int(k[b]) + 1):
-                self._fill(m, flat, b * (width + 1) + i)
-                if i == int(k[b]):
-                    break
-                t = int(tokens[b, i])
-                if not m.accept_token(t):
-                    break
-                self.advanced[b] += 1
-                self.drafted[b].append(t)
-                if m.is_terminated():
-                    break
-        return masks
+        items = [
+            (rows[j], generated[j], tokens[j, :i].tolist(), len(generated[j]))
+            for j in range(b_now)
+            if active[j]
+            for i in range(int(k[j]) + 1)
+        ]
+        where = [j * (width + 1) + i for j in range(b_now) if active[j] for i in range(int(k[j]) + 1)]
+        masks = np.full((b_now * (width + 1), self.words), -1, np.int32)
+        masks[where] = self._masks(items)
+        return masks.reshape(b_now, width + 1, self.words)
 
     def mask_logits(self, logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
-        """``logits`` (f[B', W+1, V'], torch) with ``-inf`` where ``masks`` (:meth:`draft_masks`) refuse a token.
+        """``logits`` (f[..., V'], torch) with ``-inf`` where ``masks`` (i32[..., ceil(V/32)]) refuse a token.
 
         Ids at or past the grammar's vocabulary V (padding) are refused.
         """
@@ -284,98 +272,60 @@ class GrammarRows:
             allowed = torch.cat([allowed, pad.to(logits.device)], dim=-1)
         return logits.masked_fill(~allowed, float("-inf"))
 
-    def commit(self, emitted: list[list[int]]) -> None:
-        """Roll each matcher back to the accepted prefix and advance it along the row's emitted tokens.
-
-        ``emitted``: B' host lists, each row's committed tokens this step (its
-        accepted draft tokens, then the correction or bonus token; empty for
-        finished rows).
-
-        Raises:
-          RuntimeError: an emitted token the grammar refuses (the masked target
-            gives it probability 0: a broken invariant, not user error).
-        """
-        for b, (m, new) in enumerate(zip(self.matchers, emitted, strict=True)):
-            drafted = self.drafted[b]
-            same = 0
-            while same < min(len(drafted), len(new)) and drafted[same] == new[same]:
-                same += 1
-            if self.advanced[b] > same:
-                m.rollback(self.advanced[b] - same)
-            self.advanced[b], self.drafted[b] = 0, []
-            for t in new[same:]:
-                if m.is_terminated():
-                    break
-                if not m.accept_token(int(t)):
-                    raise RuntimeError(
-                        f"grammar: row {b} emitted token {int(t)}, which the grammar does not allow after the "
-                        "row's output so far (its masked probability is 0)"
-                    )
-
-    # -- as a row processor of the loop's processor chain (:mod:`specjax.generate.processors`) -------
-
-    def start(self, batch: int, prompt_length: int) -> None:
-        """Fresh matchers for ``batch`` rows, indexed by batch row (a row processor's ``start``)."""
-        self.matchers = [self._new_matcher() for _ in range(batch)]
-        self.advanced = [0] * batch
-        self.drafted: list[list[int]] = [[] for _ in range(batch)]
-        self.fed: list[list[int]] = [[] for _ in range(batch)]  # _follow's record of what each matcher holds
-        self.stable = [0] * batch
-        self.prompt_length = prompt_length
+    # -- as a row processor of the loop's processor chain (specjax.generate.processors) -------------
 
     def process_rows(self, prefixes: Any, scores: torch.Tensor) -> torch.Tensor:
         """f[N, V] ``scores`` masked, scores row n with the grammar's state after its prefix's generated tokens.
 
-        ``prefixes``: a :class:`specjax.generate.processors.Prefixes` (``rows``,
-        ``lengths``, ``committed``, ``prefix(n)``; the first ``prompt_length``
-        tokens of a prefix are the prompt's columns). A row's matcher follows
-        the prefixes it is asked about: it rolls back to where the new prefix
-        leaves the tokens it has seen and advances from there, so calls may
-        come in any order (a drafter's positions, then the target's).
-        Positions after a refused token or the end of the grammar allow every
-        token (they are never reached).
+        ``prefixes``: a ``specjax.generate.processors.Prefixes`` (``rows``,
+        ``committed``, ``prefix(n)``; each prefix's first ``prompt_length``
+        tokens, as :meth:`start` was told, are the prompt's columns).
         """
-        masks = np.full((len(prefixes.rows), self.words), -1, np.int32)
-        for n, row in enumerate(np.asarray(prefixes.rows)):
-            generated = prefixes.prefix(n)[self.prompt_length :]
-            if self._follow(int(row), generated, int(prefixes.committed[n]) - self.prompt_length):
-                self._fill(self.matchers[int(row)], masks, n)
-        return self.mask_logits(scores[:, None], masks[:, None])[:, 0]
+        p = self.prompt_length
+        items = [
+            (int(row), prefixes.prefix(n)[p:], (), int(prefixes.committed[n]) - p)
+            for n, row in enumerate(np.asarray(prefixes.rows))
+        ]
+        return self.mask_logits(scores[:, None], self._masks(items)[:, None])[:, 0]
 
-    def _follow(self, row: int, tokens: Any, committed: int) -> bool:
-        """Bring row ``row``'s matcher to the state after ``tokens`` (its generated tokens, the first
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _masks(self, items: list[tuple[int, Any, Any, int]]) -> np.ndarray:
+        """i32[N, ceil(V/32)]: for each ``(row, head, tail, committed)``, the mask after the generated tokens
+        ``head + tail`` (all ones where they are refused or the grammar has ended)."""
+        masks = np.full((len(items), self.words), -1, np.int32)
+        for n, (row, head, tail, committed) in enumerate(items):
+            if self._follow(row, head, tail, committed):
+                m = self.matchers[row]
+                m.fill_next_token_bitmask(masks, n)
+                if not masks[n].any():
+                    raise ValueError(
+                        f"{self.name}: no token of the tokenizer continues the output under the grammar (the "
+                        "tokenizer cannot spell what the grammar requires next); check that the schema or regex "
+                        "fits the tokenizer's vocabulary"
+                    )
+        return masks
+
+    def _follow(self, row: int, head: Any, tail: Any, committed: int) -> bool:
+        """Bring row ``row``'s matcher to the state after the generated tokens ``head + tail`` (the first
         ``committed`` of them committed): whether it holds them all and has not ended."""
-        m, fed = self.matchers[row], self.fed[row]
-        same = min(self.stable[row], len(fed), len(tokens))
-        while same < min(len(fed), len(tokens)) and fed[same] == int(tokens[same]):
+        m, fed, cut = self.matchers[row], self.fed[row], len(head)
+        size = cut + len(tail)
+
+        def at(i: int) -> int:
+            return int(head[i]) if i < cut else int(tail[i - cut])
+
+        same = min(self.stable[row], len(fed), size)
+        while same < min(len(fed), size) and fed[same] == at(same):
             same += 1
         if len(fed) > same:
             m.rollback(len(fed) - same)
             del fed[same:]
         ok = True
-        for t in tokens[same:]:
-            if m.is_terminated() or not m.accept_token(int(t)):
+        for i in range(same, size):
+            if m.is_terminated() or not m.accept_token(at(i)):
                 ok = False
                 break
-            fed.append(int(t))
+            fed.append(at(i))
         self.stable[row] = max(self.stable[row], min(committed, len(fed)))
         return ok and not m.is_terminated()
-
-    def _new_matcher(self) -> Any:
-        return _xgrammar().GrammarMatcher(self.compiled, override_stop_tokens=list(self.stop_ids))
-
-    def _fill(self, matcher: Any, masks: np.ndarray, index: int) -> None:
-        """``masks[index]`` = the matcher's next-token bitmask, or a ValueError when it allows no token."""
-        matcher.fill_next_token_bitmask(masks, index)
-        if not masks[index].any():
-            raise ValueError(
-                f"{self.name}: no token of the tokenizer continues the output under the grammar (the "
-                "tokenizer cannot spell what the grammar requires next); check that the schema or regex fits "
-                "the tokenizer's vocabulary"
-            )
-
-    def select_rows(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (indices into the current rows), in that order."""
-        self.matchers = [self.matchers[j] for j in rows]
-        self.advanced = [self.advanced[j] for j in rows]
-        self.drafted = [self.drafted[j] for j in rows]

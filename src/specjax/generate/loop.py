@@ -318,6 +318,8 @@ class _Run:
         tested: the step's :class:`DraftBatch` and the drafting time. ``timed()``: whether the step has
         compiled nothing so far (only such times are recorded)."""
         b_now = len(caps)
+        if self.grammar is not None:  # the rows' committed tokens, for the grammar's masks of this step
+            self.grammar.begin_step(self.cache_rows, [self.rows[i].generated for i in self.cache_rows])
         ask = self.first_scored is None and caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or self.free_proposals)
         draft_s = 0.0
         proposal: Proposal
@@ -335,8 +337,6 @@ class _Run:
                     self.grammar.process_draft if self.grammar is not None else None,
                 )
             )
-            if self.grammar is not None:
-                self.grammar.end_draft()
             draft_s = time.perf_counter() - t_draft
             check_proposal(
                 self.who,
@@ -463,8 +463,6 @@ class _Run:
         # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
         self.t_cache.invalidate(scored.start_slot, 1 + kept)
         self.drafter.commit(CommitInfo(emitted_rows, n, batch.k, scored.hidden))
-        if self.grammar is not None:
-            self.grammar.commit(emitted_rows)
         self.schedule.record_outcome(batch.k, n, batch.free_rows, batch.confidence)
         self.step += 1
 
@@ -494,8 +492,6 @@ class _Run:
         self.t_cache.select_rows(np.asarray(keep, np.int64))
         self.drafter.select_rows(keep)
         self.schedule.select_rows(keep)
-        if self.grammar is not None:
-            self.grammar.select_rows(keep)
         self.cache_rows = [self.cache_rows[j] for j in keep]
         self.last = self.last[keep]
         # per-row parameters and keys follow their rows (gathered once per change)
