@@ -118,7 +118,10 @@ _COMPILERS: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDict
 
 def _compiler(tokenizer: Any, vocab_size: int) -> Any:
     xgr = _xgrammar()
-    per_tok = _COMPILERS.setdefault(tokenizer, {})
+    try:
+        per_tok = _COMPILERS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: compiled for this call only
+        per_tok = {}
     if vocab_size not in per_tok:
         try:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
