@@ -69,11 +69,14 @@ def check_stopping_criteria(stopping_criteria: Any) -> list[Criterion]:
     return flat
 
 
-def stop_string_criterion(stop_strings: Any, tokenizer: Any) -> Criterion | None:
+def stop_string_criterion(
+    stop_strings: Any, tokenizer: Any, *, tokenizer_arg: str = "target_tokenizer"
+) -> Criterion | None:
     """transformers' ``StopStringCriteria`` for ``stop_strings`` (a string or a list of strings), or None.
 
     Raises ``ValueError`` naming ``stop_strings`` for an empty string or list, or without a tokenizer
-    (the criterion matches strings against the tokenizer's vocabulary).
+    (the criterion matches strings against the tokenizer's vocabulary; ``tokenizer_arg``: the
+    argument that passes it, for the message).
     """
     if stop_strings is None:
         return None
@@ -84,8 +87,7 @@ def stop_string_criterion(stop_strings: Any, tokenizer: Any) -> Criterion | None
         )
     if tokenizer is None:
         raise ValueError(
-            "stop_strings: needs the target's tokenizer to match strings against its vocabulary; pass "
-            "target_tokenizer= (transformers' generate takes tokenizer=)"
+            f"stop_strings: needs the target's tokenizer to match strings against its vocabulary; pass {tokenizer_arg}="
         )
     from transformers.generation.stopping_criteria import StopStringCriteria
 
