@@ -41,20 +41,9 @@ EOS = 0  # == the pad id: generate pads rows that stopped only when an EOS crite
 PROMPTS = {1: (6,), 3: (5, 2, 7)}
 
 
-def char_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<pad>"] + [chr(c) for c in range(32, 127)])}
-    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<pad>")
-
-
 @pytest.fixture(scope="module")
-def tok():
-    return char_tokenizer()
+def tok(char_tokenizer):
+    return char_tokenizer
 
 
 @pytest.fixture(scope="module")
