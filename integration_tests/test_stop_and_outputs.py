@@ -3,7 +3,8 @@
 * ``stop_strings`` and ``StoppingCriteria``: greedy output equals ``target.generate`` with the same
   options, token for token, at B = 1 and on a ragged batch, with a drafter that proposes perfectly
   (the target itself: every step accepts a run of G + 1 tokens, and the stop is asserted to fall
-  inside such a run) and one that is often rejected (rows gain different counts per step);
+  inside such a run), one that is often rejected (rows gain different counts per step) and
+  prompt lookup (``"ngram"``);
 * ``output_scores`` / ``output_logits``: equal to ``generate``'s per-step tensors (greedy) within
   float tolerance, zeros where a row had ended; ``output_logprobs`` is their log-softmax at the
   emitted tokens; sampled scores equal transformers' warpers applied to the returned logits;
@@ -103,7 +104,7 @@ def assert_cut_inside_a_run(chunks: Chunks, lengths: list[int]) -> None:
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("draft_kind", ["same", "perturbed"])
+@pytest.mark.parametrize("draft_kind", ["same", "perturbed", "ngram"])
 def test_stop_strings_match_generate(batch, draft_kind, models, tok, left_padded):
     target = models["target"]
     ids, mask = left_padded(PROMPTS[batch], vocab_size=V, seed=11)
@@ -112,14 +113,15 @@ def test_stop_strings_match_generate(batch, draft_kind, models, tok, left_padded
     stops = [tok.decode(free[0, 5:8])] + [tok.decode(free[b, 8:10]) for b in range(1, batch)]
     ref = plain(target, ids, mask, stop_strings=stops, tokenizer=tok)
     chunks = Chunks()
-    out = spec(target, models[draft_kind], ids, mask, stop_strings=stops, target_tokenizer=tok, on_tokens=chunks)
+    draft = "ngram" if draft_kind == "ngram" else models[draft_kind]
+    out = spec(target, draft, ids, mask, stop_strings=stops, target_tokenizer=tok, on_tokens=chunks)
     assert torch.equal(out.sequences, ref), f"\n{out.sequences[:, ids.shape[1] :]}\n{ref[:, ids.shape[1] :]}"
     lengths = new_lengths(out, ids.shape[1])
     assert all(n < N_NEW for n in lengths), lengths  # every row stopped at its string
     if draft_kind == "same":
         assert out.stats.acceptance_rate == 1.0
         assert_cut_inside_a_run(chunks, lengths)
-    else:
+    elif draft_kind == "perturbed":
         assert 0 < out.stats.acceptance_rate < 1
 
 
@@ -186,6 +188,11 @@ def test_a_criterions_bad_answer_names_it(models):
         (dict(stop_strings="ab"), ValueError, r"stop_strings: needs the target's tokenizer"),
         (dict(stop_strings=[], target_tokenizer="tok"), ValueError, r"stop_strings: expected a non-empty string"),
         (dict(stop_strings=["a", ""], target_tokenizer="tok"), ValueError, r"stop_strings: expected a non-empty"),
+        (
+            dict(stop_strings="ab", target_tokenizer="not a tokenizer"),
+            ValueError,
+            r"stop_strings: transformers' StopStringCriteria cannot read the vocabulary of target_tokenizer",
+        ),
         (dict(stopping_criteria=42), TypeError, r"stopping_criteria: expected a StoppingCriteria.*got int"),
         (dict(stopping_criteria=[SumStop(), 42]), TypeError, r"stopping_criteria: expected callables .*got .*int"),
         (dict(output_scores="yes"), TypeError, r"output_scores: expected True or False, got str"),

@@ -91,7 +91,13 @@ def stop_string_criterion(
         )
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    return StopStringCriteria(tokenizer, list(strings))
+    try:
+        return StopStringCriteria(tokenizer, list(strings))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f"stop_strings: transformers' StopStringCriteria cannot read the vocabulary of {tokenizer_arg} "
+            f"({type(err).__name__}: {err}); pass a transformers tokenizer of the target"
+        ) from err
 
 
 def _window(criterion: Criterion) -> int | None:
