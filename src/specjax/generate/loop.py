@@ -424,13 +424,8 @@ class _Run:
         stats.steps += 1
         b_now = len(batch.k)
         kept = np.zeros(b_now, np.int64)  # accepted draft tokens each row keeps (a stop may cut them)
-        live = [j for j, i in enumerate(self.cache_rows) if not self.rows[i].done]
-        runs = [tokens[j, : int(n[j]) + 1].tolist() for j in live]
-        cut = self.stop.cut(
-            [self.cache_rows[j] for j in live], [self.rows[self.cache_rows[j]].generated for j in live], runs
-        )
-        stopped_at = dict(zip(live, cut, strict=True))
-        run_of = dict(zip(live, runs, strict=True))
+        runs = [[] if self.rows[i].done else tokens[j, : int(n[j]) + 1].tolist() for j, i in enumerate(self.cache_rows)]
+        stops = self.stop.cut(self.cache_rows, [self.rows[i].generated for i in self.cache_rows], runs)
         emitted_rows: list[list[int]] = []
         for j, i in enumerate(self.cache_rows):
             row = self.rows[i]
@@ -442,7 +437,7 @@ class _Run:
             stats.draft_tokens_accepted += n_j
             self.tested[: min(n_j + 1, k_j)] += 1
             self.passed[:n_j] += 1
-            emitted, at = run_of[j], stopped_at[j]
+            emitted, at = runs[j], stops[j]
             if at is not None:
                 emitted = emitted[: at + 1]
                 row.done = True

@@ -131,7 +131,8 @@ class StopRule:
         """For each row, the index of the run's token it stops at (kept, the rest dropped), or None.
 
         ``rows``: each row's index in the batch (its prompt); ``generated``: its tokens before this
-        step; ``runs``: the step's new tokens (the accepted draft tokens and the emitted one).
+        step; ``runs``: the step's new tokens (the accepted draft tokens and the emitted one; empty for
+        a row that has ended).
         """
         stop: list[int | None] = []
         for run in runs:
