@@ -17,6 +17,7 @@ span several tokens as they do with real tokenizers.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -257,6 +258,25 @@ def test_scores_and_logits_match_generate(batch, draft_kind, models, tok, left_p
                 assert math.isnan(float(out.logprobs[b, t]))
     if batch > 1:
         assert min(lengths) < N_NEW  # the zero rows were exercised
+
+
+HAS_PROCESSORS = "repetition_penalty" in inspect.signature(specjax.speculative_generate).parameters
+
+
+@pytest.mark.skipif(not HAS_PROCESSORS, reason="needs logits processors in the loop (issue 56 item 1)")
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2, bad_words_ids=[[5]])])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_scores_include_the_logits_processors(options, batch, models, left_padded):
+    """Scores are the processed logits the verifier read; logits stay the target's raw ones."""
+    target = models["target"]
+    ids, mask = left_padded(PROMPTS[batch], vocab_size=V, seed=11)
+    ref = plain(target, ids, mask, output_scores=True, output_logits=True, return_dict_in_generate=True, **options)
+    out = spec(target, models["perturbed"], ids, mask, output_scores=True, output_logits=True, **options)
+    assert torch.equal(out.sequences, ref.sequences)
+    lengths = new_lengths(out, ids.shape[1])
+    assert_per_step(out.scores, ref.scores, lengths)
+    assert_per_step(out.logits, ref.logits, lengths)
+    assert any(not torch.equal(s, g) for s, g in zip(out.scores, out.logits, strict=True))  # the processors acted
 
 
 def test_outputs_are_none_unless_asked(models):
