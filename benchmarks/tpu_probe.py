@@ -3,7 +3,8 @@
 Ran once at commit 545ff49 (``PYTHONPATH=src:$PYTHONPATH python3 benchmarks/tpu_probe.py``;
 rows in benchmarks/results/tpu-probe.jsonl, findings in docs/tpu.md): there "kernel
 (window read)" was the kernel of that commit; at later commits it is the current kernel.
-``--small`` runs tiny sizes (a dry run on the CPU).
+``--candidates`` runs only the exact top-k candidate probe (docs/tpu.md, "The top-k /
+top-p cutoff"); ``--small`` runs tiny sizes (a dry run on the CPU).
 """
 
 import statistics
@@ -252,6 +253,61 @@ def verify_probe():
     tm("trivial", lambda a: a + 1, jnp.ones((8,)))
 
 
-rej_probe()
-topk_probe()
-verify_probe()
+def top4_per_strided_block(x, s=1024):
+    """f32[R, 4, s]: the 4 largest of each strided block ``{x[r, t*s + j] : t}`` (one variadic reduce)."""
+    r, v = x.shape
+    t = -(-v // s)
+    xp = jnp.pad(x, ((0, 0), (0, t * s - v)), constant_values=-jnp.inf).reshape(r, t, s)
+    ninf = jnp.full_like(xp, -jnp.inf)
+
+    def merge(a, b):  # two descending 4-lists -> the 4 largest of the 8, descending
+        c = [jnp.maximum(a[i], b[3 - i]) for i in range(4)]
+        d1, d3 = jnp.maximum(c[0], c[2]), jnp.minimum(c[0], c[2])
+        d2, d4 = jnp.maximum(c[1], c[3]), jnp.minimum(c[1], c[3])
+        return (jnp.maximum(d1, d2), jnp.minimum(d1, d2), jnp.maximum(d3, d4), jnp.minimum(d3, d4))
+
+    init = tuple(jnp.float32(-jnp.inf) for _ in range(4))
+    return jnp.stack(lax.reduce((xp, ninf, ninf, ninf), init, merge, (1,)), axis=1)
+
+
+def candidates_probe():
+    """An exact top-k from candidates: the strided blocks' 4 largest hold every value above
+    the largest 4th-largest (tau); a bisection over them gives the k-th largest exactly when it is
+    above tau. Prints exactness on normal logits and each piece's cost."""
+    from specjax.kernels.core import _smallest_float
+
+    def kth(c, k):
+        return _smallest_float(lambda t: jnp.sum(c > t[:, None], axis=-1, dtype=jnp.int32) < k, c.shape[:1], False)[0]
+
+    for rows in (8,) if SMALL else (72, 576):
+        v = 8000 if SMALL else 128256
+        x = jax.random.normal(jax.random.key(0), (rows, v), jnp.float32) * 3
+        k = jnp.full((rows,), 50, jnp.int32)
+        cands = jax.jit(top4_per_strided_block)(x)
+        tau = jnp.max(cands[:, 3], -1)
+        flat = cands.reshape(rows, -1)
+        exact = jax.jit(kth)(flat, k)
+        print(
+            f"rows={rows}: k-th largest from candidates equal to lax.top_k's: "
+            f"{bool(jnp.all(exact == lax.top_k(x, 50)[0][:, -1]))}; rows above tau: {float(jnp.mean(exact > tau))}"
+        )
+        tm(f"rows={rows} read", jnp.sum, x)
+        p = jnp.full((rows,), 0.1, jnp.float32)
+        tm(
+            f"rows={rows} strided max (1024 blocks)",
+            lambda x: jnp.max(x.reshape(x.shape[0], -1, 1024), 1),
+            x[:, : (x.shape[1] // 1024) * 1024],
+        )
+        tm(f"rows={rows} strided 4 largest (1024 blocks)", top4_per_strided_block, x)
+        tm(f"rows={rows} lax.top_k 256", lambda x: lax.top_k(x, 256)[0], x)
+        tm(f"rows={rows} cutoff now (k 50, p 0.9)", lambda x, k, p: cutoff(x, k, p, None), x, k, p)
+        tm(f"rows={rows} bisection over the 4096 candidates", kth, flat, k)
+        tm(f"rows={rows} bisection over the full rows", kth, x, k)
+
+
+if "--candidates" in sys.argv:
+    candidates_probe()
+else:
+    rej_probe()
+    topk_probe()
+    verify_probe()

@@ -12,6 +12,9 @@ seed, so a test run is deterministic and offline. The fixtures return *factories
 * ``left_padded(lengths, *, vocab_size, pad_token_id=0, seed=0)`` returns
   ``(input_ids i64[B, max(lengths)], attention_mask i64[B, max(lengths)])``,
   left-padded, with real tokens drawn from ``[1, vocab_size)``.
+* ``char_tokenizer``: a character-level tokenizer over
+  printable ASCII for models of vocabulary 96 (id 0 = ``<pad>``, id ``i`` =
+  ``chr(31 + i)``): stop strings span several tokens, as with real tokenizers.
 
 Every model has ``pad_token_id = 0`` and no BOS/EOS id, so generation runs to
 ``max_new_tokens`` unless a test passes ``eos_token_id``. Models sharing a
@@ -127,6 +130,23 @@ def make_left_padded(
         ids[b, width - n :] = tokens
         mask[b, width - n :] = 1
     return ids, mask
+
+
+def make_char_tokenizer() -> Any:
+    """A fast tokenizer with one token per printable ASCII character (module docstring)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>"] + [chr(c) for c in range(32, 127)])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer() -> Any:
+    return make_char_tokenizer()
 
 
 @pytest.fixture(scope="session")

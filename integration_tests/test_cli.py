@@ -103,6 +103,63 @@ def test_generate_json_matches_target_greedy(models, tmp_path):
         assert rec["text"] == tok.decode(rec["token_ids"], skip_special_tokens=True)
 
 
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory, char_tokenizer) -> Path:
+    """A target (also its own draft) with a character-level tokenizer: stop strings span tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("cli_char_model")
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,  # varied greedy output
+        bos_token_id=None,
+        eos_token_id=95,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return path
+
+
+def test_generate_json_logprobs_and_stop_match_target_generate(char_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(char_model).eval()
+    tok = AutoTokenizer.from_pretrained(char_model)
+    prompt = "Hello, world"
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    free = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=0)[0, ids.shape[1] :]
+    stop = tok.decode(free[4:7])  # completed by the 7th token
+    ref = target.generate(
+        ids,
+        do_sample=False,
+        max_new_tokens=12,
+        pad_token_id=0,
+        stop_strings=[stop],
+        tokenizer=tok,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    want_ids = ref.sequences[0, ids.shape[1] :].tolist()
+    assert len(want_ids) <= 7
+    args = ["--target", str(char_model), "--draft", str(char_model), "--prompt", prompt, "--max-new-tokens", "12"]
+    proc = run_cli("generate", *args, "--stop", stop, "--json", "--logprobs")
+    assert proc.returncode == 0, proc.stderr
+    (record,) = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert record["token_ids"] == want_ids
+    want = [float(torch.log_softmax(ref.logits[t][0], -1)[tkn]) for t, tkn in enumerate(want_ids)]
+    assert record["logprobs"] == pytest.approx(want, abs=1e-4)
+    plain = run_cli("generate", *args, "--json")  # no flag, no field
+    assert plain.returncode == 0, plain.stderr
+    assert "logprobs" not in json.loads(plain.stdout.splitlines()[0])
+
+
 def test_generate_streams_single_prompt(models):
     proc = run_cli(
         "generate",
@@ -141,6 +198,8 @@ def test_generate_streams_single_prompt(models):
         (["generate", "--prompt", "x", "--top-k", "abc"], r"--top-k: .*expected an integer >= 0"),
         (["generate", "--prompt", "x", "--device", "tpu"], r"--device: invalid choice"),
         (["generate", "--max-new-tokens", "3"], r"give exactly one of --prompt TEXT or --prompts-file"),
+        (["generate", "--prompt", "x", "--logprobs"], r"generate: --logprobs needs --json"),
+        (["generate", "--prompt", "x", "--stop", ""], r"generate: --stop: expected a non-empty string"),
         (["frobnicate"], r"invalid choice: 'frobnicate'"),
         (
             ["generate", "--prompt", "x", "--seed", "99999999999999999999"],

@@ -421,6 +421,29 @@ def test_point_mass_proposals_are_cut_at_their_first_refused_token(temperature, 
     assert temperature or out.stats.draft_tokens_accepted == out.stats.draft_tokens_proposed
 
 
+def test_output_scores_carry_the_mask_and_output_logits_do_not(tok, models):
+    """As ``generate``: scores are processed (the grammar's ``-inf`` included), logits are the target's own."""
+    ids, mask = prompts(tok, "json_schema", 1)
+    out = specjax.speculative_generate(
+        models["target"],
+        "ngram",
+        ids,
+        mask,
+        max_new_tokens=12,
+        eos_token_id=EOS,
+        target_tokenizer=tok,
+        json_schema=SCHEMA,
+        output_scores=True,
+        output_logits=True,
+    )
+    grammar = compiled(tok, "json_schema")
+    new = out.sequences[0, ids.shape[1] :].tolist()
+    for i, (scores, logits) in enumerate(zip(out.scores, out.logits, strict=True)):
+        allowed = np.unpackbits(fresh_mask(grammar, new[:i]).view(np.uint8), bitorder="little")[:V].astype(bool)
+        assert torch.isfinite(scores[0]).numpy().tolist() == allowed.tolist()
+        assert torch.isfinite(logits[0]).all()
+
+
 # --------------------------------------------------------------------------- #
 # Sampled: every output valid; negative controls
 # --------------------------------------------------------------------------- #

@@ -23,8 +23,6 @@ from scipy import stats
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
 )
 from transformers.generation import utils as gu
 from transformers.generation.streamers import BaseStreamer
@@ -234,11 +232,6 @@ class _Shift(LogitsProcessor):
         return scores + 1.0
 
 
-class _Never(StoppingCriteria):
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
 UNSUPPORTED = [
     (dict(repetition_penalty=1.3), r"RepetitionPenaltyLogitsProcessor \(repetition_penalty\)"),
     (dict(do_sample=True, min_p=0.1), r"MinPLogitsWarper \(min_p\)"),
@@ -250,10 +243,11 @@ UNSUPPORTED = [
         r"unsupported generation options that change the "
         r"output distribution: _Shift",
     ),
-    (dict(stopping_criteria=StoppingCriteriaList([_Never()])), r"unsupported stopping criteria: _Never"),
-    (dict(max_time=30.0), r"MaxTimeCriteria \(max_time\)"),
     (dict(num_beams=2), r"unsupported generation options: num_beams=2"),
-    (dict(return_dict_in_generate=True, output_scores=True), r"unsupported generation options: output_scores=True"),
+    (
+        dict(return_dict_in_generate=True, output_hidden_states=True),
+        r"unsupported generation options: output_hidden_states=True",
+    ),
     (dict(assistant_ensemble_weight=0.5), r"assistant_ensemble_weight=0.5"),
 ]
 

@@ -302,4 +302,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without the interpreter's teardown: on a TPU host, with torch loaded
+    # beside the TPU runtime, it once hung after the verdict until the device's
+    # time limit killed the command.
+    os._exit(status)

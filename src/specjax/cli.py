@@ -355,6 +355,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CLIError("generate: give exactly one of --prompt TEXT or --prompts-file FILE.jsonl")
     if args.prompt is not None:
         check_text("--prompt", args.prompt)
+    if args.logprobs and not args.json:
+        raise CLIError("generate: --logprobs needs --json (the log-probabilities are a field of each JSON object)")
+    for stop in args.stop or []:
+        check_text("--stop", stop)
+        if not stop:
+            raise CLIError("generate: --stop: expected a non-empty string")
     prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
     schema = read_json_schema(args.json_schema) if args.json_schema is not None else None
     _check_sampler(args.sampler)  # before the slow model load
@@ -392,6 +398,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     target_tokenizer=tok,
                     draft_tokenizer=d_tok,
                     on_tokens=stream,
+                    stop_strings=args.stop,
+                    output_logprobs=args.logprobs,
                     json_schema=schema,
                     regex=args.regex,
                 )
@@ -402,12 +410,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 new = out.sequences[row, ids.shape[1] : ids.shape[1] + int(out.num_new_tokens[row])].tolist()
                 text = tok.decode(new, skip_special_tokens=True)
                 if args.json:
-                    print(
-                        json.dumps(
-                            {"prompt": prompt, "text": text, "token_ids": new, "stats": stats, "load_time_s": load_s}
-                        ),
-                        flush=True,
-                    )
+                    record = {"prompt": prompt, "text": text, "token_ids": new}
+                    if out.logprobs is not None:
+                        record["logprobs"] = out.logprobs[row, : len(new)].tolist()
+                    print(json.dumps({**record, "stats": stats, "load_time_s": load_s}), flush=True)
                 elif single:
                     print()
                     _print_stats(stats, file=sys.stderr, load_s=load_s)
@@ -586,6 +592,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument(
+        "--logprobs",
+        action="store_true",
+        help='with --json: add "logprobs", each generated token\'s log-probability under the distribution '
+        "it was drawn from (temperature/top-k/top-p applied; greedy: the target's softmax)",
+    )
+    gen.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end a row once it generates TEXT (kept in the output); repeat for several strings",
+    )
     gen.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     bench = sub.add_parser("bench", help="kernel and end-to-end benchmarks, JSONL and PNG plots")

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from specjax.adapters.copies import record_copy
-from specjax.adapters.host import host_view
+from specjax.adapters.host import host_view, int32_range_error
 
 __all__ = ["JAX_TO_TORCH", "TORCH_TO_JAX", "jit_input", "to_jax", "to_torch"]
 
@@ -144,10 +144,7 @@ def _check_int32_range(t: torch.Tensor) -> None:
         return
     lo, hi = (int(v) for v in torch.stack(torch.aminmax(t)).tolist())  # one device→host sync
     if lo < _INT32.min or hi > _INT32.max:
-        raise ValueError(
-            f"tensor: expected int64 token ids in the int32 range [{_INT32.min}, {_INT32.max}], "
-            f"got values in [{lo}, {hi}]"
-        )
+        raise ValueError(f"tensor: {int32_range_error(lo, hi)}")
 
 
 def _aligned_empty(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

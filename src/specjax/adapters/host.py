@@ -65,3 +65,9 @@ def host_array(x: Any) -> np.ndarray | None:
     if isinstance(x, jax.Array) and devices is not None and all(d.platform == "cpu" for d in devices()):
         return np.asarray(x)
     return None
+
+
+def int32_range_error(lo: int, hi: int) -> str:
+    """The one message for token ids that do not fit in int32 (NumPy, JAX and torch inputs alike)."""
+    i32 = np.iinfo(np.int32)
+    return f"token ids must fit in int32 [{i32.min}, {i32.max}], got values in [{lo}, {hi}]"

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.adapters.host import host_view, jax_on_cpu
+from specjax.adapters.host import host_view, int32_range_error, jax_on_cpu
 from specjax.boundary.byte_order import native_byte_order
 from specjax.kernels import cpu_kernels
 from specjax.kernels.frontend import TEMPERATURE_RANGE
@@ -137,7 +137,7 @@ def as_token_ids(name: str, x: Any) -> Any:
         raise ValueError(f"{name}: expected integer token ids (int32 or int64), got {dtype_name(x)}")
     if isinstance(x, np.ndarray) and x.dtype != np.int32:
         if x.size and (x.max() > _INT32_MAX or x.min() < _INT32_MIN):
-            raise ValueError(f"{name}: token ids must fit in int32, got values in [{x.min()}, {x.max()}]")
+            raise ValueError(f"{name}: {int32_range_error(int(x.min()), int(x.max()))}")
         return x.astype(np.int32)
     if x.dtype != jnp.int32:
         return x.astype(jnp.int32)

@@ -14,6 +14,8 @@ from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
+from specjax.generate.outputs import Outputs
+from specjax.generate.stopping import check_stopping_criteria, stop_string_criterion
 from specjax.registry import load_sampler
 
 __all__ = ["LoopState", "SpeculativeOutput", "SpeculativeStats", "check_pair", "check_seed", "speculative_generate"]
@@ -145,6 +147,11 @@ def speculative_generate(
     return_state: bool = False,
     adaptive: bool = True,
     impl: str = "auto",
+    stop_strings: str | list[str] | None = None,
+    stopping_criteria: Any = None,
+    output_scores: bool = False,
+    output_logits: bool = False,
+    output_logprobs: bool = False,
     json_schema: Any = None,
     regex: str | None = None,
 ) -> SpeculativeOutput:
@@ -193,6 +200,23 @@ def speculative_generate(
         available), ``"xla"`` (the JAX code) or ``"cpu"`` (the kernels, else a
         ValueError); as :func:`specjax.verify_from_logits`. The draft's draw and
         the acceptance test use the same one, so ``q`` is the same bits in both.
+      stop_strings: a string or a list of strings that end a row once generated
+        (needs ``target_tokenizer``): transformers' ``StopStringCriteria``, so a
+        row ends where ``generate(stop_strings=...)`` ends it, the token that
+        completes the string included.
+      stopping_criteria: a transformers ``StoppingCriteria`` or
+        ``StoppingCriteriaList``, or a list of callables ``(input_ids, scores)
+        -> bool[R]``, asked after every generated token as ``generate`` asks
+        them (:mod:`specjax.generate.stopping`: ``input_ids`` is i64[R, P + t],
+        the prompts as passed followed by the t tokens so far, ``scores`` is
+        None); a row ends at the first token where one returns True. Criteria
+        must answer row by row.
+      output_scores: return ``output.scores``, per generated position one
+        f32[B, V] tensor of processed scores (temperature, top-k and top-p
+        applied, as ``generate(output_scores=True)``).
+      output_logits: return ``output.logits``, the same with the raw logits.
+      output_logprobs: return ``output.logprobs``, f32[B, new], each token's
+        log-probability under its processed scores.
       json_schema: constrain every row's output to JSON that the schema
         accepts (a dict, JSON text or a pydantic model class), written compactly
         (``", "`` and ``": "`` between items); regex: to a string the regular
@@ -204,17 +228,20 @@ def speculative_generate(
         ``max_new_tokens`` ends with an incomplete (but valid-so-far) output.
 
     Returns:
-      :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``.
+      :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``
+      (and ``scores`` / ``logits`` / ``logprobs`` when asked for).
 
     Raises:
-      TypeError: ``target`` or ``draft`` is not a torch module with parameters.
+      TypeError: ``target`` or ``draft`` is not a torch module with parameters;
+        ``stopping_criteria`` is not a criterion or a list of them; an
+        ``output_*`` flag is not a bool.
       ValueError: for models that do not share a tokenizer or a device, a padded
         batch without ``attention_mask``, a row that is all padding,
         ``max_new_tokens < 1``, a longest prompt plus ``max_new_tokens`` beyond a
         model's position limit (refused before any forward pass), a model with
         chunked-attention layers (sliding windows are exact at any length),
         ``num_draft_tokens`` outside [1, 128], an unknown sampler or bad sampling
-        parameters.
+        parameters, ``stop_strings`` empty or without ``target_tokenizer``.
       specjax.generate.checks.PluginOutputError: a ``ValueError``: a sampler
         returned a result outside its contract (wrong shape or dtype,
         ``num_accepted`` outside [0, k_b], a token outside [0, V)); the message
@@ -311,6 +338,17 @@ def speculative_generate(
         )
     if not isinstance(adaptive, bool):
         raise TypeError(f"adaptive: expected True or False, got {type(adaptive).__name__}")
+    for name, flag in (
+        ("output_scores", output_scores),
+        ("output_logits", output_logits),
+        ("output_logprobs", output_logprobs),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected True or False, got {type(flag).__name__}")
+    criteria = check_stopping_criteria(stopping_criteria)
+    stop_string = stop_string_criterion(stop_strings, target_tokenizer)
+    if stop_string is not None:
+        criteria.append(stop_string)
     grammar = _grammar_rows(json_schema, regex, target_tokenizer, eos_ids, batch, target_vocab)
 
     target.eval()
@@ -334,6 +372,8 @@ def speculative_generate(
             on_tokens=on_tokens,
             return_state=return_state,
             started=(t_start, setup_compiles.seconds),
+            stopping_criteria=criteria,
+            outputs=Outputs(output_scores, output_logits, output_logprobs),
             grammar=grammar,
         )
 

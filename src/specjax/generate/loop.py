@@ -25,8 +25,11 @@ Chen et al. 2023, arXiv:2302.01318):
    reads in place on a CPU-only JAX); the sampler decides ``n`` and draws the
    correction/bonus token; the int32 tokens come back to torch.
 4. **Commit.** Each row appends its ``n`` accepted tokens and the emitted token,
-   stops at EOS or ``max_new_tokens``; both caches mark the rejected slots
-   invalid (see :mod:`specjax.slots`).
+   cut after the first of them where EOS, a stop string or a stopping criterion
+   ends the row (:mod:`specjax.generate.stopping`: as plain decoding would), and
+   stops at ``max_new_tokens``; both caches mark the rejected slots invalid (see
+   :mod:`specjax.slots`). Asked for, the emitted tokens' scores and logits are
+   kept (:mod:`specjax.generate.outputs`).
 
 Host synchronisation: once per sampled draft draw (the drawn token ids are the next
 draft input, and torch's CPU/CUDA forward needs them; on GPU this is a device
@@ -41,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +57,9 @@ from specjax.generate.checks import check_step_output
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import DraftBatch, check_proposal, draft_batch, no_proposal
 from specjax.generate.grammar import GrammarRows
+from specjax.generate.outputs import OutputRecorder, Outputs
 from specjax.generate.schedule import DraftSchedule
+from specjax.generate.stopping import StopRule
 from specjax.generate.verify import Verifier, choose_verifier
 from specjax.slots import SlotCache, to_host
 
@@ -132,12 +138,24 @@ class SpeculativeOutput:
       num_new_tokens: i64[B], tokens generated per row.
       state: the caches after the last step (:class:`LoopState`), only with
         ``return_state=True``; else None.
+      scores: with ``output_scores=True``, one f32[B, V] tensor per generated
+        position (``new`` of them): the processed scores of each row's token
+        there, as ``generate`` returns them (:mod:`specjax.generate.outputs`;
+        zeros where a row had ended); else None.
+      logits: with ``output_logits=True``, the same layout with the target's raw
+        logits; else None.
+      logprobs: with ``output_logprobs=True``, f32[B, new]: each generated
+        token's log-probability under its row's processed scores (NaN after the
+        row ends); else None.
     """
 
     sequences: torch.Tensor
     stats: SpeculativeStats
     num_new_tokens: torch.Tensor
     state: LoopState | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+    logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -185,12 +203,17 @@ class _Row:
 @dataclass
 class _Scored:
     """A step's target forward: logits f[B', W+1, V] at ``[last, x_0 .. x_{W-1}]`` (torch), the hidden
-    states the drafter reads (or None), where the scored positions start in the target cache, its time."""
+    states the drafter reads (or None), where the scored positions start in the target cache, its time.
+
+    ``logits`` are what the verifier reads; ``raw_logits`` the target's before any logits
+    processor (None: the same tensor as ``logits``).
+    """
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
     start_slot: int
     seconds: float
+    raw_logits: torch.Tensor | None = None
 
 
 class _Run:
@@ -206,14 +229,16 @@ class _Run:
         max_new_tokens: int,
         num_draft_tokens: int,
         sampling: SamplingState,
-        eos_ids: set[int],
+        stop: StopRule,
+        outputs: OutputRecorder | None,
         target_vocab: int,
         greedy: bool,
         adaptive: bool,
         on_tokens: Any,
         grammar: GrammarRows | None = None,
     ) -> None:
-        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, eos_ids, on_tokens
+        self.drafter, self.sampling, self.stop, self.on_tokens = drafter, sampling, stop, on_tokens
+        self.outputs = outputs
         self.grammar = grammar
         self.max_new_tokens, self.num_draft_tokens, self.target_vocab = max_new_tokens, num_draft_tokens, target_vocab
         self.device = input_ids.device
@@ -419,18 +444,23 @@ class _Run:
         if self.grammar is None:
             return
         masks = self.grammar.draft_masks(batch.tokens_t.cpu().numpy(), batch.k, active)
+        if self.outputs is not None and scored.raw_logits is None:  # output_logits: the target's own
+            scored.raw_logits = scored.logits
         scored.logits = self.grammar.mask_logits(scored.logits, masks)
 
     # 5. Commit ----------------------------------------------------------------------------------
 
     def commit(self, batch: DraftBatch, scored: _Scored, n: np.ndarray, tokens: np.ndarray) -> None:
-        """Each row appends its ``n_b`` accepted tokens and the emitted one and stops at EOS or
+        """Each row appends its ``n_b`` accepted tokens and the emitted one, cut where the stopping
+        rule (EOS, stop strings, criteria: :mod:`specjax.generate.stopping`) ends the row, and stops at
         ``max_new_tokens``; the target cache drops the rejected slots; the drafter and the schedule
         learn the outcome."""
         stats = self.stats
         stats.steps += 1
         b_now = len(batch.k)
-        kept = np.zeros(b_now, np.int64)  # accepted draft tokens each row keeps (EOS may cut them)
+        kept = np.zeros(b_now, np.int64)  # accepted draft tokens each row keeps (a stop may cut them)
+        runs = [[] if self.rows[i].done else tokens[j, : int(n[j]) + 1].tolist() for j, i in enumerate(self.cache_rows)]
+        stops = self.stop.cut(self.cache_rows, [self.rows[i].generated for i in self.cache_rows], runs)
         emitted_rows: list[list[int]] = []
         for j, i in enumerate(self.cache_rows):
             row = self.rows[i]
@@ -442,13 +472,10 @@ class _Run:
             stats.draft_tokens_accepted += n_j
             self.tested[: min(n_j + 1, k_j)] += 1
             self.passed[:n_j] += 1
-            emitted = tokens[j, : n_j + 1].tolist()
-            if self.eos_ids:
-                for e_i, tkn in enumerate(emitted):
-                    if tkn in self.eos_ids:
-                        emitted = emitted[: e_i + 1]
-                        row.done = True
-                        break
+            emitted, at = runs[j], stops[j]
+            if at is not None:
+                emitted = emitted[: at + 1]
+                row.done = True
             row.generated.extend(emitted)
             self.contexts[row.index].extend(emitted)
             if len(row.generated) >= self.max_new_tokens:
@@ -460,6 +487,10 @@ class _Run:
             kept[j] = len(emitted) - 1
             self.last[j] = emitted[-1]
             emitted_rows.append(emitted)
+        if self.outputs is not None:
+            raw = scored.logits if scored.raw_logits is None else scored.raw_logits
+            self.outputs.record(self.cache_rows, emitted_rows, raw, scored.logits, self.sampling.params)
+        scored.logits = scored.raw_logits = None  # type: ignore[assignment]  # the torch buffers are free again
         # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
         self.t_cache.invalidate(scored.start_slot, 1 + kept)
         self.drafter.commit(CommitInfo(emitted_rows, n, batch.k, scored.hidden))
@@ -522,6 +553,8 @@ def run_loop(
     return_state: bool = False,
     adaptive: bool = True,
     started: tuple[float, float] | None = None,
+    stopping_criteria: Sequence[Any] = (),
+    outputs: Outputs | None = None,
     grammar: GrammarRows | None = None,
 ) -> SpeculativeOutput:
     """The loop proper; arguments are already validated by :func:`speculative_generate`.
@@ -535,7 +568,10 @@ def run_loop(
     in the caches until they are dropped, but append no valid slots.
     ``started``: ``(time.perf_counter() at the caller's start, seconds it spent
     compiling)``, so that the statistics' times cover the caller's setup too
-    (default: from this call's start). ``grammar``: the rows' grammar matchers
+    (default: from this call's start). ``stopping_criteria``: callables
+    ``(input_ids, scores) -> bool[R]`` asked after every token besides EOS
+    (:mod:`specjax.generate.stopping`); ``outputs``: the per-token outputs to
+    return (:mod:`specjax.generate.outputs`); ``grammar``: the rows' grammar matchers
     (:class:`~specjax.generate.grammar.GrammarRows`), or None.
     """
     from specjax.adapters import count_copies
@@ -552,7 +588,8 @@ def run_loop(
             max_new_tokens=max_new_tokens,
             num_draft_tokens=num_draft_tokens,
             sampling=sampling,
-            eos_ids=eos_ids,
+            stop=StopRule(eos_ids, stopping_criteria, input_ids),
+            outputs=OutputRecorder(int(input_ids.shape[0]), outputs, greedy=greedy) if outputs else None,
             target_vocab=target_vocab,
             greedy=greedy,
             adaptive=adaptive,
@@ -568,7 +605,6 @@ def run_loop(
             run.constrain(batch, scored, active)  # (a grammar's masks, per draft position)
             n, tokens = verify(batch, scored.logits, run.sampling, run.step)  # 4.
             check_step_output("the verification step", n, tokens, batch.k, target_vocab)
-            scored.logits = None  # type: ignore[assignment]  # the torch buffer is free again
             run.commit(batch, scored, n, tokens)  # 5.
             # the step's time besides drafting and the target forward (verification, bookkeeping,
             # the drafter's commit), apart for steps that verified drafts and plain ones
@@ -588,6 +624,8 @@ def run_loop(
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained_total, run.row_steps, run.rows, t_start)
     out = _build_output(input_ids, run.rows, pad_token_id, stats)
+    if run.outputs is not None:
+        out.scores, out.logits, out.logprobs = run.outputs.finish(out.sequences.shape[1] - input_ids.shape[1])
     if return_state:
         pending = getattr(drafter, "pending", None)
         out.state = LoopState(

@@ -34,10 +34,19 @@ Two ways in, because of how transformers 5.x calls a ``custom_generate``:
   transformers' gate for running a repository's ``generate.py``; the directory
   ships inside this package.)
 
-Options that would change the output distribution and that this loop does not
-implement (repetition penalties, min-p, typical-p, bad words, n-gram bans,
-beams, contrastive search, DoLa, custom logits processors or stopping
-criteria, ``assistant_ensemble_weight``, ...) raise ``ValueError``; they are
+Stop strings, ``max_time`` and custom stopping criteria are passed to the loop,
+which asks them after every token as ``generate`` does
+(:mod:`specjax.generate.stopping`; transformers drops ``generate``'s
+``tokenizer=`` before calling a callable, so there ``stop_strings`` needs
+``stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer,
+strings)])``, while the directory takes ``stop_strings=..., tokenizer=...`` as
+``generate`` does); ``output_scores`` and ``output_logits``
+(with ``return_dict_in_generate=True``) return ``generate``'s per-step scores
+and logits (:mod:`specjax.generate.outputs`). Options that would change the
+output distribution and that this loop does not implement (repetition
+penalties, min-p, typical-p, bad words, n-gram bans, beams, contrastive search,
+DoLa, custom logits processors, ``assistant_ensemble_weight``, ...) and
+``output_attentions`` / ``output_hidden_states`` raise ``ValueError``; they are
 never silently ignored. Options that do not change it and are not used:
 ``num_assistant_tokens`` and its schedule (use ``num_draft_tokens``),
 ``assistant_confidence_threshold``, ``use_cache``, ``cache_implementation``.
@@ -82,10 +91,6 @@ _PROCESSOR_OPTIONS = {
     "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
     "WatermarkLogitsProcessor": "watermarking_config",
     "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
-}
-_STOPPING_OPTIONS = {
-    "StopStringCriteria": "stop_strings",
-    "MaxTimeCriteria": "max_time",
 }
 # model_kwargs that transformers prepares and that the loop derives itself.
 _IGNORED_MODEL_KWARGS = ("position_ids", "logits_to_keep", "use_cache", "cache_position")
@@ -155,18 +160,18 @@ def _sampling_settings(generation_config: Any, logits_processor: Any) -> tuple[f
     return temperature, top_k, top_p
 
 
-def _stopping_settings(generation_config: Any, stopping_criteria: Any, prompt_len: int) -> tuple[int, list[int]]:
-    """(max_new_tokens, eos ids) from the stopping criteria transformers prepared."""
+def _stopping_settings(
+    generation_config: Any, stopping_criteria: Any, prompt_len: int
+) -> tuple[int, list[int], list[Any]]:
+    """(max_new_tokens, eos ids, the other criteria) from the stopping criteria transformers prepared.
+
+    The length and EOS criteria become the loop's own limits; the others (stop strings,
+    ``max_time``, the caller's) are asked after every token (:mod:`specjax.generate.stopping`).
+    """
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
     criteria = list(stopping_criteria or [])
-    unsupported = [c for c in criteria if type(c) not in (MaxLengthCriteria, EosTokenCriteria)]
-    if unsupported:
-        raise ValueError(
-            "speculative_decoding: unsupported stopping criteria: "
-            + ", ".join(_describe(c, _STOPPING_OPTIONS) for c in unsupported)
-            + "; specjax stops at max_new_tokens / max_length and at the EOS ids only"
-        )
+    others = [c for c in criteria if type(c) not in (MaxLengthCriteria, EosTokenCriteria)]
     lengths = [int(c.max_length) for c in criteria if isinstance(c, MaxLengthCriteria)]
     if generation_config.max_length is not None:
         lengths.append(int(generation_config.max_length))
@@ -182,7 +187,7 @@ def _stopping_settings(generation_config: Any, stopping_criteria: Any, prompt_le
     for c in criteria:
         if isinstance(c, EosTokenCriteria):
             eos.extend(int(t) for t in c.eos_token_id.flatten().tolist())
-    return max_new_tokens, sorted(set(eos))
+    return max_new_tokens, sorted(set(eos)), others
 
 
 def _check_generation_config(model: Any, generation_config: Any) -> None:
@@ -197,7 +202,7 @@ def _check_generation_config(model: Any, generation_config: Any) -> None:
         if getattr(generation_config, option, None) is not None:
             problems.append(f"{option}={getattr(generation_config, option)!r}")
     if generation_config.return_dict_in_generate:
-        for option in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        for option in ("output_attentions", "output_hidden_states"):
             if getattr(generation_config, option, False):
                 problems.append(f"{option}=True")
     if problems:
@@ -253,7 +258,9 @@ def speculative_decoding(
       logits_processor, stopping_criteria, generation_config: prepared by
         ``generate``. Honoured: ``do_sample`` (False = greedy), ``temperature``,
         ``top_k``, ``top_p``, ``max_new_tokens`` / ``max_length``, the EOS and
-        pad ids, ``return_dict_in_generate``, ``num_return_sequences``.
+        pad ids, ``stop_strings``, ``max_time``, stopping criteria,
+        ``return_dict_in_generate`` with ``output_scores`` / ``output_logits``,
+        ``num_return_sequences``.
       synced_gpus: accepted for ``GenerationMixin._sample``'s signature; unused.
       streamer: a transformers streamer given the new tokens only (the
         ``_sample`` contract: the caller has put the prompt). Batch size 1.
@@ -270,8 +277,11 @@ def speculative_decoding(
 
     Returns:
       i64[B, P + new] sequences like ``generate`` (rows that end early are
-      padded with the pad id), or a ``GenerateDecoderOnlyOutput`` with only
-      ``sequences`` set when ``return_dict_in_generate=True``.
+      padded with the pad id), or, when ``return_dict_in_generate=True``, a
+      ``GenerateDecoderOnlyOutput`` with ``sequences`` and, when asked for,
+      ``scores`` and ``logits`` (one f32[B, V] tensor per generated position;
+      zeros where a row had ended, where ``generate`` holds the scores of the
+      pad token it feeds).
 
     Raises:
       ValueError: no draft model, both streamers, or an option that would
@@ -296,7 +306,8 @@ def speculative_decoding(
 
     _check_generation_config(model, generation_config)
     temperature, top_k, top_p = _sampling_settings(generation_config, logits_processor)
-    max_new_tokens, eos = _stopping_settings(generation_config, stopping_criteria, int(input_ids.shape[1]))
+    max_new_tokens, eos, criteria = _stopping_settings(generation_config, stopping_criteria, int(input_ids.shape[1]))
+    as_dict = bool(generation_config.return_dict_in_generate)
     _check_model_kwargs(model_kwargs)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers drops an all-ones mask
@@ -335,6 +346,9 @@ def speculative_decoding(
         pad_token_id=pad_id,
         sampler=sampler,
         on_tokens=on_tokens,
+        stopping_criteria=criteria,
+        output_scores=as_dict and bool(generation_config.output_scores),
+        output_logits=as_dict and bool(generation_config.output_logits),
         # Sampling keeps generate's contract that a torch seed reproduces the output:
         # the adaptive draft length decides from measured times, which would change
         # which draws a run makes. Greedy output is the same either way.
@@ -342,10 +356,14 @@ def speculative_decoding(
     )
     if sink is not None:
         sink.end()
-    if generation_config.return_dict_in_generate:
+    if as_dict:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-        return GenerateDecoderOnlyOutput(sequences=cast("torch.LongTensor", out.sequences))
+        return GenerateDecoderOnlyOutput(
+            sequences=cast("torch.LongTensor", out.sequences),
+            scores=cast("tuple[torch.FloatTensor]", out.scores),
+            logits=cast("tuple[torch.FloatTensor]", out.logits),
+        )
     return out.sequences
 
 
@@ -356,9 +374,11 @@ def generate_with_all_arguments(model: Any, **generate_arguments: Any) -> Any:
     ``GenerationMixin.generate`` (``inputs``, ``generation_config``,
     ``assistant_model``, ``streamer``, ..., and the extra keywords). This
     function passes ``assistant_model`` on as ``draft_model`` and ``streamer``
-    as ``token_streamer`` (so the streamer still gets the prompt first), and
-    calls ``generate`` again with :func:`speculative_decoding`, which then sees
-    the config, processors and stopping criteria transformers prepared.
+    as ``token_streamer`` (so the streamer still gets the prompt first), turns
+    ``stop_strings`` (with ``tokenizer``, which transformers would not hand to
+    the callable) into a stopping criterion, and calls ``generate`` again with
+    :func:`speculative_decoding`, which then sees the config, processors and
+    stopping criteria transformers prepared.
 
     Args:
       model: the target model.
@@ -370,7 +390,8 @@ def generate_with_all_arguments(model: Any, **generate_arguments: Any) -> Any:
 
     Raises:
       ValueError: both ``assistant_model=`` and a different ``draft_model=``,
-        or no draft at all; and what :func:`speculative_decoding` raises.
+        or no draft at all, ``stop_strings`` without ``tokenizer``; and what
+        :func:`speculative_decoding` raises.
     """
     args = dict(generate_arguments)
     assistant = args.pop("assistant_model", None)
@@ -384,6 +405,14 @@ def generate_with_all_arguments(model: Any, **generate_arguments: Any) -> Any:
     _check_one_streamer(streamer, args.get("token_streamer"))
     if streamer is not None:
         args["token_streamer"] = streamer
+    stop_strings = args.pop("stop_strings", None)
+    if stop_strings is not None:
+        from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+        from specjax.generate.stopping import stop_string_criterion
+
+        criterion = stop_string_criterion(stop_strings, args.pop("tokenizer", None), tokenizer_arg="tokenizer")
+        args["stopping_criteria"] = StoppingCriteriaList([*(args.get("stopping_criteria") or []), criterion])
     inputs = args.pop("inputs", None)
     # the class's generate, not an instance attribute a custom_generate repository may have set
     return type(model).generate(model, inputs, custom_generate=speculative_decoding, draft_model=draft, **args)
