@@ -34,6 +34,7 @@ from specjax.drafters.base import (
     DraftSetup,
     Proposal,
     check_sampled_logits,
+    drafted_host,
     greedy_pick,
     sampled_confidence,
     stop_rows,
@@ -135,6 +136,8 @@ class ModelDrafter:
         want = np.where(active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
         for i in range(g):
             logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
+            if request.process is not None:  # the logits processors, on this position's prefixes
+                logits = request.process(logits, drafted_host(draws, b))
             self._held.append(logits)
             lj = jit_input(logits)
             logits_out.append(lj)
@@ -189,6 +192,8 @@ class ModelDrafter:
                 logits = scored[:, -1]
             else:
                 logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
+            if request.process is not None:  # the logits processors, on this position's prefixes
+                logits = request.process(logits, drafted_host(drawn, len(feed_valid)))
             x, conf = greedy_pick(logits[:, : self.vocab])  # i64[B'], f64[B']
             drawn.append(x)
             confidence.append(conf)

@@ -51,6 +51,7 @@ from specjax.generate import checks
 from specjax.generate.checks import check_step_output
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import DraftBatch, check_proposal, draft_batch, no_proposal
+from specjax.generate.processors import LoopProcessors
 from specjax.generate.schedule import DraftSchedule
 from specjax.generate.verify import Verifier, choose_verifier
 from specjax.slots import SlotCache
@@ -92,6 +93,9 @@ class SpeculativeStats:
         loop's own work: verification, bookkeeping, the drafter's commit);
         compilation included. ``loop_time_s / steps`` is the loop's cost per
         step beside the two models.
+      processor_time_s: the part of draft and loop time spent in the logits
+        processors (``logits_processor`` and the options built into processors;
+        0 without them).
     """
 
     steps: int = 0
@@ -114,6 +118,7 @@ class SpeculativeStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     loop_time_s: float = 0.0
+    processor_time_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -209,7 +214,9 @@ class _Run:
         greedy: bool,
         adaptive: bool,
         on_tokens: Any,
+        processors: LoopProcessors | None = None,
     ) -> None:
+        self.processors = processors
         self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, eos_ids, on_tokens
         self.max_new_tokens, self.num_draft_tokens, self.target_vocab = max_new_tokens, num_draft_tokens, target_vocab
         self.device = input_ids.device
@@ -328,6 +335,7 @@ class _Run:
                     self.sampling,
                     caps,
                     self.schedule.worth_drafting if self.use_confidence else None,
+                    None if self.processors is None else self.processors.draft_hook(self.cache_rows, active),
                 )
             )
             draft_s = time.perf_counter() - t_draft
@@ -366,7 +374,14 @@ class _Run:
     # 3. Score -----------------------------------------------------------------------------------
 
     def score(self, batch: DraftBatch, active: np.ndarray) -> _Scored:
-        """Score ``[last, x_0 .. x_{W-1}]`` in one target forward (after the prompt's prefix at the first step)."""
+        """Score ``[last, x_0 .. x_{W-1}]`` in one target forward (after the prompt's prefix at the first step),
+        its logits processed with each position's prefix when the call has logits processors."""
+        scored = self._forward(batch, active)
+        if self.processors is not None:
+            scored.logits = self.processors.target(scored.logits, batch.tokens_t, batch.k, active, self.cache_rows)
+        return scored
+
+    def _forward(self, batch: DraftBatch, active: np.ndarray) -> _Scored:
         if self.first_scored is not None:  # the prompt's forward scored this plain step
             first, self.first_scored = self.first_scored, None
             return _Scored(first[0], first[1], self.t_cache.length - 1, 0.0)
@@ -427,6 +442,8 @@ class _Run:
             kept[j] = len(emitted) - 1
             self.last[j] = emitted[-1]
             emitted_rows.append(emitted)
+        if self.processors is not None:
+            self.processors.commit(self.cache_rows, emitted_rows)
         # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
         self.t_cache.invalidate(scored.start_slot, 1 + kept)
         self.drafter.commit(CommitInfo(emitted_rows, n, batch.k, scored.hidden))
@@ -489,6 +506,7 @@ def run_loop(
     return_state: bool = False,
     adaptive: bool = True,
     started: tuple[float, float] | None = None,
+    processors: LoopProcessors | None = None,
 ) -> SpeculativeOutput:
     """The loop proper; arguments are already validated by :func:`speculative_generate`.
 
@@ -501,7 +519,8 @@ def run_loop(
     in the caches until they are dropped, but append no valid slots.
     ``started``: ``(time.perf_counter() at the caller's start, seconds it spent
     compiling)``, so that the statistics' times cover the caller's setup too
-    (default: from this call's start).
+    (default: from this call's start). ``processors``: the call's logits
+    processors (:mod:`specjax.generate.processors`), or None.
     """
     from specjax.adapters import count_copies
 
@@ -522,6 +541,7 @@ def run_loop(
             greedy=greedy,
             adaptive=adaptive,
             on_tokens=on_tokens,
+            processors=processors,
         )
         while run.active():
             t_step = time.perf_counter()
@@ -548,6 +568,7 @@ def run_loop(
     d_cache = getattr(drafter, "cache", None)
     stats.draft_forwards = d_cache.forwards if isinstance(d_cache, SlotCache) else 0
     stats.adapter_copies = copies.copies
+    stats.processor_time_s = processors.seconds if processors is not None else 0.0
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained_total, run.row_steps, run.rows, t_start)
     out = _build_output(input_ids, run.rows, pad_token_id, stats)
