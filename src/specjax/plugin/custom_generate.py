@@ -34,9 +34,13 @@ Two ways in, because of how transformers 5.x calls a ``custom_generate``:
   transformers' gate for running a repository's ``generate.py``; the directory
   ships inside this package.)
 
-Options that would change the output distribution and that this loop does not
-implement (repetition penalties, min-p, typical-p, bad words, n-gram bans,
-beams, contrastive search, DoLa, custom logits processors or stopping
+The logits processors transformers prepared (repetition penalties, n-gram
+bans, bad words, ``min_new_tokens``, forced and suppressed tokens, min-p,
+typical-p, epsilon/eta cutoffs, a ``logits_processor=`` list) run inside the
+loop, each draft position on its own prefix
+(:mod:`specjax.generate.processors`). Options that would change the output
+distribution and that this loop does not implement (beams, contrastive
+search, DoLa, classifier-free guidance, SynthID watermarks, custom stopping
 criteria, ``assistant_ensemble_weight``, ...) raise ``ValueError``; they are
 never silently ignored. Options that do not change it and are not used:
 ``num_assistant_tokens`` and its schedule (use ``num_draft_tokens``),
@@ -101,58 +105,39 @@ def _describe(obj: Any, options: dict[str, str]) -> str:
     return f"{name} ({options[name]})" if name in options else name
 
 
-def _sampling_settings(generation_config: Any, logits_processor: Any) -> tuple[float, int | None, float | None]:
-    """(temperature, top_k, top_p) from the processors transformers prepared; 0.0 = greedy."""
-    import math
+# Processors the loop cannot honour: they keep state from call to call or run a model of their own.
+_REFUSED_PROCESSORS = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "runs the model on its own unconditional prompt, a token a call",
+    "ClassifierFreeGuidanceLogitsProcessor": "needs a conditional and an unconditional row per row",
+    "SynthIDTextWatermarkLogitsProcessor": "keeps state from call to call",
+    "WhisperTimeStampLogitsProcessor": "is Whisper's (encoder-decoder)",
+    "WhisperNoSpeechDetection": "is Whisper's (encoder-decoder)",
+}
 
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
 
-    order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+def _sampling_settings(
+    generation_config: Any, logits_processor: Any
+) -> tuple[list[Any], tuple[float, int | None, float | None]]:
+    """The processors transformers prepared, for the loop: ``(chain, (temperature, top_k, top_p))``; 0.0 = greedy.
+
+    :func:`specjax.generate.processors.split_prepared`: the processors run in
+    the loop, each position on its own prefix; temperature / top-k / top-p go
+    to the acceptance step, or join the chain with the warpers transformers
+    applies after them (min-p, typical, epsilon, eta).
+    """
+    from specjax.generate.processors import split_prepared
+
     processors = list(logits_processor or [])
-    unsupported = [p for p in processors if type(p) not in order]
-    if unsupported:
+    refused = [p for p in processors if type(p).__name__ in _REFUSED_PROCESSORS]
+    if refused:
         raise ValueError(
-            "speculative_decoding: unsupported generation options that change the output distribution: "
-            + ", ".join(_describe(p, _PROCESSOR_OPTIONS) for p in unsupported)
-            + "; specjax implements temperature, top_k and top_p only (remove these options, or use "
-            "transformers' own generate)"
-        )
-    kinds = [type(p) for p in processors]
-    if len(set(kinds)) != len(kinds) or kinds != sorted(kinds, key=order.index):
-        raise ValueError(
-            "speculative_decoding: expected at most one each of TemperatureLogitsWarper, TopKLogitsWarper, "
-            f"TopPLogitsWarper in that order, got {[k.__name__ for k in kinds]} (a logits_processor= argument "
-            "duplicating temperature/top_k/top_p?)"
-        )
-    if not generation_config.do_sample:
-        if processors:
-            raise ValueError(
-                f"speculative_decoding: greedy decoding got logits processors {[k.__name__ for k in kinds]}"
+            "speculative_decoding: unsupported generation options: "
+            + ", ".join(
+                f"{_describe(p, _PROCESSOR_OPTIONS)}, which {_REFUSED_PROCESSORS[type(p).__name__]}" for p in refused
             )
-        return 0.0, None, None
-    temperature, top_k, top_p = 1.0, None, None
-    for p in processors:
-        if hasattr(p, "filter_value") and not (isinstance(p.filter_value, float) and p.filter_value == -math.inf):
-            raise ValueError(
-                f"speculative_decoding: {type(p).__name__} with filter_value={p.filter_value!r} is not "
-                "supported (only -inf)"
-            )
-        if isinstance(p, TemperatureLogitsWarper):
-            temperature = float(p.temperature)
-        elif isinstance(p, TopKLogitsWarper):
-            top_k = int(p.top_k)
-        else:
-            if int(getattr(p, "min_tokens_to_keep", 1)) != 1:
-                raise ValueError(
-                    f"speculative_decoding: top_p with min_tokens_to_keep={p.min_tokens_to_keep} is not "
-                    "supported (only 1)"
-                )
-            top_p = float(p.top_p)
-    return temperature, top_k, top_p
+            + " (remove them, or use transformers' own generate)"
+        )
+    return split_prepared(processors, bool(generation_config.do_sample))
 
 
 def _stopping_settings(generation_config: Any, stopping_criteria: Any, prompt_len: int) -> tuple[int, list[int]]:
@@ -252,8 +237,9 @@ def speculative_decoding(
       input_ids: i64[B, P], prompts, left-padded when their lengths differ.
       logits_processor, stopping_criteria, generation_config: prepared by
         ``generate``. Honoured: ``do_sample`` (False = greedy), ``temperature``,
-        ``top_k``, ``top_p``, ``max_new_tokens`` / ``max_length``, the EOS and
-        pad ids, ``return_dict_in_generate``, ``num_return_sequences``.
+        ``top_k``, ``top_p``, the logits processors (module docstring),
+        ``max_new_tokens`` / ``max_length``, the EOS and pad ids,
+        ``return_dict_in_generate``, ``num_return_sequences``.
       synced_gpus: accepted for ``GenerationMixin._sample``'s signature; unused.
       streamer: a transformers streamer given the new tokens only (the
         ``_sample`` contract: the caller has put the prompt). Batch size 1.
@@ -295,7 +281,7 @@ def speculative_decoding(
         generation_config = model.generation_config
 
     _check_generation_config(model, generation_config)
-    temperature, top_k, top_p = _sampling_settings(generation_config, logits_processor)
+    chain, (temperature, top_k, top_p) = _sampling_settings(generation_config, logits_processor)
     max_new_tokens, eos = _stopping_settings(generation_config, stopping_criteria, int(input_ids.shape[1]))
     _check_model_kwargs(model_kwargs)
     attention_mask = model_kwargs.get("attention_mask")
@@ -335,6 +321,7 @@ def speculative_decoding(
         pad_token_id=pad_id,
         sampler=sampler,
         on_tokens=on_tokens,
+        logits_processor=chain or None,
         # Sampling keeps generate's contract that a torch seed reproduces the output:
         # the adaptive draft length decides from measured times, which would change
         # which draws a run makes. Greedy output is the same either way.
