@@ -21,8 +21,6 @@ import pytest
 import torch
 from scipy import stats
 from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -229,27 +227,12 @@ def test_num_return_sequences(pair, prompt):
     assert torch.equal(got, want)
 
 
-class _Shift(LogitsProcessor):
-    def __call__(self, input_ids, scores):
-        return scores + 1.0
-
-
 class _Never(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 UNSUPPORTED = [
-    (dict(repetition_penalty=1.3), r"RepetitionPenaltyLogitsProcessor \(repetition_penalty\)"),
-    (dict(do_sample=True, min_p=0.1), r"MinPLogitsWarper \(min_p\)"),
-    (dict(no_repeat_ngram_size=2), r"NoRepeatNGramLogitsProcessor \(no_repeat_ngram_size\)"),
-    (dict(do_sample=True, typical_p=0.5), r"TypicalLogitsWarper \(typical_p\)"),
-    (dict(bad_words_ids=[[7]]), r"NoBadWordsLogitsProcessor \(bad_words_ids\)"),
-    (
-        dict(logits_processor=LogitsProcessorList([_Shift()])),
-        r"unsupported generation options that change the "
-        r"output distribution: _Shift",
-    ),
     (dict(stopping_criteria=StoppingCriteriaList([_Never()])), r"unsupported stopping criteria: _Never"),
     (dict(max_time=30.0), r"MaxTimeCriteria \(max_time\)"),
     (dict(num_beams=2), r"unsupported generation options: num_beams=2"),
