@@ -175,6 +175,28 @@ def test_the_drop_in_passes_transformers_processors_to_the_loop(batch, pair, lef
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("extra", [{}, dict(min_p=0.1), dict(typical_p=0.9)], ids=["top_k", "min_p", "typical_p"])
+def test_the_drop_in_sampling_with_top_k_1_is_greedy_with_the_penalty(extra, pair):
+    """Sampling at top-k 1 is deterministic: with the penalty it must equal greedy ``generate`` with the penalty,
+    also when min-p or typical-p put transformers' warpers into the loop's chain (the acceptance step then samples
+    at temperature 1)."""
+    target, draft = pair
+    prompt = torch.tensor([[5, 17, 42, 8, 23]])
+    ref = target.generate(prompt, do_sample=False, max_new_tokens=NEW, repetition_penalty=1.5, pad_token_id=0)
+    got = target.generate(
+        prompt,
+        do_sample=True,
+        top_k=1,
+        max_new_tokens=NEW,
+        repetition_penalty=1.5,
+        pad_token_id=0,
+        custom_generate=speculative_decoding,
+        draft_model=draft,
+        **extra,
+    )
+    assert torch.equal(got, ref)
+
+
 def test_the_drop_in_refuses_classifier_free_guidance(pair):
     target, draft = pair
     with pytest.raises(ValueError, match=r"UnbatchedClassifierFreeGuidanceLogitsProcessor \(guidance_scale\)"):

@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_generate_stats import V, chi_square_p, sample_counts
+from test_generate_stats import V, chi_square_p, eagle_head_for, sample_counts
 from transformers.generation import logits_process as lp
+
+import specjax
 
 pytestmark = pytest.mark.slow
 
@@ -78,22 +80,34 @@ CASES = [
     pytest.param(
         dict(repetition_penalty=2.0), [lp.RepetitionPenaltyLogitsProcessor(2.0)], [], "ngram", id="penalty-ngram"
     ),
+    pytest.param(
+        dict(repetition_penalty=2.0), [lp.RepetitionPenaltyLogitsProcessor(2.0)], [], "eagle", id="penalty-eagle"
+    ),
+    pytest.param(
+        dict(repetition_penalty=2.0, sampler=specjax.rejection_sample),
+        [lp.RepetitionPenaltyLogitsProcessor(2.0)],
+        [],
+        "model",
+        id="penalty-rejection_sample-callable",
+    ),
 ]
 
 
-def drafter_for(kind: str, draft) -> Any:
-    from specjax.drafters import NgramDrafter
+def drafter_for(kind: str, target, draft) -> Any:
+    from specjax.drafters import EagleDrafter, NgramDrafter
 
+    if kind == "eagle":
+        return EagleDrafter(eagle_head_for(target))
     return draft if kind == "model" else NgramDrafter(min_n=1)
 
 
 @pytest.mark.parametrize(("options", "processors", "post", "kind"), CASES)
 def test_joint_law_with_processors_matches_the_target(options, processors, post, kind, pair):
     target, draft = pair
-    prompt = PROMPT if kind == "model" else quoting_prompt(target)
+    prompt = quoting_prompt(target) if kind == "ngram" else PROMPT
     counts = sample_counts(
         target,
-        drafter_for(kind, draft),
+        drafter_for(kind, target, draft),
         length=LENGTH,
         num_draft_tokens=2,
         temperature=T,
