@@ -155,8 +155,11 @@ class DraftRequest:
         drafted i64[B', i] host array) -> f32[B', V]``, the logits of draft
         position ``i`` processed with each row's prefix (its context followed
         by ``drafted[b]``, the tokens it drew before). A drafter that draws from
-        logits must draw from these, and propose them as its logits; point-mass
-        drafters may ignore it (the target's side is processed by the loop).
+        logits should draw from these and propose them as its logits (its
+        tokens then follow the processed distribution the target's tokens are
+        tested against); exactness only needs ``Proposal.logits`` to be what
+        the tokens were drawn from. Point-mass drafters may ignore it (the
+        loop processes the target's side).
     """
 
     step: int

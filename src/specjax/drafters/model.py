@@ -5,7 +5,8 @@ the last one; more after steps that did not draft or that accepted its last
 proposal), then draws ``g`` tokens autoregressively through
 :func:`specjax.kernels.steps.draft_draw`: the front end's processing
 (temperature / top-k / top-p / greedy) of its logits, so the tokens come from
-exactly the ``q`` the acceptance step recomputes from the returned logits.
+exactly the ``q`` the acceptance step recomputes from the returned logits
+(with logits processors, the logits ``DraftRequest.process`` returns).
 When every row is greedy the proposal is deterministic: the first argmax of
 the draft's logits (over the target's vocabulary), proposed as point masses
 (no logits; :func:`specjax.verify_from_logits` with ``draft_logits=None``),

@@ -19,7 +19,9 @@ Chen et al. 2023, arXiv:2302.01318):
    in one forward pass: G+1 distributions ``p_0 .. p_G``. The first step's
    forward also carries the rest of the prompt (no separate prefill); for a
    drafter that reads the target's hidden states, the whole prompt is scored
-   first and the first step is a plain step on its last logits.
+   first and the first step is a plain step on its last logits. With logits
+   processors, position ``j`` is processed on the prefix ending at ``x_{j-1}``
+   (:mod:`specjax.generate.processors`; the drafter's draws too).
 3. **Verify.** Draft and target logits cross to JAX zero-copy
    (:func:`specjax.adapters.jit_input`: DLPack on GPU, a NumPy view that XLA:CPU
    reads in place on a CPU-only JAX); the sampler decides ``n`` and draws the
