@@ -137,6 +137,21 @@ def test_greedy_matches_generate_with_other_drafters(kind, case, pair, left_padd
     assert torch.equal(out.sequences, ref), f"\n{out.sequences[:, ids.shape[1] :]}\n{ref[:, ids.shape[1] :]}"
 
 
+def test_greedy_rows_of_a_mixed_batch_match_generate(pair, left_padded):
+    """Per-row temperatures: the greedy rows of a sampled batch (the fused JAX step, not the greedy shortcut) equal
+    greedy ``generate`` with the same processors."""
+    target, draft = pair
+    ids, mask = left_padded(LENGTHS, vocab_size=V, seed=11)
+    options = dict(repetition_penalty=1.5, logits_processor=[BanLast()])
+    ref = hf_generate(target, ids, mask, **options)
+    assert not torch.equal(ref, hf_generate(target, ids, mask))
+    out = specjax.speculative_generate(
+        target, draft, ids, mask, max_new_tokens=NEW, temperature=[0.0, 0.7, 0.0, 1.0], adaptive=False, **options
+    )
+    for row in (0, 2):
+        assert torch.equal(out.sequences[row], ref[row])
+
+
 def test_forced_bos_on_a_one_token_prompt(pair):
     target, draft = pair
     ids, mask = torch.tensor([[9]]), torch.ones((1, 1), dtype=torch.long)
