@@ -338,6 +338,7 @@ def speculative_generate(
     )
     processors = None
     if logits_processor is not None or any(v is not None for v in options.values()):
+        prepare_params(temperature, top_k, top_p, batch, True, impl)  # the caller's values, checked first
         chain, (temperature, top_k, top_p) = build_processors(
             logits_processor,
             options,

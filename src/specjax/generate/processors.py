@@ -280,9 +280,11 @@ def build_processors(
     ):
         if name in o:
             value = _float_option(name, o[name])
-            if sampling and active(value):
+            if active(value):  # built (and so validated) greedy too, where generate ignores it
                 kwargs = {"device": device} if cls is lp.EtaLogitsWarper else {}
-                warpers.append(_make(name, cls, value, **kwargs))
+                warper = _make(name, cls, value, **kwargs)
+                if sampling:
+                    warpers.append(warper)
     if not warpers:
         return chain, (temperature, top_k, top_p)
     t, k, p = _scalar("temperature", temperature), _scalar("top_k", top_k), _scalar("top_p", top_p)
