@@ -212,6 +212,25 @@ def test_the_drop_in_sampling_with_top_k_1_is_greedy_with_the_penalty(extra, pai
     assert torch.equal(got, ref)
 
 
+def test_a_prefix_functions_batch_ids_stay_right(pair, left_padded):
+    """``PrefixConstrainedLogitsProcessor`` passes ``prefix_allowed_tokens_fn`` the row's index: the loop calls
+    processors with the whole batch in its order, so each row keeps its own rule while the rows sit at different
+    lengths (a call on the rows of one length only would hand them other rows' indices)."""
+    target, draft = pair
+    ids, mask = left_padded(LENGTHS, vocab_size=V, seed=11)
+
+    def allowed(batch_id: int, sent: torch.Tensor) -> list[int]:
+        return [t for t in range(V) if (t + batch_id + int(sent[-1])) % 3 == 0]
+
+    ref = hf_generate(target, ids, mask, prefix_allowed_tokens_fn=allowed)
+    processor = lp.PrefixConstrainedLogitsProcessor(allowed, 1)
+    out = specjax.speculative_generate(
+        target, draft, ids, mask, max_new_tokens=NEW, adaptive=False, logits_processor=[processor]
+    )
+    assert torch.equal(out.sequences, ref)
+    assert 0 < out.stats.acceptance_rate < 1  # rows accept different counts: they sit at different lengths
+
+
 def test_the_drop_in_refuses_classifier_free_guidance(pair):
     target, draft = pair
     with pytest.raises(ValueError, match=r"UnbatchedClassifierFreeGuidanceLogitsProcessor \(guidance_scale\)"):

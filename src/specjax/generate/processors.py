@@ -62,7 +62,16 @@ import torch
 
 from specjax.generate.checks import PluginOutputError
 
-__all__ = ["LoopProcessors", "Prefixes", "build_processors", "is_row_processor", "processor_name"]
+__all__ = [
+    "PROCESSOR_OPTIONS",
+    "WARPER_OPTIONS",
+    "LoopProcessors",
+    "Prefixes",
+    "build_processors",
+    "is_row_processor",
+    "processor_name",
+    "split_prepared",
+]
 
 #: The options ``speculative_generate`` builds into transformers' processors (before temperature).
 PROCESSOR_OPTIONS = (
@@ -105,10 +114,12 @@ class Prefixes:
 
 
 def is_row_processor(p: Any) -> bool:
+    """Whether ``p`` takes the row-processor hook (a ``process_rows`` method) rather than ``(input_ids, scores)``."""
     return callable(getattr(p, "process_rows", None))
 
 
 def processor_name(p: Any) -> str:
+    """How messages name a processor: a function's name, else its class's."""
     return getattr(p, "__name__", None) or type(p).__name__
 
 
