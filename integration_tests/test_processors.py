@@ -342,6 +342,11 @@ ERRORS = [
         r"logits_processor: expected a transformers LogitsProcessorList",
     ),
     (dict(logits_processor=[3]), TypeError, r"logits_processor: item 0 is a int"),
+    (
+        dict(logits_processor=[lp.SynthIDTextWatermarkLogitsProcessor(2, [1, 2], 8, 0, 8, torch.device("cpu"))]),
+        ValueError,
+        r"logits_processor: item 0, SynthIDTextWatermarkLogitsProcessor, keeps state from call to call",
+    ),
     (dict(repetition_penalty=-1.0), ValueError, r"repetition_penalty: .*strictly positive"),
     (dict(repetition_penalty="high"), ValueError, r"repetition_penalty: expected a number, got 'high'"),
     (dict(no_repeat_ngram_size=2.5), ValueError, r"no_repeat_ngram_size: expected an integer"),

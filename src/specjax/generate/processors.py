@@ -64,6 +64,7 @@ from specjax.generate.checks import PluginOutputError
 
 __all__ = [
     "PROCESSOR_OPTIONS",
+    "REFUSED_PROCESSORS",
     "WARPER_OPTIONS",
     "LoopProcessors",
     "Prefixes",
@@ -86,6 +87,15 @@ PROCESSOR_OPTIONS = (
 )
 #: The options transformers applies after temperature / top-k / top-p (sampling only).
 WARPER_OPTIONS = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+#: transformers' processors the loop cannot run, by class name, and why: they keep state from call to call or run
+#: a model of their own, where the loop calls a processor several times a step on prefixes that may be rejected.
+REFUSED_PROCESSORS = {
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "runs the model on its own unconditional prompt, a token a call",
+    "ClassifierFreeGuidanceLogitsProcessor": "needs a conditional and an unconditional row per row",
+    "SynthIDTextWatermarkLogitsProcessor": "keeps state from call to call",
+    "WhisperTimeStampLogitsProcessor": "is Whisper's (encoder-decoder)",
+    "WhisperNoSpeechDetection": "is Whisper's (encoder-decoder)",
+}
 
 
 @dataclass(frozen=True)
@@ -222,6 +232,11 @@ def build_processors(
                 raise TypeError(
                     f"logits_processor: item {i} is a {type(p).__name__}, expected a callable (input_ids, scores) -> "
                     "scores or an object with process_rows(prefixes, scores)"
+                )
+            if type(p).__name__ in REFUSED_PROCESSORS:
+                raise ValueError(
+                    f"logits_processor: item {i}, {type(p).__name__}, {REFUSED_PROCESSORS[type(p).__name__]}: it "
+                    "cannot run under speculation (remove it, or use transformers' own generate)"
                 )
         custom = list(logits_processor)
     unknown = sorted(set(options) - set(PROCESSOR_OPTIONS) - set(WARPER_OPTIONS))

@@ -105,16 +105,6 @@ def _describe(obj: Any, options: dict[str, str]) -> str:
     return f"{name} ({options[name]})" if name in options else name
 
 
-# Processors the loop cannot honour: they keep state from call to call or run a model of their own.
-_REFUSED_PROCESSORS = {
-    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "runs the model on its own unconditional prompt, a token a call",
-    "ClassifierFreeGuidanceLogitsProcessor": "needs a conditional and an unconditional row per row",
-    "SynthIDTextWatermarkLogitsProcessor": "keeps state from call to call",
-    "WhisperTimeStampLogitsProcessor": "is Whisper's (encoder-decoder)",
-    "WhisperNoSpeechDetection": "is Whisper's (encoder-decoder)",
-}
-
-
 def _sampling_settings(
     generation_config: Any, logits_processor: Any
 ) -> tuple[list[Any], tuple[float, int | None, float | None]]:
@@ -125,15 +115,15 @@ def _sampling_settings(
     to the acceptance step, or join the chain with the warpers transformers
     applies after them (min-p, typical, epsilon, eta).
     """
-    from specjax.generate.processors import split_prepared
+    from specjax.generate.processors import REFUSED_PROCESSORS, split_prepared
 
     processors = list(logits_processor or [])
-    refused = [p for p in processors if type(p).__name__ in _REFUSED_PROCESSORS]
+    refused = [p for p in processors if type(p).__name__ in REFUSED_PROCESSORS]
     if refused:
         raise ValueError(
             "speculative_decoding: unsupported generation options: "
             + ", ".join(
-                f"{_describe(p, _PROCESSOR_OPTIONS)}, which {_REFUSED_PROCESSORS[type(p).__name__]}" for p in refused
+                f"{_describe(p, _PROCESSOR_OPTIONS)}, which {REFUSED_PROCESSORS[type(p).__name__]}" for p in refused
             )
             + " (remove them, or use transformers' own generate)"
         )
