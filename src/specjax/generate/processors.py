@@ -29,7 +29,7 @@ A processor is one of two kinds; a chain mixes them and applies them in order.
   (``PrefixConstrainedLogitsProcessor``'s batch id,
   ``RepetitionPenaltyLogitsProcessor``'s per-row ``prompt_ignore_length``).
   Such a processor must be a function of its inputs (transformers' are, except
-  the refused ones the drop-in lists): it is called more often than in
+  :data:`REFUSED_PROCESSORS`, refused): it is called more often than in
   ``generate``, and on draft tokens that may be rejected.
 * **A row processor**: an object with ``process_rows(prefixes, scores)``,
   ``prefixes`` a :class:`Prefixes` and ``scores`` f32[N, V], returning f32[N,
