@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ import torch
 import specjax
 from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
+from specjax.generate.processors import Prefixes
 
 pytestmark = pytest.mark.demo_pair
 
@@ -161,79 +161,12 @@ def allowed_ids(mask: np.ndarray) -> np.ndarray:
     return np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0]
 
 
-@pytest.mark.parametrize("kind", ["json_schema", "regex"])
-def test_masks_and_rollback_equal_fresh_matchers(tok, kind):
-    """Random drafts mixing valid continuations and arbitrary tokens, random outcomes: each row's proposal
-    is cut where a fresh matcher refuses it, each draft position's mask is a fresh matcher's after its
-    prefix, and after each commit the rows' state is that of their committed tokens."""
-    grammar = compiled(tok, kind)
-    rng = np.random.default_rng(0)
-    batch, steps = 3, 12
-    rows = GrammarRows(grammar, batch, [EOS], V)
-    committed: list[list[int]] = [[] for _ in range(batch)]
-    cut_seen = rolled_back = 0
-    for _ in range(steps):
-        rows.begin_step(list(range(batch)), committed)
-        k = rng.integers(0, G + 1, batch)
-        tokens = np.zeros((batch, G), np.int64)
-        for b in range(batch):
-            for i in range(int(k[b])):
-                mask = fresh_mask(grammar, committed[b] + tokens[b, :i].tolist())
-                valid = mask is not None and rng.random() < 0.8
-                tokens[b, i] = int(rng.choice(allowed_ids(mask))) if valid else int(rng.integers(3, V))
-        cut = rows.valid_prefix(tokens, k, np.ones(batch, bool))
-        masks = rows.draft_masks(tokens, cut, np.ones(batch, bool))
-        emitted = []
-        for b in range(batch):
-            accepted = [
-                i for i in range(int(k[b]) + 1) if fresh_matcher(grammar, committed[b] + tokens[b, :i].tolist())
-            ]
-            assert cut[b] == max(accepted)
-            cut_seen += int(cut[b] < k[b])
-            for i in range(int(cut[b]) + 1):
-                expect = fresh_mask(grammar, committed[b] + tokens[b, :i].tolist())
-                if expect is not None:
-                    np.testing.assert_array_equal(masks[b, i], expect)
-            # accept n of the valid drafts, then emit a token the mask at position n allows
-            n = int(rng.integers(0, int(cut[b]) + 1))
-            rolled_back += int(n < cut[b])
-            kept = tokens[b, :n].tolist()
-            last = fresh_mask(grammar, committed[b] + kept)
-            if last is not None:
-                choices = allowed_ids(last)
-                kept.append(int(rng.choice(choices[choices != EOS] if len(choices) > 1 else choices)))
-            emitted.append(kept)
-        for b in range(batch):
-            committed[b] += emitted[b]
-    assert cut_seen and rolled_back  # both paths ran
-    rows.begin_step(list(range(batch)), committed)
-    masks = rows.draft_masks(np.zeros((batch, 0), np.int64), np.zeros(batch, np.int64), np.ones(batch, bool))
-    for b in range(batch):
-        expect = fresh_mask(grammar, committed[b])
-        if expect is not None:
-            np.testing.assert_array_equal(masks[b, 0], expect)
-
-
-@dataclass(frozen=True)
-class RowPrefixes:
-    """The fields of the processor chain's ``Prefixes`` that a row processor reads (prefixes right-aligned)."""
-
-    rows: np.ndarray
-    ids: np.ndarray
-    lengths: np.ndarray
-    committed: np.ndarray
-    prompt_length: int
-
-    def prefix(self, n: int) -> np.ndarray:
-        return self.ids[n, self.ids.shape[1] - int(self.lengths[n]) :]
-
-
-def row_prefixes(prompt: list[int], prefixes: list[tuple[int, list[int], int]]) -> RowPrefixes:
-    """``(batch row, generated tokens, committed count)`` triples as the chain passes them."""
+def row_prefixes(prompt: list[int], prefixes: list[tuple[int, list[int], int]]) -> Prefixes:
+    """``(batch row, generated tokens, committed count)`` triples as the processor chain passes them."""
     full = [prompt + gen for _, gen, _ in prefixes]
     width = max(map(len, full))
     ids = np.array([[0] * (width - len(f)) + f for f in full], np.int64)
-    return RowPrefixes(
+    return Prefixes(
         np.array([r for r, _, _ in prefixes]),
         ids,
         np.array([len(f) for f in full]),
@@ -242,10 +175,16 @@ def row_prefixes(prompt: list[int], prefixes: list[tuple[int, list[int], int]]) 
     )
 
 
+def as_bool(mask: np.ndarray) -> list[bool]:
+    return np.unpackbits(mask.view(np.uint8), bitorder="little")[:V].astype(bool).tolist()
+
+
 @pytest.mark.parametrize("kind", ["json_schema", "regex"])
-def test_row_processor_masks_equal_fresh_matchers(tok, kind):
-    """As a row processor (process_rows): a drafter's positions one call each, then the target's positions
-    of every row in one call, then a random outcome; each scores row is masked as a fresh matcher fed its
+def test_masks_cuts_and_rollbacks_equal_fresh_matchers(tok, kind):
+    """Random drafts mixing valid continuations and arbitrary tokens, called as the processor chain calls a
+    row processor (process_rows): a drafter's positions one call each, then the loop's cut of the proposals
+    (valid_prefix), then the target's positions of every row in one call, then a random outcome. Each
+    proposal is cut where a fresh matcher refuses it; each scores row is masked as a fresh matcher fed its
     prefix's generated tokens masks it."""
     grammar = compiled(tok, kind)
     rng = np.random.default_rng(1)
@@ -253,20 +192,17 @@ def test_row_processor_masks_equal_fresh_matchers(tok, kind):
     rows = GrammarRows(grammar, batch, [EOS], V)
     rows.start(batch, len(prompt))
     committed: list[list[int]] = [[] for _ in range(batch)]
+    cut_seen = rolled_back = 0
 
     def check(calls: list[tuple[int, list[int], int]]) -> None:
         out = rows.process_rows(row_prefixes(prompt, calls), torch.zeros(len(calls), V))
         for n, (_, gen, _) in enumerate(calls):
             expect = fresh_mask(grammar, gen)
             finite = torch.isfinite(out[n]).numpy()
-            if expect is None:  # refused or ended: never reached, every token allowed
-                assert finite.all()
-            else:
-                assert (
-                    finite.tolist() == np.unpackbits(expect.view(np.uint8), bitorder="little")[:V].astype(bool).tolist()
-                )
+            # refused or ended: never reached, every token allowed
+            assert finite.all() if expect is None else finite.tolist() == as_bool(expect)
 
-    for _ in range(10):
+    for _ in range(12):
         k = rng.integers(0, G + 1, batch)
         drafts: list[list[int]] = [[] for _ in range(batch)]
         for b in range(batch):
@@ -276,26 +212,31 @@ def test_row_processor_masks_equal_fresh_matchers(tok, kind):
                 drafts[b].append(int(rng.choice(allowed_ids(mask))) if valid else int(rng.integers(3, V)))
         for i in range(int(k.max())):  # a drafter: position i of the rows that draft that far
             check([(b, committed[b] + drafts[b][:i], len(committed[b])) for b in range(batch) if k[b] > i])
-        check(
-            [(b, committed[b] + drafts[b][:i], len(committed[b])) for b in range(batch) for i in range(int(k[b]) + 1)]
-        )
-        for b in range(batch):  # accept n valid drafts, emit an allowed token
-            n = 0
-            while (
-                n < k[b] and fresh_mask(grammar, committed[b] + drafts[b][: n + 1]) is not None and rng.random() < 0.7
-            ):
-                n += 1
+        rows.begin_step(list(range(batch)), committed)
+        tokens = np.zeros((batch, G), np.int64)
+        for b in range(batch):
+            tokens[b, : k[b]] = drafts[b]
+        cut = rows.valid_prefix(tokens, k, np.ones(batch, bool))
+        for b in range(batch):
+            accepted = [i for i in range(int(k[b]) + 1) if fresh_matcher(grammar, committed[b] + drafts[b][:i])]
+            assert cut[b] == max(accepted)
+            cut_seen += int(cut[b] < k[b])
+        check([(b, committed[b] + drafts[b][:i], len(committed[b])) for b in range(batch) for i in range(cut[b] + 1)])
+        for b in range(batch):  # accept n of the valid drafts, then emit a token the grammar allows
+            n = int(rng.integers(0, int(cut[b]) + 1))
+            rolled_back += int(n < cut[b])
             committed[b] += drafts[b][:n]
             last = fresh_mask(grammar, committed[b])
             if last is not None:
                 choices = allowed_ids(last)
                 committed[b].append(int(rng.choice(choices[choices != EOS] if len(choices) > 1 else choices)))
+    assert cut_seen and rolled_back  # both paths ran
 
 
 def test_mask_logits_refuses_exactly_the_masked_ids(tok):
-    rows = GrammarRows(compiled(tok, "regex"), 1, [EOS], V)
-    rows.begin_step([0], [[]])
-    masks = rows.draft_masks(np.zeros((1, 0), np.int64), np.zeros(1, np.int64), np.ones(1, bool))
+    grammar = compiled(tok, "regex")
+    rows = GrammarRows(grammar, 1, [EOS], V)
+    masks = fresh_mask(grammar, [])[None, None]
     logits = torch.randn(1, 1, V + 64)  # a head padded beyond the tokenizer
     out = rows.mask_logits(logits, masks)
     allowed = np.unpackbits(masks[0, 0].view(np.uint8), bitorder="little")[:V].astype(bool)
@@ -358,6 +299,44 @@ def test_greedy_matches_plain_constrained_decoding(draft_kind, kind, batch, tok,
     # regex prompts find the random target's choices too rarely for that)
     assert out.stats.draft_tokens_accepted < out.stats.draft_tokens_proposed
     assert out.stats.draft_tokens_accepted > 0 or (draft_kind, kind) == ("ngram", "regex")
+
+
+@pytest.mark.parametrize("draft_kind", ["model", "hybrid"])
+def test_greedy_with_other_processors_matches_generate(draft_kind, tok, models):
+    """A grammar after a repetition penalty and a bad-words ban, as generate orders a custom processor."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    ids, mask = prompts(tok, "json_schema", 3)
+    target, banned = models["target"], [[tok.encode(" true")[0]]]
+    ref = target.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=60,
+        repetition_penalty=1.3,
+        bad_words_ids=banned,
+        logits_processor=[LogitsProcessor(compiled(tok, "json_schema"))],
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    out = specjax.speculative_generate(
+        target,
+        drafter(draft_kind, models),
+        ids,
+        mask,
+        max_new_tokens=60,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        target_tokenizer=tok,
+        adaptive=False,
+        repetition_penalty=1.3,
+        bad_words_ids=banned,
+        json_schema=SCHEMA,
+    )
+    new, expect = out.sequences[:, ids.shape[1] :], ref[:, ids.shape[1] :]
+    length = max(new.shape[1], expect.shape[1])
+    assert torch.equal(pad_to(new, length), pad_to(expect, length))
+    assert all(conforms(t) for t in outputs(out, ids, tok))
 
 
 class CorruptingOracle:

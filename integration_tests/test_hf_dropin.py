@@ -20,10 +20,6 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-)
 from transformers.generation import utils as gu
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -227,22 +223,7 @@ def test_num_return_sequences(pair, prompt):
     assert torch.equal(got, want)
 
 
-class _Shift(LogitsProcessor):
-    def __call__(self, input_ids, scores):
-        return scores + 1.0
-
-
 UNSUPPORTED = [
-    (dict(repetition_penalty=1.3), r"RepetitionPenaltyLogitsProcessor \(repetition_penalty\)"),
-    (dict(do_sample=True, min_p=0.1), r"MinPLogitsWarper \(min_p\)"),
-    (dict(no_repeat_ngram_size=2), r"NoRepeatNGramLogitsProcessor \(no_repeat_ngram_size\)"),
-    (dict(do_sample=True, typical_p=0.5), r"TypicalLogitsWarper \(typical_p\)"),
-    (dict(bad_words_ids=[[7]]), r"NoBadWordsLogitsProcessor \(bad_words_ids\)"),
-    (
-        dict(logits_processor=LogitsProcessorList([_Shift()])),
-        r"unsupported generation options that change the "
-        r"output distribution: _Shift",
-    ),
     (dict(num_beams=2), r"unsupported generation options: num_beams=2"),
     (
         dict(return_dict_in_generate=True, output_hidden_states=True),

@@ -443,6 +443,10 @@ GEN_ARGS = (
     "eos_token_id",
     "pad_token_id",
     "sampler",
+    "repetition_penalty",
+    "no_repeat_ngram_size",
+    "min_p",
+    "bad_words_ids",
 )
 
 
@@ -491,6 +495,10 @@ def generate_case(draw):
     )
     if draw(st.booleans()):
         kwargs["eos_token_id"] = draw(st.integers(1, V - 1))
+    if draw(st.booleans()):  # logits processors (specjax.generate.processors)
+        kwargs["repetition_penalty"] = draw(st.sampled_from([1.0, 1.3, 2]))
+        kwargs["no_repeat_ngram_size"] = draw(st.sampled_from([0, 1, 2]))
+        kwargs["min_p"] = draw(st.sampled_from([None, 0.05]))
     bad = draw(
         st.sampled_from(
             [None] * 8
@@ -507,6 +515,10 @@ def generate_case(draw):
                 "sampler",
                 "target",
                 "positions",
+                "repetition_penalty",
+                "no_repeat_ngram_size",
+                "min_p",
+                "bad_words_ids",
             ]
         )
     )
@@ -533,6 +545,10 @@ def generate_case(draw):
                     "seed": [2**64, 1.5, "s"],
                     "eos_token_id": [-1, "eos", 1.5],
                     "sampler": ["no-such-sampler", 42],
+                    "repetition_penalty": [-1.0, 0.0, "strong", True],
+                    "no_repeat_ngram_size": [1.5, "2"],
+                    "min_p": [1.5, -0.1, "p"],
+                    "bad_words_ids": [[7], "bad", [[-1]]],
                 }[bad]
             )
         )
@@ -567,7 +583,10 @@ def test_fuzz_speculative_generate(tiny_pair, case):
             assert row.tolist().index(eos) == len(row) - 1  # EOS ends the row
         elif int(new[r]) != kwargs["max_new_tokens"]:
             raise AssertionError(f"row {r} stopped early at {int(new[r])} tokens without EOS")
-    if kwargs["temperature"] == 0:  # greedy: exactly the target's own greedy output
+    if kwargs["temperature"] == 0:  # greedy: exactly the target's own greedy output, with the same processors
+        processors = {k: kwargs[k] for k in ("repetition_penalty", "no_repeat_ngram_size") if k in kwargs}
+        if "repetition_penalty" in processors:  # specjax takes an int penalty, transformers a float only
+            processors["repetition_penalty"] = float(processors["repetition_penalty"])
         want = target.generate(
             ids,
             attention_mask=mask,
@@ -575,6 +594,7 @@ def test_fuzz_speculative_generate(tiny_pair, case):
             do_sample=False,
             pad_token_id=0,
             eos_token_id=kwargs.get("eos_token_id"),
+            **processors,
         )
         assert torch.equal(seq[:, : want.shape[1]], want)
 

@@ -47,6 +47,7 @@ __all__ = [
     "Proposal",
     "SamplingState",
     "check_sampled_logits",
+    "drafted_host",
     "greedy_pick",
     "is_drafter",
     "logit_row_max",
@@ -148,15 +149,17 @@ class DraftRequest:
         far, it returns bool[B'], the rows for which one more token is
         expected to pay. A drafter may stop drafting the other rows early
         (proposing fewer than ``max_tokens[b]``); ignoring it is also correct.
-      process: None, or the loop's processing of a drafter's logits before it
-        draws (a grammar's mask): ``process(i, logits, previous)`` with ``i``
-        the draft position (0, 1, … in order, once each), ``logits`` f[B', V']
-        (torch) and ``previous`` the tokens drawn at ``i - 1`` (i[B'], any array
-        library; None at 0) returns the logits to draw from (and to return as
-        the proposal's logits). A drafter that draws from a model's logits
-        calls it, so that it proposes tokens the grammar allows; a lookup may
-        ignore it (the loop cuts point-mass proposals at their first refused
-        token).
+      process: None (no logits processors: draw from the logits as they are), or
+        the call's logits processors for this step
+        (:mod:`specjax.generate.processors`): ``process(logits f[B', V_draft],
+        drafted i64[B', i] host array) -> f32[B', V]``, the logits of draft
+        position ``i`` processed with each row's prefix (its context followed
+        by ``drafted[b]``, the tokens it drew before). A drafter that draws from
+        logits should draw from these and propose them as its logits (its
+        tokens then follow the processed distribution the target's tokens are
+        tested against); exactness only needs ``Proposal.logits`` to be what
+        the tokens were drawn from. Point-mass drafters may ignore it (the
+        loop processes the target's side).
     """
 
     step: int
@@ -166,7 +169,7 @@ class DraftRequest:
     sampling: SamplingState
     limit: np.ndarray | None = None
     worth_drafting: Callable[[np.ndarray], np.ndarray] | None = None
-    process: Callable[[int, Any, Any], Any] | None = None
+    process: Callable[[Any, np.ndarray], torch.Tensor] | None = None
 
     @property
     def allowed(self) -> np.ndarray:
@@ -262,6 +265,15 @@ DRAFTER_METHODS = ("start", "propose", "commit", "select_rows")
 def is_drafter(obj: Any) -> bool:
     """Whether ``obj`` has the drafter methods (:data:`DRAFTER_METHODS`)."""
     return all(callable(getattr(obj, m, None)) for m in DRAFTER_METHODS)
+
+
+def drafted_host(tokens: list[Any], batch: int) -> np.ndarray:
+    """i64[B', i] host array: the ``i`` draft tokens drawn so far (i32/i64[B'] each: torch, NumPy or JAX), the
+    ``drafted`` argument of :attr:`DraftRequest.process`."""
+    if not tokens:
+        return np.zeros((batch, 0), np.int64)
+    host = [t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t) for t in tokens]
+    return np.stack(host, axis=1).astype(np.int64)
 
 
 def greedy_pick(scores: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:

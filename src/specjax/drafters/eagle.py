@@ -64,6 +64,7 @@ from specjax.drafters.base import (
     DraftSetup,
     Proposal,
     check_sampled_logits,
+    drafted_host,
     greedy_pick,
     sampled_confidence,
     stop_rows,
@@ -227,8 +228,13 @@ class EagleDrafter:
             for i in range(g):
                 scores = self._scores(feature)
                 if greedy:
-                    best, conf = greedy_pick(scores)
-                    x = ids[best]
+                    if request.process is None:
+                        best, conf = greedy_pick(scores)
+                        x = ids[best]
+                    else:  # the logits processors, over the whole vocabulary
+                        full = torch.full((b, self.vocab), float("-inf"), device=device, dtype=scores.dtype)
+                        full[:, ids] = scores
+                        x, conf = greedy_pick(request.process(full, drafted_host(tokens, b)))
                     tokens.append(x)
                     confidence.append(conf)
                     want, go_on = stop_rows(request, confidence, want)
@@ -237,6 +243,8 @@ class EagleDrafter:
                 else:
                     full = torch.full((b, self.vocab), float("-inf"), device=device, dtype=scores.dtype)
                     full[:, ids] = scores
+                    if request.process is not None:  # the logits processors, on this position's prefixes
+                        full = request.process(full, drafted_host(tokens, b))
                     self._held.append(full)
                     lj = jit_input(full)
                     logits_out.append(lj)

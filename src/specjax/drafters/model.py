@@ -5,7 +5,8 @@ the last one; more after steps that did not draft or that accepted its last
 proposal), then draws ``g`` tokens autoregressively through
 :func:`specjax.kernels.steps.draft_draw`: the front end's processing
 (temperature / top-k / top-p / greedy) of its logits, so the tokens come from
-exactly the ``q`` the acceptance step recomputes from the returned logits.
+exactly the ``q`` the acceptance step recomputes from the returned logits
+(with logits processors, the logits ``DraftRequest.process`` returns).
 When every row is greedy the proposal is deterministic: the first argmax of
 the draft's logits (over the target's vocabulary), proposed as point masses
 (no logits; :func:`specjax.verify_from_logits` with ``draft_logits=None``),
@@ -34,6 +35,7 @@ from specjax.drafters.base import (
     DraftSetup,
     Proposal,
     check_sampled_logits,
+    drafted_host,
     greedy_pick,
     sampled_confidence,
     stop_rows,
@@ -135,8 +137,8 @@ class ModelDrafter:
         want = np.where(active, np.minimum(request.max_tokens, g), 0).astype(np.int64)
         for i in range(g):
             logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
-            if request.process is not None:
-                logits = request.process(i, logits, draws[-1] if draws else None)
+            if request.process is not None:  # the logits processors, on this position's prefixes
+                logits = request.process(logits, drafted_host(draws, b))
             self._held.append(logits)
             lj = jit_input(logits)
             logits_out.append(lj)
@@ -191,8 +193,8 @@ class ModelDrafter:
                 logits = scored[:, -1]
             else:
                 logits = self.cache.forward(feed, feed_valid, last_only=True, all_valid=all_valid)[:, 0]
-            if request.process is not None:
-                logits = request.process(i, logits, drawn[-1] if drawn else None)
+            if request.process is not None:  # the logits processors, on this position's prefixes
+                logits = request.process(logits, drafted_host(drawn, len(feed_valid)))
             x, conf = greedy_pick(logits[:, : self.vocab])  # i64[B'], f64[B']
             drawn.append(x)
             confidence.append(conf)

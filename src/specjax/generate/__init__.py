@@ -15,6 +15,7 @@ from specjax.generate.compile_time import measure_compiles
 from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 from specjax.generate.outputs import Outputs
+from specjax.generate.processors import LoopProcessors, build_processors
 from specjax.generate.stopping import check_stopping_criteria, stop_string_criterion
 from specjax.registry import load_sampler
 
@@ -152,6 +153,19 @@ def speculative_generate(
     output_scores: bool = False,
     output_logits: bool = False,
     output_logprobs: bool = False,
+    logits_processor: Any = None,
+    repetition_penalty: float | None = None,
+    no_repeat_ngram_size: int | None = None,
+    bad_words_ids: list[list[int]] | None = None,
+    min_new_tokens: int | None = None,
+    forced_bos_token_id: int | None = None,
+    forced_eos_token_id: int | list[int] | None = None,
+    suppress_tokens: list[int] | None = None,
+    begin_suppress_tokens: list[int] | None = None,
+    min_p: float | None = None,
+    typical_p: float | None = None,
+    epsilon_cutoff: float | None = None,
+    eta_cutoff: float | None = None,
     json_schema: Any = None,
     regex: str | None = None,
 ) -> SpeculativeOutput:
@@ -217,15 +231,36 @@ def speculative_generate(
       output_logits: return ``output.logits``, the same with the raw logits.
       output_logprobs: return ``output.logprobs``, f32[B, new], each token's
         log-probability under its processed scores.
+      logits_processor: None, or a transformers ``LogitsProcessorList`` (or a
+        list) of processors ``(input_ids, scores) -> scores``, or row
+        processors (:mod:`specjax.generate.processors`). They run, as in
+        ``generate``, before temperature / top-k / top-p, on the target's
+        logits at every draft position (and a model drafter's as it draws),
+        each with the prefix that position sees: outputs follow the processed
+        target's distribution exactly; greedy outputs equal ``generate``'s
+        with the same processors.
+      repetition_penalty, no_repeat_ngram_size, bad_words_ids, min_new_tokens,
+        forced_bos_token_id, forced_eos_token_id, suppress_tokens,
+        begin_suppress_tokens: ``generate``'s options of these names, built
+        into transformers' processors as ``generate`` builds them (before
+        ``logits_processor``'s, which replace a built one of the same type).
+        ``min_new_tokens`` needs an EOS id; without one it does nothing, as in
+        ``generate``.
+      min_p, typical_p, epsilon_cutoff, eta_cutoff: ``generate``'s sampling
+        filters, applied as transformers applies them: after temperature /
+        top-k / top-p (which then take one value for the batch), only when
+        sampling (greedy ignores them, as ``generate(do_sample=False)``).
       json_schema: constrain every row's output to JSON that the schema
         accepts (a dict, JSON text or a pydantic model class), written compactly
         (``", "`` and ``": "`` between items); regex: to a string the regular
         expression matches whole. At most one of the two; both need
         ``target_tokenizer`` and an EOS id (a row ends when its output is
-        complete). Each draft position is masked with the grammar's state after
-        the tokens before it (exact; :mod:`specjax.generate.grammar`). Needs
-        xgrammar (``pip install 'specjax[grammar]'``). A row cut short by
-        ``max_new_tokens`` ends with an incomplete (but valid-so-far) output.
+        complete). The grammar is a row processor after the other processors
+        (before the sampling filters), so each draft position is masked with
+        the grammar's state after the tokens before it (exact;
+        :mod:`specjax.generate.grammar`). Needs xgrammar (``pip install
+        'specjax[grammar]'``). A row cut short by ``max_new_tokens`` ends with
+        an incomplete (but valid-so-far) output.
 
     Returns:
       :class:`SpeculativeOutput` with ``sequences`` i64[B, P + new] and ``stats``
@@ -328,6 +363,46 @@ def speculative_generate(
     for m in draft_models:
         checks.check_cache_layout("draft", m)
 
+    options = dict(
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        bad_words_ids=bad_words_ids,
+        min_new_tokens=min_new_tokens,
+        forced_bos_token_id=forced_bos_token_id,
+        forced_eos_token_id=forced_eos_token_id,
+        suppress_tokens=suppress_tokens,
+        begin_suppress_tokens=begin_suppress_tokens,
+        min_p=min_p,
+        typical_p=typical_p,
+        epsilon_cutoff=epsilon_cutoff,
+        eta_cutoff=eta_cutoff,
+    )
+    grammar = _grammar_rows(json_schema, regex, target_tokenizer, eos_ids, batch, target_vocab)
+    processors = None
+    if logits_processor is not None or any(v is not None for v in options.values()) or grammar is not None:
+        prepare_params(temperature, top_k, top_p, batch, True, impl)  # the caller's values, checked first
+        chain, (temperature, top_k, top_p) = build_processors(
+            logits_processor,
+            options,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=int(max_new_tokens),
+            eos_ids=eos_ids,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            constraint=grammar,
+        )
+        if chain:
+            processors = LoopProcessors(
+                chain,
+                input_ids,
+                max_new_tokens=int(max_new_tokens),
+                max_draft=int(num_draft_tokens),
+                vocab=target_vocab,
+                pad_token_id=pad_token_id,
+            )
+
     sampler_fn = _resolve_sampler(sampler)
     with measure_compiles() as setup_compiles:  # a first call compiles these
         params = prepare_params(temperature, top_k, top_p, batch, True, impl)
@@ -349,7 +424,6 @@ def speculative_generate(
     stop_string = stop_string_criterion(stop_strings, target_tokenizer)
     if stop_string is not None:
         criteria.append(stop_string)
-    grammar = _grammar_rows(json_schema, regex, target_tokenizer, eos_ids, batch, target_vocab)
 
     target.eval()
     for m in draft_models:
@@ -374,6 +448,7 @@ def speculative_generate(
             started=(t_start, setup_compiles.seconds),
             stopping_criteria=criteria,
             outputs=Outputs(output_scores, output_logits, output_logprobs),
+            processors=processors,
             grammar=grammar,
         )
 

@@ -8,26 +8,22 @@ logits at draft position ``i`` are masked with the grammar's state after the
 committed tokens *and* draft tokens ``x_0 .. x_{i-1}``, the prefix plain
 decoding would have seen there (Leviathan et al. 2023, arXiv:2211.17192; Chen
 et al. 2023, arXiv:2302.01318: the acceptance test then follows the masked
-distribution). So each step, per row (:class:`GrammarRows`, one matcher per row):
+distribution). :class:`GrammarRows` is a row processor of the loop's
+processor chain (:mod:`specjax.generate.processors`), which calls it with the
+prefix of each position it processes, a model drafter's as it draws and the
+target's, so that a drafter proposes only tokens the grammar allows and the
+acceptance test runs on the masked distributions. One matcher per row follows
+the prefixes it is asked about, rolling back to where a new prefix leaves the
+tokens it holds (the accepted prefix, at the next step); no commit call.
 
-1. A model drafter draws from its logits masked the same way
-   (:meth:`GrammarRows.process_draft`), so it proposes only tokens the grammar
-   allows and its proposal's logits are the masked law it drew from.
-2. :meth:`GrammarRows.valid_prefix`: point-mass proposals (n-gram lookups, the
-   ``hybrid`` drafter's n-gram rows, any proposal of a greedy call) are cut at
-   their first token the grammar refuses. Exact: such a token has masked target
-   probability 0, so it would be rejected with certainty and the emitted token
-   drawn from the masked target distribution there, which is what the bonus
-   token of the cut proposal is drawn from. Sampled proposals are not cut (a
-   count chosen from the drawn tokens would bias the output; the masked target
-   rejects an invalid token instead).
-3. :meth:`GrammarRows.draft_masks`: the bitmask of each of the ``k_b + 1``
-   positions the target scores, the matcher advanced along the draft; it stops
-   at a refused token (later positions are never reached: all tokens allowed).
-4. :meth:`GrammarRows.mask_logits`: ``-inf`` where a position's bitmask is 0.
-
-No commit call: each matcher follows the prefixes it is asked about, rolling
-back to the accepted prefix when the next step asks about it.
+Besides, :meth:`GrammarRows.valid_prefix` cuts point-mass proposals (n-gram
+lookups, the ``hybrid`` drafter's n-gram rows, any proposal of a greedy call)
+at their first token the grammar refuses. Exact: such a token has masked
+target probability 0, so it would be rejected with certainty and the emitted
+token drawn from the masked target distribution there, which is what the bonus
+token of the cut proposal is drawn from. Sampled proposals are not cut (a count
+chosen from the drawn tokens would bias the output; the masked target rejects
+an invalid token instead).
 
 The library is xgrammar (what vLLM uses), chosen by measurement on the SmolLM2
 tokenizer (docs/grammar.md): its token bitmask costs microseconds per position
@@ -44,8 +40,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from specjax.slots import to_host
 
 __all__ = ["GrammarRows", "GrammarSpec", "compile_grammar", "grammar_spec"]
 
@@ -202,32 +196,13 @@ class GrammarRows:
         self.stable = [0] * batch  # how many of them are committed
         self.prompt_length = prompt_length
         self._step: tuple[list[int], list[list[int]]] = ([], [])
-        self._drawn: list[list[int]] = []
 
-    # -- the loop's calls (specjax.generate.loop) ------------------------------------------------
+    # -- the loop's cut (specjax.generate.loop) ---------------------------------------------------
 
     def begin_step(self, rows: list[int], generated: list[list[int]]) -> None:
         """The step's cache rows: ``rows[j]`` the batch row of cache row j, ``generated[j]`` its committed
         generated tokens (read, not copied: unchanged until the step commits)."""
         self._step = (list(rows), generated)
-        self._drawn = [[] for _ in rows]
-
-    def process_draft(self, position: int, logits: Any, previous: Any) -> Any:
-        """A model drafter's logits f[B', V'] at draft ``position`` (0-based), masked like the target's there.
-
-        The drafter calls this once per position, in order (through
-        :attr:`specjax.drafters.DraftRequest.process`), with ``previous`` the
-        tokens it drew at ``position - 1`` (i[B'], any array library; None at
-        0). Drawing from the masked logits proposes only tokens the grammar
-        allows, and the draft's distribution is then the masked one (the
-        proposal's logits are these), which the acceptance test needs.
-        """
-        rows, generated = self._step
-        if position:
-            for j, t in enumerate(np.asarray(to_host(previous)).reshape(-1).tolist()):
-                self._drawn[j].append(int(t))
-        masks = self._masks([(r, generated[j], self._drawn[j], len(generated[j])) for j, r in enumerate(rows)])
-        return self.mask_logits(logits[:, None], masks[:, None])[:, 0]
 
     def valid_prefix(self, tokens: np.ndarray, k: np.ndarray, cut: np.ndarray) -> np.ndarray:
         """i64[B']: ``k`` cut, in the rows ``cut`` (bool[B']), to each proposal's longest grammar-valid prefix.
@@ -241,28 +216,6 @@ class GrammarRows:
             self._follow(rows[j], gen, tokens[j, : out[j]].tolist(), len(gen))
             out[j] = max(len(self.fed[rows[j]]) - len(gen), 0)
         return out
-
-    def draft_masks(self, tokens: np.ndarray, k: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """i32[B', W+1, ceil(V/32)] bitmasks of the positions the target scores, ``[last, x_0 .. x_{W-1}]``.
-
-        Row j's position ``i <= k[j]`` gets the grammar's mask after its
-        committed tokens and ``x_0 .. x_{i-1}``; positions after a refused token
-        (never reached: that token is rejected), after the end of the grammar,
-        and in inactive rows allow every token. ``tokens``: i64[B', W] host
-        array; ``k``: i64[B']; ``active``: bool[B'].
-        """
-        rows, generated = self._step
-        b_now, width = tokens.shape
-        items = [
-            (rows[j], generated[j], tokens[j, :i].tolist(), len(generated[j]))
-            for j in range(b_now)
-            if active[j]
-            for i in range(int(k[j]) + 1)
-        ]
-        where = [j * (width + 1) + i for j in range(b_now) if active[j] for i in range(int(k[j]) + 1)]
-        masks = np.full((b_now * (width + 1), self.words), -1, np.int32)
-        masks[where] = self._masks(items)
-        return masks.reshape(b_now, width + 1, self.words)
 
     def mask_logits(self, logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
         """``logits`` (f[..., V'], torch) with ``-inf`` where ``masks`` (i32[..., ceil(V/32)]) refuse a token.

@@ -19,7 +19,9 @@ Chen et al. 2023, arXiv:2302.01318):
    in one forward pass: G+1 distributions ``p_0 .. p_G``. The first step's
    forward also carries the rest of the prompt (no separate prefill); for a
    drafter that reads the target's hidden states, the whole prompt is scored
-   first and the first step is a plain step on its last logits.
+   first and the first step is a plain step on its last logits. With logits
+   processors, position ``j`` is processed on the prefix ending at ``x_{j-1}``
+   (:mod:`specjax.generate.processors`; the drafter's draws too).
 3. **Verify.** Draft and target logits cross to JAX zero-copy
    (:func:`specjax.adapters.jit_input`: DLPack on GPU, a NumPy view that XLA:CPU
    reads in place on a CPU-only JAX); the sampler decides ``n`` and draws the
@@ -58,6 +60,7 @@ from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import DraftBatch, check_proposal, draft_batch, no_proposal
 from specjax.generate.grammar import GrammarRows
 from specjax.generate.outputs import OutputRecorder, Outputs
+from specjax.generate.processors import LoopProcessors
 from specjax.generate.schedule import DraftSchedule
 from specjax.generate.stopping import StopRule
 from specjax.generate.verify import Verifier, choose_verifier
@@ -100,6 +103,9 @@ class SpeculativeStats:
         loop's own work: verification, bookkeeping, the drafter's commit);
         compilation included. ``loop_time_s / steps`` is the loop's cost per
         step beside the two models.
+      processor_time_s: the part of draft and loop time spent in the logits
+        processors (``logits_processor`` and the options built into processors;
+        0 without them).
     """
 
     steps: int = 0
@@ -122,6 +128,7 @@ class SpeculativeStats:
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     loop_time_s: float = 0.0
+    processor_time_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -235,11 +242,12 @@ class _Run:
         greedy: bool,
         adaptive: bool,
         on_tokens: Any,
+        processors: LoopProcessors | None = None,
         grammar: GrammarRows | None = None,
     ) -> None:
         self.drafter, self.sampling, self.stop, self.on_tokens = drafter, sampling, stop, on_tokens
         self.outputs = outputs
-        self.grammar = grammar
+        self.processors, self.grammar = processors, grammar
         self.max_new_tokens, self.num_draft_tokens, self.target_vocab = max_new_tokens, num_draft_tokens, target_vocab
         self.device = input_ids.device
         batch, prompt_len = input_ids.shape
@@ -343,7 +351,7 @@ class _Run:
         tested: the step's :class:`DraftBatch` and the drafting time. ``timed()``: whether the step has
         compiled nothing so far (only such times are recorded)."""
         b_now = len(caps)
-        if self.grammar is not None:  # the rows' committed tokens, for the grammar's masks of this step
+        if self.grammar is not None:  # the rows' committed tokens, for the grammar's cut of this step
             self.grammar.begin_step(self.cache_rows, [self.rows[i].generated for i in self.cache_rows])
         ask = self.first_scored is None and caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or self.free_proposals)
         draft_s = 0.0
@@ -359,7 +367,7 @@ class _Run:
                     self.sampling,
                     caps,
                     self.schedule.worth_drafting if self.use_confidence else None,
-                    self.grammar.process_draft if self.grammar is not None else None,
+                    None if self.processors is None else self.processors.draft_hook(self.cache_rows, active),
                 )
             )
             draft_s = time.perf_counter() - t_draft
@@ -416,7 +424,15 @@ class _Run:
     # 3. Score -----------------------------------------------------------------------------------
 
     def score(self, batch: DraftBatch, active: np.ndarray) -> _Scored:
-        """Score ``[last, x_0 .. x_{W-1}]`` in one target forward (after the prompt's prefix at the first step)."""
+        """Score ``[last, x_0 .. x_{W-1}]`` in one target forward (after the prompt's prefix at the first step),
+        its logits processed with each position's prefix when the call has logits processors."""
+        scored = self._forward(batch, active)
+        if self.processors is not None:
+            scored.raw_logits = scored.logits  # output_logits returns the target's own logits
+            scored.logits = self.processors.target(scored.logits, batch.tokens_t, batch.k, active, self.cache_rows)
+        return scored
+
+    def _forward(self, batch: DraftBatch, active: np.ndarray) -> _Scored:
         if self.first_scored is not None:  # the prompt's forward scored this plain step
             first, self.first_scored = self.first_scored, None
             return _Scored(first[0], first[1], self.t_cache.length - 1, 0.0)
@@ -437,16 +453,6 @@ class _Run:
             self.schedule.record_verify(width + 1, seconds)
         self.prefix = None
         return _Scored(logits, hidden, start_slot, seconds)
-
-    def constrain(self, batch: DraftBatch, scored: _Scored, active: np.ndarray) -> None:
-        """With a grammar: mask the scored logits, each position with the grammar's state after the
-        prefix it sees (committed tokens, then the draft tokens before it)."""
-        if self.grammar is None:
-            return
-        masks = self.grammar.draft_masks(batch.tokens_t.cpu().numpy(), batch.k, active)
-        if self.outputs is not None and scored.raw_logits is None:  # output_logits: the target's own
-            scored.raw_logits = scored.logits
-        scored.logits = self.grammar.mask_logits(scored.logits, masks)
 
     # 5. Commit ----------------------------------------------------------------------------------
 
@@ -487,6 +493,8 @@ class _Run:
             kept[j] = len(emitted) - 1
             self.last[j] = emitted[-1]
             emitted_rows.append(emitted)
+        if self.processors is not None:
+            self.processors.commit(self.cache_rows, emitted_rows)
         if self.outputs is not None:
             raw = scored.logits if scored.raw_logits is None else scored.raw_logits
             self.outputs.record(self.cache_rows, emitted_rows, raw, scored.logits, self.sampling.params)
@@ -555,6 +563,7 @@ def run_loop(
     started: tuple[float, float] | None = None,
     stopping_criteria: Sequence[Any] = (),
     outputs: Outputs | None = None,
+    processors: LoopProcessors | None = None,
     grammar: GrammarRows | None = None,
 ) -> SpeculativeOutput:
     """The loop proper; arguments are already validated by :func:`speculative_generate`.
@@ -571,8 +580,9 @@ def run_loop(
     (default: from this call's start). ``stopping_criteria``: callables
     ``(input_ids, scores) -> bool[R]`` asked after every token besides EOS
     (:mod:`specjax.generate.stopping`); ``outputs``: the per-token outputs to
-    return (:mod:`specjax.generate.outputs`); ``grammar``: the rows' grammar matchers
-    (:class:`~specjax.generate.grammar.GrammarRows`), or None.
+    return (:mod:`specjax.generate.outputs`); ``processors``: the call's logits
+    processors (:mod:`specjax.generate.processors`), or None; ``grammar``: the grammar among them
+    (:class:`~specjax.generate.grammar.GrammarRows`), whose matchers cut point-mass proposals, or None.
     """
     from specjax.adapters import count_copies
 
@@ -594,6 +604,7 @@ def run_loop(
             greedy=greedy,
             adaptive=adaptive,
             on_tokens=on_tokens,
+            processors=processors,
             grammar=grammar,
         )
         while run.active():
@@ -602,7 +613,6 @@ def run_loop(
             remaining, active, caps, want = run.plan()  # 1.
             batch, draft_s = run.draft(remaining, active, caps, want, timed)  # 2.
             scored = run.score(batch, active)  # 3.
-            run.constrain(batch, scored, active)  # (a grammar's masks, per draft position)
             n, tokens = verify(batch, scored.logits, run.sampling, run.step)  # 4.
             check_step_output("the verification step", n, tokens, batch.k, target_vocab)
             run.commit(batch, scored, n, tokens)  # 5.
@@ -621,6 +631,7 @@ def run_loop(
     d_cache = getattr(drafter, "cache", None)
     stats.draft_forwards = d_cache.forwards if isinstance(d_cache, SlotCache) else 0
     stats.adapter_copies = copies.copies
+    stats.processor_time_s = processors.seconds if processors is not None else 0.0
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained_total, run.row_steps, run.rows, t_start)
     out = _build_output(input_ids, run.rows, pad_token_id, stats)

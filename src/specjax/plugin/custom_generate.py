@@ -34,19 +34,23 @@ Two ways in, because of how transformers 5.x calls a ``custom_generate``:
   transformers' gate for running a repository's ``generate.py``; the directory
   ships inside this package.)
 
-Stop strings, ``max_time`` and custom stopping criteria are passed to the loop,
-which asks them after every token as ``generate`` does
-(:mod:`specjax.generate.stopping`; transformers drops ``generate``'s
-``tokenizer=`` before calling a callable, so there ``stop_strings`` needs
-``stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer,
+The logits processors transformers prepared (repetition penalties, n-gram
+bans, bad words, ``min_new_tokens``, forced and suppressed tokens, min-p,
+typical-p, epsilon/eta cutoffs, a ``logits_processor=`` list) run inside the
+loop, each draft position on its own prefix
+(:mod:`specjax.generate.processors`). Stop strings, ``max_time`` and custom
+stopping criteria are passed to the loop, which asks them after every token as
+``generate`` does (:mod:`specjax.generate.stopping`; transformers drops
+``generate``'s ``tokenizer=`` before calling a callable, so there
+``stop_strings`` needs ``stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer,
 strings)])``, while the directory takes ``stop_strings=..., tokenizer=...`` as
-``generate`` does); ``output_scores`` and ``output_logits``
-(with ``return_dict_in_generate=True``) return ``generate``'s per-step scores
-and logits (:mod:`specjax.generate.outputs`). Options that would change the
-output distribution and that this loop does not implement (repetition
-penalties, min-p, typical-p, bad words, n-gram bans, beams, contrastive search,
-DoLa, custom logits processors, ``assistant_ensemble_weight``, ...) and
-``output_attentions`` / ``output_hidden_states`` raise ``ValueError``; they are
+``generate`` does); ``output_scores`` and ``output_logits`` (with
+``return_dict_in_generate=True``) return ``generate``'s per-step scores and
+logits (:mod:`specjax.generate.outputs`). Options that would change the output
+distribution and that this loop does not implement (beams, contrastive search,
+DoLa, classifier-free guidance, SynthID watermarks,
+``assistant_ensemble_weight``, ...) and ``output_attentions`` /
+``output_hidden_states`` raise ``ValueError``; they are
 never silently ignored. Options that do not change it and are not used:
 ``num_assistant_tokens`` and its schedule (use ``num_draft_tokens``),
 ``assistant_confidence_threshold``, ``use_cache``, ``cache_implementation``.
@@ -106,58 +110,29 @@ def _describe(obj: Any, options: dict[str, str]) -> str:
     return f"{name} ({options[name]})" if name in options else name
 
 
-def _sampling_settings(generation_config: Any, logits_processor: Any) -> tuple[float, int | None, float | None]:
-    """(temperature, top_k, top_p) from the processors transformers prepared; 0.0 = greedy."""
-    import math
+def _sampling_settings(
+    generation_config: Any, logits_processor: Any
+) -> tuple[list[Any], tuple[float, int | None, float | None]]:
+    """The processors transformers prepared, for the loop: ``(chain, (temperature, top_k, top_p))``; 0.0 = greedy.
 
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
+    :func:`specjax.generate.processors.split_prepared`: the processors run in
+    the loop, each position on its own prefix; temperature / top-k / top-p go
+    to the acceptance step, or join the chain with the warpers transformers
+    applies after them (min-p, typical, epsilon, eta).
+    """
+    from specjax.generate.processors import REFUSED_PROCESSORS, split_prepared
 
-    order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     processors = list(logits_processor or [])
-    unsupported = [p for p in processors if type(p) not in order]
-    if unsupported:
+    refused = [p for p in processors if type(p).__name__ in REFUSED_PROCESSORS]
+    if refused:
         raise ValueError(
-            "speculative_decoding: unsupported generation options that change the output distribution: "
-            + ", ".join(_describe(p, _PROCESSOR_OPTIONS) for p in unsupported)
-            + "; specjax implements temperature, top_k and top_p only (remove these options, or use "
-            "transformers' own generate)"
-        )
-    kinds = [type(p) for p in processors]
-    if len(set(kinds)) != len(kinds) or kinds != sorted(kinds, key=order.index):
-        raise ValueError(
-            "speculative_decoding: expected at most one each of TemperatureLogitsWarper, TopKLogitsWarper, "
-            f"TopPLogitsWarper in that order, got {[k.__name__ for k in kinds]} (a logits_processor= argument "
-            "duplicating temperature/top_k/top_p?)"
-        )
-    if not generation_config.do_sample:
-        if processors:
-            raise ValueError(
-                f"speculative_decoding: greedy decoding got logits processors {[k.__name__ for k in kinds]}"
+            "speculative_decoding: unsupported generation options: "
+            + ", ".join(
+                f"{_describe(p, _PROCESSOR_OPTIONS)}, which {REFUSED_PROCESSORS[type(p).__name__]}" for p in refused
             )
-        return 0.0, None, None
-    temperature, top_k, top_p = 1.0, None, None
-    for p in processors:
-        if hasattr(p, "filter_value") and not (isinstance(p.filter_value, float) and p.filter_value == -math.inf):
-            raise ValueError(
-                f"speculative_decoding: {type(p).__name__} with filter_value={p.filter_value!r} is not "
-                "supported (only -inf)"
-            )
-        if isinstance(p, TemperatureLogitsWarper):
-            temperature = float(p.temperature)
-        elif isinstance(p, TopKLogitsWarper):
-            top_k = int(p.top_k)
-        else:
-            if int(getattr(p, "min_tokens_to_keep", 1)) != 1:
-                raise ValueError(
-                    f"speculative_decoding: top_p with min_tokens_to_keep={p.min_tokens_to_keep} is not "
-                    "supported (only 1)"
-                )
-            top_p = float(p.top_p)
-    return temperature, top_k, top_p
+            + " (remove them, or use transformers' own generate)"
+        )
+    return split_prepared(processors, bool(generation_config.do_sample))
 
 
 def _stopping_settings(
@@ -257,8 +232,9 @@ def speculative_decoding(
       input_ids: i64[B, P], prompts, left-padded when their lengths differ.
       logits_processor, stopping_criteria, generation_config: prepared by
         ``generate``. Honoured: ``do_sample`` (False = greedy), ``temperature``,
-        ``top_k``, ``top_p``, ``max_new_tokens`` / ``max_length``, the EOS and
-        pad ids, ``stop_strings``, ``max_time``, stopping criteria,
+        ``top_k``, ``top_p``, the logits processors (module docstring),
+        ``max_new_tokens`` / ``max_length``, the EOS and pad ids,
+        ``stop_strings``, ``max_time``, stopping criteria,
         ``return_dict_in_generate`` with ``output_scores`` / ``output_logits``,
         ``num_return_sequences``.
       synced_gpus: accepted for ``GenerationMixin._sample``'s signature; unused.
@@ -305,7 +281,7 @@ def speculative_decoding(
         generation_config = model.generation_config
 
     _check_generation_config(model, generation_config)
-    temperature, top_k, top_p = _sampling_settings(generation_config, logits_processor)
+    chain, (temperature, top_k, top_p) = _sampling_settings(generation_config, logits_processor)
     max_new_tokens, eos, criteria = _stopping_settings(generation_config, stopping_criteria, int(input_ids.shape[1]))
     as_dict = bool(generation_config.return_dict_in_generate)
     _check_model_kwargs(model_kwargs)
@@ -349,6 +325,7 @@ def speculative_decoding(
         stopping_criteria=criteria,
         output_scores=as_dict and bool(generation_config.output_scores),
         output_logits=as_dict and bool(generation_config.output_logits),
+        logits_processor=chain or None,
         # Sampling keeps generate's contract that a torch seed reproduces the output:
         # the adaptive draft length decides from measured times, which would change
         # which draws a run makes. Greedy output is the same either way.
