@@ -503,6 +503,24 @@ def test_bad_constraints_are_refused(kwargs, error, message, tok, models):
         specjax.speculative_generate(models["target"], "ngram", ids, mask, max_new_tokens=4, **call)
 
 
+def test_xgrammars_own_transformers_processor_is_refused_with_the_way_out(tok, models):
+    """It keeps matcher state from call to call (the loop calls processors on drafts): a clear error, not an
+    assertion deep inside xgrammar."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    ids, mask = prompts(tok, "json_schema", 1)
+    with pytest.raises(ValueError, match=r"logits_processor: item 0, LogitsProcessor, .*pass json_schema= or regex="):
+        specjax.speculative_generate(
+            models["target"],
+            "ngram",
+            ids,
+            mask,
+            max_new_tokens=4,
+            eos_token_id=EOS,
+            logits_processor=[LogitsProcessor(compiled(tok, "json_schema"))],
+        )
+
+
 def test_a_pydantic_model_gives_its_schema():
     pydantic = pytest.importorskip("pydantic")
 

@@ -71,6 +71,7 @@ __all__ = [
     "build_processors",
     "is_row_processor",
     "processor_name",
+    "refusal",
     "split_prepared",
 ]
 
@@ -95,7 +96,16 @@ REFUSED_PROCESSORS = {
     "SynthIDTextWatermarkLogitsProcessor": "keeps state from call to call",
     "WhisperTimeStampLogitsProcessor": "is Whisper's (encoder-decoder)",
     "WhisperNoSpeechDetection": "is Whisper's (encoder-decoder)",
+    # other libraries' processors, by module and class name
+    "xgrammar.contrib.hf.LogitsProcessor": "keeps its grammar matchers' state from call to call (pass json_schema= "
+    "or regex= instead)",
 }
+
+
+def refusal(p: Any) -> str | None:
+    """Why the loop refuses processor ``p`` (:data:`REFUSED_PROCESSORS`, by class name or module and class name)."""
+    kind = type(p)
+    return REFUSED_PROCESSORS.get(kind.__name__) or REFUSED_PROCESSORS.get(f"{kind.__module__}.{kind.__qualname__}")
 
 
 @dataclass(frozen=True)
@@ -236,9 +246,10 @@ def build_processors(
                     f"logits_processor: item {i} is a {type(p).__name__}, expected a callable (input_ids, scores) -> "
                     "scores or an object with process_rows(prefixes, scores)"
                 )
-            if type(p).__name__ in REFUSED_PROCESSORS:
+            why = refusal(p)
+            if why is not None:
                 raise ValueError(
-                    f"logits_processor: item {i}, {type(p).__name__}, {REFUSED_PROCESSORS[type(p).__name__]}: it "
+                    f"logits_processor: item {i}, {type(p).__name__}, {why}: it "
                     "cannot run under speculation (remove it, or use transformers' own generate)"
                 )
         custom = list(logits_processor)

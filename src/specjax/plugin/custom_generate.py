@@ -120,15 +120,15 @@ def _sampling_settings(
     to the acceptance step, or join the chain with the warpers transformers
     applies after them (min-p, typical, epsilon, eta).
     """
-    from specjax.generate.processors import REFUSED_PROCESSORS, split_prepared
+    from specjax.generate.processors import refusal, split_prepared
 
     processors = list(logits_processor or [])
-    refused = [p for p in processors if type(p).__name__ in REFUSED_PROCESSORS]
+    refused = [p for p in processors if refusal(p) is not None]
     if refused:
         raise ValueError(
             "speculative_decoding: unsupported generation options: "
             + ", ".join(
-                f"{_describe(p, _PROCESSOR_OPTIONS)}, which {REFUSED_PROCESSORS[type(p).__name__]}" for p in refused
+                f"{_describe(p, _PROCESSOR_OPTIONS)}, which {refusal(p)}" for p in refused
             )
             + " (remove them, or use transformers' own generate)"
         )
