@@ -12,25 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from torchax.interop import jax_view
+from torchax_models import on_jax, tiny_llama
+from transformers import MistralConfig, MistralForCausalLM
 
 from specjax.generate.jax_model import jax_model
 
 TOL = 2e-5  # float32 on both sides; observed about 3e-7
-
-
-def tiny_llama(seed=0, tie=False, layers=2):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(cfg).eval()
 
 
 def eager_logits(model, ids):
@@ -93,13 +81,8 @@ def test_rejected_tokens_are_overwritten_by_the_next_forward(forward):
 
 def test_a_torchax_model_is_read_without_copies():
     """A model moved to torchax's jax device: its weights are its own arrays (the same buffers)."""
-    import torchax
-
-    model = tiny_llama(seed=2)
-    with torchax.default_env():
-        model.to("jax")
+    model = on_jax(tiny_llama(seed=2))
     m = jax_model("target", model)
-    from torchax.interop import jax_view
 
     for name, p in model.named_parameters():
         assert m.weights[name] is jax_view(p), name

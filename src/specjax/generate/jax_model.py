@@ -34,6 +34,7 @@ are refused (:func:`check_supported`): the mask here is the full causal one.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from specjax.adapters.jax_view import torchax_array
 from specjax.slots import attention_layout, cache_argument
 
 __all__ = ["JaxModel", "KVCache", "check_supported", "is_jax_model", "jax_model"]
@@ -193,14 +195,29 @@ def _as_device_array(t: torch.Tensor) -> jax.Array:
     return a if a.devices() == {device} else jax.device_put(a, device)
 
 
+_MODELS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], JaxModel]] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(named: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+    """What identifies the weights' current values: each tensor, its version and (torchax) its array."""
+    return tuple((k, id(v), v._version, id(torchax_array(v))) for k, v in named.items())
+
+
 def jax_model(name: str, model: Any) -> JaxModel:
     """``model`` (a transformers causal LM on ``cpu`` or torchax's ``jax`` device) as a :class:`JaxModel`.
+
+    The same object for the same module while its weights are the same tensors (so the jitted steps,
+    which take it as a static argument, compile once per model, not once per call).
 
     Raises:
       ValueError: a model whose layers are not all full attention (:func:`check_supported`).
     """
     check_supported(name, model)
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # tied weights appear once
+    fingerprint = _fingerprint(named)
+    known = _MODELS.get(model)
+    if known is not None and known[0] == fingerprint:
+        return known[1]
     weights = {k: _as_device_array(v) for k, v in named.items()}
     cfg = model.config
     text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
@@ -208,7 +225,7 @@ def jax_model(name: str, model: Any) -> JaxModel:
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     floats = [a.dtype for a in weights.values() if jnp.issubdtype(a.dtype, jnp.floating)]
     emb = model.get_input_embeddings()
-    return JaxModel(
+    made = JaxModel(
         module=model,
         weights=weights,
         num_layers=int(text.num_hidden_layers),
@@ -218,3 +235,5 @@ def jax_model(name: str, model: Any) -> JaxModel:
         input_vocab=int(emb.weight.shape[0]),
         _layer_class=_row_layer_class(),
     )
+    _MODELS[model] = (fingerprint, made)
+    return made

@@ -1,0 +1,325 @@
+"""The speculative loop on JAX's devices (a TPU through torchax): each step one jitted program.
+
+:func:`speculative_generate` takes this path when the target's weights live on
+torchax's ``jax`` device (``model.to("jax")`` under torchax; docs/torchax.md).
+Both models run as pure JAX functions (:mod:`specjax.generate.jax_model`) with
+static-shape KV caches, and one step is one ``jax.jit`` program:
+
+1. **Draft** (the ``model`` drafter): the draft model feeds the row's previous
+   and last committed tokens, then draws G tokens autoregressively (a
+   ``lax.scan``), each through :func:`specjax.kernels.steps.draft_draw`, so
+   ``q`` is exactly what the acceptance step recomputes. A lookup drafter
+   (``ngram``, or any drafter proposing point masses without the target's
+   hidden states) proposes on the host instead, from the committed tokens, and
+   its tokens are the program's input.
+2. **Score**: the target's forward over ``[last, x_0 .. x_{G-1}]``.
+3. **Verify**: :func:`specjax.kernels.steps.verify_step` on the target's
+   logits as they are (the same ``jax.Array``, never leaving the device).
+
+The host reads the int32 ``(num_accepted, tokens)`` of each step, nothing
+else, and does the bookkeeping: EOS, ``max_new_tokens``, each row's position
+(the next step starts right after its last committed token, overwriting the
+slots of rejected drafts: :mod:`specjax.generate.jax_model`).
+
+Shapes are fixed for a call: every step drafts G tokens for every row (a row
+tests only its ``k_b = min(G, tokens left - 1)``; finished rows ride along,
+their outputs ignored), so a call compiles its step once. The draft length is
+not adapted (``adaptive`` has no effect here) and rows are not dropped.
+Randomness is the CPU path's: row keys folded with the step number and the
+draft position (:mod:`specjax.kernels.steps`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from specjax.adapters.jax_view import torchax_array
+from specjax.drafters import ModelDrafter
+from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
+from specjax.generate import checks
+from specjax.generate.compile_time import measure_compiles
+from specjax.generate.draft_batch import check_proposal
+from specjax.generate.jax_model import JaxModel, KVCache, jax_model
+from specjax.generate.loop import SpeculativeOutput, SpeculativeStats, _build_output, _finish_stats, _Row
+from specjax.kernels import steps
+from specjax.kernels.types import SamplingParams
+
+__all__ = ["check_jax_call", "draft_and_verify", "host_ids", "lookup_and_verify", "prefill", "run_jax_loop"]
+
+_POSITION_BLOCK = 128  # caches are sized in blocks of positions, so that nearby lengths share a compilation
+
+
+# Recompiles when the model, B or the prompt's width change.
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def prefill(model: JaxModel, weights: dict[str, jax.Array], cache: KVCache, tokens: jax.Array) -> KVCache:
+    """Write ``tokens`` (i32[B, P']) at positions ``0 .. P'-1`` of every row; returns the cache."""
+    _, cache = model.forward(weights, cache, tokens, jnp.zeros(tokens.shape[0], jnp.int32), 1)
+    return cache
+
+
+def _draft(draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, g, vocab):
+    """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V_draft]); the draft cache after."""
+    logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
+    q0 = logits[:, -1]
+    x0 = steps.draft_draw(q0, row_keys, step, 1, params, vocab=vocab)
+
+    def one(carry, i):  # feed x_{i-1} at position start + i, draw x_i (draw purpose i + 1)
+        cache, x = carry
+        out, cache = draft.forward(d_weights, cache, x[:, None], start + i, 1)
+        q = out[:, -1]
+        nxt = steps.draft_draw(q, row_keys, step, i + 1, params, vocab=vocab)
+        return (cache, nxt), (nxt, q)
+
+    (d_cache, _), (xs, qs) = lax.scan(one, (d_cache, x0), jnp.arange(1, g, dtype=jnp.int32))
+    tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)
+    return tokens, (q0, *(qs[i] for i in range(g - 1))), d_cache
+
+
+# Recompiles when a model, B, G, the cache's length or params' static fields change; never per step.
+@functools.partial(jax.jit, static_argnames=("target", "draft", "g", "vocab"), donate_argnames=("t_cache", "d_cache"))
+def draft_and_verify(
+    target: JaxModel,
+    draft: JaxModel,
+    t_weights: dict[str, jax.Array],
+    d_weights: dict[str, jax.Array],
+    t_cache: KVCache,
+    d_cache: KVCache,
+    prev: jax.Array,
+    last: jax.Array,
+    start: jax.Array,
+    row_keys: jax.Array,
+    step: jax.Array,
+    params: SamplingParams,
+    k: jax.Array,
+    *,
+    g: int,
+    vocab: int,
+) -> tuple[jax.Array, jax.Array, KVCache, KVCache]:
+    """One step with the ``model`` drafter: draft G tokens, the target's forward, the acceptance step.
+
+    Args:
+      prev, last: i32[B], each row's last two committed tokens (``prev`` at position ``start - 1``,
+        re-fed so that the draft's cache holds every committed token; any id when ``start`` is 0).
+      start: i32[B], the position of ``last``.
+      row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows.
+      k: i32[B], ``k_b`` in [0, G]: the draft tokens row b tests.
+      g: G; vocab: the target's vocabulary size V.
+
+    Returns:
+      ``(num_accepted i32[B], tokens i32[B, G+1], t_cache, d_cache)`` (tokens as the kernel's:
+      accepted draft tokens, the emitted one, then -1).
+    """
+    x, q, d_cache = _draft(draft, d_weights, d_cache, prev, last, start, row_keys, step, params, g, vocab)
+    logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
+    out = steps.verify_step(x, q, logits, row_keys, step, params, k)
+    return out.num_accepted, out.tokens, t_cache, d_cache
+
+
+# Recompiles when the target, B, G, the cache's length or params' static fields change.
+@functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("t_cache",))
+def lookup_and_verify(
+    target: JaxModel,
+    t_weights: dict[str, jax.Array],
+    t_cache: KVCache,
+    x: jax.Array,
+    last: jax.Array,
+    start: jax.Array,
+    row_keys: jax.Array,
+    step: jax.Array,
+    params: SamplingParams,
+    k: jax.Array,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One step with host proposals ``x`` (i32[B, G], point masses): the target's forward and the acceptance
+    step; arguments and results as :func:`draft_and_verify`'s."""
+    logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
+    out = steps.verify_step(x, None, logits, row_keys, step, params, k)
+    return out.num_accepted, out.tokens, t_cache
+
+
+def host_ids(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Token ids (or a mask) for the JAX path as a host tensor: a CPU tensor as it is, a torchax tensor read
+    to the host (a few integers, once per call)."""
+    held = torchax_array(x)
+    if held is not None:
+        return torch.from_numpy(np.asarray(jax.device_get(held)).copy())
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{name}: expected a CPU tensor (or a torchax tensor) with models on torchax's jax device, got one "
+            f"on {x.device}"
+        )
+    return x
+
+
+def check_jax_call(sampler: Any, return_state: bool) -> None:
+    """Raise ``ValueError`` for options the JAX path does not have (a sampler plugin, the loop's state)."""
+    if sampler is not None:
+        raise ValueError(
+            "sampler: the JAX path (models on torchax's jax device) runs the built-in sampler, sampler='jax'; "
+            "plugin samplers run on the CPU path"
+        )
+    if return_state:
+        raise ValueError("return_state: the JAX path keeps its caches on the device; pass return_state=False")
+
+
+def _check_drafter(drafter: Any) -> None:
+    """Raise ``ValueError`` for drafters the JAX path cannot run (their torch code would run eagerly)."""
+    if isinstance(drafter, ModelDrafter):
+        return
+    if getattr(drafter, "needs_target_hidden", False) or hasattr(drafter, "fallback"):
+        raise ValueError(
+            f"draft: the JAX path (torchax) runs the model drafter and lookup drafters such as 'ngram', got "
+            f"{getattr(drafter, 'name', type(drafter).__name__)!r} (it runs torch code of its own); use one of "
+            "those, or run on the CPU path"
+        )
+
+
+def run_jax_loop(
+    target: Any,
+    drafter: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    sampling: SamplingState,
+    eos_ids: set[int],
+    pad_token_id: int,
+    target_vocab: int,
+    on_tokens: Any = None,
+    started: tuple[float, float] | None = None,
+) -> SpeculativeOutput:
+    """The loop on JAX's devices; arguments as :func:`specjax.generate.loop.run_loop`'s, already validated.
+
+    ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded.
+    """
+    from specjax.adapters import count_copies
+
+    _check_drafter(drafter)
+    t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
+    g = num_draft_tokens
+    batch = int(input_ids.shape[0])
+    mask_h = attention_mask.bool().numpy()
+    ids_h = input_ids.numpy()
+    contexts = [ids_h[b][mask_h[b]].tolist() for b in range(batch)]
+    lengths = np.array([len(c) for c in contexts], np.int64)
+    positions = int(lengths.max()) + max_new_tokens + g + 1
+    positions = -(-positions // _POSITION_BLOCK) * _POSITION_BLOCK
+    fused = isinstance(drafter, ModelDrafter)
+    stats = SpeculativeStats(drafter=str(getattr(drafter, "name", type(drafter).__name__)))
+    who = checks.plugin_name("drafter", drafter, getattr(drafter, "name", None))
+    rows = [_Row(i) for i in range(batch)]
+    tested, passed = np.zeros(g, np.int64), np.zeros(g, np.int64)
+    gained = row_steps = 0
+
+    with count_copies() as copies, measure_compiles() as compiles:
+        t = jax_model("target", target)
+        d = jax_model("draft", drafter.model) if fused else None
+        t_cache = t.init_cache(batch, positions)
+        d_cache = d.init_cache(batch, positions) if d is not None else None
+        width = int(lengths.max()) - 1  # the prompt but each row's last token (that one is scored first)
+        if width > 0:
+            pre = np.zeros((batch, width), np.int32)
+            for b, c in enumerate(contexts):
+                pre[b, : len(c) - 1] = c[:-1]
+            t_cache = prefill(t, t.weights, t_cache, jnp.asarray(pre))
+            if d is not None:
+                d_cache = prefill(d, d.weights, d_cache, jnp.asarray(pre))
+        start = (lengths - 1).astype(np.int32)
+        last = np.array([c[-1] for c in contexts], np.int32)
+        prev = np.array([c[-2] if len(c) > 1 else 0 for c in contexts], np.int32)
+        if not fused:
+            copies_of = [list(c) for c in contexts]
+            drafter.start(DraftSetup(target, input_ids, attention_mask, copies_of, target_vocab, g, sampling))
+        step = 0
+        while not all(r.done for r in rows):
+            remaining = np.array([0 if r.done else max_new_tokens - len(r.generated) for r in rows])
+            active = remaining > 0
+            caps = np.where(active, np.minimum(g, np.maximum(remaining - 1, 0)), 0)
+            step_j = jnp.asarray(step, jnp.int32)
+            if fused:
+                assert d is not None and d_cache is not None
+                n_j, tok_j, t_cache, d_cache = draft_and_verify(
+                    t, d, t.weights, d.weights, t_cache, d_cache, jnp.asarray(prev), jnp.asarray(last),
+                    jnp.asarray(start), sampling.keys, step_j, sampling.params, jnp.asarray(caps, jnp.int32),
+                    g=g, vocab=target_vocab,
+                )  # fmt: skip
+                k = caps
+            else:
+                proposal = drafter.propose(
+                    DraftRequest(step, [list(c) for c in contexts], caps, active, sampling, caps, None)
+                )
+                check_proposal(who, proposal, caps, batch, target_vocab, check_ids=True, check_logits=False)
+                if proposal.logits is not None:
+                    raise checks.PluginOutputError(
+                        f"{who} proposed tokens with draft logits; the JAX path takes point-mass proposals "
+                        "(logits=None) from drafters other than the model drafter"
+                    )
+                k = np.minimum(np.asarray(proposal.num_tokens, np.int64), caps)
+                x = np.repeat(last[:, None], g, axis=1)  # untested columns: a valid id
+                cols = min(g, int(k.max(initial=0)))
+                if cols:
+                    x[:, :cols] = np.where(
+                        np.arange(cols)[None, :] < k[:, None], np.asarray(proposal.tokens)[:, :cols], x[:, :cols]
+                    )
+                n_j, tok_j, t_cache = lookup_and_verify(
+                    t, t.weights, t_cache, jnp.asarray(x), jnp.asarray(last), jnp.asarray(start),
+                    sampling.keys, step_j, sampling.params, jnp.asarray(k, jnp.int32),
+                )  # fmt: skip
+            n_h, tok_h = jax.device_get((n_j, tok_j))  # the step's one read: int32 counts and tokens
+            checks.check_step_output("the verification step", n_h, tok_h, k, target_vocab)
+            emitted_rows: list[list[int]] = []
+            for b, row in enumerate(rows):
+                if not active[b]:
+                    emitted_rows.append([])
+                    continue
+                n_b = int(n_h[b])
+                full = tok_h[b, : n_b + 1].tolist()
+                stats.draft_tokens_proposed += int(k[b])
+                stats.draft_tokens_accepted += n_b
+                tested[: min(n_b + 1, int(k[b]))] += 1
+                passed[:n_b] += 1
+                emitted = _emit(row, full, eos_ids, max_new_tokens)
+                contexts[b].extend(emitted)
+                gained += len(emitted)
+                row_steps += 1
+                if on_tokens is not None:
+                    on_tokens(b, emitted)
+                emitted_rows.append(emitted)
+                prev[b] = full[-2] if len(full) > 1 else last[b]
+                last[b] = full[-1]
+                start[b] += len(full)
+            if not fused:
+                drafter.commit(CommitInfo(emitted_rows, n_h.astype(np.int64), k, None))
+            stats.steps += 1
+            stats.draft_steps += int(k.max(initial=0) > 0)
+            step += 1
+
+    stats.target_forwards = stats.steps + int(width > 0)
+    stats.draft_forwards = (stats.steps * g + int(width > 0)) if fused else 0
+    stats.adapter_copies = copies.copies
+    stats.compile_time_s = setup_compile_s + compiles.seconds
+    _finish_stats(stats, tested, passed, gained, row_steps, rows, t_start)
+    stats.loop_time_s = stats.wall_time_s
+    return _build_output(input_ids, rows, pad_token_id, stats)
+
+
+def _emit(row: _Row, tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
+    """Append a step's tokens to ``row`` up to its first EOS and ``max_new_tokens``; returns those appended."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            tokens = tokens[: i + 1]
+            row.done = True
+            break
+    tokens = tokens[: max_new_tokens - len(row.generated)]
+    row.generated.extend(tokens)
+    if len(row.generated) >= max_new_tokens:
+        row.done = True
+    return tokens
