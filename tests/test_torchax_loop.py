@@ -16,6 +16,7 @@ from torchax_models import on_jax, perturbed, tiny_llama
 
 from specjax.drafters import NgramDrafter
 from specjax.generate import speculative_generate
+from specjax.generate.jax_loop import greedy_decode
 
 MAX_NEW = 20
 G = 3  # one draft length for most cases: each (drafter, G, sampling mode) traces and compiles its step once
@@ -53,6 +54,13 @@ def target_greedy(target, ids, mask, max_new):
             out = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False)
             rows.append(out[0, row.shape[1] :].tolist())
     return rows
+
+
+def test_target_only_greedy_on_jax_equals_generate(models, prompts):
+    """The reference decoding of scripts/tpu_loop.py: the same jitted forward, one token a step."""
+    cpu, jx = models
+    ids, mask = prompts
+    assert greedy_decode(jx["target"], ids, mask, MAX_NEW).tolist() == target_greedy(cpu["target"], ids, mask, MAX_NEW)
 
 
 @pytest.mark.parametrize("draft, g", [("close", G), ("far", G), ("ngram", G), ("close", 1)])

@@ -52,7 +52,15 @@ from specjax.generate.loop import SpeculativeOutput, SpeculativeStats, _build_ou
 from specjax.kernels import steps
 from specjax.kernels.types import SamplingParams
 
-__all__ = ["check_jax_call", "draft_and_verify", "host_ids", "lookup_and_verify", "prefill", "run_jax_loop"]
+__all__ = [
+    "check_jax_call",
+    "draft_and_verify",
+    "greedy_decode",
+    "host_ids",
+    "lookup_and_verify",
+    "prefill",
+    "run_jax_loop",
+]
 
 _POSITION_BLOCK = 128  # caches are sized in blocks of positions, so that nearby lengths share a compilation
 
@@ -206,12 +214,8 @@ def run_jax_loop(
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
     g = num_draft_tokens
     batch = int(input_ids.shape[0])
-    mask_h = attention_mask.bool().numpy()
-    ids_h = input_ids.numpy()
-    contexts = [ids_h[b][mask_h[b]].tolist() for b in range(batch)]
-    lengths = np.array([len(c) for c in contexts], np.int64)
-    positions = int(lengths.max()) + max_new_tokens + g + 1
-    positions = -(-positions // _POSITION_BLOCK) * _POSITION_BLOCK
+    contexts = _contexts(input_ids, attention_mask)
+    positions = _positions(contexts, max_new_tokens + g + 1)
     fused = isinstance(drafter, ModelDrafter)
     stats = SpeculativeStats(drafter=str(getattr(drafter, "name", type(drafter).__name__)))
     who = checks.plugin_name("drafter", drafter, getattr(drafter, "name", None))
@@ -222,18 +226,8 @@ def run_jax_loop(
     with count_copies() as copies, measure_compiles() as compiles:
         t = jax_model("target", target)
         d = jax_model("draft", drafter.model) if fused else None
-        t_cache = t.init_cache(batch, positions)
-        d_cache = d.init_cache(batch, positions) if d is not None else None
-        width = int(lengths.max()) - 1  # the prompt but each row's last token (that one is scored first)
-        if width > 0:
-            pre = np.zeros((batch, width), np.int32)
-            for b, c in enumerate(contexts):
-                pre[b, : len(c) - 1] = c[:-1]
-            t_cache = prefill(t, t.weights, t_cache, jnp.asarray(pre))
-            if d is not None:
-                d_cache = prefill(d, d.weights, d_cache, jnp.asarray(pre))
-        start = (lengths - 1).astype(np.int32)
-        last = np.array([c[-1] for c in contexts], np.int32)
+        t_cache, start, last = _prefilled(t, contexts, positions)
+        d_cache = _prefilled(d, contexts, positions)[0] if d is not None else None
         prev = np.array([c[-2] if len(c) > 1 else 0 for c in contexts], np.int32)
         if not fused:
             copies_of = [list(c) for c in contexts]
@@ -302,13 +296,74 @@ def run_jax_loop(
             stats.draft_steps += int(k.max(initial=0) > 0)
             step += 1
 
-    stats.target_forwards = stats.steps + int(width > 0)
-    stats.draft_forwards = (stats.steps * g + int(width > 0)) if fused else 0
+    prefilled = int(max(len(c) for c in contexts) > 1)
+    stats.target_forwards = stats.steps + prefilled
+    stats.draft_forwards = (stats.steps * g + prefilled) if fused else 0
     stats.adapter_copies = copies.copies
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, tested, passed, gained, row_steps, rows, t_start)
     stats.loop_time_s = stats.wall_time_s
     return _build_output(input_ids, rows, pad_token_id, stats)
+
+
+def _contexts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Each row's prompt without its padding (host lists)."""
+    mask_h = attention_mask.bool().numpy()
+    ids_h = input_ids.numpy()
+    return [ids_h[b][mask_h[b]].tolist() for b in range(ids_h.shape[0])]
+
+
+def _positions(contexts: list[list[int]], more: int) -> int:
+    """The cache's positions: the longest prompt plus ``more``, rounded up to a block."""
+    return -(-(max(len(c) for c in contexts) + more) // _POSITION_BLOCK) * _POSITION_BLOCK
+
+
+def _prefilled(model: JaxModel, contexts: list[list[int]], positions: int) -> tuple[KVCache, np.ndarray, np.ndarray]:
+    """A cache holding every prompt but its last token, the last token's position i32[B] and the token i32[B]."""
+    batch = len(contexts)
+    cache = model.init_cache(batch, positions)
+    width = max(len(c) for c in contexts) - 1  # the last token is scored by the first step
+    if width > 0:
+        pre = np.zeros((batch, width), np.int32)  # filler past a shorter row's prompt: overwritten, never seen
+        for b, c in enumerate(contexts):
+            pre[b, : len(c) - 1] = c[:-1]
+        cache = prefill(model, model.weights, cache, jnp.asarray(pre))
+    start = np.array([len(c) - 1 for c in contexts], np.int32)
+    return cache, start, np.array([c[-1] for c in contexts], np.int32)
+
+
+# Recompiles when the target, B or the cache's length change.
+@functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("cache",))
+def _greedy_step(target: JaxModel, weights: dict[str, jax.Array], cache: KVCache, last: jax.Array, start: jax.Array):
+    logits, cache = target.forward(weights, cache, last[:, None], start, 1)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+
+def greedy_decode(
+    target: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int
+) -> np.ndarray:
+    """The target alone, greedy, on JAX's device: the reference the speculative loop must equal.
+
+    The same jitted forward and cache as :func:`run_jax_loop`, one token per step (dispatched without
+    waiting; the tokens are read once at the end), no EOS.
+
+    Args:
+      target: a transformers causal LM (on the CPU or torchax's jax device).
+      input_ids, attention_mask: i64[B, P] host tensors, left-padded (mask None: no padding).
+
+    Returns:
+      i64[B, max_new_tokens] host array, the argmax tokens (the first maximum on ties).
+    """
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    contexts = _contexts(input_ids, mask)
+    t = jax_model("target", target)
+    cache, start_h, last_h = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
+    last, start, out = jnp.asarray(last_h), jnp.asarray(start_h), []
+    for _ in range(max_new_tokens):
+        last, cache = _greedy_step(t, t.weights, cache, last, start)
+        start = start + 1
+        out.append(last)
+    return np.asarray(jax.device_get(jnp.stack(out, axis=1))).astype(np.int64)
 
 
 def _emit(row: _Row, tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
