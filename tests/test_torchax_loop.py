@@ -14,7 +14,7 @@ import pytest
 import torch
 from torchax_models import on_jax, perturbed, tiny_llama
 
-from specjax.drafters import NgramDrafter
+from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from specjax.generate import speculative_generate
 from specjax.generate.jax_loop import greedy_decode
 
@@ -31,6 +31,15 @@ def models():
     far = tiny_llama(seed=7, layers=1, hidden=32)
     cpu = {"target": target, "close": close, "far": far}
     return cpu, {k: on_jax(v) for k, v in cpu.items()}
+
+
+def make_drafter(name, models):
+    """``close`` / ``far``: the model drafter; ``ngram``; ``hybrid``: ngram where it matches, else ``close``."""
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "hybrid":
+        return HybridDrafter(NgramDrafter(), ModelDrafter(models["close"]))
+    return models[name]
 
 
 @pytest.fixture(scope="module")
@@ -63,28 +72,27 @@ def test_target_only_greedy_on_jax_equals_generate(models, prompts):
     assert greedy_decode(jx["target"], ids, mask, MAX_NEW).tolist() == target_greedy(cpu["target"], ids, mask, MAX_NEW)
 
 
-@pytest.mark.parametrize("draft, g", [("close", G), ("far", G), ("ngram", G), ("close", 1)])
+@pytest.mark.parametrize("draft, g", [("close", G), ("far", G), ("ngram", G), ("hybrid", G), ("close", 1)])
 def test_greedy_equals_the_targets_own_greedy_decoding(models, prompts, draft, g):
     cpu, jx = models
     ids, mask = prompts
     want = target_greedy(cpu["target"], ids, mask, MAX_NEW)
-    drafter = NgramDrafter() if draft == "ngram" else jx[draft]
+    drafter = make_drafter(draft, jx)
     out = speculative_generate(jx["target"], drafter, ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=g)
     assert out.sequences[:, ids.shape[1] :].tolist() == want
     assert out.stats.adapter_copies == 0
     assert out.stats.draft_tokens_proposed > 0
-    if draft == "close":  # both outcomes of the test happen
+    if draft in ("close", "hybrid"):  # both outcomes of the test happen
         assert 0 < out.stats.acceptance_rate < 1
 
 
-@pytest.mark.parametrize("draft", ["close", "ngram"])
+@pytest.mark.parametrize("draft", ["close", "ngram", "hybrid"])
 def test_sampled_outputs_equal_the_cpu_paths_draw_for_draw(models, prompts, draft):
     """The same keys, step numbers and draw purposes as the CPU loop: the same tokens (so the same law)."""
     cpu, jx = models
     ids, mask = prompts
     kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=G, temperature=1.0, top_k=20, top_p=0.9, seed=11)
-    d_cpu = NgramDrafter() if draft == "ngram" else cpu[draft]
-    d_jax = NgramDrafter() if draft == "ngram" else jx[draft]
+    d_cpu, d_jax = make_drafter(draft, cpu), make_drafter(draft, jx)
     want = speculative_generate(cpu["target"], d_cpu, ids, mask, adaptive=False, **kw)
     got = speculative_generate(jx["target"], d_jax, ids, mask, **kw)
     assert got.sequences.tolist() == want.sequences.tolist()
@@ -130,7 +138,7 @@ class _HiddenDrafter(NgramDrafter):
     [
         (dict(sampler="numpy"), ValueError, "sampler: the JAX path .* built-in sampler"),
         (dict(return_state=True), ValueError, "return_state: the JAX path"),
-        (dict(draft=_HiddenDrafter()), ValueError, "draft: the JAX path .* model drafter and lookup drafters"),
+        (dict(draft=_HiddenDrafter()), ValueError, "draft: the JAX path .* model drafter, lookup drafters"),
     ],
     ids=["plugin-sampler", "return-state", "hidden-state-drafter"],
 )

@@ -42,8 +42,9 @@ import torch
 from jax import lax
 
 from specjax.adapters.jax_view import torchax_array
-from specjax.drafters import ModelDrafter
+from specjax.drafters import HybridDrafter, ModelDrafter
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
+from specjax.drafters.hybrid import _point_mass_logits as point_mass_logits  # the hybrid's own rule
 from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import check_proposal
@@ -73,17 +74,26 @@ def prefill(model: JaxModel, weights: dict[str, jax.Array], cache: KVCache, toke
     return cache
 
 
-def _draft(draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, g, vocab):
-    """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V_draft]); the draft cache after."""
-    logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
-    q0 = logits[:, -1]
-    x0 = steps.draft_draw(q0, row_keys, step, 1, params, vocab=vocab)
+def _draft(draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab):
+    """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V]); the draft cache after.
 
-    def one(carry, i):  # feed x_{i-1} at position start + i, draw x_i (draw purpose i + 1)
+    Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing, with point-mass logits (0 at the
+    token, -inf elsewhere: the hybrid drafter's rule), and feed those tokens, so the
+    draft's cache holds what the row proposed either way.
+    """
+
+    def pick(q, i):  # the drawn token, or the row's forced one (with its point mass); purpose i + 1
+        drawn = steps.draft_draw(q, row_keys, step, i + 1, params, vocab=vocab)
+        x = jnp.where(use, forced[:, i], drawn)
+        return x, point_mass_logits(q, x, use, vocab=vocab)
+
+    logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
+    x0, q0 = pick(logits[:, -1], 0)
+
+    def one(carry, i):  # feed x_{i-1} at position start + i, then x_i
         cache, x = carry
         out, cache = draft.forward(d_weights, cache, x[:, None], start + i, 1)
-        q = out[:, -1]
-        nxt = steps.draft_draw(q, row_keys, step, i + 1, params, vocab=vocab)
+        nxt, q = pick(out[:, -1], i)
         return (cache, nxt), (nxt, q)
 
     (d_cache, _), (xs, qs) = lax.scan(one, (d_cache, x0), jnp.arange(1, g, dtype=jnp.int32))
@@ -107,11 +117,14 @@ def draft_and_verify(
     step: jax.Array,
     params: SamplingParams,
     k: jax.Array,
+    forced: jax.Array,
+    use: jax.Array,
     *,
     g: int,
     vocab: int,
 ) -> tuple[jax.Array, jax.Array, KVCache, KVCache]:
-    """One step with the ``model`` drafter: draft G tokens, the target's forward, the acceptance step.
+    """One step with the ``model`` (or ``hybrid``) drafter: draft G tokens, the target's forward, the acceptance
+    step.
 
     Args:
       prev, last: i32[B], each row's last two committed tokens (``prev`` at position ``start - 1``,
@@ -119,13 +132,15 @@ def draft_and_verify(
       start: i32[B], the position of ``last``.
       row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows.
       k: i32[B], ``k_b`` in [0, G]: the draft tokens row b tests.
+      forced: i32[B, G], use: bool[B]: rows with ``use`` propose ``forced`` (the hybrid drafter's lookups)
+        as point masses instead of the draft model's draws (all False for the model drafter).
       g: G; vocab: the target's vocabulary size V.
 
     Returns:
       ``(num_accepted i32[B], tokens i32[B, G+1], t_cache, d_cache)`` (tokens as the kernel's:
       accepted draft tokens, the emitted one, then -1).
     """
-    x, q, d_cache = _draft(draft, d_weights, d_cache, prev, last, start, row_keys, step, params, g, vocab)
+    x, q, d_cache = _draft(draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab)
     logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
     out = steps.verify_step(x, q, logits, row_keys, step, params, k)
     return out.num_accepted, out.tokens, t_cache, d_cache
@@ -177,13 +192,23 @@ def check_jax_call(sampler: Any, return_state: bool) -> None:
         raise ValueError("return_state: the JAX path keeps its caches on the device; pass return_state=False")
 
 
+def _draft_model(drafter: Any) -> Any:
+    """The draft model the step runs itself (model drafter, or a hybrid's model fallback), else None."""
+    if isinstance(drafter, ModelDrafter):
+        return drafter.model
+    if isinstance(drafter, HybridDrafter) and isinstance(drafter.fallback, ModelDrafter):
+        return drafter.fallback.model
+    return None
+
+
 def _check_drafter(drafter: Any) -> None:
     """Raise ``ValueError`` for drafters the JAX path cannot run (their torch code would run eagerly)."""
-    if isinstance(drafter, ModelDrafter):
+    if _draft_model(drafter) is not None:
         return
-    if getattr(drafter, "needs_target_hidden", False) or hasattr(drafter, "fallback"):
+    if getattr(drafter, "needs_target_hidden", False) or isinstance(drafter, HybridDrafter):
         raise ValueError(
-            f"draft: the JAX path (torchax) runs the model drafter and lookup drafters such as 'ngram', got "
+            f"draft: the JAX path (torchax) runs the model drafter, lookup drafters such as 'ngram' and a hybrid "
+            f"of the two, got "
             f"{getattr(drafter, 'name', type(drafter).__name__)!r} (it runs torch code of its own); use one of "
             "those, or run on the CPU path"
         )
@@ -216,7 +241,11 @@ def run_jax_loop(
     batch = int(input_ids.shape[0])
     contexts = _contexts(input_ids, attention_mask)
     positions = _positions(contexts, max_new_tokens + g + 1)
-    fused = isinstance(drafter, ModelDrafter)
+    draft_model = _draft_model(drafter)
+    fused = draft_model is not None
+    # the hybrid's lookups: asked first each step, forced into the fused step; the model drafts the other rows
+    lookups = drafter.ngram if isinstance(drafter, HybridDrafter) else None
+    asked = lookups if lookups is not None else (None if fused else drafter)  # the host drafter, if any
     stats = SpeculativeStats(drafter=str(getattr(drafter, "name", type(drafter).__name__)))
     who = checks.plugin_name("drafter", drafter, getattr(drafter, "name", None))
     rows = [_Row(i) for i in range(batch)]
@@ -225,29 +254,22 @@ def run_jax_loop(
 
     with count_copies() as copies, measure_compiles() as compiles:
         t = jax_model("target", target)
-        d = jax_model("draft", drafter.model) if fused else None
+        d = jax_model("draft", draft_model) if fused else None
         t_cache, start, last = _prefilled(t, contexts, positions)
         d_cache = _prefilled(d, contexts, positions)[0] if d is not None else None
         prev = np.array([c[-2] if len(c) > 1 else 0 for c in contexts], np.int32)
-        if not fused:
+        if asked is not None:
             copies_of = [list(c) for c in contexts]
-            drafter.start(DraftSetup(target, input_ids, attention_mask, copies_of, target_vocab, g, sampling))
+            asked.start(DraftSetup(target, input_ids, attention_mask, copies_of, target_vocab, g, sampling))
         step = 0
         while not all(r.done for r in rows):
             remaining = np.array([0 if r.done else max_new_tokens - len(r.generated) for r in rows])
             active = remaining > 0
             caps = np.where(active, np.minimum(g, np.maximum(remaining - 1, 0)), 0)
             step_j = jnp.asarray(step, jnp.int32)
-            if fused:
-                assert d is not None and d_cache is not None
-                n_j, tok_j, t_cache, d_cache = draft_and_verify(
-                    t, d, t.weights, d.weights, t_cache, d_cache, jnp.asarray(prev), jnp.asarray(last),
-                    jnp.asarray(start), sampling.keys, step_j, sampling.params, jnp.asarray(caps, jnp.int32),
-                    g=g, vocab=target_vocab,
-                )  # fmt: skip
-                k = caps
-            else:
-                proposal = drafter.propose(
+            x, k, use = np.repeat(last[:, None], g, axis=1), caps, np.zeros(batch, bool)  # filler: a valid id
+            if asked is not None:
+                proposal = asked.propose(
                     DraftRequest(step, [list(c) for c in contexts], caps, active, sampling, caps, None)
                 )
                 check_proposal(who, proposal, caps, batch, target_vocab, check_ids=True, check_logits=False)
@@ -256,13 +278,22 @@ def run_jax_loop(
                         f"{who} proposed tokens with draft logits; the JAX path takes point-mass proposals "
                         "(logits=None) from drafters other than the model drafter"
                     )
-                k = np.minimum(np.asarray(proposal.num_tokens, np.int64), caps)
-                x = np.repeat(last[:, None], g, axis=1)  # untested columns: a valid id
-                cols = min(g, int(k.max(initial=0)))
+                found = np.minimum(np.asarray(proposal.num_tokens, np.int64), caps)
+                cols = min(g, int(found.max(initial=0)))
                 if cols:
                     x[:, :cols] = np.where(
-                        np.arange(cols)[None, :] < k[:, None], np.asarray(proposal.tokens)[:, :cols], x[:, :cols]
+                        np.arange(cols)[None, :] < found[:, None], np.asarray(proposal.tokens)[:, :cols], x[:, :cols]
                     )
+                use = found > 0
+                k = np.where(use, found, caps) if fused else found  # the hybrid's model drafts the other rows
+            if fused:
+                assert d is not None and d_cache is not None
+                n_j, tok_j, t_cache, d_cache = draft_and_verify(
+                    t, d, t.weights, d.weights, t_cache, d_cache, jnp.asarray(prev), jnp.asarray(last),
+                    jnp.asarray(start), sampling.keys, step_j, sampling.params, jnp.asarray(k, jnp.int32),
+                    jnp.asarray(x), jnp.asarray(use), g=g, vocab=target_vocab,
+                )  # fmt: skip
+            else:
                 n_j, tok_j, t_cache = lookup_and_verify(
                     t, t.weights, t_cache, jnp.asarray(x), jnp.asarray(last), jnp.asarray(start),
                     sampling.keys, step_j, sampling.params, jnp.asarray(k, jnp.int32),
@@ -290,8 +321,8 @@ def run_jax_loop(
                 prev[b] = full[-2] if len(full) > 1 else last[b]
                 last[b] = full[-1]
                 start[b] += len(full)
-            if not fused:
-                drafter.commit(CommitInfo(emitted_rows, n_h.astype(np.int64), k, None))
+            if asked is not None:
+                asked.commit(CommitInfo(emitted_rows, n_h.astype(np.int64), k, None))
             stats.steps += 1
             stats.draft_steps += int(k.max(initial=0) > 0)
             step += 1
