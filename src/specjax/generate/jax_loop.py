@@ -11,7 +11,9 @@ static-shape KV caches, and one step is one ``jax.jit`` program:
    ``q`` is exactly what the acceptance step recomputes. A lookup drafter
    (``ngram``, or any drafter proposing point masses without the target's
    hidden states) proposes on the host instead, from the committed tokens, and
-   its tokens are the program's input.
+   its tokens are the program's input. The ``hybrid`` drafter does both: rows
+   with an n-gram match propose their lookups (point masses, fed to the draft
+   model too), the draft model draws for the others, in the same program.
 2. **Score**: the target's forward over ``[last, x_0 .. x_{G-1}]``.
 3. **Verify**: :func:`specjax.kernels.steps.verify_step` on the target's
    logits as they are (the same ``jax.Array``, never leaving the device).
