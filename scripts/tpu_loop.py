@@ -14,7 +14,7 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
    random model pair (V = 12): chi-square of the (x1, x2) counts against the target's
    exact law computed on the CPU, and the same counts against the draft's law
    as the negative control (must be rejected).
-5. **Timings**: for each B and mode (greedy, T = 0.7), the loop against the
+5. **Timings**: for each drafter (``--drafters``), B and mode (greedy, T = 0.7), the loop against the
    target alone (``greedy_decode``: the same jitted forward, one token a step,
    read once at the end), both warmed up first (compilation excluded): tokens/s,
    the ratio, the acceptance rate; median of ``--reps`` runs.
@@ -99,9 +99,12 @@ def on_jax(model: Any) -> Any:
 def load_pair(kind: str) -> tuple[Any, Any, Any]:
     """``(target, draft, tokenizer or None)`` on the CPU."""
     if kind == "default":
-        from specjax.pair import load_default_pair
+        from specjax.pair import DefaultPairError, load_default_pair
 
-        pair = load_default_pair(dtype="float32")
+        try:
+            pair = load_default_pair(dtype="float32")
+        except DefaultPairError as err:
+            sys.exit(f"--pair default: {err} (or run --pair random: random Llamas of the same code path)")
         return pair.target.eval(), pair.draft.eval(), pair.tokenizer
     if kind == "random":
         target = random_llama(0, 4, 512, 128256)
@@ -274,8 +277,16 @@ def _median_time(fn: Any, reps: int) -> float:
 
 
 def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argparse.Namespace) -> list[dict]:
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
     from specjax.generate import speculative_generate
     from specjax.generate.jax_loop import greedy_decode
+
+    def drafter(name: str) -> Any:
+        if name == "model":
+            return pair["draft_j"]
+        if name == "ngram":
+            return NgramDrafter()
+        return HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"]))
 
     rows = []
     for batch in args.batches:
@@ -286,13 +297,13 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
 
         base()  # compile
         base_s = _median_time(base, args.reps)
-        for temp in (0.0, 0.7):
+        for name, temp in [(name, temp) for name in args.drafters for temp in (0.0, 0.7)]:
             stats: list[Any] = []
 
-            def spec(temp: float = temp, stats: list[Any] = stats, ids=ids, mask=mask) -> None:
+            def spec(temp: float = temp, stats: list[Any] = stats, ids=ids, mask=mask, name: str = name) -> None:
                 out = speculative_generate(
                     pair["target_j"],
-                    pair["draft_j"],
+                    drafter(name),
                     ids,
                     mask,
                     max_new_tokens=args.max_new,
@@ -306,6 +317,7 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
             spec_s = _median_time(spec, args.reps)
             new = batch * args.max_new
             row = {
+                "drafter": name,
                 "batch": batch,
                 "temperature": temp,
                 "loop_tok_s": new / spec_s,
@@ -319,7 +331,7 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
             }
             rows.append(row)
             log(
-                f"B={batch:3d} T={temp}: loop {row['loop_tok_s']:9.1f} tok/s, "
+                f"{name:6s} B={batch:3d} T={temp}: loop {row['loop_tok_s']:9.1f} tok/s, "
                 f"target-only {row['target_only_tok_s']:9.1f} tok/s, ratio {row['ratio']:.2f}x, "
                 f"acceptance {row['acceptance']:.3f}, "
                 f"tau {row['mean_accepted_length']:.2f}"
@@ -334,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--drafters",
+        type=lambda s: s.split(","),
+        default=["model"],
+        help="timed drafters, comma-separated: model, ngram, hybrid (ngram, else the model)",
+    )
     parser.add_argument("--law-rows", type=int, default=8192)
     parser.add_argument("--cpu-rows", type=int, default=2, help="rows compared with torch generate on the CPU")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: logits,greedy,law,timings")
