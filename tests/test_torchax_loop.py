@@ -14,8 +14,9 @@ import pytest
 import torch
 from torchax_models import on_jax, perturbed, tiny_llama
 
-from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from specjax.generate import speculative_generate
+from specjax.generate.checks import PluginOutputError
 from specjax.generate.jax_loop import greedy_decode
 
 MAX_NEW = 20
@@ -133,14 +134,24 @@ class _HiddenDrafter(NgramDrafter):
     needs_target_hidden = True
 
 
+class _LogitsDrafter(NgramDrafter):
+    """Proposes token 0 with logits: a sampled host proposal, which the JAX path does not take."""
+
+    def propose(self, request):
+        b = len(request.contexts)
+        logits = (np.zeros((b, 256), np.float32),)
+        return Proposal(np.zeros((b, 1), np.int32), np.minimum(request.max_tokens, 1), logits)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
         (dict(sampler="numpy"), ValueError, "sampler: the JAX path .* built-in sampler"),
         (dict(return_state=True), ValueError, "return_state: the JAX path"),
         (dict(draft=_HiddenDrafter()), ValueError, "draft: the JAX path .* model drafter, lookup drafters"),
+        (dict(draft=_LogitsDrafter()), PluginOutputError, "proposed tokens with draft logits; the JAX path takes"),
     ],
-    ids=["plugin-sampler", "return-state", "hidden-state-drafter"],
+    ids=["plugin-sampler", "return-state", "hidden-state-drafter", "host-logits"],
 )
 def test_what_the_jax_path_does_not_run_is_refused(models, prompts, kwargs, error, match):
     _, jx = models
