@@ -216,6 +216,120 @@ def _check_drafter(drafter: Any) -> None:
         )
 
 
+class _JaxRun:
+    """One call's state on JAX's device and its steps: plan, propose (host lookups), verify (one program),
+    commit; arguments as :func:`run_jax_loop`'s."""
+
+    def __init__(self, target, drafter, input_ids, attention_mask, *, max_new_tokens, num_draft_tokens, sampling,
+                 eos_ids, target_vocab, on_tokens) -> None:  # fmt: skip
+        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, eos_ids, on_tokens
+        self.max_new_tokens, self.g, self.vocab = max_new_tokens, num_draft_tokens, target_vocab
+        self.contexts = _contexts(input_ids, attention_mask)
+        self.batch = len(self.contexts)
+        self.prefilled = int(max(len(c) for c in self.contexts) > 1)  # one forward over the prompts first
+        self.rows = [_Row(i) for i in range(self.batch)]
+        self.stats = SpeculativeStats(drafter=str(getattr(drafter, "name", type(drafter).__name__)))
+        self.who = checks.plugin_name("drafter", drafter, getattr(drafter, "name", None))
+        self.tested, self.passed = np.zeros(self.g, np.int64), np.zeros(self.g, np.int64)
+        self.gained = self.row_steps = self.step = 0
+        draft_model = _draft_model(drafter)
+        self.fused = draft_model is not None
+        # the host's proposals: a lookup drafter's, or the hybrid's lookups (its model drafts the other rows)
+        self.asked = drafter.ngram if isinstance(drafter, HybridDrafter) else (None if self.fused else drafter)
+        positions = _positions(self.contexts, max_new_tokens + self.g + 1)
+        self.t = jax_model("target", target)
+        self.d = jax_model("draft", draft_model) if self.fused else None
+        self.t_cache, self.start, self.last = _prefilled(self.t, self.contexts, positions)
+        self.d_cache = _prefilled(self.d, self.contexts, positions)[0] if self.d is not None else None
+        self.prev = np.array([c[-2] if len(c) > 1 else 0 for c in self.contexts], np.int32)
+        if self.asked is not None:
+            contexts = [list(c) for c in self.contexts]
+            self.asked.start(DraftSetup(target, input_ids, attention_mask, contexts, target_vocab, self.g, sampling))
+
+    def active(self) -> bool:
+        return not all(r.done for r in self.rows)
+
+    def plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(active bool[B], caps i64[B])``: rows still generating, and the most tokens each may test
+        (G, and never past ``max_new_tokens``: the emitted token comes on top)."""
+        remaining = np.array([0 if r.done else self.max_new_tokens - len(r.generated) for r in self.rows])
+        active = remaining > 0
+        return active, np.where(active, np.minimum(self.g, np.maximum(remaining - 1, 0)), 0)
+
+    def propose(self, active: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The host's proposals ``(x i32[B, G], k i64[B], use bool[B])``: lookups where the drafter has them
+        (``use``), the last token as filler elsewhere (a valid id, never tested); the model drafter's rows
+        test ``caps``."""
+        x, k, use = np.repeat(self.last[:, None], self.g, axis=1), caps, np.zeros(self.batch, bool)
+        if self.asked is None:
+            return x, k, use
+        contexts = [list(c) for c in self.contexts]
+        proposal = self.asked.propose(DraftRequest(self.step, contexts, caps, active, self.sampling, caps, None))
+        check_proposal(self.who, proposal, caps, self.batch, self.vocab, check_ids=True, check_logits=False)
+        if proposal.logits is not None:
+            raise checks.PluginOutputError(
+                f"{self.who} proposed tokens with draft logits; the JAX path takes point-mass proposals "
+                "(logits=None) from drafters other than the model drafter"
+            )
+        found = np.minimum(np.asarray(proposal.num_tokens, np.int64), caps)
+        cols = min(self.g, int(found.max(initial=0)))
+        if cols:
+            tested = np.arange(cols)[None, :] < found[:, None]
+            x[:, :cols] = np.where(tested, np.asarray(proposal.tokens)[:, :cols], x[:, :cols])
+        use = found > 0
+        return x, np.where(use, found, caps) if self.fused else found, use
+
+    def verify(self, x: np.ndarray, k: np.ndarray, use: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The step's program (draft, the target's forward, the acceptance step); the host reads its int32
+        ``(n i32[B], tokens i32[B, G+1])``, nothing else."""
+        step, keys, params = jnp.asarray(self.step, jnp.int32), self.sampling.keys, self.sampling.params
+        last, start, k_j = jnp.asarray(self.last), jnp.asarray(self.start), jnp.asarray(k, jnp.int32)
+        if self.d is not None:
+            assert self.d_cache is not None
+            n, tokens, self.t_cache, self.d_cache = draft_and_verify(
+                self.t, self.d, self.t.weights, self.d.weights, self.t_cache, self.d_cache, jnp.asarray(self.prev),
+                last, start, keys, step, params, k_j, jnp.asarray(x), jnp.asarray(use), g=self.g, vocab=self.vocab,
+            )  # fmt: skip
+        else:
+            n, tokens, self.t_cache = lookup_and_verify(
+                self.t, self.t.weights, self.t_cache, jnp.asarray(x), last, start, keys, step, params, k_j
+            )
+        n_h, tokens_h = jax.device_get((n, tokens))
+        checks.check_step_output("the verification step", n_h, tokens_h, k, self.vocab)
+        return n_h, tokens_h
+
+    def commit(self, active: np.ndarray, k: np.ndarray, n: np.ndarray, tokens: np.ndarray) -> None:
+        """Each active row appends its accepted tokens and the emitted one (up to EOS and ``max_new_tokens``)
+        and moves on: its next forward starts right after them, overwriting the rejected drafts' slots."""
+        stats = self.stats
+        emitted_rows: list[list[int]] = []
+        for b, row in enumerate(self.rows):
+            if not active[b]:
+                emitted_rows.append([])
+                continue
+            n_b = int(n[b])
+            full = tokens[b, : n_b + 1].tolist()
+            stats.draft_tokens_proposed += int(k[b])
+            stats.draft_tokens_accepted += n_b
+            self.tested[: min(n_b + 1, int(k[b]))] += 1
+            self.passed[:n_b] += 1
+            emitted = _emit(row, full, self.eos_ids, self.max_new_tokens)
+            self.contexts[b].extend(emitted)
+            self.gained += len(emitted)
+            self.row_steps += 1
+            if self.on_tokens is not None:
+                self.on_tokens(b, emitted)
+            emitted_rows.append(emitted)
+            self.prev[b] = full[-2] if len(full) > 1 else self.last[b]
+            self.last[b] = full[-1]
+            self.start[b] += len(full)
+        if self.asked is not None:
+            self.asked.commit(CommitInfo(emitted_rows, n.astype(np.int64), k, None))
+        stats.steps += 1
+        stats.draft_steps += int(k.max(initial=0) > 0)
+        self.step += 1
+
+
 def run_jax_loop(
     target: Any,
     drafter: Any,
@@ -239,104 +353,33 @@ def run_jax_loop(
 
     _check_drafter(drafter)
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
-    g = num_draft_tokens
-    batch = int(input_ids.shape[0])
-    contexts = _contexts(input_ids, attention_mask)
-    positions = _positions(contexts, max_new_tokens + g + 1)
-    draft_model = _draft_model(drafter)
-    fused = draft_model is not None
-    # the hybrid's lookups: asked first each step, forced into the fused step; the model drafts the other rows
-    lookups = drafter.ngram if isinstance(drafter, HybridDrafter) else None
-    asked = lookups if lookups is not None else (None if fused else drafter)  # the host drafter, if any
-    stats = SpeculativeStats(drafter=str(getattr(drafter, "name", type(drafter).__name__)))
-    who = checks.plugin_name("drafter", drafter, getattr(drafter, "name", None))
-    rows = [_Row(i) for i in range(batch)]
-    tested, passed = np.zeros(g, np.int64), np.zeros(g, np.int64)
-    gained = row_steps = 0
-
     with count_copies() as copies, measure_compiles() as compiles:
-        t = jax_model("target", target)
-        d = jax_model("draft", draft_model) if fused else None
-        t_cache, start, last = _prefilled(t, contexts, positions)
-        d_cache = _prefilled(d, contexts, positions)[0] if d is not None else None
-        prev = np.array([c[-2] if len(c) > 1 else 0 for c in contexts], np.int32)
-        if asked is not None:
-            copies_of = [list(c) for c in contexts]
-            asked.start(DraftSetup(target, input_ids, attention_mask, copies_of, target_vocab, g, sampling))
-        step = 0
-        while not all(r.done for r in rows):
-            remaining = np.array([0 if r.done else max_new_tokens - len(r.generated) for r in rows])
-            active = remaining > 0
-            caps = np.where(active, np.minimum(g, np.maximum(remaining - 1, 0)), 0)
-            step_j = jnp.asarray(step, jnp.int32)
-            x, k, use = np.repeat(last[:, None], g, axis=1), caps, np.zeros(batch, bool)  # filler: a valid id
-            if asked is not None:
-                proposal = asked.propose(
-                    DraftRequest(step, [list(c) for c in contexts], caps, active, sampling, caps, None)
-                )
-                check_proposal(who, proposal, caps, batch, target_vocab, check_ids=True, check_logits=False)
-                if proposal.logits is not None:
-                    raise checks.PluginOutputError(
-                        f"{who} proposed tokens with draft logits; the JAX path takes point-mass proposals "
-                        "(logits=None) from drafters other than the model drafter"
-                    )
-                found = np.minimum(np.asarray(proposal.num_tokens, np.int64), caps)
-                cols = min(g, int(found.max(initial=0)))
-                if cols:
-                    x[:, :cols] = np.where(
-                        np.arange(cols)[None, :] < found[:, None], np.asarray(proposal.tokens)[:, :cols], x[:, :cols]
-                    )
-                use = found > 0
-                k = np.where(use, found, caps) if fused else found  # the hybrid's model drafts the other rows
-            if fused:
-                assert d is not None and d_cache is not None
-                n_j, tok_j, t_cache, d_cache = draft_and_verify(
-                    t, d, t.weights, d.weights, t_cache, d_cache, jnp.asarray(prev), jnp.asarray(last),
-                    jnp.asarray(start), sampling.keys, step_j, sampling.params, jnp.asarray(k, jnp.int32),
-                    jnp.asarray(x), jnp.asarray(use), g=g, vocab=target_vocab,
-                )  # fmt: skip
-            else:
-                n_j, tok_j, t_cache = lookup_and_verify(
-                    t, t.weights, t_cache, jnp.asarray(x), jnp.asarray(last), jnp.asarray(start),
-                    sampling.keys, step_j, sampling.params, jnp.asarray(k, jnp.int32),
-                )  # fmt: skip
-            n_h, tok_h = jax.device_get((n_j, tok_j))  # the step's one read: int32 counts and tokens
-            checks.check_step_output("the verification step", n_h, tok_h, k, target_vocab)
-            emitted_rows: list[list[int]] = []
-            for b, row in enumerate(rows):
-                if not active[b]:
-                    emitted_rows.append([])
-                    continue
-                n_b = int(n_h[b])
-                full = tok_h[b, : n_b + 1].tolist()
-                stats.draft_tokens_proposed += int(k[b])
-                stats.draft_tokens_accepted += n_b
-                tested[: min(n_b + 1, int(k[b]))] += 1
-                passed[:n_b] += 1
-                emitted = _emit(row, full, eos_ids, max_new_tokens)
-                contexts[b].extend(emitted)
-                gained += len(emitted)
-                row_steps += 1
-                if on_tokens is not None:
-                    on_tokens(b, emitted)
-                emitted_rows.append(emitted)
-                prev[b] = full[-2] if len(full) > 1 else last[b]
-                last[b] = full[-1]
-                start[b] += len(full)
-            if asked is not None:
-                asked.commit(CommitInfo(emitted_rows, n_h.astype(np.int64), k, None))
-            stats.steps += 1
-            stats.draft_steps += int(k.max(initial=0) > 0)
-            step += 1
+        run = _JaxRun(
+            target,
+            drafter,
+            input_ids,
+            attention_mask,
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=num_draft_tokens,
+            sampling=sampling,
+            eos_ids=eos_ids,
+            target_vocab=target_vocab,
+            on_tokens=on_tokens,
+        )
+        while run.active():
+            active, caps = run.plan()  # 1.
+            x, k, use = run.propose(active, caps)  # 2. (host lookups; the draft model runs in 3.)
+            n, tokens = run.verify(x, k, use)  # 3. draft, score, verify: one program
+            run.commit(active, k, n, tokens)  # 4.
 
-    prefilled = int(max(len(c) for c in contexts) > 1)
-    stats.target_forwards = stats.steps + prefilled
-    stats.draft_forwards = (stats.steps * g + prefilled) if fused else 0
+    stats = run.stats
+    stats.target_forwards = stats.steps + run.prefilled
+    stats.draft_forwards = (stats.steps * num_draft_tokens + run.prefilled) if run.fused else 0
     stats.adapter_copies = copies.copies
     stats.compile_time_s = setup_compile_s + compiles.seconds
-    _finish_stats(stats, tested, passed, gained, row_steps, rows, t_start)
+    _finish_stats(stats, run.tested, run.passed, run.gained, run.row_steps, run.rows, t_start)
     stats.loop_time_s = stats.wall_time_s
-    return _build_output(input_ids, rows, pad_token_id, stats)
+    return _build_output(input_ids, run.rows, pad_token_id, stats)
 
 
 def _contexts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
