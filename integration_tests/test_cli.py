@@ -334,6 +334,39 @@ def test_generate_keeps_its_compiled_steps_in_the_specjax_cache(models, tmp_path
     assert not (tmp_path / "off").exists()
 
 
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_generate_on_the_jax_device_matches_target_greedy(models, tmp_path, drafter):
+    """--device jax: the models on torchax's jax device (JAX's CPU backend here), the JAX path's loop."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"w1 w2 w3"\n"w4 w5 w4 w5 w4"\n')
+    proc = run_cli(
+        "generate",
+        "--target",
+        str(models["target"]),
+        *(["--draft", str(models["draft"])] if drafter == "model" else []),
+        "--drafter",
+        drafter,
+        "--prompts-file",
+        str(prompts),
+        "--max-new-tokens",
+        "6",
+        "--device",
+        "jax",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    target = AutoModelForCausalLM.from_pretrained(models["target"]).eval()
+    tok = AutoTokenizer.from_pretrained(models["target"])
+    for rec in records:
+        ids = tok(rec["prompt"], return_tensors="pt")["input_ids"]
+        ref = target.generate(ids, do_sample=False, max_new_tokens=6, pad_token_id=0)
+        assert rec["token_ids"] == ref[0, ids.shape[1] :].tolist()
+        assert rec["stats"]["adapter_copies"] == 0
+
+
 def test_generate_regex_constrains_the_output(models):
     """--regex: every row's tokens spell a string the regex matches (then EOS), greedy and sampled."""
     import re

@@ -521,6 +521,23 @@ def test_xgrammars_own_transformers_processor_is_refused_with_the_way_out(tok, m
         )
 
 
+def test_the_jax_path_refuses_a_grammar_by_its_name(tok, models):
+    """Models on torchax's jax device run the JAX loop, which has no processors yet: refused, naming the argument."""
+    import copy
+
+    import torchax
+    target = copy.deepcopy(models["target"])
+    with torchax.default_env():
+        target.to("jax")
+    ids, mask = prompts(tok, "regex", 1)
+    for kwargs in ({"json_schema": SCHEMA}, {"regex": REGEX}):
+        name = next(iter(kwargs))
+        with pytest.raises(ValueError, match=f"{name}: not supported yet on the JAX path"):
+            specjax.speculative_generate(
+                target, "ngram", ids, mask, max_new_tokens=4, eos_token_id=EOS, target_tokenizer=tok, **kwargs
+            )
+
+
 def test_a_pydantic_model_gives_its_schema():
     pydantic = pytest.importorskip("pydantic")
 

@@ -133,6 +133,15 @@ def _top_p(text: str) -> float:
 def _torch_device(name: str) -> Any:
     import torch
 
+    if name == "jax":  # models on torchax's jax device: the JAX path (docs/torchax.md)
+        try:
+            import torchax  # noqa: F401  (registers torch's "jax" device)
+        except ImportError as err:
+            raise CLIError(
+                f"--device jax: torchax is not installed ({_first_line(err)}); pip install 'specjax[tpu]', see "
+                "docs/torchax.md"
+            ) from err
+        return torch.device("jax")
     if name == "cuda":
         if not torch.cuda.is_available():
             raise CLIError(
@@ -171,7 +180,17 @@ def load_model(path: str, *, gguf_file: str | None, device: Any, role: str) -> t
         raise CLIError(
             f"--{role} {path}: the model has no usable tokenizer ({_first_line(err)}); save one beside it"
         ) from err
-    return model.to(device).eval(), tokenizer
+    return place(model, device).eval(), tokenizer
+
+
+def place(model: Any, device: Any) -> Any:
+    """``model`` on ``device``; torchax's ``jax`` device under torchax's environment (which moves it there)."""
+    if getattr(device, "type", device) == "jax":
+        import torchax
+
+        with torchax.default_env():
+            return model.to("jax")
+    return model.to(device)
 
 
 def check_model_dir(local: Path, *, role: str, gguf_file: str | None) -> None:
@@ -228,10 +247,13 @@ def load_pair(
         from specjax.demo import pair_overrides
         from specjax.pair import DefaultPairError, load_default_pair
 
+        on_jax = device.type == "jax"  # loaded on the CPU, then moved
         try:
-            pair = load_default_pair(device=str(device), progress=progress, **pair_overrides())
+            pair = load_default_pair(device="cpu" if on_jax else str(device), progress=progress, **pair_overrides())
         except DefaultPairError as err:
             raise CLIError(str(err)) from err
+        if on_jax:
+            pair.target, pair.draft = place(pair.target, device), place(pair.draft, device)
         if getattr(args, "eagle_head", None) is None:
             args.eagle_head = pair.head  # the pair's own head drafts for `eagle` and `hybrid`
         return pair.target, pair.draft, pair.tokenizer, pair.tokenizer
@@ -338,6 +360,8 @@ def encode(tokenizer: Any, prompts: Sequence[str], *, chat: bool, device: Any) -
             t for t in (tokenizer.eos_token, tokenizer.unk_token, tokenizer.convert_ids_to_tokens(0)) if t is not None
         )
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+    if getattr(device, "type", device) == "jax":  # the JAX path takes host ids
+        return enc["input_ids"], enc["attention_mask"]
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
@@ -568,7 +592,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_top_p, default=None)
     gen.add_argument("--seed", type=_seed, default=0)
     gen.add_argument("--batch-size", type=_positive_int, default=8)
-    gen.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    gen.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "jax"],
+        default="cpu",
+        help="where the models run; jax: JAX's default device (a TPU) through torchax, docs/torchax.md",
+    )
     gen.add_argument("--sampler", default="jax", help="sampler name (see specjax.load_sampler)")
     gen.add_argument(
         "--drafter",

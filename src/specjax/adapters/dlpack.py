@@ -40,6 +40,7 @@ import torch
 
 from specjax.adapters.copies import record_copy
 from specjax.adapters.host import host_view, int32_range_error
+from specjax.adapters.jax_view import torchax_array
 
 __all__ = ["JAX_TO_TORCH", "TORCH_TO_JAX", "jit_input", "to_jax", "to_torch"]
 
@@ -246,7 +247,10 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, check_range: bool 
     Args:
       tensor: any shape, a dtype from the table in :mod:`specjax.adapters.dlpack`,
         on ``cpu`` or ``cuda:k`` (which becomes JAX's GPU with CUDA index ``k``).
-        ``requires_grad`` tensors are detached (no copy).
+        ``requires_grad`` tensors are detached (no copy). A torchax tensor
+        (device ``jax``; :mod:`specjax.adapters.jax_view`) is the ``jax.Array``
+        it holds, returned as it is (dtype and device unchanged; ``copy=True``
+        copies it on its device).
       copy: ``None`` (default): zero-copy when JAX can import the tensor as it
         is, else one explicit copy on the tensor's device, counted and logged
         (see :func:`specjax.adapters.copy_stats`). ``True``: always copy.
@@ -267,6 +271,12 @@ def to_jax(tensor: torch.Tensor, *, copy: bool | None = None, check_range: bool 
         int32 range; a device JAX cannot reach.
     """
     _check_copy_flag(copy)
+    held = torchax_array(tensor)
+    if held is not None:  # a torchax tensor: its own jax.Array, on its own device
+        if copy:
+            record_copy("requested", held.nbytes, requested=True)
+            return jnp.array(held, copy=True)
+        return held
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from specjax.adapters.jax_view import torchax_array
+
 __all__ = ["host_array", "host_view", "jax_on_cpu"]
 
 
@@ -56,9 +58,12 @@ def host_view(x: Any) -> np.ndarray | None:
 
 def host_array(x: Any) -> np.ndarray | None:
     """``x`` as a NumPy array when it lives in host memory (NumPy, a CPU torch tensor, a JAX array on
-    the CPU; no copy), else None (a GPU array: it stays where it is)."""
+    the CPU, a torchax tensor holding one; no copy), else None (a device array: it stays where it is)."""
     if isinstance(x, np.ndarray):
         return x
+    held = torchax_array(x)
+    if held is not None:  # a torchax tensor: the jax.Array it holds
+        x = held
     if hasattr(x, "is_cpu") and hasattr(x, "numpy"):  # a torch tensor (torch is imported: it made x)
         return (x.detach() if x.requires_grad else x).numpy() if x.is_cpu else None
     devices = getattr(x, "devices", None)

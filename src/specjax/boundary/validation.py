@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.adapters.host import host_view, int32_range_error, jax_on_cpu
+from specjax.adapters.jax_view import torchax_array
 from specjax.boundary.byte_order import native_byte_order
 from specjax.kernels import cpu_kernels
 from specjax.kernels.frontend import TEMPERATURE_RANGE
@@ -52,7 +53,8 @@ def as_array(name: str, x: Any) -> Any:
     Returns a NumPy array or a JAX array. torch tensors cross zero-copy: CUDA
     tensors through :func:`specjax.adapters.to_jax` (DLPack; it also turns
     int64 ids into int32 with a range check), CPU tensors as NumPy views where
-    :func:`host_view` allows, else through ``to_jax`` too.
+    :func:`host_view` allows, else through ``to_jax`` too; a torchax tensor is
+    the ``jax.Array`` it holds (:mod:`specjax.adapters.jax_view`).
     """
     if x is None:
         raise ValueError(f"{name}: expected an array, got None")
@@ -66,6 +68,9 @@ def as_array(name: str, x: Any) -> Any:
             return to_jax(x)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{name}: {err}") from err
+    held = torchax_array(x)  # before the __array__ fallback below, which would copy it to the host
+    if held is not None:
+        return held
     if isinstance(x, np.ndarray):
         return native_byte_order(x)
     if isinstance(x, jax.Array):

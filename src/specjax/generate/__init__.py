@@ -13,6 +13,7 @@ from specjax.drafters.base import SamplingState
 from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
+from specjax.generate.jax_loop import check_jax_call, host_ids, run_jax_loop
 from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 from specjax.generate.outputs import Outputs
 from specjax.generate.processors import LoopProcessors, build_processors
@@ -309,7 +310,11 @@ def speculative_generate(
     for m in draft_models:
         check_pair(target, m, target_tokenizer, draft_tokenizer)
     device = _device(target)
-    if input_ids.device != device:
+    on_jax = device.type == "jax"  # torchax: the JAX path (specjax.generate.jax_loop), host ids in
+    if on_jax:
+        input_ids = host_ids("input_ids", input_ids)
+        attention_mask = None if attention_mask is None else host_ids("attention_mask", attention_mask)
+    elif input_ids.device != device:
         raise ValueError(f"input_ids: expected the models' device {device}, got {input_ids.device}")
 
     gen_cfg = getattr(target, "generation_config", None)
@@ -338,7 +343,7 @@ def speculative_generate(
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
             shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
             raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids, got {shape}")
-        attention_mask = attention_mask.to(device)
+        attention_mask = attention_mask.to("cpu" if on_jax else device)
         checks.check_all_rows_have_tokens(attention_mask)
         if not bool(attention_mask[:, -1].bool().all()):
             raise ValueError(
@@ -428,8 +433,36 @@ def speculative_generate(
     target.eval()
     for m in draft_models:
         m.eval()
+    if on_jax:
+        check_jax_call(
+            sampler_fn,
+            return_state,
+            json_schema=json_schema,
+            regex=regex,
+            logits_processor=processors,
+            stop_strings=stop_strings,
+            stopping_criteria=stopping_criteria,
+            output_scores=output_scores,
+            output_logits=output_logits,
+            output_logprobs=output_logprobs,
+        )
     # one call's state per drafter object: a drafter another call is using is forked
     with claim_drafter(drafter) as drafter:
+        if on_jax:
+            return run_jax_loop(
+                target,
+                drafter,
+                input_ids,
+                attention_mask,
+                max_new_tokens=int(max_new_tokens),
+                num_draft_tokens=int(num_draft_tokens),
+                sampling=sampling,
+                eos_ids=eos_ids,
+                pad_token_id=int(pad_token_id),
+                target_vocab=target_vocab,
+                on_tokens=on_tokens,
+                started=(t_start, setup_compiles.seconds),
+            )
         return run_loop(
             target,
             drafter,

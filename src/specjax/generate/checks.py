@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from specjax.adapters.jax_view import is_torchax
 from specjax.drafters.base import logit_row_max
 from specjax.kernels.results import AcceptanceResult
 from specjax.slots import attention_layout
@@ -75,7 +76,8 @@ def check_weights_loaded(name: str, model: torch.nn.Module) -> None:
     keeps them on ``meta`` between forwards, and a model built without weights
     (``init_empty_weights``) has nothing to compute with.
     """
-    meta = next((n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    named = (*model.named_parameters(), *model.named_buffers())
+    meta = next((n for n, t in named if t.is_meta and not is_torchax(t)), None)  # torchax tensors say meta too
     if meta is None:
         return
     if any(hasattr(m, "_hf_hook") for m in model.modules()):

@@ -127,9 +127,7 @@ def _sampling_settings(
     if refused:
         raise ValueError(
             "speculative_decoding: unsupported generation options: "
-            + ", ".join(
-                f"{_describe(p, _PROCESSOR_OPTIONS)}, which {refusal(p)}" for p in refused
-            )
+            + ", ".join(f"{_describe(p, _PROCESSOR_OPTIONS)}, which {refusal(p)}" for p in refused)
             + " (remove them, or use transformers' own generate)"
         )
     return split_prepared(processors, bool(generation_config.do_sample))

@@ -1,0 +1,410 @@
+"""The speculative loop on JAX's default device (a TPU) through torchax: right answers, then timings (issue 55).
+
+Run where JAX's default backend is the accelerator; every section logs as it goes:
+
+1. **Backend**: JAX's platform and devices, torch / torchax / transformers versions.
+2. **Logits**: the target's jitted JAX forward (:mod:`specjax.generate.jax_model`)
+   against torch's eager forward on the CPU, at JAX's default matmul precision and
+   at ``highest``: max |difference| and argmax agreement per position.
+3. **Greedy identity**: ``speculative_generate`` with the model drafter and with
+   ``ngram`` against the target alone on the same device
+   (:func:`specjax.generate.jax_loop.greedy_decode`), every row; and the first rows
+   against torch's ``generate`` on the CPU, at both precisions (how many rows differ).
+4. **Law** at T = 0.7: N copies of one prompt, two new tokens each, from a tiny
+   random model pair (V = 12): chi-square of the (x1, x2) counts against the target's
+   exact law computed on the CPU, and the same counts against the draft's law
+   as the negative control (must be rejected).
+5. **Timings**: for each drafter (``--drafters``), B and mode (greedy, T = 0.7), the loop against the
+   target alone (``greedy_decode``: the same jitted forward, one token a step,
+   read once at the end), both warmed up first (compilation excluded): tokens/s,
+   the ratio, the acceptance rate; median of ``--reps`` runs.
+
+A JSON summary of every section is the last line printed (and ``--out FILE``).
+Exit status 1 if a greedy identity on the device fails, or the law test rejects the
+target's law or accepts the draft's.
+
+Usage::
+
+    PYTHONPATH=src python3 scripts/tpu_loop.py [--pair default|random|tiny] [--batches 1,8,32] \\
+        [--max-new 64] [--draft-tokens 4] [--reps 3] [--out results.json]
+
+Dry run on JAX's CPU backend (small and quick)::
+
+    JAX_PLATFORMS=cpu PYTHONPATH=src python3 scripts/tpu_loop.py --pair tiny --batches 1,2 --max-new 16 \\
+        --law-rows 2048 --reps 1
+
+``--pair default`` is the embedded SmolLM2-135M-Instruct pair (float32; its shipped
+draft model); ``random`` random Llamas of the issue's check (target 4×512, V =
+128256; draft 2×256); ``tiny`` 2×64 / a perturbed copy (V = 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:8.1f}s] {msg}", flush=True)
+
+
+def random_llama(
+    seed: int, layers: int, hidden: int, vocab: int, heads: int = 8, kv: int = 4, init: float = 0.02
+) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=4096,
+        initializer_range=init,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def perturbed(model: Any, scale: float, seed: int = 1) -> Any:
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return out
+
+
+def on_jax(model: Any) -> Any:
+    import torchax
+
+    out = copy.deepcopy(model)
+    with torchax.default_env():
+        out.to("jax")
+    return out
+
+
+def load_pair(kind: str) -> tuple[Any, Any, Any]:
+    """``(target, draft, tokenizer or None)`` on the CPU."""
+    if kind == "default":
+        from specjax.pair import DefaultPairError, load_default_pair
+
+        try:
+            pair = load_default_pair(dtype="float32")
+        except DefaultPairError as err:
+            sys.exit(f"--pair default: {err} (or run --pair random: random Llamas of the same code path)")
+        return pair.target.eval(), pair.draft.eval(), pair.tokenizer
+    if kind == "random":
+        target = random_llama(0, 4, 512, 128256)
+        return target, random_llama(1, 2, 256, 128256, heads=4, kv=2), None
+    target = random_llama(0, 2, 64, 256, heads=4, kv=2)
+    return target, perturbed(target, 0.002), None
+
+
+def prompts(tokenizer: Any, batch: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` left-padded prompts: the project's chat prompts (tokenizer), else random ids of ragged lengths."""
+    if tokenizer is not None:
+        from specjax.prompts import all_prompts
+
+        chats = [m for group in all_prompts().values() for m in group.values()]
+        texts = [
+            tokenizer.apply_chat_template(chats[i % len(chats)], tokenize=False, add_generation_prompt=True)
+            for i in range(batch)
+        ]
+        tokenizer.padding_side = "left"
+        enc = tokenizer(texts, return_tensors="pt", padding=True)
+        return enc["input_ids"], enc["attention_mask"]
+    gen = torch.Generator().manual_seed(seed)
+    width = 24
+    ids = torch.randint(0, vocab, (batch, width), generator=gen)
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, : int(torch.randint(0, width // 2, (1,), generator=gen))] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def section_logits(target: Any, target_j: Any, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    import jax.numpy as jnp
+
+    from specjax.generate.jax_model import jax_model
+
+    rows = []
+    m = jax_model("target", target_j)
+    for b in range(min(2, ids.shape[0])):
+        row = ids[b : b + 1, mask[b].bool()]
+        with torch.no_grad():
+            ref = target(row).logits[0].float().numpy()
+        for precision in ("default", "highest"):
+            fwd = jax.jit(lambda w, c, t, s: m.forward(w, c, t, s, None))
+            with jax.default_matmul_precision(precision):
+                cache = m.init_cache(1, row.shape[1] + 1)
+                logits, _ = fwd(m.weights, cache, jnp.asarray(row.numpy(), jnp.int32), jnp.zeros(1, jnp.int32))
+            got = np.asarray(jax.device_get(logits))[0].astype(np.float32)
+            diff = float(np.abs(got - ref).max())
+            agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
+            rows.append(
+                {
+                    "row": b,
+                    "precision": precision,
+                    "max_abs_diff": diff,
+                    "argmax_agreement": agree,
+                    "max_abs_logit": float(np.abs(ref).max()),
+                    "positions": int(row.shape[1]),
+                }
+            )
+            log(
+                f"logits row {b} ({row.shape[1]} positions) precision={precision}: max|diff| {diff:.3g} "
+                f"(|logits| <= {np.abs(ref).max():.3g}), argmax agreement {agree:.3f}"
+            )
+    return {"rows": rows}
+
+
+def section_greedy(pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_rows: int) -> dict[str, Any]:
+    from specjax.drafters import NgramDrafter
+    from specjax.generate import speculative_generate
+    from specjax.generate.jax_loop import greedy_decode
+
+    ok = True
+    result: dict[str, Any] = {}
+    ref = greedy_decode(pair["target_j"], ids, mask, max_new)
+    for name, drafter in (("model", pair["draft_j"]), ("ngram", NgramDrafter())):
+        out = speculative_generate(pair["target_j"], drafter, ids, mask, max_new_tokens=max_new, num_draft_tokens=g)
+        got = out.sequences[:, ids.shape[1] :].numpy()
+        same = int((got == ref).all(axis=1).sum())
+        ok &= same == ids.shape[0]
+        result[name] = {
+            "rows_identical": same,
+            "rows": int(ids.shape[0]),
+            "acceptance": out.stats.acceptance_rate,
+            "adapter_copies": out.stats.adapter_copies,
+        }
+        log(
+            f"greedy {name} drafter vs target-only on the device: {same}/{ids.shape[0]} rows identical, "
+            f"acceptance {out.stats.acceptance_rate:.3f}, adapter copies {out.stats.adapter_copies}"
+        )
+    cpu = []
+    with torch.no_grad():
+        for b in range(min(cpu_rows, ids.shape[0])):
+            row = ids[b : b + 1, mask[b].bool()]
+            out = pair["target"].generate(
+                row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False
+            )
+            cpu.append(out[0, row.shape[1] :].numpy())
+    for precision in ("default", "highest"):
+        with jax.default_matmul_precision(precision):
+            dev = greedy_decode(pair["target_j"], ids[: len(cpu)], mask[: len(cpu)], max_new)
+        first = [int(np.argmax(dev[b] != cpu[b])) if (dev[b] != cpu[b]).any() else None for b in range(len(cpu))]
+        same = sum(f is None for f in first)
+        result[f"cpu_{precision}"] = {"rows_identical": same, "rows": len(cpu), "first_difference": first}
+        log(
+            f"greedy target-only on the device (precision={precision}) vs torch generate on the CPU: "
+            f"{same}/{len(cpu)} rows identical; first differing token per row {first}"
+        )
+    result["ok"] = ok
+    return result
+
+
+def section_law(rows: int, g: int) -> dict[str, Any]:
+    """Two tokens from N copies of one prompt at T = 0.7 against the target's exact law (and the draft's)."""
+    from jax.scipy.special import gammaincc  # chi2.sf(x, k) = Q(k/2, x/2); scipy may be missing on a TPU host
+
+    from specjax.generate import speculative_generate
+
+    vocab, temp = 12, 0.7
+    # peaked random models (a wider initialisation), the draft another one: laws a test can tell apart
+    target = random_llama(3, 2, 64, vocab, heads=4, kv=2, init=0.3)
+    draft = random_llama(4, 1, 64, vocab, heads=4, kv=2, init=0.3)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+
+    def law(model: Any) -> np.ndarray:
+        with torch.no_grad():
+            p1 = torch.softmax(model(prompt).logits[0, -1] / temp, -1)
+            seqs = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)
+            p2 = torch.softmax(model(seqs).logits[:, -1] / temp, -1)
+        return (p1[:, None] * p2).double().numpy().ravel()
+
+    out = speculative_generate(
+        on_jax(target),
+        on_jax(draft),
+        prompt.repeat(rows, 1),
+        max_new_tokens=2,
+        num_draft_tokens=g,
+        temperature=temp,
+        seed=5,
+    )
+    x = out.sequences[:, -2:].numpy()
+    counts = np.bincount(x[:, 0] * vocab + x[:, 1], minlength=vocab * vocab).astype(np.float64)
+
+    def test(p: np.ndarray) -> tuple[float, float]:
+        expected = rows * p
+        big = expected >= 5  # cells with too few expected counts are pooled into one
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        stat = float(((obs - exp) ** 2 / np.maximum(exp, 1e-12)).sum())
+        dof = len(obs) - 1
+        return stat, float(gammaincc(dof / 2, stat / 2)) if dof > 0 else float("nan")
+
+    stat, p_target = test(law(target))
+    stat_d, p_draft = test(law(draft))
+    ok = p_target > 1e-3 and p_draft < 1e-3
+    log(
+        f"law at T={temp}, {rows} rows, 2 tokens: chi-square vs the target's law p = {p_target:.3g} (stat {stat:.1f}); "
+        f"negative control vs the draft's law p = {p_draft:.3g} (stat {stat_d:.1f}); acceptance "
+        f"{out.stats.acceptance_rate:.3f} -> {'ok' if ok else 'FAILED'}"
+    )
+    return {"rows": rows, "p_target": p_target, "p_draft": p_draft, "acceptance": out.stats.acceptance_rate, "ok": ok}
+
+
+def _median_time(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argparse.Namespace) -> list[dict]:
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+    from specjax.generate import speculative_generate
+    from specjax.generate.jax_loop import greedy_decode
+
+    def drafter(name: str) -> Any:
+        if name == "model":
+            return pair["draft_j"]
+        if name == "ngram":
+            return NgramDrafter()
+        return HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"]))
+
+    rows = []
+    for batch in args.batches:
+        ids, mask = prompts(tokenizer, batch, vocab, seed=batch)
+
+        def base(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> None:
+            greedy_decode(pair["target_j"], ids, mask, args.max_new)
+
+        base()  # compile
+        base_s = _median_time(base, args.reps)
+        for name, temp in [(name, temp) for name in args.drafters for temp in (0.0, 0.7)]:
+            stats: list[Any] = []
+
+            def spec(temp: float = temp, stats: list[Any] = stats, ids=ids, mask=mask, name: str = name) -> None:
+                out = speculative_generate(
+                    pair["target_j"],
+                    drafter(name),
+                    ids,
+                    mask,
+                    max_new_tokens=args.max_new,
+                    num_draft_tokens=args.draft_tokens,
+                    temperature=temp,
+                    seed=1,
+                )
+                stats.append(out.stats)
+
+            spec()  # compile
+            spec_s = _median_time(spec, args.reps)
+            new = batch * args.max_new
+            row = {
+                "drafter": name,
+                "batch": batch,
+                "temperature": temp,
+                "loop_tok_s": new / spec_s,
+                "target_only_tok_s": new / base_s,
+                "ratio": base_s / spec_s,
+                "acceptance": stats[-1].acceptance_rate,
+                "mean_accepted_length": stats[-1].mean_accepted_length,
+                "adapter_copies": stats[-1].adapter_copies,
+                "loop_s": spec_s,
+                "target_only_s": base_s,
+            }
+            rows.append(row)
+            log(
+                f"{name:6s} B={batch:3d} T={temp}: loop {row['loop_tok_s']:9.1f} tok/s, "
+                f"target-only {row['target_only_tok_s']:9.1f} tok/s, ratio {row['ratio']:.2f}x, "
+                f"acceptance {row['acceptance']:.3f}, "
+                f"tau {row['mean_accepted_length']:.2f}"
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", choices=("default", "random", "tiny"), default="default")
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--drafters",
+        type=lambda s: s.split(","),
+        default=["model"],
+        help="timed drafters, comma-separated: model, ngram, hybrid (ngram, else the model)",
+    )
+    parser.add_argument("--law-rows", type=int, default=8192)
+    parser.add_argument("--cpu-rows", type=int, default=2, help="rows compared with torch generate on the CPU")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: logits,greedy,law,timings")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+
+    import torchax
+    import transformers
+
+    summary: dict[str, Any] = {
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "versions": {
+            "jax": jax.__version__,
+            "torch": torch.__version__,
+            "torchax": torchax.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "args": vars(args),
+    }
+    log(f"backend {summary['backend']} {summary['devices']}; {summary['versions']}")
+    ok = True
+    target, draft, tokenizer = load_pair(args.pair)
+    vocab = int(target.config.vocab_size)
+    pair = {"target": target, "target_j": on_jax(target), "draft_j": on_jax(draft)}
+    log(
+        f"pair {args.pair}: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters, "
+        f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, V = {vocab}"
+    )
+    ids, mask = prompts(tokenizer, max(args.batches), vocab)
+    sections = {
+        "logits": lambda: section_logits(target, pair["target_j"], ids, mask),
+        "greedy": lambda: section_greedy(pair, ids, mask, args.max_new, args.draft_tokens, args.cpu_rows),
+        "law": lambda: section_law(args.law_rows, args.draft_tokens),
+        "timings": lambda: section_timings(pair, tokenizer, vocab, args),
+    }
+    for name, run in sections.items():
+        if name in skip:
+            continue
+        log(f"--- {name}")
+        summary[name] = run()
+        if isinstance(summary[name], dict) and summary[name].get("ok") is False:
+            ok = False
+    summary["ok"] = ok
+    line = json.dumps(summary)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""The speculative loop on JAX's devices (a TPU through torchax): each step one jitted program.
+
+:func:`speculative_generate` takes this path when the target's weights live on
+torchax's ``jax`` device (``model.to("jax")`` under torchax; docs/torchax.md).
+Both models run as pure JAX functions (:mod:`specjax.generate.jax_model`) with
+static-shape KV caches, and one step is one ``jax.jit`` program:
+
+1. **Draft** (the ``model`` drafter): the draft model feeds the row's previous
+   and last committed tokens, then draws G tokens autoregressively (a
+   ``lax.scan``), each through :func:`specjax.kernels.steps.draft_draw`, so
+   ``q`` is exactly what the acceptance step recomputes. A lookup drafter
+   (``ngram``, or any drafter proposing point masses without the target's
+   hidden states) proposes on the host instead, from the committed tokens, and
+   its tokens are the program's input. The ``hybrid`` drafter does both: rows
+   with an n-gram match propose their lookups (point masses, fed to the draft
+   model too), the draft model draws for the others, in the same program.
+2. **Score**: the target's forward over ``[last, x_0 .. x_{G-1}]``.
+3. **Verify**: :func:`specjax.kernels.steps.verify_step` on the target's
+   logits as they are (the same ``jax.Array``, never leaving the device).
+
+The host reads the int32 ``(num_accepted, tokens)`` of each step, nothing
+else, and does the bookkeeping: EOS, ``max_new_tokens``, each row's position
+(the next step starts right after its last committed token, overwriting the
+slots of rejected drafts: :mod:`specjax.generate.jax_model`).
+
+Shapes are fixed for a call: every step drafts G tokens for every row (a row
+tests only its ``k_b = min(G, tokens left - 1)``; finished rows ride along,
+their outputs ignored), so a call compiles its step once. The draft length is
+not adapted (``adaptive`` has no effect here) and rows are not dropped.
+Randomness is the CPU path's: row keys folded with the step number and the
+draft position (:mod:`specjax.kernels.steps`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from specjax.adapters.jax_view import torchax_array
+from specjax.drafters import HybridDrafter, ModelDrafter
+from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
+from specjax.drafters.hybrid import _point_mass_logits as point_mass_logits  # the hybrid's own rule
+from specjax.generate import checks
+from specjax.generate.compile_time import measure_compiles
+from specjax.generate.draft_batch import check_proposal
+from specjax.generate.jax_model import JaxModel, KVCache, jax_model
+from specjax.generate.loop import SpeculativeOutput, SpeculativeStats, _build_output, _finish_stats, _Row
+from specjax.kernels import steps
+from specjax.kernels.types import SamplingParams
+
+__all__ = [
+    "check_jax_call",
+    "draft_and_verify",
+    "greedy_decode",
+    "host_ids",
+    "lookup_and_verify",
+    "prefill",
+    "run_jax_loop",
+]
+
+_POSITION_BLOCK = 128  # caches are sized in blocks of positions, so that nearby lengths share a compilation
+
+
+# Recompiles when the model, B or the prompt's width change.
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def prefill(model: JaxModel, weights: dict[str, jax.Array], cache: KVCache, tokens: jax.Array) -> KVCache:
+    """Write ``tokens`` (i32[B, P']) at positions ``0 .. P'-1`` of every row; returns the cache."""
+    _, cache = model.forward(weights, cache, tokens, jnp.zeros(tokens.shape[0], jnp.int32), 1)
+    return cache
+
+
+def _draft(draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab):
+    """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V]); the draft cache after.
+
+    Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing, with point-mass logits (0 at the
+    token, -inf elsewhere: the hybrid drafter's rule), and feed those tokens, so the
+    draft's cache holds what the row proposed either way.
+    """
+
+    def pick(q, i):  # the drawn token, or the row's forced one (with its point mass); purpose i + 1
+        drawn = steps.draft_draw(q, row_keys, step, i + 1, params, vocab=vocab)
+        x = jnp.where(use, forced[:, i], drawn)
+        return x, point_mass_logits(q, x, use, vocab=vocab)
+
+    logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
+    x0, q0 = pick(logits[:, -1], 0)
+
+    def one(carry, i):  # feed x_{i-1} at position start + i, then x_i
+        cache, x = carry
+        out, cache = draft.forward(d_weights, cache, x[:, None], start + i, 1)
+        nxt, q = pick(out[:, -1], i)
+        return (cache, nxt), (nxt, q)
+
+    (d_cache, _), (xs, qs) = lax.scan(one, (d_cache, x0), jnp.arange(1, g, dtype=jnp.int32))
+    tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)
+    return tokens, (q0, *(qs[i] for i in range(g - 1))), d_cache
+
+
+# Recompiles when a model, B, G, the cache's length or params' static fields change; never per step.
+@functools.partial(jax.jit, static_argnames=("target", "draft", "g", "vocab"), donate_argnames=("t_cache", "d_cache"))
+def draft_and_verify(
+    target: JaxModel,
+    draft: JaxModel,
+    t_weights: dict[str, jax.Array],
+    d_weights: dict[str, jax.Array],
+    t_cache: KVCache,
+    d_cache: KVCache,
+    prev: jax.Array,
+    last: jax.Array,
+    start: jax.Array,
+    row_keys: jax.Array,
+    step: jax.Array,
+    params: SamplingParams,
+    k: jax.Array,
+    forced: jax.Array,
+    use: jax.Array,
+    *,
+    g: int,
+    vocab: int,
+) -> tuple[jax.Array, jax.Array, KVCache, KVCache]:
+    """One step with the ``model`` (or ``hybrid``) drafter: draft G tokens, the target's forward, the acceptance
+    step.
+
+    Args:
+      prev, last: i32[B], each row's last two committed tokens (``prev`` at position ``start - 1``,
+        re-fed so that the draft's cache holds every committed token; any id when ``start`` is 0).
+      start: i32[B], the position of ``last``.
+      row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows.
+      k: i32[B], ``k_b`` in [0, G]: the draft tokens row b tests.
+      forced: i32[B, G], use: bool[B]: rows with ``use`` propose ``forced`` (the hybrid drafter's lookups)
+        as point masses instead of the draft model's draws (all False for the model drafter).
+      g: G; vocab: the target's vocabulary size V.
+
+    Returns:
+      ``(num_accepted i32[B], tokens i32[B, G+1], t_cache, d_cache)`` (tokens as the kernel's:
+      accepted draft tokens, the emitted one, then -1).
+    """
+    x, q, d_cache = _draft(draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab)
+    logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
+    out = steps.verify_step(x, q, logits, row_keys, step, params, k)
+    return out.num_accepted, out.tokens, t_cache, d_cache
+
+
+# Recompiles when the target, B, G, the cache's length or params' static fields change.
+@functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("t_cache",))
+def lookup_and_verify(
+    target: JaxModel,
+    t_weights: dict[str, jax.Array],
+    t_cache: KVCache,
+    x: jax.Array,
+    last: jax.Array,
+    start: jax.Array,
+    row_keys: jax.Array,
+    step: jax.Array,
+    params: SamplingParams,
+    k: jax.Array,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One step with host proposals ``x`` (i32[B, G], point masses): the target's forward and the acceptance
+    step; arguments and results as :func:`draft_and_verify`'s."""
+    logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
+    out = steps.verify_step(x, None, logits, row_keys, step, params, k)
+    return out.num_accepted, out.tokens, t_cache
+
+
+def host_ids(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Token ids (or a mask) for the JAX path as a host tensor: a CPU tensor as it is, a torchax tensor read
+    to the host (a few integers, once per call)."""
+    held = torchax_array(x)
+    if held is not None:
+        return torch.from_numpy(np.asarray(jax.device_get(held)).copy())
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{name}: expected a CPU tensor (or a torchax tensor) with models on torchax's jax device, got one "
+            f"on {x.device}"
+        )
+    return x
+
+
+def check_jax_call(sampler: Any, return_state: bool, **unsupported: Any) -> None:
+    """Raise ``ValueError`` for options the JAX path does not have yet.
+
+    A sampler plugin, the loop's state, and (``unsupported``: name -> value,
+    refused when truthy) logits processors, stop strings, stopping criteria and
+    per-token outputs: they run on the CPU path only, never silently dropped.
+    """
+    for name, value in unsupported.items():
+        if value:
+            raise ValueError(
+                f"{name}: not supported yet on the JAX path (models on torchax's jax device); "
+                "run the models on the CPU path for it"
+            )
+    if sampler is not None:
+        raise ValueError(
+            "sampler: the JAX path (models on torchax's jax device) runs the built-in sampler, sampler='jax'; "
+            "plugin samplers run on the CPU path"
+        )
+    if return_state:
+        raise ValueError("return_state: the JAX path keeps its caches on the device; pass return_state=False")
+
+
+def _draft_model(drafter: Any) -> Any:
+    """The draft model the step runs itself (model drafter, or a hybrid's model fallback), else None."""
+    if isinstance(drafter, ModelDrafter):
+        return drafter.model
+    if isinstance(drafter, HybridDrafter) and isinstance(drafter.fallback, ModelDrafter):
+        return drafter.fallback.model
+    return None
+
+
+def _check_drafter(drafter: Any) -> None:
+    """Raise ``ValueError`` for drafters the JAX path cannot run (their torch code would run eagerly)."""
+    if _draft_model(drafter) is not None:
+        return
+    if getattr(drafter, "needs_target_hidden", False) or isinstance(drafter, HybridDrafter):
+        raise ValueError(
+            f"draft: the JAX path (torchax) runs the model drafter, lookup drafters such as 'ngram' and a hybrid "
+            f"of the two, got "
+            f"{getattr(drafter, 'name', type(drafter).__name__)!r} (it runs torch code of its own); use one of "
+            "those, or run on the CPU path"
+        )
+
+
+class _JaxRun:
+    """One call's state on JAX's device and its steps: plan, propose (host lookups), verify (one program),
+    commit; arguments as :func:`run_jax_loop`'s."""
+
+    def __init__(self, target, drafter, input_ids, attention_mask, *, max_new_tokens, num_draft_tokens, sampling,
+                 eos_ids, target_vocab, on_tokens) -> None:  # fmt: skip
+        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, eos_ids, on_tokens
+        self.max_new_tokens, self.g, self.vocab = max_new_tokens, num_draft_tokens, target_vocab
+        self.contexts = _contexts(input_ids, attention_mask)
+        self.batch = len(self.contexts)
+        self.prefilled = int(max(len(c) for c in self.contexts) > 1)  # one forward over the prompts first
+        self.rows = [_Row(i) for i in range(self.batch)]
+        self.stats = SpeculativeStats(drafter=str(getattr(drafter, "name", type(drafter).__name__)))
+        self.who = checks.plugin_name("drafter", drafter, getattr(drafter, "name", None))
+        self.tested, self.passed = np.zeros(self.g, np.int64), np.zeros(self.g, np.int64)
+        self.gained = self.row_steps = self.step = 0
+        draft_model = _draft_model(drafter)
+        self.fused = draft_model is not None
+        # the host's proposals: a lookup drafter's, or the hybrid's lookups (its model drafts the other rows)
+        self.asked = drafter.ngram if isinstance(drafter, HybridDrafter) else (None if self.fused else drafter)
+        positions = _positions(self.contexts, max_new_tokens + self.g + 1)
+        self.t = jax_model("target", target)
+        self.d = jax_model("draft", draft_model) if self.fused else None
+        self.t_cache, self.start, self.last = _prefilled(self.t, self.contexts, positions)
+        self.d_cache = _prefilled(self.d, self.contexts, positions)[0] if self.d is not None else None
+        self.prev = np.array([c[-2] if len(c) > 1 else 0 for c in self.contexts], np.int32)
+        if self.asked is not None:
+            contexts = [list(c) for c in self.contexts]
+            self.asked.start(DraftSetup(target, input_ids, attention_mask, contexts, target_vocab, self.g, sampling))
+
+    def active(self) -> bool:
+        return not all(r.done for r in self.rows)
+
+    def plan(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(active bool[B], caps i64[B])``: rows still generating, and the most tokens each may test
+        (G, and never past ``max_new_tokens``: the emitted token comes on top)."""
+        remaining = np.array([0 if r.done else self.max_new_tokens - len(r.generated) for r in self.rows])
+        active = remaining > 0
+        return active, np.where(active, np.minimum(self.g, np.maximum(remaining - 1, 0)), 0)
+
+    def propose(self, active: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The host's proposals ``(x i32[B, G], k i64[B], use bool[B])``: lookups where the drafter has them
+        (``use``), the last token as filler elsewhere (a valid id, never tested); the model drafter's rows
+        test ``caps``."""
+        x, k, use = np.repeat(self.last[:, None], self.g, axis=1), caps, np.zeros(self.batch, bool)
+        if self.asked is None:
+            return x, k, use
+        contexts = [list(c) for c in self.contexts]
+        proposal = self.asked.propose(DraftRequest(self.step, contexts, caps, active, self.sampling, caps, None))
+        check_proposal(self.who, proposal, caps, self.batch, self.vocab, check_ids=True, check_logits=False)
+        if proposal.logits is not None:
+            raise checks.PluginOutputError(
+                f"{self.who} proposed tokens with draft logits; the JAX path takes point-mass proposals "
+                "(logits=None) from drafters other than the model drafter"
+            )
+        found = np.minimum(np.asarray(proposal.num_tokens, np.int64), caps)
+        cols = min(self.g, int(found.max(initial=0)))
+        if cols:
+            tested = np.arange(cols)[None, :] < found[:, None]
+            x[:, :cols] = np.where(tested, np.asarray(proposal.tokens)[:, :cols], x[:, :cols])
+        use = found > 0
+        return x, np.where(use, found, caps) if self.fused else found, use
+
+    def verify(self, x: np.ndarray, k: np.ndarray, use: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The step's program (draft, the target's forward, the acceptance step); the host reads its int32
+        ``(n i32[B], tokens i32[B, G+1])``, nothing else."""
+        step, keys, params = jnp.asarray(self.step, jnp.int32), self.sampling.keys, self.sampling.params
+        last, start, k_j = jnp.asarray(self.last), jnp.asarray(self.start), jnp.asarray(k, jnp.int32)
+        if self.d is not None:
+            assert self.d_cache is not None
+            n, tokens, self.t_cache, self.d_cache = draft_and_verify(
+                self.t, self.d, self.t.weights, self.d.weights, self.t_cache, self.d_cache, jnp.asarray(self.prev),
+                last, start, keys, step, params, k_j, jnp.asarray(x), jnp.asarray(use), g=self.g, vocab=self.vocab,
+            )  # fmt: skip
+        else:
+            n, tokens, self.t_cache = lookup_and_verify(
+                self.t, self.t.weights, self.t_cache, jnp.asarray(x), last, start, keys, step, params, k_j
+            )
+        n_h, tokens_h = jax.device_get((n, tokens))
+        checks.check_step_output("the verification step", n_h, tokens_h, k, self.vocab)
+        return n_h, tokens_h
+
+    def commit(self, active: np.ndarray, k: np.ndarray, n: np.ndarray, tokens: np.ndarray) -> None:
+        """Each active row appends its accepted tokens and the emitted one (up to EOS and ``max_new_tokens``)
+        and moves on: its next forward starts right after them, overwriting the rejected drafts' slots."""
+        stats = self.stats
+        emitted_rows: list[list[int]] = []
+        for b, row in enumerate(self.rows):
+            if not active[b]:
+                emitted_rows.append([])
+                continue
+            n_b = int(n[b])
+            full = tokens[b, : n_b + 1].tolist()
+            stats.draft_tokens_proposed += int(k[b])
+            stats.draft_tokens_accepted += n_b
+            self.tested[: min(n_b + 1, int(k[b]))] += 1
+            self.passed[:n_b] += 1
+            emitted = _emit(row, full, self.eos_ids, self.max_new_tokens)
+            self.contexts[b].extend(emitted)
+            self.gained += len(emitted)
+            self.row_steps += 1
+            if self.on_tokens is not None:
+                self.on_tokens(b, emitted)
+            emitted_rows.append(emitted)
+            self.prev[b] = full[-2] if len(full) > 1 else self.last[b]
+            self.last[b] = full[-1]
+            self.start[b] += len(full)
+        if self.asked is not None:
+            self.asked.commit(CommitInfo(emitted_rows, n.astype(np.int64), k, None))
+        stats.steps += 1
+        stats.draft_steps += int(k.max(initial=0) > 0)
+        self.step += 1
+
+
+def run_jax_loop(
+    target: Any,
+    drafter: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int,
+    sampling: SamplingState,
+    eos_ids: set[int],
+    pad_token_id: int,
+    target_vocab: int,
+    on_tokens: Any = None,
+    started: tuple[float, float] | None = None,
+) -> SpeculativeOutput:
+    """The loop on JAX's devices; arguments as :func:`specjax.generate.loop.run_loop`'s, already validated.
+
+    ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded.
+    """
+    from specjax.adapters import count_copies
+
+    _check_drafter(drafter)
+    t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
+    with count_copies() as copies, measure_compiles() as compiles:
+        run = _JaxRun(
+            target,
+            drafter,
+            input_ids,
+            attention_mask,
+            max_new_tokens=max_new_tokens,
+            num_draft_tokens=num_draft_tokens,
+            sampling=sampling,
+            eos_ids=eos_ids,
+            target_vocab=target_vocab,
+            on_tokens=on_tokens,
+        )
+        while run.active():
+            active, caps = run.plan()  # 1.
+            x, k, use = run.propose(active, caps)  # 2. (host lookups; the draft model runs in 3.)
+            n, tokens = run.verify(x, k, use)  # 3. draft, score, verify: one program
+            run.commit(active, k, n, tokens)  # 4.
+
+    stats = run.stats
+    stats.target_forwards = stats.steps + run.prefilled
+    stats.draft_forwards = (stats.steps * num_draft_tokens + run.prefilled) if run.fused else 0
+    stats.adapter_copies = copies.copies
+    stats.compile_time_s = setup_compile_s + compiles.seconds
+    _finish_stats(stats, run.tested, run.passed, run.gained, run.row_steps, run.rows, t_start)
+    stats.loop_time_s = stats.wall_time_s
+    return _build_output(input_ids, run.rows, pad_token_id, stats)
+
+
+def _contexts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    """Each row's prompt without its padding (host lists)."""
+    mask_h = attention_mask.bool().numpy()
+    ids_h = input_ids.numpy()
+    return [ids_h[b][mask_h[b]].tolist() for b in range(ids_h.shape[0])]
+
+
+def _positions(contexts: list[list[int]], more: int) -> int:
+    """The cache's positions: the longest prompt plus ``more``, rounded up to a block."""
+    return -(-(max(len(c) for c in contexts) + more) // _POSITION_BLOCK) * _POSITION_BLOCK
+
+
+def _prefilled(model: JaxModel, contexts: list[list[int]], positions: int) -> tuple[KVCache, np.ndarray, np.ndarray]:
+    """A cache holding every prompt but its last token, the last token's position i32[B] and the token i32[B]."""
+    batch = len(contexts)
+    cache = model.init_cache(batch, positions)
+    width = max(len(c) for c in contexts) - 1  # the last token is scored by the first step
+    if width > 0:
+        pre = np.zeros((batch, width), np.int32)  # filler past a shorter row's prompt: overwritten, never seen
+        for b, c in enumerate(contexts):
+            pre[b, : len(c) - 1] = c[:-1]
+        cache = prefill(model, model.weights, cache, jnp.asarray(pre))
+    start = np.array([len(c) - 1 for c in contexts], np.int32)
+    return cache, start, np.array([c[-1] for c in contexts], np.int32)
+
+
+# Recompiles when the target, B or the cache's length change.
+@functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("cache",))
+def _greedy_step(target: JaxModel, weights: dict[str, jax.Array], cache: KVCache, last: jax.Array, start: jax.Array):
+    logits, cache = target.forward(weights, cache, last[:, None], start, 1)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+
+def greedy_decode(
+    target: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int
+) -> np.ndarray:
+    """The target alone, greedy, on JAX's device: the reference the speculative loop must equal.
+
+    The same jitted forward and cache as :func:`run_jax_loop`, one token per step (dispatched without
+    waiting; the tokens are read once at the end), no EOS.
+
+    Args:
+      target: a transformers causal LM (on the CPU or torchax's jax device).
+      input_ids, attention_mask: i64[B, P] host tensors, left-padded (mask None: no padding).
+
+    Returns:
+      i64[B, max_new_tokens] host array, the argmax tokens (the first maximum on ties).
+    """
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    contexts = _contexts(input_ids, mask)
+    t = jax_model("target", target)
+    cache, start_h, last_h = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
+    last, start, out = jnp.asarray(last_h), jnp.asarray(start_h), []
+    for _ in range(max_new_tokens):
+        last, cache = _greedy_step(t, t.weights, cache, last, start)
+        start = start + 1
+        out.append(last)
+    return np.asarray(jax.device_get(jnp.stack(out, axis=1))).astype(np.int64)
+
+
+def _emit(row: _Row, tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
+    """Append a step's tokens to ``row`` up to its first EOS and ``max_new_tokens``; returns those appended."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            tokens = tokens[: i + 1]
+            row.done = True
+            break
+    tokens = tokens[: max_new_tokens - len(row.generated)]
+    row.generated.extend(tokens)
+    if len(row.generated) >= max_new_tokens:
+        row.done = True
+    return tokens

@@ -1,0 +1,239 @@
+"""A Hugging Face causal LM as a pure JAX function through torchax: weights, a static KV cache, a forward.
+
+torchax (docs/torchax.md) runs the model's own PyTorch code on JAX arrays: each
+weight is a ``torchax`` tensor view of a ``jax.Array``, and every torch
+operation becomes a JAX operation. :meth:`JaxModel.forward` is that code as a
+*pure* function of ``(weights, cache, tokens, start)``: traced once under a
+``jax.jit`` of the caller's (the loop's step, which also runs the acceptance
+step in the same program), it is one XLA program per shape, on whatever JAX
+device holds the arrays (a TPU; JAX's CPU backend in the tests). No
+``torchax.compile`` and no torch eager call is involved (on a TPU, torchax's
+compiled path gave wrong logits: issue 55); this is the way tpu-inference runs
+PyTorch models, ``torch.func.functional_call`` inside a jit of one's own.
+
+The KV cache: per-row positions, one static shape
+--------------------------------------------------------------------------------
+``cache`` is one ``(keys, values)`` pair per layer, each ``f[B, H_kv, S, D]``.
+Slot ``p + 1`` of row b holds the keys and values of the token at position
+``p`` of that row (slot 0 is a scratch slot no query sees). A forward writes
+its W tokens at positions ``start[b] .. start[b] + W - 1``, and query j of row
+b sees exactly the slots ``1 .. start[b] + j + 1`` (and its own): a causal mask
+per row, passed to the model as a 4D additive mask, with each row's own
+position ids. So a row's positions never skip: the draft tokens it rejected are
+simply overwritten by its next forward (which starts right after its last
+committed token), rows that accept different counts need no validity mask, and
+nothing ever moves in the cache. Slots past a row's current position hold
+stale or filler values; no query sees them. The cache's shape is fixed for a
+call (prompt + new tokens + a step's width), so every step runs the same
+compiled program.
+
+Models: full causal attention over one KV cache per layer (Llama, Qwen2,
+Mistral without a window, SmolLM2, ...). Sliding-window and other layer kinds
+are refused (:func:`check_supported`): the mask here is the full causal one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from specjax.adapters.jax_view import torchax_array
+from specjax.slots import attention_layout, cache_argument
+
+__all__ = ["JaxModel", "KVCache", "check_supported", "is_jax_model", "jax_model"]
+
+#: One ``(keys, values)`` pair per layer, each f[B, H_kv, S, D].
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+
+
+def is_jax_model(model: Any) -> bool:
+    """Whether ``model``'s weights live on JAX's devices (a model moved to torchax's ``jax`` device)."""
+    first = next(model.parameters(), None)
+    return first is not None and first.device.type == "jax"
+
+
+def check_supported(name: str, model: Any) -> None:
+    """Raise ``ValueError`` unless every layer of ``model`` is full causal attention (what the mask here is)."""
+    types, window = attention_layout(model)
+    other = sorted({t for t in types if t != "full_attention"})
+    if window is not None or other:
+        raise ValueError(
+            f"{name}: the JAX path (torchax) runs models with full causal attention in every layer, got "
+            f"layer types {other or ['sliding_attention']}; run this model on the CPU path (a torch model on "
+            "cpu or cuda)"
+        )
+
+
+@dataclass(eq=False)  # hashed by identity: the jitted steps take it as a static argument
+class JaxModel:
+    """A transformers causal LM, its code run by torchax on JAX arrays.
+
+    Attributes:
+      module: the torch module (its code and config; its own weights are not read by :meth:`forward`).
+      weights: name → ``jax.Array``, every parameter and buffer (tied weights once).
+      num_layers, kv_heads, head_dim: the KV cache's layout.
+      dtype: the weights' floating dtype (the cache's).
+      input_vocab: ids >= this (which the model cannot embed) are fed as id 0.
+    """
+
+    module: Any
+    weights: dict[str, jax.Array]
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: Any
+    input_vocab: int
+    _layer_class: Any = field(default=None, repr=False)
+
+    def init_cache(self, batch: int, positions: int) -> KVCache:
+        """A zero cache for ``batch`` rows of ``positions`` positions (``positions + 1`` slots)."""
+        shape = (batch, self.kv_heads, positions + 1, self.head_dim)
+        device = next(iter(self.weights.values())).devices()
+        sharding = jax.sharding.SingleDeviceSharding(next(iter(device)))
+        return tuple(
+            (jnp.zeros(shape, self.dtype, device=sharding), jnp.zeros(shape, self.dtype, device=sharding))
+            for _ in range(self.num_layers)
+        )
+
+    def forward(
+        self, weights: dict[str, jax.Array], cache: KVCache, tokens: jax.Array, start: jax.Array, keep: int | None
+    ) -> tuple[jax.Array, KVCache]:
+        """The model on ``tokens`` at each row's positions ``start[b] ..``: pure, for use under ``jax.jit``.
+
+        Args:
+          weights: :attr:`weights` (passed in, so that the jitted caller does not bake them in).
+          cache: :data:`KVCache` of B rows and S slots.
+          tokens: i32[B, W].
+          start: i32[B], the position of each row's first token (>= -1; -1 writes the scratch slot).
+          keep: logits of the last ``keep`` positions only; None: all W.
+
+        Returns:
+          ``(logits f[B, K, V], cache)`` with K = ``keep`` or W, the cache holding the W new tokens.
+        """
+        import torchax
+        from torchax.interop import jax_view, torch_view
+        from transformers.cache_utils import Cache
+
+        w = tokens.shape[1]
+        slots_total = cache[0][0].shape[2]
+        slots = start[:, None].astype(jnp.int32) + 1 + jnp.arange(w, dtype=jnp.int32)[None, :]  # i32[B, W]
+        s = jnp.arange(slots_total, dtype=jnp.int32)[None, None, :]
+        q = slots[:, :, None]
+        visible = ((s >= 1) & (s <= q)) | (s == q)  # bool[B, W, S]; a query always sees itself (no empty row)
+        mask = jnp.where(visible, 0.0, jnp.finfo(self.dtype).min).astype(self.dtype)[:, None]
+        ids = jnp.where(tokens < self.input_vocab, tokens, 0).astype(jnp.int32)
+        kwargs: dict[str, Any] = {"use_cache": True}
+        if keep is not None:
+            kwargs["logits_to_keep"] = keep
+        with torchax.default_env():
+            slot_t = torch_view(slots)
+            layers = [self._layer_class(torch_view(k), torch_view(v), slot_t) for k, v in cache]
+            out = torch.func.functional_call(
+                self.module,
+                torch_view(weights),
+                args=(),
+                kwargs={
+                    "input_ids": torch_view(ids),
+                    "position_ids": torch_view(slots - 1),
+                    "attention_mask": torch_view(mask),
+                    cache_argument(self.module): Cache(layers=layers),
+                    **kwargs,
+                },
+            )
+            logits = jax_view(out.logits)
+            new_cache = tuple((jax_view(layer.keys), jax_view(layer.values)) for layer in layers)
+        return logits, new_cache
+
+
+def _row_layer_class() -> Any:
+    """A transformers cache layer that writes each row's new keys/values at its own slots (a scatter)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    class RowSlotLayer(CacheLayerMixin):
+        is_compileable = False
+        is_sliding = False
+
+        def __init__(self, keys: Any, values: Any, slots: Any) -> None:
+            super().__init__()
+            self.keys, self.values, self.slots = keys, values, slots  # slots: i32[B, W]
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
+            pass
+
+        def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            index = self.slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
+            self.keys = self.keys.scatter(2, index, key_states.to(self.keys.dtype))
+            self.values = self.values.scatter(2, index, value_states.to(self.values.dtype))
+            return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return int(self.keys.shape[2]), 0
+
+        def get_seq_length(self) -> int:
+            return 0
+
+        def get_max_length(self) -> int:
+            return int(self.keys.shape[2])
+
+    return RowSlotLayer
+
+
+def _as_device_array(t: torch.Tensor) -> jax.Array:
+    """A weight as a ``jax.Array`` on JAX's default device: a torchax tensor's own array (no copy); a CPU
+    tensor crosses by DLPack (zero-copy) and is placed once (on a CPU backend, where it already is)."""
+    from specjax.adapters.dlpack import to_jax
+
+    a = to_jax(t.detach(), check_range=False)
+    device = jax.devices()[0]
+    return a if a.devices() == {device} else jax.device_put(a, device)
+
+
+_MODELS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], JaxModel]] = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(named: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+    """What identifies the weights' current values: each tensor, its version and (torchax) its array."""
+    return tuple((k, id(v), v._version, id(torchax_array(v))) for k, v in named.items())
+
+
+def jax_model(name: str, model: Any) -> JaxModel:
+    """``model`` (a transformers causal LM on ``cpu`` or torchax's ``jax`` device) as a :class:`JaxModel`.
+
+    The same object for the same module while its weights are the same tensors (so the jitted steps,
+    which take it as a static argument, compile once per model, not once per call).
+
+    Raises:
+      ValueError: a model whose layers are not all full attention (:func:`check_supported`).
+    """
+    check_supported(name, model)
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # tied weights appear once
+    fingerprint = _fingerprint(named)
+    known = _MODELS.get(model)
+    if known is not None and known[0] == fingerprint:
+        return known[1]
+    weights = {k: _as_device_array(v) for k, v in named.items()}
+    cfg = model.config
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    floats = [a.dtype for a in weights.values() if jnp.issubdtype(a.dtype, jnp.floating)]
+    emb = model.get_input_embeddings()
+    made = JaxModel(
+        module=model,
+        weights=weights,
+        num_layers=int(text.num_hidden_layers),
+        kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        dtype=np.dtype(floats[0]) if floats else np.dtype(np.float32),
+        input_vocab=int(emb.weight.shape[0]),
+        _layer_class=_row_layer_class(),
+    )
+    _MODELS[model] = (fingerprint, made)
+    return made

@@ -1,0 +1,103 @@
+"""A transformers model as a jitted pure JAX function through torchax (issue 55), on JAX's CPU backend.
+
+The reference is the same model's torch eager forward over each row's whole
+sequence; the JAX forward runs it in pieces through its static, per-row KV
+cache (:mod:`specjax.generate.jax_model`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from torchax.interop import jax_view
+from torchax_models import on_jax, tiny_llama
+from transformers import MistralConfig, MistralForCausalLM
+
+from specjax.generate.jax_model import jax_model
+
+TOL = 2e-5  # float32 on both sides; observed about 3e-7
+
+
+def eager_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(ids))[None].long()).logits[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def forward():
+    return jax.jit(lambda m, w, c, t, s, keep: m.forward(w, c, t, s, keep), static_argnums=(0, 5))
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_pieces_through_the_cache_match_the_eager_forward(forward, tie):
+    """Rows at different positions (a prefill with filler past the shorter row, then pieces of width 3
+    and 1), each compared with torch's eager forward over that row's whole sequence."""
+    model = tiny_llama(tie=tie)
+    m = jax_model("target", model)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 256, 12), rng.integers(0, 256, 9)]
+    lengths = [7, 4]  # prompt lengths: row 1's prefill has 3 filler tokens past its prompt
+    cache = m.init_cache(2, 16)
+    prefill = np.zeros((2, 7), np.int32)
+    for b, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+        prefill[b, :n] = seq[:n]
+    got = [[], []]
+    logits, cache = forward(m, m.weights, cache, jnp.asarray(prefill), jnp.zeros(2, jnp.int32), None)
+    for b, n in enumerate(lengths):
+        got[b].append(np.asarray(logits[b, :n]))
+    pos = np.array(lengths)
+    for width in (3, 1, 1):
+        piece = np.stack([seqs[b][pos[b] : pos[b] + width] for b in range(2)]).astype(np.int32)
+        logits, cache = forward(m, m.weights, cache, jnp.asarray(piece), jnp.asarray(pos, jnp.int32), None)
+        for b in range(2):
+            got[b].append(np.asarray(logits[b]))
+        pos += width
+    for b in range(2):
+        mine = np.concatenate(got[b])
+        ref = eager_logits(model, seqs[b][: pos[b]])
+        np.testing.assert_allclose(mine, ref, atol=TOL, rtol=0)
+        assert (mine.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_rejected_tokens_are_overwritten_by_the_next_forward(forward):
+    """A forward of 4 tokens of which the row keeps 1; the next forward starts right after it: the
+    logits are those of the kept sequence (the 3 rejected ones are neither seen nor kept)."""
+    model = tiny_llama(seed=1)
+    m = jax_model("target", model)
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, 256, 10).astype(np.int32)
+    junk = rng.integers(0, 256, 3).astype(np.int32)
+    cache = m.init_cache(1, 16)
+    _, cache = forward(m, m.weights, cache, jnp.asarray(seq[None, :5]), jnp.zeros(1, jnp.int32), None)
+    step = np.concatenate([seq[5:6], junk])[None]
+    _, cache = forward(m, m.weights, cache, jnp.asarray(step), jnp.full(1, 5, jnp.int32), None)
+    logits, _ = forward(m, m.weights, cache, jnp.asarray(seq[None, 6:10]), jnp.full(1, 6, jnp.int32), 2)
+    ref = eager_logits(model, seq)[-2:]
+    np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=TOL, rtol=0)
+
+
+def test_a_torchax_model_is_read_without_copies():
+    """A model moved to torchax's jax device: its weights are its own arrays (the same buffers)."""
+    model = on_jax(tiny_llama(seed=2))
+    m = jax_model("target", model)
+
+    for name, p in model.named_parameters():
+        assert m.weights[name] is jax_view(p), name
+
+
+def test_sliding_window_models_are_refused():
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=8,
+    )
+    with pytest.raises(ValueError, match=r"target: the JAX path .* full causal attention"):
+        jax_model("target", MistralForCausalLM(cfg))

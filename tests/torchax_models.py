@@ -1,0 +1,41 @@
+"""Tiny transformers models for the torchax tests (built from configs; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torchax
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(seed=0, tie=False, layers=2, hidden=64, vocab=256):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def perturbed(model, scale, seed=1):
+    """A copy of ``model`` with Gaussian noise of std ``scale`` on every weight: a draft that agrees often."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return out
+
+
+def on_jax(model):
+    """A copy of ``model`` on torchax's jax device (here JAX's CPU backend)."""
+    out = copy.deepcopy(model)
+    with torchax.default_env():
+        out.to("jax")
+    return out
