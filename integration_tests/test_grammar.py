@@ -5,18 +5,22 @@ grammars compile against a real byte-level BPE tokenizer (marked ``demo_pair``:
 the tokenizer comes from the default target's package). Checked, each against
 something independent of the loop:
 
-* :class:`GrammarRows` alone: the mask of every draft position equals a fresh
-  xgrammar matcher's after that position's prefix, and after any accept/reject
-  outcome the rolled-back matcher equals a fresh one fed the committed tokens
-  (random drafts, many cases);
+* :class:`GrammarRows` alone, called as the processor chain calls a row
+  processor (a drafter's positions, the loop's cut, the target's positions,
+  random outcomes): every mask equals a fresh xgrammar matcher's after that
+  position's prefix, and every cut is where a fresh matcher refuses the
+  proposal (random drafts, many steps);
 * greedy output equals ``target.generate`` with xgrammar's own transformers
   logits processor (plain constrained decoding), at B = 1 and on a ragged
   batch, for the ``model``, ``ngram`` and ``hybrid`` drafters, with drafts
-  accepted and rejected (asserted);
+  accepted and rejected (asserted); also after a repetition penalty and a
+  bad-words ban; point-mass proposals are cut at their first refused token;
 * at T = 0.7, every output over many seeds parses under its schema (or matches
   its regex); negative controls: the same runs without the constraint do not
-  all parse, and a commit that does not roll the matcher back fails;
-* bad arguments raise ``ValueError`` / ``TypeError`` naming them.
+  all parse, and matchers whose rollback does nothing fail;
+* ``output_scores`` carry the mask, ``output_logits`` do not;
+* bad arguments, xgrammar's own stateful transformers processor and the JAX
+  path raise ``ValueError`` / ``TypeError`` naming the argument.
 """
 
 from __future__ import annotations
@@ -526,6 +530,7 @@ def test_the_jax_path_refuses_a_grammar_by_its_name(tok, models):
     import copy
 
     import torchax
+
     target = copy.deepcopy(models["target"])
     with torchax.default_env():
         target.to("jax")
