@@ -237,6 +237,20 @@ def test_masks_cuts_and_rollbacks_equal_fresh_matchers(tok, kind):
     assert cut_seen and rolled_back  # both paths ran
 
 
+@pytest.mark.parametrize("vocab", [64, 49152 + 7])
+def test_bitmasks_unpack_to_the_bit_rule_on_both_paths(vocab):
+    """Token t is allowed iff bit t % 32 of word t // 32 is set: NumPy's path (CPU) and torch's (accelerators)."""
+    from specjax.generate.grammar import _unpack, _unpack_on_device
+
+    rng = np.random.default_rng(0)
+    masks = rng.integers(-(2**31), 2**31, size=(3, 2, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    t = np.arange(vocab)
+    rule = ((masks[..., t // 32].astype(np.int64) >> (t % 32)) & 1).astype(bool)
+    for unpack in (_unpack, _unpack_on_device):
+        got = unpack(masks, vocab, torch.device("cpu"))
+        assert got.dtype == torch.bool and np.array_equal(got.numpy(), rule)
+
+
 def test_mask_logits_refuses_exactly_the_masked_ids(tok):
     grammar = compiled(tok, "regex")
     rows = GrammarRows(grammar, 1, [EOS], V)
