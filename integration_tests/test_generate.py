@@ -478,7 +478,6 @@ def test_padded_batch_without_attention_mask_is_refused(pairs, left_padded):
 
 
 def test_unknown_sampler_name_is_refused(pairs):
-    pytest.importorskip("specjax.plugin.registry")
     models = pairs("llama")
     with pytest.raises(ValueError, match="unknown sampler 'no-such-sampler'"):
         generate(

@@ -68,7 +68,7 @@ def counting_sampler(draft_tokens, draft_probs, target_probs, accept_uniforms, s
 
 def register():
     CALLS["register"] += 1
-    from specjax.plugin.registry import register_sampler
+    from specjax.registry import register_sampler
 
     register_sampler("thirdparty_registered", "specjax_thirdparty_demo:counting_sampler")
 '''
@@ -161,7 +161,7 @@ def test_thirdparty_sampler_used_by_name_in_the_loop(thirdparty):
         f"""
     import importlib.metadata as md, json
     import specjax, {MODULE} as demo
-    from specjax.plugin import load_plugins, plugin_status
+    from specjax.registry import load_plugins, plugin_status
     """
         + textwrap.indent(MODELS, "    ")
         + f"""
@@ -204,7 +204,7 @@ _FILTERED = (
     f"""
 import json
 import specjax, {MODULE} as demo
-from specjax.plugin import load_plugins, plugin_status
+from specjax.registry import load_plugins, plugin_status
 
 load_plugins()
 errors = {{}}

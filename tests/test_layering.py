@@ -279,6 +279,59 @@ def test_one_path_per_public_name() -> None:
     assert doors == []
 
 
+#: Modules that must re-export a name from elsewhere: transformers loads a ``custom_generate``
+#: repository's ``generate`` from its own ``custom_generate/generate.py``.
+REEXPORTS_REQUIRED_BY_OTHERS = {"specjax.plugin.specjax_speculative_decoding.custom_generate.generate"}
+
+
+def reexports(sources: Mapping[str, tuple[str, bool]]) -> list[str]:
+    """Names a module lists in ``__all__`` after importing them from a specjax module outside its own
+    package: a second import path for a name that lives elsewhere (the package ``specjax`` itself is the
+    public namespace and re-exports lazily through ``_EXPORTS``)."""
+    out = []
+    for name, (text, is_package) in sources.items():
+        home = name if is_package else name.rpartition(".")[0]
+        tree = ast.parse(text)
+        imported = {
+            alias.asname or alias.name: node.module
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module
+            for alias in node.names
+        }
+        exported = [
+            elt.value
+            for node in tree.body
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+            for elt in getattr(node.value, "elts", [])
+            if isinstance(elt, ast.Constant) and isinstance(elt.value, str)
+        ]
+        for export in exported:
+            module = imported.get(export, "")
+            if module.split(".")[0] == name.split(".")[0] and module != home and not module.startswith(home + "."):
+                out.append(f"{name} re-exports {export} from {module}")
+    return out
+
+
+def test_checker_flags_a_reexport_from_another_package() -> None:
+    flagged = reexports(
+        {
+            "pkg.shared": ("X = 1\n", False),
+            "pkg.sub": ('from pkg.sub.own import Y\nfrom pkg.shared import X\n__all__ = ["X", "Y"]\n', True),
+            "pkg.sub.own": ("Y = 1\n", False),
+            "pkg.sub.alias": ('from pkg.shared import X\n__all__ = ["X"]\n', False),
+            "pkg.sub.user": ('from pkg.shared import X\n__all__ = ["f"]\ndef f():\n    return X\n', False),
+        }
+    )
+    assert flagged == ["pkg.sub re-exports X from pkg.shared", "pkg.sub.alias re-exports X from pkg.shared"]
+
+
+def test_no_module_reexports_another_packages_names() -> None:
+    """One import path per name: e.g. the registry's names only at ``specjax.registry`` (no
+    ``specjax.plugin.registry``, no ``specjax.plugin.register_sampler``)."""
+    sources = {k: v for k, v in package_sources().items() if k not in REEXPORTS_REQUIRED_BY_OTHERS}
+    assert reexports(sources) == []
+
+
 def test_kernels_import_neither_torch_nor_adapters() -> None:
     """kernels/: JAX arrays in and out (the adapters and the boundary do the conversions)."""
     offenders = []

@@ -123,7 +123,7 @@ def test_installed_entry_points_load() -> None:
 
 
 def test_builtin_plugin_registers_the_entry_point_targets() -> None:
-    assert builtin.BUILTIN_SAMPLERS == EXPECTED["specjax.samplers"]
+    assert registry.BUILTIN_SAMPLERS == EXPECTED["specjax.samplers"]
 
 
 def test_real_plugins_load_and_resolve(clean_registry: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -282,7 +282,7 @@ def test_filter_is_read_once_per_process(fake: types.SimpleNamespace, monkeypatc
 _PROBE = """
 import json, sys
 import specjax
-from specjax.plugin import plugin_status
+from specjax.registry import plugin_status
 names = specjax.available_samplers()
 print(json.dumps({"samplers": names,
                   "plugins": {n: i.status for n, i in plugin_status().items()},
@@ -315,7 +315,7 @@ def test_filter_in_a_fresh_process(env: str | None, samplers: list[str], plugins
 def test_importing_the_plugin_modules_has_no_side_effects() -> None:
     code = """
 import sys
-import specjax, specjax.plugin, specjax.plugin.hf, specjax.plugin.builtin, specjax.plugin.registry
+import specjax, specjax.plugin, specjax.plugin.hf, specjax.plugin.builtin
 import specjax.plugin.reference_samplers
 from specjax import registry
 heavy = sorted(m for m in ("jax", "torch", "transformers") if m in sys.modules)

@@ -46,7 +46,7 @@ def write_plugin_distribution(site: Path) -> None:
         from specjax.plugin.reference_samplers import numpy_rejection_sample as sampler
 
         def register():
-            from specjax.plugin.registry import register_sampler
+            from specjax.registry import register_sampler
             register_sampler("rel_good_registered", "{GOOD}:sampler")
     """),
         encoding="utf-8",

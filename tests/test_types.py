@@ -1,12 +1,10 @@
-"""SamplingParams and AcceptanceResult: pytrees, jit static-ness, and the deprecated dict-style access."""
+"""SamplingParams and AcceptanceResult: pytrees, jit static-ness, attribute access only."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -21,7 +19,7 @@ from specjax.kernels.results import AcceptanceResult
 from specjax.kernels.types import SamplingParams
 
 # --------------------------------------------------------------------------- #
-# The deprecated dict-style access
+# Attribute access only
 # --------------------------------------------------------------------------- #
 
 
@@ -32,104 +30,26 @@ def _result() -> AcceptanceResult:
     return out
 
 
-@dataclass(frozen=True)
-class Access:
-    """One dict-style access: what it does, what it must equal, what the warning must advise."""
-
-    name: str
-    call: Callable[[AcceptanceResult], Any]
-    expected: Callable[[AcceptanceResult], Any]
-    advice: str  # a regex the warning's message must match
-
-
-def _np(x: Any) -> Any:
-    if isinstance(x, tuple | list):
-        return [_np(v) for v in x]
-    return np.asarray(x).tolist() if isinstance(x, jax.Array) else x
-
-
-ACCESSES = [
-    Access(
-        "getitem tokens", lambda o: o["tokens"], lambda o: o.tokens, r"out\['tokens'\].*use the attribute out\.tokens"
-    ),
-    Access(
-        "getitem num_accepted",
-        lambda o: o["num_accepted"],
-        lambda o: o.num_accepted,
-        r"use the attribute out\.num_accepted",
-    ),
-    Access("get", lambda o: o.get("tokens"), lambda o: o.tokens, r"use the attribute out\.tokens"),
-    Access("get missing", lambda o: o.get("probs", 7), lambda o: 7, r"out\.get\('probs'\)"),
-    Access("in", lambda o: "tokens" in o, lambda o: True, r"'tokens' in out.*use the attributes"),
-    Access("not in", lambda o: "probs" in o, lambda o: False, r"use the attributes"),
-    Access("keys", lambda o: list(o.keys()), lambda o: ["num_accepted", "tokens"], r"out\.keys\(\).*vars\(out\)"),
-    Access("values", lambda o: list(o.values()), lambda o: [o.num_accepted, o.tokens], r"out\.values\(\)"),
-    Access(
-        "items",
-        lambda o: list(o.items()),
-        lambda o: [("num_accepted", o.num_accepted), ("tokens", o.tokens)],
-        r"vars\(out\)\.items\(\)",
-    ),
-    Access("iter", lambda o: [k for k in o], lambda o: ["num_accepted", "tokens"], r"iterating over out"),
-    Access("len", len, lambda o: 2, r"len\(out\)"),
+#: The dict-style accesses of a plain ``dict[str, jax.Array]`` result: none is answered.
+DICT_ACCESSES: list[tuple[str, Callable[[AcceptanceResult], Any], type[Exception]]] = [
+    ("getitem", lambda o: o["tokens"], TypeError),
+    ("in", lambda o: "tokens" in o, TypeError),
+    ("iter", lambda o: list(o), TypeError),
+    ("dict", lambda o: dict(o), TypeError),
+    ("len", len, TypeError),
+    ("get", lambda o: o.get("tokens"), AttributeError),
+    ("keys", lambda o: o.keys(), AttributeError),
+    ("items", lambda o: o.items(), AttributeError),
 ]
 
 
-def _warns_once(call: Callable[[], Any], advice: str) -> Any:
-    """Run ``call``; assert it emitted exactly one DeprecationWarning, pointing at this file, matching ``advice``."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        value = call()
-    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(deprecations) == 1, f"expected one DeprecationWarning, got {[str(w.message) for w in caught]}"
-    (w,) = deprecations
-    assert str(w.message).startswith("AcceptanceResult: "), w.message
-    assert re.search(advice, str(w.message)), (advice, str(w.message))
-    # stacklevel: the warning names the caller's line, not specjax's
-    assert w.filename == __file__, w.filename
-    return value
+@pytest.mark.parametrize(("name", "access", "error"), DICT_ACCESSES, ids=[a[0] for a in DICT_ACCESSES])
+def test_a_result_is_not_a_mapping(name: str, access: Callable[[AcceptanceResult], Any], error: type) -> None:
+    with pytest.raises(error, match="AcceptanceResult"):
+        access(_result())
 
 
-@pytest.mark.parametrize("access", ACCESSES, ids=lambda a: a.name)
-def test_dict_style_access_still_works_and_warns(access: Access) -> None:
-    out = _result()
-    got = _warns_once(lambda: access.call(out), access.advice)
-    assert _np(got) == _np(access.expected(out))
-
-
-def test_dict_style_getitem_of_an_unknown_key_raises_key_error() -> None:
-    with pytest.raises(KeyError, match="probs"):
-        _result()["probs"]
-
-
-def test_dict_from_a_result_still_works() -> None:
-    out = _result()
-    with pytest.warns(DeprecationWarning, match="AcceptanceResult"):
-        as_dict = dict(out)
-    assert list(as_dict) == ["num_accepted", "tokens"] and as_dict["tokens"] is out.tokens
-
-
-class _SilentResult(AcceptanceResult):
-    """The old dict behaviour without the warning: what the check below must catch."""
-
-    def __getitem__(self, key: str) -> Any:
-        return getattr(self, key)
-
-
-def test_the_warning_check_fails_when_the_warning_is_missing() -> None:
-    """Negative control: an accessor that does not warn fails :func:`_warns_once` (and pytest.warns)."""
-    out = _result()
-    silent = _SilentResult(out.num_accepted, out.tokens)
-    with pytest.raises(AssertionError, match="expected one DeprecationWarning"):
-        _warns_once(lambda: silent["tokens"], r"out\.tokens")
-    with pytest.raises(pytest.fail.Exception, match="DID NOT WARN"), pytest.warns(DeprecationWarning):
-        silent["tokens"]
-    # ... and a warning with the wrong advice is caught too.
-    with pytest.raises(AssertionError):
-        _warns_once(lambda: out["tokens"], r"out\.num_accepted")
-
-
-def test_attribute_access_and_vars_do_not_warn() -> None:
+def test_attribute_access_and_vars() -> None:
     out = _result()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

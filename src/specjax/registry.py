@@ -2,7 +2,7 @@
 
 Below the drafters, the loop and the plugins (it imports nothing of specjax:
 targets are ``module:attr`` strings imported on first use), so each of them may
-look names up here. ``specjax.plugin.registry`` re-exports it.
+look names up here. It is the one import path of the registry's names.
 
 Two entry-point groups
 ----------------------

@@ -75,8 +75,7 @@ def rejection_sample(
     Returns:
       :class:`AcceptanceResult` ``(num_accepted: i32[B], tokens: i32[B, G+1])``.
       Row b of ``tokens`` holds the ``n`` accepted draft tokens, then ``y``,
-      then -1. (Dict-style ``out["tokens"]`` still works for one release, with
-      a ``DeprecationWarning``.)
+      then -1.
 
     The contract:
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from specjax.registry import BUILTIN_SAMPLERS, register_sampler
 
-__all__ = ["BUILTIN_SAMPLERS", "register_samplers"]
+__all__ = ["register_samplers"]
 
 
 def register_samplers() -> None:

@@ -10,7 +10,7 @@
 
 This module is the ``transformers`` entry point (:func:`register`, which
 registers :func:`speculative_decoding` as the ``custom_generate`` name
-``"specjax"``: ``specjax.plugin.load_custom_generate("specjax")``) and the
+``"specjax"``: ``specjax.registry.load_custom_generate("specjax")``) and the
 import path of both drop-ins. Importing it imports neither torch, JAX nor
 transformers and changes nothing.
 """
