@@ -24,13 +24,14 @@ from transformers.generation import utils as gu
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from specjax.plugin import hf, load_custom_generate, sampling_patch
+from specjax.plugin import hf, sampling_patch
 from specjax.plugin.hf import (
     CUSTOM_GENERATE_DIR,
     jax_speculative_sampling,
     patch_speculative_sampling,
     speculative_decoding,
 )
+from specjax.registry import load_custom_generate
 
 V = 96  # shared with the other integration tests, so the loop's JAX compilations are shared
 
