@@ -274,6 +274,24 @@ def table_generate_drafters(rows: list[Row]) -> str:
     )
 
 
+def table_cutoff(rows: list[Row]) -> str:
+    """One line per row count, one column per case: the full sort's time over ours (ours in ms); a mark
+    where the kept sets differ."""
+
+    def cell(r: Row | None) -> str:
+        if r is None:
+            return ""
+        differ = "" if r["kept_sets_equal"] else ", kept sets differ"
+        return f"{r['ratio']:.1f}× ({r['ours_ms']:.2f} ms{differ})"
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    lines = []
+    for n in sorted({r["rows"] for r in rows}):
+        at = {r["case"]: r for r in rows if r["rows"] == n}
+        lines.append([str(n), *(cell(at.get(c)) for c in cases)])
+    return _table(["rows", *(f"`{c}`" for c in cases)], list("r" * (len(cases) + 1)), lines)
+
+
 def table_sharded(rows: list[Row]) -> str:
     by = {(r["kernel"], r["method"], r["B"], r["G"], r["V"]): r for r in rows}
     keys = []
@@ -350,6 +368,7 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "generate-synthetic": table_generate,
     "generate-default": table_generate,
     "forward": table_forward,
+    "cutoff": table_cutoff,
     "generate-drafters": table_generate_drafters,
     "draft-sweep": table_draft_sweep,
     "sharded": table_sharded,

@@ -136,6 +136,16 @@ def test_the_pivoted_tables_show_every_row() -> None:
         ) in sweep
 
 
+def test_the_cutoff_table_shows_every_row_and_marks_differing_kept_sets() -> None:
+    rows = render_benchmarks.load("cutoff")
+    table = render_benchmarks.table_cutoff(rows)
+    for r in rows:
+        assert f"{r['ratio']:.1f}× ({r['ours_ms']:.2f} ms)" in table, r
+    assert "kept sets differ" not in table
+    wrong = render_benchmarks.table_cutoff([{**rows[0], "kept_sets_equal": False}, *rows[1:]])
+    assert wrong.count("kept sets differ") == 1
+
+
 def test_a_logits_method_without_a_column_is_named() -> None:
     rows = render_benchmarks.load("logits")
     with pytest.raises(SystemExit, match=r"logits method 'flashinfer' has no column"):
