@@ -270,6 +270,46 @@ def top4_per_strided_block(x, s=1024):
     return jnp.stack(lax.reduce((xp, ninf, ninf, ninf), init, merge, (1,)), axis=1)
 
 
+def top_r_per_lane(x, r=8, interpret=False):
+    """f32[R, r*128]: per row and lane l, the r largest of ``{x[row, c*128 + l] : c}``, descending by blocks.
+
+    A Pallas kernel over the rows' native (8, 128) tiles: 8 rows per grid step,
+    a loop over the 128-wide chunks keeping r running maxima per (row, lane)
+    (2r elementwise ops per chunk), no reshape of the input (the reshapes above
+    relayout it). R must be a multiple of 8 and V of 128 (as 32000, 128256 and
+    151936 are). The candidates route's first stage, to be measured on the chip
+    before it goes into the kernels.
+    """
+    from jax.experimental import pallas as pl
+
+    rows, v = x.shape
+    assert rows % 8 == 0 and v % 128 == 0, (rows, v)
+    chunks = v // 128
+
+    def kernel(x_ref, o_ref):
+        def body(c, acc):
+            t = x_ref[:, pl.ds(pl.multiple_of(c * 128, 128), 128)]
+            out = []
+            for a in acc:
+                out.append(jnp.maximum(a, t))
+                t = jnp.minimum(a, t)
+            return tuple(out)
+
+        init = tuple(jnp.full((8, 128), -jnp.inf, jnp.float32) for _ in range(r))
+        acc = lax.fori_loop(0, chunks, body, init)
+        for i, a in enumerate(acc):
+            o_ref[:, i * 128 : (i + 1) * 128] = a
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, r * 128), jnp.float32),
+        grid=(rows // 8,),
+        in_specs=[pl.BlockSpec((8, v), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, r * 128), lambda i: (i, 0)),
+        interpret=interpret,
+    )(x)
+
+
 def candidates_probe():
     """An exact top-k from candidates: the strided blocks' 4 largest hold every value above
     the largest 4th-largest (tau); a bisection over them gives the k-th largest exactly when it is
@@ -280,7 +320,7 @@ def candidates_probe():
         return _smallest_float(lambda t: jnp.sum(c > t[:, None], axis=-1, dtype=jnp.int32) < k, c.shape[:1], False)[0]
 
     for rows in (8,) if SMALL else (72, 576):
-        v = 8000 if SMALL else 128256
+        v = 8064 if SMALL else 128256
         x = jax.random.normal(jax.random.key(0), (rows, v), jnp.float32) * 3
         k = jnp.full((rows,), 50, jnp.int32)
         cands = jax.jit(top4_per_strided_block)(x)
@@ -303,6 +343,16 @@ def candidates_probe():
         tm(f"rows={rows} cutoff now (k 50, p 0.9)", lambda x, k, p: cutoff(x, k, p, None), x, k, p)
         tm(f"rows={rows} bisection over the 4096 candidates", kth, flat, k)
         tm(f"rows={rows} bisection over the full rows", kth, x, k)
+        # The Pallas first stage: 8 largest per (row, lane) over the native tiles.
+        lanes = jax.jit(lambda x: top_r_per_lane(x, 8, interpret=SMALL))(x)
+        tau8 = jnp.max(lanes[:, 7 * 128 :], -1)
+        exact8 = jax.jit(kth)(lanes, k)
+        print(
+            f"rows={rows}: Pallas lane candidates: k-th largest equal: "
+            f"{bool(jnp.all(exact8 == lax.top_k(x, 50)[0][:, -1]))}; rows above tau: {float(jnp.mean(exact8 > tau8))}"
+        )
+        tm(f"rows={rows} Pallas 8 largest per lane", lambda x: top_r_per_lane(x, 8, interpret=SMALL), x)
+        tm(f"rows={rows} bisection over the 1024 lane candidates", kth, lanes, k)
 
 
 if "--candidates" in sys.argv:
