@@ -1,4 +1,4 @@
-"""End-to-end generation: target-only ``generate``, transformers' assisted generation, and specjax.
+r"""End-to-end generation: target-only ``generate``, transformers' assisted generation, and specjax.
 
 Usage::
 
@@ -10,13 +10,15 @@ Usage::
     python benchmarks/bench_generate.py --drafter ngram,hybrid,model --categories open,grounded
     python benchmarks/bench_generate.py --options penalty-minp     # logits processors on both sides
 
-Issue 56's runs (processors under speculation; docs/benchmarks.md, its
-"logits processors" section, reads ``generate-processors.jsonl``)::
+Issue 56's runs (speculation under logits processors; the report's section
+``benchmarks/report/38-processors.md`` reads these two files)::
 
-    python benchmarks/bench_generate.py --options penalty-minp --categories open --drafter model,ngram,hybrid \
-        --temperatures 0,0.7 --jsonl benchmarks/results/generate-processors.jsonl
-    python benchmarks/bench_generate.py --options json --drafter model,ngram,hybrid --batch-sizes 1 \
-        --temperatures 0 --prompts 8 --max-new-tokens 128 --jsonl benchmarks/results/generate-processors.jsonl
+    python benchmarks/bench_generate.py --options penalty-minp --categories open \
+        --drafter model,ngram,eagle,hybrid --num-draft-tokens 8 --temperatures 0,0.7 --batch-sizes 1,8 \
+        --reps 2 --jsonl benchmarks/results/generate-penalty-minp.jsonl
+    python benchmarks/bench_generate.py --options json --drafter model,ngram,eagle,hybrid \
+        --num-draft-tokens 8 --temperatures 0 --batch-sizes 1 --prompts 8 --max-new-tokens 128 \
+        --reps 2 --jsonl benchmarks/results/generate-json.jsonl
 
 Methods, all on the same models, prompts and machine in one run:
 
