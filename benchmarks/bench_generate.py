@@ -790,6 +790,7 @@ def bench_generate(
             tokens = sum(r.tokens for r in runs)
             row_steps = sum(r.row_steps for r in runs)
             proposed = sum(r.proposed for r in runs)
+            processor_ms = [r.processor_ms for r in runs if r.processor_ms is not None]
             same = None
             if m.temperature == 0.0 and m is not base:
                 same = all(a.sequences == b.sequences for a, b in zip(runs, base.results, strict=True))
@@ -819,9 +820,7 @@ def bench_generate(
                     else None
                 ),
                 "processor_step_ms": (
-                    round(statistics.median(r.processor_ms for r in runs), 3)  # type: ignore[type-var]
-                    if runs and all(r.processor_ms is not None for r in runs)
-                    else None
+                    round(statistics.median(processor_ms), 3) if runs and len(processor_ms) == len(runs) else None
                 ),
                 "options": opts.name,
                 "draft_step_fraction": (
