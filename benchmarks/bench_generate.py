@@ -1,4 +1,4 @@
-"""End-to-end generation: target-only ``generate``, transformers' assisted generation, and specjax.
+r"""End-to-end generation: target-only ``generate``, transformers' assisted generation, and specjax.
 
 Usage::
 
@@ -8,6 +8,17 @@ Usage::
     python benchmarks/bench_generate.py --target DIR --draft DIR     # any local pair
     python benchmarks/bench_generate.py --synthetic  # skip the embedded pair
     python benchmarks/bench_generate.py --drafter ngram,hybrid,model --categories open,grounded
+    python benchmarks/bench_generate.py --options penalty-minp     # logits processors on both sides
+
+Issue 56's runs (speculation under logits processors; the report's section
+``benchmarks/report/38-processors.md`` reads these two files)::
+
+    python benchmarks/bench_generate.py --options penalty-minp --categories open \
+        --drafter model,ngram,eagle,hybrid --num-draft-tokens 8 --temperatures 0,0.7 --batch-sizes 1,8 \
+        --reps 2 --jsonl benchmarks/results/generate-penalty-minp.jsonl
+    python benchmarks/bench_generate.py --options json --drafter model,ngram,eagle,hybrid \
+        --num-draft-tokens 8 --temperatures 0 --batch-sizes 1 --prompts 8 --max-new-tokens 128 \
+        --reps 2 --jsonl benchmarks/results/generate-json.jsonl
 
 Methods, all on the same models, prompts and machine in one run:
 
@@ -29,10 +40,25 @@ Methods, all on the same models, prompts and machine in one run:
   the acceptance rate per draft position and the fraction of steps that
   drafted.
 
-Prompt categories (``--categories``): ``open`` (open chat) and ``grounded``
+Prompt categories (``--categories``): ``open`` (open chat), ``grounded``
 (input-grounded tasks: summaries, rewrites, extraction, code edits, answers
-quoting a document, chats quoting earlier turns), from :mod:`specjax.prompts`;
+quoting a document, chats quoting earlier turns) and ``extraction`` ("extract
+these fields as JSON" over short documents), from :mod:`specjax.prompts`;
 the synthetic pair has only random prompts (category ``synthetic``).
+
+Logits processors (``--options``, see :data:`OPTIONS`), the same on every
+side: ``penalty-minp`` passes ``repetition_penalty=1.1`` and ``min_p=0.05``
+(``min_p`` at T > 0 only: greedy decoding ignores it) to ``generate``, to
+assisted generation and to :func:`specjax.speculative_generate`; ``json``
+constrains each ``extraction`` prompt's answer to its JSON schema
+(:data:`specjax.prompts.EXTRACTION_SCHEMAS`): ``json_schema=`` for specjax,
+xgrammar's own transformers logits processor (plain constrained decoding,
+compiled from the same grammar) for ``generate``; B = 1 only (one schema a
+call), and no assisted generation (xgrammar's processor keeps a matcher state
+that assisted generation's rejected candidates would corrupt). specjax's rows
+then also give the processors' own time per step (``processor_step_ms``:
+:attr:`specjax.SpeculativeStats.processor_time_s` over the steps, part of the
+drafting and loop times beside it).
 
 Every method is warmed up with exactly the calls it is then timed on, each
 call again (up to ``WARMUP_CALLS`` times) while it still compiles: JAX
@@ -67,7 +93,7 @@ It stands in for a trained small draft; the text is meaningless.
 
 Rows appended to ``--jsonl`` have the fields ``model_pair``, ``method``,
 ``num_draft_tokens``, ``temperature``, ``batch_size``, ``tokens_per_s``,
-``mean_accepted_length``, ``acceptance_rate``, ``speedup`` (and a few more).
+``mean_accepted_length``, ``acceptance_rate``, ``speedup``, ``options`` (and a few more).
 """
 
 from __future__ import annotations
@@ -98,6 +124,44 @@ PROMPTS = (
 )
 SYNTHETIC_NAME = "synthetic Llama 8L-d512-V8192 + built 1L-d64 draft"
 WARMUP_CALLS = 4  # warm-up calls per timed call, at most (see the module doc)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Logits processors applied alike to target-only ``generate``, assisted generation and specjax."""
+
+    name: str
+    kwargs: tuple[tuple[str, float], ...] = ()  # generate's / speculative_generate's options
+    json: bool = False  # each prompt's JSON schema (specjax.prompts.EXTRACTION_SCHEMAS)
+
+    def at(self, temperature: float) -> dict[str, float]:
+        """The options for a call at ``temperature``: without the sampling filters when greedy (ignored there)."""
+        from specjax.generate.processors import WARPER_OPTIONS
+
+        return {k: v for k, v in self.kwargs if temperature > 0 or k not in WARPER_OPTIONS}
+
+
+#: ``--options``: the processor sets (issue 56: a repetition penalty with min-p on open chat, a JSON schema on
+#: extraction prompts).
+OPTIONS = {
+    o.name: o
+    for o in (
+        Options("none"),
+        Options("penalty-minp", (("repetition_penalty", 1.1), ("min_p", 0.05))),
+        Options("json", json=True),
+    )
+}
+
+
+def options_problem(options: Options, categories: Sequence[str] | None, batch_sizes: Sequence[int]) -> str | None:
+    """Why ``options`` cannot run on these categories and batch sizes (None: it can)."""
+    if not options.json:
+        return None
+    if categories is not None and set(categories) != {"extraction"}:
+        return f"--options json: needs --categories extraction (its prompts carry their schemas), got {categories}"
+    if set(batch_sizes) != {1}:
+        return f"--options json: needs --batch-sizes 1 (one JSON schema a call), got {list(batch_sizes)}"
+    return None
 
 
 # --------------------------------------------------------------------------- #
@@ -310,6 +374,13 @@ def category_prompts(pair: Pair, category: str) -> list[Any]:
     return out
 
 
+def category_schemas(category: str) -> list[dict]:
+    """The JSON schema of each prompt of ``category``, in :func:`category_prompts`' order (``extraction`` only)."""
+    from specjax.prompts import EXTRACTION_SCHEMAS, all_prompts
+
+    return [EXTRACTION_SCHEMAS[name] for name in all_prompts()[category]]
+
+
 @dataclass
 class Result:
     """One call: tokens generated (all rows, up to EOS) and the time it took."""
@@ -327,6 +398,7 @@ class Result:
     draft_steps: int = 0
     compile_seconds: float = 0.0  # JAX compilation inside the call (specjax's stats)
     step_ms: tuple[float, float, float] | None = None  # per step: drafting, target forwards, the loop's own work
+    processor_ms: float | None = None  # per step: the logits processors (part of drafting and the loop's work)
 
 
 @dataclass
@@ -336,7 +408,7 @@ class Method:
     temperature: float
     num_draft_tokens: int
     units: list[tuple[Any, Any]]  # the calls: (input_ids, attention_mask)
-    call: Callable[[Any, Any, int], Any]  # (ids, mask, seed) -> (new tokens i64[B, N], counts, stats or None)
+    call: Callable[[Any, Any, int], Any]  # (ids, mask, unit: index and seed) -> (new i64[B, N], counts, stats)
     results: list[Result] = field(default_factory=list)
     category: str = ""
     drafter: str = ""
@@ -377,6 +449,7 @@ class Method:
             if stats.steps:
                 parts = (stats.draft_time_s, stats.target_time_s, stats.loop_time_s)
                 res.step_ms = tuple(1e3 * t / stats.steps for t in parts)  # type: ignore[assignment]
+                res.processor_ms = 1e3 * stats.processor_time_s / stats.steps
             # one-time work per shape and process (see the module doc)
             res.seconds = max(res.seconds - res.compile_seconds, 1e-9)
             res.cpu_seconds = max(res.cpu_seconds - res.compile_seconds, 1e-9)
@@ -400,9 +473,19 @@ def _packed_setting(value: str | None) -> Iterator[None]:
             os.environ[ENV] = before
 
 
-def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None, packed: bool = False) -> Callable:
+def _hf_call(
+    pair: Pair,
+    max_new: int,
+    temperature: float,
+    assistant: Any = None,
+    packed: bool = False,
+    options: Options = OPTIONS["none"],
+    schemas: Sequence[dict] | None = None,
+) -> Callable:
     """``target.generate``; with ``packed``, with the target's linear layers packed as specjax's forwards run
-    them (:mod:`specjax.packed`, ``SPECJAX_PACKED_LINEARS=all``): what of a speed-up is the packing."""
+    them (:mod:`specjax.packed`, ``SPECJAX_PACKED_LINEARS=all``): what of a speed-up is the packing. With
+    ``options``, its processors; with ``schemas`` (one per unit), unit u's output constrained to ``schemas[u]``
+    by xgrammar's transformers processor over the grammar specjax compiles (a fresh one a call: it keeps state)."""
     import torch
 
     from specjax.packed import model_packed
@@ -412,11 +495,13 @@ def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None
         if temperature == 0
         else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     )
+    kwargs.update(options.at(temperature))
     if assistant is not None:
         kwargs["assistant_model"] = assistant
 
-    def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], None]:
-        torch.manual_seed(seed)
+    def call(ids: Any, mask: Any, unit: int) -> tuple[Any, list[int], None]:
+        torch.manual_seed(unit)
+        extra = {} if schemas is None else {"logits_processor": [_json_processor(pair, schemas[unit])]}
         packing = model_packed(pair.target) if packed else contextlib.nullcontext()
         with torch.inference_mode(), _packed_setting("all" if packed else None), packing:
             out = pair.target.generate(
@@ -426,11 +511,23 @@ def _hf_call(pair: Pair, max_new: int, temperature: float, assistant: Any = None
                 pad_token_id=pair.pad,
                 eos_token_id=pair.eos or None,
                 **kwargs,
+                **extra,
             )
         new = out[:, ids.shape[1] :]
         return new, count_new(new, pair.eos), None
 
     return call
+
+
+def _json_processor(pair: Pair, schema: dict) -> Any:
+    """xgrammar's transformers logits processor for ``schema``, compiled as ``speculative_generate`` compiles it."""
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    from specjax.generate.grammar import compile_grammar, grammar_spec
+
+    spec = grammar_spec(json_schema=schema)
+    assert spec is not None
+    return LogitsProcessor(compile_grammar(spec, pair.tokenizer, pair.target.config.vocab_size))
 
 
 def _specjax_call(
@@ -442,10 +539,16 @@ def _specjax_call(
     adaptive: bool = True,
     impl: str = "auto",
     variant: Variant | None = None,
+    options: Options = OPTIONS["none"],
+    schemas: Sequence[dict] | None = None,
 ) -> Callable:
+    """:func:`specjax.speculative_generate` with ``drafter``; ``options`` and ``schemas`` as in :func:`_hf_call`."""
     from specjax import speculative_generate
 
-    def call(ids: Any, mask: Any, seed: int) -> tuple[Any, list[int], Any]:
+    kwargs: dict[str, Any] = dict(options.at(temperature))
+
+    def call(ids: Any, mask: Any, unit: int) -> tuple[Any, list[int], Any]:
+        extra = {} if schemas is None else {"json_schema": schemas[unit], "target_tokenizer": pair.tokenizer}
         with _packed_setting(variant.packed if variant is not None else None):
             out = speculative_generate(
                 pair.target,
@@ -455,11 +558,13 @@ def _specjax_call(
                 max_new_tokens=max_new,
                 num_draft_tokens=num_draft_tokens,
                 temperature=temperature,
-                seed=seed,
+                seed=unit,
                 eos_token_id=pair.eos or None,
                 pad_token_id=pair.pad,
                 adaptive=adaptive,
                 impl=impl,
+                **kwargs,
+                **extra,
             )
         return out.sequences[:, ids.shape[1] :], out.num_new_tokens.tolist(), out.stats
 
@@ -512,17 +617,31 @@ def bench_generate(
     num_prompts: int | None = None,
     variants: Sequence[Variant] = (Variant(),),
     packed_target: bool = False,
+    options: str = "none",
 ) -> list[dict]:
-    """Run every method; one row per method (see the module docstring)."""
+    """Run every method; one row per method (see the module docstring). ``options``: a key of :data:`OPTIONS`.
+
+    Raises:
+      ValueError: ``options`` is unknown, or cannot run on ``categories`` / ``batch_sizes`` or without a
+        tokenizer (``json``).
+    """
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if options not in OPTIONS:
+        raise ValueError(f"options: expected one of {', '.join(OPTIONS)}, got {options!r}")
+    opts = OPTIONS[options]
+    problem = options_problem(opts, categories, batch_sizes)
+    if problem:
+        raise ValueError(problem)
     pair = pair or load_pair(target_dir, draft_dir, synthetic)
+    if opts.json and pair.tokenizer is None:
+        raise ValueError("--options json: needs a pair with a tokenizer (the JSON schemas compile onto its ids)")
     g = num_draft_tokens
     max_new = max_new_tokens or (32 if quick else 64)
     reps = reps or (2 if quick else 4)
     n_single = num_prompts or (2 if quick else 4)
     temperatures = tuple(temperatures) if temperatures else ((0.0,) if quick else (0.0, 0.7))
     if categories is None:
-        categories = ("synthetic",) if pair.tokenizer is None else ("open",)
+        categories = ("synthetic",) if pair.tokenizer is None else ("extraction",) if opts.json else ("open",)
     elif pair.tokenizer is None:
         categories = ("synthetic",)
 
@@ -539,7 +658,7 @@ def bench_generate(
         for v in (variants if d in ("eagle", "hybrid") else dict.fromkeys(Variant(packed=v.packed) for v in variants))
     ]
 
-    def specjax_group(batch: int, units: list, temp: float, category: str) -> list[Method]:
+    def specjax_group(batch: int, units: list, temp: float, category: str, schemas: list[dict] | None) -> list[Method]:
         """One ``specjax`` method per (drafter, kernel code, variant), on ``units``."""
         return [
             Method(
@@ -548,7 +667,7 @@ def bench_generate(
                 temp,
                 g,
                 units,
-                _specjax_call(pair, max_new, temp, g, d, adaptive, impl, v),
+                _specjax_call(pair, max_new, temp, g, d, adaptive, impl, v, opts, schemas),
                 category=category,
                 drafter=d,
                 impl=impl,
@@ -557,21 +676,27 @@ def bench_generate(
             for d, impl, v in specjax_methods
         ]
 
-    def packed_target_method(batch: int, units: list, temp: float, category: str) -> Method:
-        call = _hf_call(pair, max_new, temp, packed=True)
+    def packed_target_method(batch: int, units: list, temp: float, category: str, schemas: list | None) -> Method:
+        call = _hf_call(pair, max_new, temp, packed=True, options=opts, schemas=schemas)
         return Method("target-packed", batch, temp, 0, units, call, category=category)
 
     groups: list[list[Method]] = []  # methods timed against each other on the same calls
     for category in categories:
         prompts = category_prompts(pair, category)
         singles = [(p, None) for p in prompts[:n_single]]
+        schemas = category_schemas(category)[:n_single] if opts.json else None  # per unit of singles
         batch8 = [left_pad((prompts * 8)[:8], pair.pad)]
+
+        def hf(temp: float, assistant: Any = None, units_schemas: list | None = schemas) -> Callable:
+            return _hf_call(pair, max_new, temp, assistant, options=opts, schemas=units_schemas)
+
         for temp in temperatures:
             if 1 in batch_sizes:
-                one = [Method("target", 1, temp, 0, singles, _hf_call(pair, max_new, temp), category=category)]
+                one = [Method("target", 1, temp, 0, singles, hf(temp), category=category)]
                 if packed_target:
-                    one.append(packed_target_method(1, singles, temp, category))
-                if temp == 0.0 and "model" in drafters:
+                    one.append(packed_target_method(1, singles, temp, category, schemas))
+                # (not under a JSON schema: xgrammar's processor keeps state that rejected candidates corrupt)
+                if temp == 0.0 and "model" in drafters and not opts.json:
                     one.append(
                         Method(
                             "assisted",
@@ -579,7 +704,7 @@ def bench_generate(
                             temp,
                             0,
                             singles,
-                            _hf_call(pair, max_new, temp, _assistant(pair.draft, None)),
+                            hf(temp, _assistant(pair.draft, None)),
                             category=category,
                         )
                     )
@@ -591,7 +716,7 @@ def bench_generate(
                                 temp,
                                 g,
                                 singles,
-                                _hf_call(pair, max_new, temp, _assistant(pair.draft, g)),
+                                hf(temp, _assistant(pair.draft, g)),
                                 category=category,
                             )
                         )
@@ -603,12 +728,14 @@ def bench_generate(
                                 temp,
                                 g,
                                 singles,
-                                _specjax_call(pair, max_new, temp, g, "model", adaptive=False),
+                                _specjax_call(
+                                    pair, max_new, temp, g, "model", adaptive=False, options=opts, schemas=schemas
+                                ),
                                 category=category,
                                 drafter="model",
                             )
                         )
-                one += specjax_group(1, singles, temp, category)
+                one += specjax_group(1, singles, temp, category, schemas)
                 if temp == 0.0 and not quick and "model" in drafters:  # transformers' default drafts up to 20
                     one.append(
                         Method(
@@ -617,21 +744,22 @@ def bench_generate(
                             temp,
                             2 * g,
                             singles,
-                            _specjax_call(pair, max_new, temp, 2 * g, "model", adaptive),
+                            _specjax_call(pair, max_new, temp, 2 * g, "model", adaptive, options=opts, schemas=schemas),
                             category=category,
                             drafter="model",
                         )
                     )
                 groups.append(one)
             if 8 in batch_sizes:
-                eight = [Method("target", 8, temp, 0, batch8, _hf_call(pair, max_new, temp), category=category)]
+                eight = [Method("target", 8, temp, 0, batch8, hf(temp, units_schemas=None), category=category)]
                 if packed_target:
-                    eight.append(packed_target_method(8, batch8, temp, category))
-                eight += specjax_group(8, batch8, temp, category)
+                    eight.append(packed_target_method(8, batch8, temp, category, None))
+                eight += specjax_group(8, batch8, temp, category, None)
                 groups.append(eight)
 
     say(
-        f"pair: {pair.name}; G={g}, max_new_tokens={max_new}, {n_single} prompts at B=1, 8 at B=8, "
+        f"pair: {pair.name}; options {opts.name}; G={g}, max_new_tokens={max_new}, {n_single} prompts at B=1, "
+        "8 at B=8, "
         f"{reps} repetitions; load average {os.getloadavg()[0]:.1f}"
     )
     t0 = time.perf_counter()
@@ -662,6 +790,7 @@ def bench_generate(
             tokens = sum(r.tokens for r in runs)
             row_steps = sum(r.row_steps for r in runs)
             proposed = sum(r.proposed for r in runs)
+            processor_ms = [r.processor_ms for r in runs if r.processor_ms is not None]
             same = None
             if m.temperature == 0.0 and m is not base:
                 same = all(a.sequences == b.sequences for a, b in zip(runs, base.results, strict=True))
@@ -690,6 +819,10 @@ def bench_generate(
                     if runs and all(r.step_ms for r in runs)
                     else None
                 ),
+                "processor_step_ms": (
+                    round(statistics.median(processor_ms), 3) if runs and len(processor_ms) == len(runs) else None
+                ),
+                "options": opts.name,
                 "draft_step_fraction": (
                     sum(r.draft_steps for r in runs) / sum(r.steps for r in runs)
                     if m.name.startswith("specjax") and sum(r.steps for r in runs)
@@ -736,8 +869,9 @@ def format_table(rows: list[dict]) -> str:
         frac = "" if r.get("draft_step_fraction") is None else f"{r['draft_step_fraction']:.2f}"
         g = r["num_draft_tokens"] or ""
         impl = f" impl={r['impl']}" if r.get("impl") not in (None, "auto") else ""
+        options = f", {r['options']}" if r.get("options") not in (None, "none") else ""
         lines.append(
-            f"| {r.get('category', '')} | {r['method']}{impl} "
+            f"| {r.get('category', '')}{options} | {r['method']}{impl} "
             f"| {_drafter_label(r)} | {r['batch_size']} | "
             f"{r['temperature']} | {g} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
             f"{r['speedup_cpu_time']:.2f}x | {acc} | {mal} | {frac} | {same} |"
@@ -758,6 +892,11 @@ def format_table(rows: list[dict]) -> str:
         f"{r.get('category', '')} {r['method']}[{_drafter_label(r)}] B={r['batch_size']} T={r['temperature']} "
         f"G={r['num_draft_tokens']}: per step (medians of calls) drafting {r['step_ms'][0]:.2f} ms, target "
         f"{r['step_ms'][1]:.2f} ms, the loop's own work {r['step_ms'][2]:.2f} ms"
+        + (
+            f"; the processors ({r['options']}) {r['processor_step_ms']:.2f} ms of drafting and the loop's work"
+            if r.get("options") not in (None, "none") and r.get("processor_step_ms") is not None
+            else ""
+        )
         for r in rows
         if r.get("step_ms") is not None
     ]
@@ -791,7 +930,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="model",
         help="comma-separated drafters: model, ngram, eagle, hybrid (n-gram, else the EAGLE head), hybrid-model",
     )
-    parser.add_argument("--categories", help="comma-separated prompt sets: open, grounded (default: open)")
+    parser.add_argument(
+        "--categories",
+        help="comma-separated prompt sets: open, grounded, extraction (default: open; --options json: extraction)",
+    )
+    parser.add_argument(
+        "--options",
+        default="none",
+        choices=list(OPTIONS),
+        help="logits processors on every side: penalty-minp (repetition_penalty=1.1, min_p=0.05 at T > 0), "
+        "json (each extraction prompt's JSON schema; B = 1) (default: none)",
+    )
     parser.add_argument("--temperatures", help="comma-separated temperatures (default: 0 and 0.7; --quick: 0)")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes among 1 and 8")
     parser.add_argument("--fixed", action="store_true", help="draft G tokens every step (no adaptive length)")
@@ -838,9 +987,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [d for d in drafters if d not in DRAFTERS]
     if bad or not drafters:
         parser.error(f"--drafter: expected names among {', '.join(DRAFTERS)}, got {args.drafter!r}")
+    from specjax.prompts import all_prompts
+
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    if categories and any(c not in ("open", "grounded") for c in categories):
-        parser.error(f"--categories: expected open and/or grounded, got {args.categories!r}")
+    if categories and any(c not in all_prompts() for c in categories):
+        parser.error(f"--categories: expected names among {', '.join(all_prompts())}, got {args.categories!r}")
     if args.prompts is not None and args.prompts < 1:
         parser.error(f"--prompts: expected an integer >= 1, got {args.prompts}")
     try:
@@ -850,6 +1001,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--temperatures / --batch-sizes: expected comma-separated numbers")
     if any(b not in (1, 8) for b in sizes):
         parser.error(f"--batch-sizes: expected 1 and/or 8, got {args.batch_sizes!r}")
+    problem = options_problem(OPTIONS[args.options], categories, sizes)
+    if problem:
+        parser.error(problem)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     if not impls or any(i not in ("auto", "xla", "cpu") for i in impls):
         parser.error(f"--impls: expected names among auto, xla, cpu, got {args.impls!r}")
@@ -893,6 +1047,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_prompts=args.prompts,
         variants=[Variant(h, c, m) for h in heads for c in contexts for m in packings],
         packed_target=args.packed_target,
+        options=args.options,
     )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))

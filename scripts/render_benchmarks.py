@@ -274,6 +274,41 @@ def table_generate_drafters(rows: list[Row]) -> str:
     )
 
 
+def table_generate_processors(rows: list[Row]) -> str:
+    """Issue 56's runs (``bench_generate.py --options ...``): one line per method and drafter, one column per
+    (prompts, options, B, T); specjax cells: speed-up over ``generate`` with the same processors (mean accepted
+    length; the processors' time per step)."""
+
+    def col(r: Row) -> tuple:
+        return r["category"], r["options"], r["batch_size"], r["temperature"]
+
+    def kind(r: Row) -> tuple:
+        return r["method"], r.get("drafter"), r.get("num_draft_tokens") or None
+
+    def cell(r: Row) -> str:
+        if r["method"] == "target":
+            return f"{r['tokens_per_s']:.1f} tokens/s"
+        extra = [
+            *([f"{r['mean_accepted_length']:.2f}"] if r.get("mean_accepted_length") is not None else []),
+            *([f"{r['processor_step_ms']:.2f} ms"] if r.get("processor_step_ms") is not None else []),
+        ]
+        return _f(r["speedup"], ".2f", "×") + (f" ({'; '.join(extra)})" if extra else "")
+
+    def header(category: str, options: str, batch: int, temperature: float) -> str:
+        return ", ".join([category, f"`{options}`", f"B = {batch}", f"T = {temperature:g}"])
+
+    def name(method: str, drafter: str | None, g: int | None) -> str:
+        return method + (f" `{drafter}`" if drafter else "") + (f", G = {g}" if g else "")
+
+    cols, kinds = list(dict.fromkeys(map(col, rows))), list(dict.fromkeys(map(kind, rows)))
+    by = {(kind(r), col(r)): r for r in rows}
+    return _table(
+        ["method", *(header(*c) for c in cols)],
+        list("l" + "r" * len(cols)),
+        [[name(*k), *(cell(by[(k, c)]) if (k, c) in by else "" for c in cols)] for k in kinds],
+    )
+
+
 def table_cutoff(rows: list[Row]) -> str:
     """One line per row count, one column per case: the full sort's time over ours (ours in ms); a mark
     where the kept sets differ."""
@@ -373,6 +408,8 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "draft-sweep": table_draft_sweep,
     "sharded": table_sharded,
     "vllm-plugin": table_vllm_plugin,
+    "generate-penalty-minp": table_generate_processors,
+    "generate-json": table_generate_processors,
 }
 
 
@@ -548,6 +585,41 @@ def verdict_generate_drafters(rows: list[Row]) -> str:
     )
 
 
+def _verdict_processors(rows: list[Row]) -> str:
+    """Issue 56's lines common to both processor runs: the 0.95x floor, greedy identity, the processors' cost."""
+    ours = [r for r in rows if r["method"].startswith("specjax") and r.get("processor_step_ms") is not None]
+    same = all(r["same_as_target"] for r in rows if r.get("same_as_target") is not None)
+    cost = (
+        f"{min(r['processor_step_ms'] for r in ours):.2f}–{max(r['processor_step_ms'] for r in ours):.2f} ms"
+        if ours
+        else "not recorded"
+    )
+    return (
+        _verdict_floor(rows)
+        + f"\n* greedy output identical to `generate` with the same processors: {_met(same)}."
+        + f"\n* the processors' own time per speculative step (part of drafting and the loop's work): {cost}."
+    )
+
+
+def verdict_generate_penalty_minp(rows: list[Row]) -> str:
+    return _verdict_processors(rows)
+
+
+def verdict_generate_json(rows: list[Row]) -> str:
+    greedy = [r for r in rows if r["method"] == "specjax" and r["batch_size"] == 1 and r["temperature"] == 0.0]
+    best = max(greedy, key=lambda r: r["speedup"], default=None)
+    line = (
+        "* B = 1 greedy with a JSON schema ≥ 1.5× `generate` with the same schema: "
+        + (
+            "not measured in this run."
+            if best is None
+            else f"{_met(best['speedup'] >= 1.5)} (best `{best['drafter']}` {best['speedup']:.2f}×)."
+        )
+        + "\n"
+    )
+    return line + _verdict_processors(rows)
+
+
 def verdict_draft_sweep(rows: list[Row]) -> str:
     out = []
     for t in sorted({r["temperature"] for r in rows}):
@@ -598,6 +670,8 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "draft-sweep": verdict_draft_sweep,
     "sharded": verdict_sharded,
     "vllm-plugin": verdict_vllm_plugin,
+    "generate-penalty-minp": verdict_generate_penalty_minp,
+    "generate-json": verdict_generate_json,
 }
 
 

@@ -169,3 +169,77 @@ def test_the_fixed_g_verdict_compares_loop_with_loop() -> None:
     ratio = adaptive["tokens_per_s"] / fixed["tokens_per_s"]
     assert f"{head}: " in render_benchmarks.verdict_generate_synthetic(without)
     assert f"({ratio:.2f}×;" in render_benchmarks.verdict_generate_synthetic(without)
+
+
+def _processor_rows(options: str, category: str, speedups: dict[str, float]) -> list[dict]:
+    """Rows as ``bench_generate.py --options`` writes them: target-only, then specjax per drafter at B = 1, T = 0."""
+    common = {"category": category, "options": options, "batch_size": 1, "temperature": 0.0, "run": {"command": "x"}}
+    rows = [{**common, "method": "target", "drafter": None, "num_draft_tokens": 0, "tokens_per_s": 12.5}]
+    for i, (drafter, speedup) in enumerate(speedups.items()):
+        rows.append(
+            {
+                **common,
+                "method": "specjax",
+                "drafter": drafter,
+                "num_draft_tokens": 8,
+                "tokens_per_s": 12.5 * speedup,
+                "speedup": speedup,
+                "mean_accepted_length": 1.5 + i,
+                "processor_step_ms": 0.25 + i,
+                "same_as_target": True,
+            }
+        )
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("speedups", "lines"),
+    [
+        (
+            {"ngram": 1.6, "hybrid": 1.2},
+            [
+                "JSON schema ≥ 1.5× `generate` with the same schema: **met** (best `ngram` 1.60×)",
+                "0.95× target-only: **met**.",
+            ],
+        ),
+        (
+            {"ngram": 1.4, "hybrid": 0.9},
+            [
+                "JSON schema ≥ 1.5× `generate` with the same schema: **not met** (best `ngram` 1.40×)",
+                "0.95× target-only: **not met** (below: extraction G = 8 `hybrid` 0.90×).",
+            ],
+        ),
+    ],
+)
+def test_the_processor_verdicts_follow_the_rows(speedups: dict[str, float], lines: list[str]) -> None:
+    rows = _processor_rows("json", "extraction", speedups)
+    verdict = render_benchmarks.verdict_generate_json(rows)
+    for line in lines:
+        assert line in verdict, verdict
+    assert "identical to `generate` with the same processors: **met**" in verdict
+    assert "time per speculative step (part of drafting and the loop's work): 0.25–1.25 ms" in verdict
+    rows[1]["same_as_target"] = False
+    assert "same processors: **not met**" in render_benchmarks.verdict_generate_penalty_minp(rows)
+
+
+def test_the_processor_sections_render_every_row(tmp_path: Path) -> None:
+    """The placeholders the section gets once the runs are committed render, with every row in the tables."""
+    results, fragments = tmp_path / "results", tmp_path / "report"
+    results.mkdir()
+    fragments.mkdir()
+    runs = {
+        "generate-penalty-minp": _processor_rows("penalty-minp", "open", {"model": 1.3, "ngram": 0.97}),
+        "generate-json": _processor_rows("json", "extraction", {"ngram": 1.7, "hybrid": 1.55}),
+    }
+    for name, rows in runs.items():
+        (results / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (fragments / "38.md").write_text(
+        "".join(f"{{{{table {n}}}}}\n\n{{{{run {n}}}}}\n{{{{verdict {n}}}}}\n\n" for n in runs)
+    )
+    text = render_benchmarks.render(fragments, results)
+    assert "{{" not in text
+    assert "| method | open, `penalty-minp`, B = 1, T = 0 |" in text
+    assert "| specjax `ngram`, G = 8 | 0.97× (2.50; 1.25 ms) |" in text
+    assert "| specjax `hybrid`, G = 8 | 1.55× (2.50; 1.25 ms) |" in text
+    assert text.count("| target | 12.5 tokens/s |") == 2
+    assert "**met** (best `ngram` 1.70×)" in text
