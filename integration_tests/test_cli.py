@@ -206,6 +206,7 @@ def test_generate_streams_single_prompt(models):
             r"--seed: .*expected an integer in \[-2\*\*63, 2\*\*63 - 1\], got '99999999999999999999'",
         ),
         (["demo", "--seed", "x"], r"--seed: .*expected an integer in .*, got 'x'"),
+        (["demo", "--device", "cuda"], r"--device: invalid choice: 'cuda' \(choose from '?cpu'?, '?jax'?\)"),
         (["bench", "--sections"], r"--sections: expected at least one argument"),
         (["bench", "--out", "/dev/null/x", "--sections", "kernel"], r"--out /dev/null/x: cannot create the output"),
     ],

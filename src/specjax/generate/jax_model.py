@@ -46,7 +46,7 @@ import torch
 from specjax.adapters.jax_view import torchax_array
 from specjax.slots import attention_layout, cache_argument
 
-__all__ = ["JaxModel", "KVCache", "check_supported", "is_jax_model", "jax_model"]
+__all__ = ["JaxModel", "KVCache", "check_supported", "is_jax_model", "jax_model", "to_jax_device"]
 
 #: One ``(keys, values)`` pair per layer, each f[B, H_kv, S, D].
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]
@@ -56,6 +56,17 @@ def is_jax_model(model: Any) -> bool:
     """Whether ``model``'s weights live on JAX's devices (a model moved to torchax's ``jax`` device)."""
     first = next(model.parameters(), None)
     return first is not None and first.device.type == "jax"
+
+
+def to_jax_device(model: Any) -> Any:
+    """``model`` moved to torchax's ``jax`` device (JAX's default device), in place; returns it.
+
+    What selects the JAX path (:func:`is_jax_model`); needs torchax (``pip install 'specjax[tpu]'``).
+    """
+    import torchax
+
+    with torchax.default_env():
+        return model.to("jax")
 
 
 def check_supported(name: str, model: Any) -> None:
