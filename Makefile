@@ -8,7 +8,7 @@ STAMP := $(VENV)/.specjax-installed
 TORCH_SPEC ?= torch==2.13.0
 JAX_SPEC ?= jax==0.10.2 jaxlib==0.10.2
 
-.PHONY: install install-vllm test-vllm test test-fast test-mesh typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check tpu-check \
+.PHONY: install install-vllm test-vllm test test-fast test-mesh test-torchax typecheck test-unit test-integration demo lint bench bench-quick bench-report gpu-check tpu-check \
 	clean train-draft train-eagle train-eagle-gpu tpu-parts fuzz soak
 
 # --no-compile: pip would byte-compile every module of torch, JAX and transformers
@@ -70,7 +70,8 @@ MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/mes
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests integration_tests recipes/tests
+	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) -m "not torchax" tests integration_tests recipes/tests
+	$(MAKE) --no-print-directory test-torchax
 	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck test-mesh
 	$(MAKE) --no-print-directory test-vllm
 	$(MAKE) --no-print-directory test-wheel
@@ -95,6 +96,13 @@ test-wheel: $(STAMP)
 		print('specjax', specjax.__version__, 'from', specjax.__file__, '- C++ CPU kernels:', k.library_path())"
 	cd $(WHEEL_VENV) && $(TEST_ENV) bin/specjax demo --quick
 	cd $(WHEEL_VENV) && $(TEST_ENV) bin/python readme_example.py
+
+# The torchax tests (the JAX path on JAX's CPU backend, docs/torchax.md): a session of their
+# own, because importing torchax makes torch report a "jax" accelerator, whose missing device
+# allocator breaks accelerate's offloading (integration_tests/test_model_placement.py) in the
+# same process.
+test-torchax: $(STAMP)
+	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m torchax tests integration_tests
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+# torchax registers torch's "jax" device in this process, which breaks accelerate's
+# offloading elsewhere: these run in their own pytest session (make test-torchax).
+pytestmark = pytest.mark.torchax
+
 pytest.importorskip("torchax")
 
 

@@ -539,6 +539,7 @@ def test_xgrammars_own_transformers_processor_is_refused_with_the_way_out(tok, m
         )
 
 
+@pytest.mark.torchax  # imports torchax: its own session (make test-torchax)
 def test_the_jax_path_refuses_a_grammar_by_its_name(tok, models):
     """Models on torchax's jax device run the JAX loop, which has no processors yet: refused, naming the argument."""
     import copy

@@ -19,6 +19,10 @@ import specjax
 from specjax.adapters import count_copies, host_array, jit_input, to_jax
 from specjax.boundary.validation import as_array
 
+# torchax registers torch's "jax" device in this process, which breaks accelerate's
+# offloading elsewhere: these run in their own pytest session (make test-torchax).
+pytestmark = pytest.mark.torchax
+
 
 def held(shape=(2, 3, 32), seed=0, dtype=jnp.float32):
     """A jax.Array and the torchax tensor that holds it."""

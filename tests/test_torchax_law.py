@@ -32,7 +32,8 @@ from torchax_law import (
 )
 from torchax_models import on_jax
 
-pytestmark = pytest.mark.slow  # statistical: ~10 s of draws and compilations on a loaded 2-core machine
+# statistical: ~10 s of draws and compilations on a loaded 2-core machine; torchax: its own session
+pytestmark = [pytest.mark.slow, pytest.mark.torchax]
 
 ROWS = 8192
 

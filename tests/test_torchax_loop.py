@@ -19,6 +19,10 @@ from specjax.generate import speculative_generate
 from specjax.generate.checks import PluginOutputError
 from specjax.generate.jax_loop import greedy_decode
 
+# torchax registers torch's "jax" device in this process, which breaks accelerate's
+# offloading elsewhere: these run in their own pytest session (make test-torchax).
+pytestmark = pytest.mark.torchax
+
 MAX_NEW = 20
 G = 3  # one draft length for most cases: each (drafter, G, sampling mode) traces and compiles its step once
 

@@ -18,6 +18,10 @@ from transformers import MistralConfig, MistralForCausalLM
 
 from specjax.generate.jax_model import jax_model
 
+# torchax registers torch's "jax" device in this process, which breaks accelerate's
+# offloading elsewhere: these run in their own pytest session (make test-torchax).
+pytestmark = pytest.mark.torchax
+
 TOL = 2e-5  # float32 on both sides; observed about 3e-7
 
 
