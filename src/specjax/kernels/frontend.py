@@ -29,7 +29,7 @@ without top-k/top-p, the acceptance step summarises position ``i`` only while
 some row of the batch is still accepting (rows after every row's first
 rejection are never read).
 
-Per-row parameters (temperature, top_k, top_p, num_draft_tokens) are arrays:
+Per-row parameters (temperature, top_k, top_p, draft_lengths) are arrays:
 changing their values never recompiles. The sampling parameters travel as one
 :class:`~specjax.kernels.types.SamplingParams` pytree; whether top-k / top-p are
 used at all is one of its static fields (the primitives below take ``None``
@@ -305,7 +305,7 @@ def verify_core(
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
     params: SamplingParams,
-    num_draft_tokens: jax.Array,
+    draft_lengths: jax.Array,
     *,
     axis_name: AxisName = None,
     offset: jax.Array | int = 0,
@@ -323,9 +323,9 @@ def verify_core(
     point_masses = draft_logits is None  # q_i is the point mass at x_i
     # k_b outside [0, G] (possible with validate=False) means what its clamped value
     # means, on every path: the C++ step clamps it too.
-    num_draft_tokens = jnp.clip(num_draft_tokens, 0, g)
+    draft_lengths = jnp.clip(draft_lengths, 0, g)
     positions = jnp.arange(g, dtype=jnp.int32)
-    valid = positions[None, :] < num_draft_tokens[:, None]
+    valid = positions[None, :] < draft_lengths[:, None]
     x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
 
     def stats(logits: jax.Array) -> RowStats:  # the same processing for both sides
@@ -346,15 +346,15 @@ def verify_core(
         t_first = RowStats(*(f[:, :g] for f in t_stats))
         p_x = probs_from_stats(t_first, vocab_gather(target_logits[:, :g], x, axis_name, offset), x)
         if point_masses:  # q_i(x_i) = 1
-            return t_stats, None, num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms, num_draft_tokens)
+            return t_stats, None, num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms, draft_lengths)
         assert draft_logits is not None
         d_stats = stats(draft_logits)
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
-        return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
+        return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, draft_lengths)
 
     def draw(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> AcceptanceResult:
         y = _draw_from_logits(
-            target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x, axis_name, offset
+            target_logits, draft_logits, t_sel, d_sel, n, draft_lengths, sample_uniforms, x, axis_name, offset
         )
         return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
@@ -375,7 +375,7 @@ def verify_core(
 
     def lazily_one_device() -> AcceptanceResult:
         return draw_unless_greedy(
-            *_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens)
+            *_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, draft_lengths)
         )
 
     def fused_cpu() -> AcceptanceResult:
@@ -397,7 +397,7 @@ def verify_core(
             target_logits.astype(jnp.float32),
             draft_logits.astype(jnp.float32),
             x,
-            num_draft_tokens,
+            draft_lengths,
             accept_uniforms.astype(jnp.float32),
             sample_uniforms.astype(jnp.float32),
             jnp.where(greedy, jnp.float32(0), inv_t),
@@ -426,7 +426,7 @@ def verify_core(
     return all_rows()
 
 
-def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens):
+def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, draft_lengths):
     """``n`` and the statistics of the rows the draw needs, position by position (one device).
 
     Without top-k/top-p only (see :func:`verify_core`).
@@ -486,13 +486,13 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
             rejected = alive & ~passes
             t_sel, d_sel = select(rejected, ts, t_sel), select(rejected, ds, d_sel)
             n = jnp.where(alive & passes, i + 1, n)
-            return i + 1, alive & passes & (i + 1 < num_draft_tokens), n, t_sel, d_sel
+            return i + 1, alive & passes & (i + 1 < draft_lengths), n, t_sel, d_sel
 
-        alive = num_draft_tokens > 0
+        alive = draft_lengths > 0
         _, _, n, t_sel, d_sel = lax.while_loop(cond, body, (jnp.int32(0), alive, n, t_sel, placeholder()))
 
     # Rows that passed all their k_b tests emit the bonus token from p at k_b.
-    bonus = n >= num_draft_tokens
+    bonus = n >= draft_lengths
 
     def bonus_stats():
         def t_row():
@@ -505,7 +505,7 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
 
 
 def _draw_from_logits(
-    target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x, axis_name=None, offset=0
+    target_logits, draft_logits, t_sel, d_sel, n, draft_lengths, sample_uniforms, x, axis_name=None, offset=0
 ):
     """i32[B]: y per row from the residual of the processed rows ``p_n``, ``q_n`` (JAX code).
 
@@ -531,7 +531,7 @@ def _draw_from_logits(
         else:
             d_row = take(draft_logits, d_pos[:, None], 1)
             q_n = probs_from_stats(d_sel, d_row, ids)
-        q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
+        q_n = jnp.where((n < draft_lengths)[:, None], q_n, 0)
     return inverse_cdf(residual_weights(p_n, q_n, axis_name), sample_uniforms, axis_name, offset)
 
 
@@ -539,10 +539,10 @@ def _draw_from_logits(
 # per row), or when params.use_top_k / use_top_p change (static fields of the
 # SamplingParams pytree). Never for values.
 @vector_jit
-def _verify_jit(draft_tokens, draft_logits, target_logits, key, params: SamplingParams, num_draft_tokens):
+def _verify_jit(draft_tokens, draft_logits, target_logits, key, params: SamplingParams, draft_lengths):
     b, g = draft_tokens.shape
     u = _uniforms(key, b, g + 1)
-    return verify_core(draft_tokens, draft_logits, target_logits, u[:, :g], u[:, g], params, num_draft_tokens)
+    return verify_core(draft_tokens, draft_logits, target_logits, u[:, :g], u[:, g], params, draft_lengths)
 
 
 # Recompiles when shapes/dtypes, the key kind or params.use_top_k / use_top_p change.

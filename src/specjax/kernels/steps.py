@@ -69,14 +69,14 @@ def draft_draw(logits, row_keys, step, purpose, params: SamplingParams, *, vocab
     return lax.cond(jnp.all(stats.greedy), lambda: stats.argmax, draw)
 
 
-def sampling_uniform(u: jax.Array, num_draft_tokens: jax.Array) -> jax.Array:
+def sampling_uniform(u: jax.Array, draft_lengths: jax.Array) -> jax.Array:
     """f32[B]: row b's sampling uniform ``u[b, k_b]`` (its acceptance uniforms are ``u[b, :k_b]``).
 
     Indexed by the row's own draft length, not the step's G (the batch's
     largest ``k_b``): the uniforms of ``key_b`` are a prefix-stable sequence, so
     a row's draws do not depend on the other rows of its batch.
     """
-    return jnp.take_along_axis(u, num_draft_tokens[:, None].astype(jnp.int32), axis=1)[:, 0]
+    return jnp.take_along_axis(u, draft_lengths[:, None].astype(jnp.int32), axis=1)[:, 0]
 
 
 def _stack_draft(draft_logits, b: int, vocab: int):
@@ -92,7 +92,7 @@ def _stack_draft(draft_logits, b: int, vocab: int):
 # masses (draft_logits None) versus logits change.
 @vector_jit
 def verify_step(
-    draft_tokens, draft_logits, target_logits, row_keys, step, params: SamplingParams, num_draft_tokens
+    draft_tokens, draft_logits, target_logits, row_keys, step, params: SamplingParams, draft_lengths
 ) -> AcceptanceResult:
     """The acceptance step of the loop (the fused JAX sampler).
 
@@ -100,7 +100,7 @@ def verify_step(
       draft_tokens: i32[B, G]; draft_logits: a tuple of G f[B, V_draft], or None
         for deterministic proposals (point masses); target_logits: f[B, G+1, V].
       row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows;
-      num_draft_tokens: i32[B], ``k_b``.
+      draft_lengths: i32[B], ``k_b``.
     """
     vocab = target_logits.shape[-1]
     b, g = draft_tokens.shape
@@ -111,9 +111,9 @@ def verify_step(
         d,
         target_logits,
         u[:, :g],
-        sampling_uniform(u, num_draft_tokens),
+        sampling_uniform(u, draft_lengths),
         params,
-        num_draft_tokens,
+        draft_lengths,
     )
 
 
