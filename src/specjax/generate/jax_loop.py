@@ -51,7 +51,14 @@ from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import check_proposal
 from specjax.generate.jax_model import JaxModel, KVCache, jax_model
-from specjax.generate.loop import SpeculativeOutput, SpeculativeStats, _build_output, _finish_stats, _Row
+from specjax.generate.loop import (
+    LoopConfig,
+    SpeculativeOutput,
+    SpeculativeStats,
+    _build_output,
+    _finish_stats,
+    _Row,
+)
 from specjax.kernels import steps
 from specjax.kernels.types import SamplingParams
 
@@ -231,10 +238,9 @@ class _JaxRun:
     """One call's state on JAX's device and its steps: plan, propose (host lookups), verify (one program),
     commit; arguments as :func:`run_jax_loop`'s."""
 
-    def __init__(self, target, drafter, input_ids, attention_mask, *, max_new_tokens, num_draft_tokens, sampling,
-                 eos_ids, target_vocab, on_tokens) -> None:  # fmt: skip
-        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, eos_ids, on_tokens
-        self.max_new_tokens, self.g, self.vocab = max_new_tokens, num_draft_tokens, target_vocab
+    def __init__(self, target, drafter, input_ids, attention_mask, sampling: SamplingState, config: LoopConfig) -> None:
+        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, config.eos_ids, config.on_tokens
+        self.max_new_tokens, self.g, self.vocab = config.max_new_tokens, config.num_draft_tokens, config.target_vocab
         self.contexts = _contexts(input_ids, attention_mask)
         self.batch = len(self.contexts)
         self.prefilled = int(max(len(c) for c in self.contexts) > 1)  # one forward over the prompts first
@@ -247,7 +253,7 @@ class _JaxRun:
         self.fused = draft_model is not None
         # the host's proposals: a lookup drafter's, or the hybrid's lookups (its model drafts the other rows)
         self.asked = drafter.ngram if isinstance(drafter, HybridDrafter) else (None if self.fused else drafter)
-        positions = _positions(self.contexts, max_new_tokens + self.g + 1)
+        positions = _positions(self.contexts, self.max_new_tokens + self.g + 1)
         self.t = jax_model("target", target)
         self.d = jax_model("draft", draft_model) if self.fused else None
         self.t_cache, self.start, self.last = _prefilled(self.t, self.contexts, positions)
@@ -255,7 +261,7 @@ class _JaxRun:
         self.prev = np.array([c[-2] if len(c) > 1 else 0 for c in self.contexts], np.int32)
         if self.asked is not None:
             contexts = [list(c) for c in self.contexts]
-            self.asked.start(DraftSetup(target, input_ids, attention_mask, contexts, target_vocab, self.g, sampling))
+            self.asked.start(DraftSetup(target, input_ids, attention_mask, contexts, self.vocab, self.g, sampling))
 
     def active(self) -> bool:
         return not all(r.done for r in self.rows)
@@ -346,37 +352,23 @@ def run_jax_loop(
     drafter: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    num_draft_tokens: int,
     sampling: SamplingState,
-    eos_ids: set[int],
-    pad_token_id: int,
-    target_vocab: int,
-    on_tokens: Any = None,
+    config: LoopConfig,
+    *,
     started: tuple[float, float] | None = None,
 ) -> SpeculativeOutput:
     """The loop on JAX's devices; arguments as :func:`specjax.generate.loop.run_loop`'s, already validated.
 
-    ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded.
+    ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded. Of ``config`` this
+    path reads G, ``max_new_tokens``, the EOS and pad ids, V and ``on_tokens``: it drafts G every step
+    (``adaptive`` has no effect), and :func:`check_jax_call` has refused the settings it does not run.
     """
     from specjax.adapters import count_copies
 
     _check_drafter(drafter)
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
     with count_copies() as copies, measure_compiles() as compiles:
-        run = _JaxRun(
-            target,
-            drafter,
-            input_ids,
-            attention_mask,
-            max_new_tokens=max_new_tokens,
-            num_draft_tokens=num_draft_tokens,
-            sampling=sampling,
-            eos_ids=eos_ids,
-            target_vocab=target_vocab,
-            on_tokens=on_tokens,
-        )
+        run = _JaxRun(target, drafter, input_ids, attention_mask, sampling, config)
         while run.active():
             active, caps = run.plan()  # 1.
             x, k, use = run.propose(active, caps)  # 2. (host lookups; the draft model runs in 3.)
@@ -385,12 +377,12 @@ def run_jax_loop(
 
     stats = run.stats
     stats.target_forwards = stats.steps + run.prefilled
-    stats.draft_forwards = (stats.steps * num_draft_tokens + run.prefilled) if run.fused else 0
+    stats.draft_forwards = (stats.steps * run.g + run.prefilled) if run.fused else 0
     stats.adapter_copies = copies.copies
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained, run.row_steps, run.rows, t_start)
     stats.loop_time_s = stats.wall_time_s
-    return _build_output(input_ids, run.rows, pad_token_id, stats)
+    return _build_output(input_ids, run.rows, config.pad_token_id, stats)
 
 
 def _contexts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -453,7 +445,7 @@ def greedy_decode(
     return np.asarray(jax.device_get(jnp.stack(out, axis=1))).astype(np.int64)
 
 
-def _emit(row: _Row, tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
+def _emit(row: _Row, tokens: list[int], eos_ids: frozenset[int], max_new_tokens: int) -> list[int]:
     """Append a step's tokens to ``row`` up to its first EOS and ``max_new_tokens``; returns those appended."""
     for i, token in enumerate(tokens):
         if token in eos_ids:
