@@ -46,7 +46,6 @@ from jax import lax
 from specjax.adapters.jax_view import torchax_array
 from specjax.drafters import HybridDrafter, ModelDrafter
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
-from specjax.drafters.hybrid import _point_mass_logits as point_mass_logits  # the hybrid's own rule
 from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import check_proposal
@@ -86,15 +85,14 @@ def prefill(model: JaxModel, weights: dict[str, jax.Array], cache: KVCache, toke
 def _draft(draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab):
     """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V]); the draft cache after.
 
-    Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing, with point-mass logits (0 at the
-    token, -inf elsewhere: the hybrid drafter's rule), and feed those tokens, so the
-    draft's cache holds what the row proposed either way.
+    Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing and feed those tokens, so the
+    draft's cache holds what the row proposed either way; their logits are the draft model's, never read
+    (the acceptance step verifies those rows as point masses: ``point_mass_rows``).
     """
 
-    def pick(q, i):  # the drawn token, or the row's forced one (with its point mass); purpose i + 1
+    def pick(q, i):  # the drawn token, or the row's forced one; purpose i + 1
         drawn = steps.draft_draw(q, row_keys, step, i + 1, params, vocab=vocab)
-        x = jnp.where(use, forced[:, i], drawn)
-        return x, point_mass_logits(q, x, use, vocab=vocab)
+        return (drawn if use is None else jnp.where(use, forced[:, i], drawn)), q
 
     logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
     x0, q0 = pick(logits[:, -1], 0)
@@ -126,8 +124,8 @@ def draft_and_verify(
     step: jax.Array,
     params: SamplingParams,
     k: jax.Array,
-    forced: jax.Array,
-    use: jax.Array,
+    forced: jax.Array | None,
+    use: jax.Array | None,
     *,
     g: int,
     vocab: int,
@@ -142,7 +140,9 @@ def draft_and_verify(
       row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows.
       k: i32[B], ``k_b`` in [0, G]: the draft tokens row b tests.
       forced: i32[B, G], use: bool[B]: rows with ``use`` propose ``forced`` (the hybrid drafter's lookups)
-        as point masses instead of the draft model's draws (all False for the model drafter).
+        as point masses instead of the draft model's draws; the acceptance step takes ``use`` as its
+        ``point_mass_rows``, the CPU hybrid's rule. Both None for the model drafter (every row drawn; a
+        separate compilation, and the acceptance step's paths for draft logits alone).
       g: G; vocab: the target's vocabulary size V.
 
     Returns:
@@ -151,7 +151,7 @@ def draft_and_verify(
     """
     x, q, d_cache = _draft(draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab)
     logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
-    out = steps.verify_step(x, q, logits, row_keys, step, params, k)
+    out = steps.verify_step(x, q, logits, row_keys, step, params, k, use)
     return out.num_accepted, out.tokens, t_cache, d_cache
 
 
@@ -303,9 +303,11 @@ class _JaxRun:
         last, start, k_j = jnp.asarray(self.last), jnp.asarray(self.start), jnp.asarray(k, jnp.int32)
         if self.d is not None:
             assert self.d_cache is not None
+            # the hybrid's lookups and its point-mass rows; None for the model drafter
+            forced = (jnp.asarray(x), jnp.asarray(use)) if self.asked is not None else (None, None)
             n, tokens, self.t_cache, self.d_cache = draft_and_verify(
                 self.t, self.d, self.t.weights, self.d.weights, self.t_cache, self.d_cache, jnp.asarray(self.prev),
-                last, start, keys, step, params, k_j, jnp.asarray(x), jnp.asarray(use), g=self.g, vocab=self.vocab,
+                last, start, keys, step, params, k_j, *forced, g=self.g, vocab=self.vocab,
             )  # fmt: skip
         else:
             n, tokens, self.t_cache = lookup_and_verify(

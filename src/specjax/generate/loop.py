@@ -447,8 +447,8 @@ class _Run:
         k = np.asarray(proposal.num_tokens, np.int64)
         if self.greedy or proposal.logits is None:
             point = np.ones(len(k), bool)
-        elif proposal.free_rows is not None:
-            point = np.asarray(proposal.free_rows, bool)
+        elif proposal.point_mass_rows is not None:
+            point = np.asarray(proposal.point_mass_rows, bool)
         else:
             return proposal
         if not (point & (k > 0)).any():

@@ -307,12 +307,16 @@ def verify_core(
     params: SamplingParams,
     draft_lengths: jax.Array,
     *,
+    point_mass_rows: jax.Array | None = None,
     axis_name: AxisName = None,
     offset: jax.Array | int = 0,
 ) -> AcceptanceResult:
     """The acceptance step from logits (traceable; see :func:`verify_from_logits`).
 
     ``params`` holds f32/i32[B] per-row fields (:class:`SamplingParams`).
+    ``point_mass_rows``: None, or bool[B] with ``draft_logits`` given: the rows
+    whose ``q_i`` is the point mass at ``x_i`` (their draft logits are not read),
+    as if ``draft_logits`` were None for them alone.
     With ``axis_name``, the last axis of the logits is this shard's slice of the
     vocabulary (starting at global index ``offset``) inside ``shard_map``.
     """
@@ -350,11 +354,23 @@ def verify_core(
         assert draft_logits is not None
         d_stats = stats(draft_logits)
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
+        if point_mass_rows is not None:
+            q_x = jnp.where(point_mass_rows[:, None], jnp.float32(1), q_x)
         return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, draft_lengths)
 
     def draw(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> AcceptanceResult:
         y = _draw_from_logits(
-            target_logits, draft_logits, t_sel, d_sel, n, draft_lengths, sample_uniforms, x, axis_name, offset
+            target_logits,
+            draft_logits,
+            t_sel,
+            d_sel,
+            n,
+            draft_lengths,
+            sample_uniforms,
+            x,
+            axis_name,
+            offset,
+            point_mass_rows,
         )
         return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
@@ -407,9 +423,9 @@ def verify_core(
         return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
     if not axis_name:
-        if point_masses:
-            # One pass summarises the target's G+1 rows (there is no draft row to
-            # read); the draw then reads row n only. No C++ fast path: the
+        if point_masses or point_mass_rows is not None:
+            # One pass summarises the target's G+1 rows (and the draft's, for rows
+            # with logits); the draw then reads row n only. No C++ fast path: the
             # target's forward dwarfs this step, and the JAX code is the contract.
             return all_rows()
         if top_k is not None or one_minus_top_p is not None:
@@ -505,7 +521,17 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
 
 
 def _draw_from_logits(
-    target_logits, draft_logits, t_sel, d_sel, n, draft_lengths, sample_uniforms, x, axis_name=None, offset=0
+    target_logits,
+    draft_logits,
+    t_sel,
+    d_sel,
+    n,
+    draft_lengths,
+    sample_uniforms,
+    x,
+    axis_name=None,
+    offset=0,
+    point_mass_rows=None,
 ):
     """i32[B]: y per row from the residual of the processed rows ``p_n``, ``q_n`` (JAX code).
 
@@ -513,8 +539,9 @@ def _draw_from_logits(
     (B,) fields). Only row ``n`` of the target logits (and of the draft logits,
     when a draft token was rejected) is turned into probabilities, (B, L) each.
     ``draft_logits=None``: ``q_n`` is the point mass at ``x_n`` (i32[B, G]
-    ``x``). With ``axis_name`` the logits are this shard's vocabulary slice,
-    global ids from ``offset``. (On one CPU device the C++
+    ``x``), and so it is for the rows of ``point_mass_rows`` (bool[B]). With
+    ``axis_name`` the logits are this shard's vocabulary slice, global ids from
+    ``offset``. (On one CPU device the C++
     :func:`specjax.kernels.cpu_kernels.verify` does the step with draft logits.)
     """
     g = x.shape[1]
@@ -526,11 +553,14 @@ def _draw_from_logits(
         q_n = jnp.zeros_like(p_n)
     else:
         d_pos = jnp.minimum(n, g - 1)
+        x_n = jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0]
         if draft_logits is None:
-            q_n = point_mass(jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0], ids[0], jnp.float32)
+            q_n = point_mass(x_n, ids[0], jnp.float32)
         else:
             d_row = take(draft_logits, d_pos[:, None], 1)
             q_n = probs_from_stats(d_sel, d_row, ids)
+            if point_mass_rows is not None:
+                q_n = jnp.where(point_mass_rows[:, None], point_mass(x_n, ids[0], jnp.float32), q_n)
         q_n = jnp.where((n < draft_lengths)[:, None], q_n, 0)
     return inverse_cdf(residual_weights(p_n, q_n, axis_name), sample_uniforms, axis_name, offset)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.kernels.compile_options import vector_jit
-from specjax.kernels.core import inverse_cdf
+from specjax.kernels.core import inverse_cdf, point_mass
 from specjax.kernels.frontend import _uniforms, row_probs, row_stats, verify_core
 from specjax.kernels.types import AcceptanceResult, SamplingParams
 
@@ -88,11 +88,18 @@ def _stack_draft(draft_logits, b: int, vocab: int):
     return fit_vocab(jnp.stack(draft_logits, axis=1), vocab)
 
 
-# Recompiles when B, G, the vocabularies, params.use_top_k / use_top_p or point
-# masses (draft_logits None) versus logits change.
+# Recompiles when B, G, the vocabularies, params.use_top_k / use_top_p, point
+# masses (draft_logits None) versus logits, or a point-mass mask versus none change.
 @vector_jit
 def verify_step(
-    draft_tokens, draft_logits, target_logits, row_keys, step, params: SamplingParams, draft_lengths
+    draft_tokens,
+    draft_logits,
+    target_logits,
+    row_keys,
+    step,
+    params: SamplingParams,
+    draft_lengths,
+    point_mass_rows=None,
 ) -> AcceptanceResult:
     """The acceptance step of the loop (the fused JAX sampler).
 
@@ -101,6 +108,9 @@ def verify_step(
         for deterministic proposals (point masses); target_logits: f[B, G+1, V].
       row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows;
       draft_lengths: i32[B], ``k_b``.
+      point_mass_rows: None, or bool[B] with ``draft_logits``: rows whose
+        proposals are deterministic (point masses) beside rows with draft logits;
+        each row gets the result it would get in a batch of its own kind.
     """
     vocab = target_logits.shape[-1]
     b, g = draft_tokens.shape
@@ -114,13 +124,21 @@ def verify_step(
         sampling_uniform(u, draft_lengths),
         params,
         draft_lengths,
+        point_mass_rows=point_mass_rows,
     )
 
 
-# Recompiles when B, G, the vocabularies or params.use_top_k / use_top_p change.
+# Recompiles when B, G, the vocabularies, params.use_top_k / use_top_p or a point-mass
+# mask versus none change.
 @vector_jit
-def probs_step(draft_logits, target_logits, row_keys, step, params: SamplingParams):
+def probs_step(
+    draft_logits, target_logits, row_keys, step, params: SamplingParams, draft_tokens=None, point_mass_rows=None
+):
     """Processed probabilities and uniforms for a sampler with the probabilities contract.
+
+    ``point_mass_rows``: None, or bool[B] with ``draft_logits`` and
+    ``draft_tokens`` (i32[B, G]): the draft probabilities of these rows are the
+    point masses at their tokens (their draft logits are not read).
 
     Returns ``(draft_probs f32[B, G, V] (None for point masses), target_probs f32[B, G+1, V],
     uniforms f32[B, G+1])``; for a row with draft length ``k_b``,
@@ -140,4 +158,8 @@ def probs_step(draft_logits, target_logits, row_keys, step, params: SamplingPara
 
     d = _stack_draft(draft_logits, b, vocab)
     u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)
-    return None if d is None else probs(d), probs(target_logits), u
+    q = None if d is None else probs(d)
+    if q is not None and point_mass_rows is not None:
+        masses = point_mass(draft_tokens, lax.iota(jnp.int32, vocab), q.dtype)
+        q = jnp.where(point_mass_rows[:, None, None], masses, q)
+    return q, probs(target_logits), u
