@@ -76,6 +76,8 @@ def _inputs(seed: int = 0) -> tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarr
 
 
 def _params(case: Params, rows: slice = slice(None)) -> Any:
+    # the JAX code on every path: a row alone with logits would otherwise take the C++ CPU kernel,
+    # equal in law but not always in the last bit of a probability
     params = prepare_params(case.temperature, case.top_k, case.top_p, B, True, "xla")
     return jax.tree.map(lambda a: a[rows], params)
 
