@@ -73,6 +73,9 @@ __all__ = ["LoopConfig", "LoopState", "SpeculativeOutput", "SpeculativeStats", "
 class LoopConfig:
     """One call's settings, checked by :func:`speculative_generate` and fixed for the call.
 
+    Read by :func:`run_loop` and by the JAX path (:func:`specjax.generate.jax_loop.run_jax_loop`).
+    What changes during the call (logits processors, grammar matchers) is passed beside it.
+
     Attributes:
       max_new_tokens: the most tokens a row generates.
       num_draft_tokens: G, the most draft tokens a row proposes per step.
