@@ -466,7 +466,8 @@ def test_greedy_hybrid_rows_take_their_own_drafters_tokens(models, left_padded):
 
 def test_sampled_hybrid_passes_the_fallbacks_confidence_on_for_its_rows(models):
     """T = 0.8: the fallback's rows carry its confidence, the n-gram rows none (NaN): the schedule
-    then tests all a drawn row proposed and picks the lookups' count from what they proposed."""
+    then tests all a drawn row proposed and picks the lookups' count from what they proposed. The
+    proposal keeps the fallback's draft logits as they are and marks the n-gram rows as point masses."""
     rep = repetitive_prompt(4, 16)
     distinct = np.random.default_rng(6).permutation(np.arange(1, VOCAB))[:16].tolist()
     ids = torch.tensor([rep, distinct])
@@ -486,6 +487,8 @@ def test_sampled_hybrid_passes_the_fallbacks_confidence_on_for_its_rows(models):
             continue
         mixed += 1
         assert hy.logits is not None and hy.confidence is not None and f.confidence is not None
+        assert hy.point_mass_rows is not None and hy.point_mass_rows.tolist() == matched.tolist()
+        assert all(h is d for h, d in zip(hy.logits, f.logits, strict=False))  # the fallback's own arrays
         assert np.isnan(hy.confidence[matched]).all()
         k = f.confidence.shape[1]
         assert hy.confidence[~matched, :k].tolist() == f.confidence[~matched].tolist()

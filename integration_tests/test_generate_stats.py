@@ -161,16 +161,29 @@ def quoting_prompt(target) -> list[int]:
     return cont[0].tolist() + PROMPT
 
 
-@pytest.mark.parametrize("kind", ["ngram", "hybrid"])
-def test_point_mass_drafters_keep_the_joint_distribution(kind, pair):
+@pytest.mark.parametrize(("kind", "sampler"), [("ngram", "jax"), ("hybrid", "jax"), ("hybrid", "numpy")])
+def test_point_mass_drafters_keep_the_joint_distribution(kind, sampler, pair):
     """Deterministic proposals (n-gram lookup) verified as point masses, alone and mixed with the model's
-    sampled proposals in one batch."""
+    sampled proposals in one batch (the fused step, and a sampler plugin on the processed probabilities)."""
     from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+
+    class CountingHybrid(HybridDrafter):
+        mixed_steps = 0
+
+        def propose(self, request):
+            proposal = super().propose(request)
+            rows = proposal.point_mass_rows
+            self.mixed_steps += rows is not None and 0 < int(rows.sum()) < len(rows)
+            return proposal
 
     target, draft = pair
     prompt = quoting_prompt(target)
-    drafter = NgramDrafter(min_n=1) if kind == "ngram" else HybridDrafter(NgramDrafter(min_n=1), ModelDrafter(draft))
-    counts = sample_counts(target, drafter, length=3, num_draft_tokens=3, temperature=0.7, top_k=4, prompt=prompt)
+    drafter = NgramDrafter(min_n=1) if kind == "ngram" else CountingHybrid(NgramDrafter(min_n=1), ModelDrafter(draft))
+    counts = sample_counts(
+        target, drafter, length=3, num_draft_tokens=3, temperature=0.7, top_k=4, prompt=prompt, sampler=sampler
+    )
+    if kind == "hybrid":
+        assert drafter.mixed_steps > 0, "no step mixed point masses and draft logits: the test does not test"
     p = chi_square_p(counts, exact_joint(target, 3, 0.7, 4, None, prompt))
     print(f"chi-square p = {p:.3g}")
     assert p > 1e-3, f"chi-square p = {p:.2e}"

@@ -14,7 +14,8 @@ something independent of the loop:
   logits processor (plain constrained decoding), at B = 1 and on a ragged
   batch, for the ``model``, ``ngram`` and ``hybrid`` drafters, with drafts
   accepted and rejected (asserted); also after a repetition penalty and a
-  bad-words ban; point-mass proposals are cut at their first refused token;
+  bad-words ban; point-mass proposals (without draft logits, or rows marked
+  ``point_mass_rows`` beside them) are cut at their first refused token;
 * at T = 0.7, every output over many seeds parses under its schema (or matches
   its regex); negative controls: the same runs without the constraint do not
   all parse, and matchers whose rollback does nothing fail;
@@ -359,14 +360,18 @@ def test_greedy_with_other_processors_matches_generate(draft_kind, tok, models):
 
 class CorruptingOracle:
     """Proposes the reference continuation with its third token replaced by one the grammar refuses
-    (point masses): the loop must cut each proposal to its first two tokens."""
+    (point masses): the loop must cut each proposal to its first two tokens.
+
+    ``marked``: the proposal carries draft logits (never read) and marks its row as a point mass
+    (``Proposal.point_mass_rows``), as the hybrid drafter marks its n-gram rows; else no logits.
+    """
 
     name = "oracle"
     needs_target_hidden = False
     cost_per_token_hint = 0.0
 
-    def __init__(self, reference: list[int], prompt_len: int, grammar) -> None:
-        self.reference, self.prompt_len, self.grammar = reference, prompt_len, grammar
+    def __init__(self, reference: list[int], prompt_len: int, grammar, marked: bool = False) -> None:
+        self.reference, self.prompt_len, self.grammar, self.marked = reference, prompt_len, grammar, marked
 
     def start(self, setup) -> None:
         pass
@@ -382,6 +387,11 @@ class CorruptingOracle:
             )
         tokens = np.zeros((1, max(len(want), 1)), np.int32)
         tokens[0, : len(want)] = want
+        if self.marked:
+            logits = tuple(torch.zeros(1, V) for _ in range(tokens.shape[1]))
+            return Proposal(
+                tokens, np.array([len(want)], np.int64), logits, paid_tokens=0, point_mass_rows=np.array([True])
+            )
         return Proposal(tokens, np.array([len(want)], np.int64), None, paid_tokens=0)
 
     def commit(self, info) -> None:
@@ -391,15 +401,16 @@ class CorruptingOracle:
         pass
 
 
+@pytest.mark.parametrize("marked", [False, True], ids=["no-logits", "point-mass-rows"])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_point_mass_proposals_are_cut_at_their_first_refused_token(temperature, tok, models):
+def test_point_mass_proposals_are_cut_at_their_first_refused_token(temperature, marked, tok, models):
     ids, mask = prompts(tok, "json_schema", 1)
     grammar = compiled(tok, "json_schema")
     target = models["target"]
     ref = plain_constrained(target, ids, mask, grammar, 40)[0, ids.shape[1] :].tolist()
     out = specjax.speculative_generate(
         target,
-        CorruptingOracle(ref, ids.shape[1], grammar),
+        CorruptingOracle(ref, ids.shape[1], grammar, marked),
         ids,
         mask,
         max_new_tokens=40,

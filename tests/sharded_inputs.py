@@ -146,7 +146,7 @@ def logits_inputs(batch: int, g: int, vocab: int, seed: int, filters: bool, row_
     x = np.where(temperature[:, None] > 0, np.argmax(scaled + gumbel, -1), np.argmax(draft, -1))
     x = x.astype(np.int32)
     k = np.minimum(np.resize(np.array([g, 0, max(g - 1, 0), 1, g], np.int32), batch), g)
-    kwargs: dict[str, Any] = {"temperature": temperature, "num_draft_tokens": k}
+    kwargs: dict[str, Any] = {"temperature": temperature, "draft_lengths": k}
     if filters:
         kwargs["top_k"] = np.resize(np.array([0, 1, 5, 40, 1000], np.int32), batch)
         kwargs["top_p"] = np.resize(np.array([1.0, 0.9, 0.5, 0.95, 0.2], np.float32), batch)
@@ -333,7 +333,7 @@ def hlo_inputs(mesh, kernel: str, filters: bool = False) -> tuple[tuple, dict, A
         place(tl, mesh, big),
         place(kw["key"], mesh, P()),
         jax.tree.map(lambda a: place(np.asarray(a), mesh, row), params),
-        place(np.asarray(kw["num_draft_tokens"]), mesh, row),
+        place(np.asarray(kw["draft_lengths"]), mesh, row),
     )
     static = {"layout": layout}
     return args, static, verify_from_logits(x, dl, tl, **kw)

@@ -224,10 +224,10 @@ def test_public_functions_give_the_same_tokens_either_way(seed):
     results = []
     for impl in ("cpu", "xla"):
         plain = specjax.verify_from_logits(
-            x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, impl=impl
+            x, draft, target, key=key, temperature=temperature, draft_lengths=kb, impl=impl
         )
         filtered = specjax.verify_from_logits(
-            x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, top_k=40, top_p=0.9, impl=impl
+            x, draft, target, key=key, temperature=temperature, draft_lengths=kb, top_k=40, top_p=0.9, impl=impl
         )
         sampled = specjax.sample_from_logits(target[:, 0], key=key, temperature=temperature, top_k=40, impl=impl)
         results.append(
@@ -546,7 +546,7 @@ def test_the_draft_draw_and_the_acceptance_test_see_the_same_q_bit_for_bit(top_k
 
 
 @pytest.mark.slow
-def test_num_draft_tokens_outside_0_g_mean_their_clamped_value_on_every_path():
+def test_draft_lengths_outside_0_g_mean_their_clamped_value_on_every_path():
     """With validate=False, k_b > G acts as G and k_b < 0 as 0, with and without the kernels."""
     b, g, v = 12, 3, 40
     target = logits((b, g + 1, v), 4)
@@ -560,7 +560,7 @@ def test_num_draft_tokens_outside_0_g_mean_their_clamped_value_on_every_path():
     for impl in ("cpu", "xla"):
         for k in (wild, clamped):
             out = specjax.verify_from_logits(
-                x, draft, target, key=key, temperature=temperature, num_draft_tokens=k, validate=False, impl=impl
+                x, draft, target, key=key, temperature=temperature, draft_lengths=k, validate=False, impl=impl
             )
             results.append(np.asarray(out.tokens))
     for tokens in results[1:]:

@@ -220,7 +220,7 @@ def test_greedy_verify_equals_argmax_decisions(num_draft):
     x = np.where(rng.random((batch, g)) < 0.8, am[:, :g], rng.integers(0, vocab, (batch, g)))
     k = np.full(batch, g) if num_draft == "full" else rng.integers(0, g + 1, batch)
     out = verify_from_logits(
-        x, draft, target, key=jax.random.key(1), temperature=0.0, top_k=7, top_p=0.9, num_draft_tokens=k
+        x, draft, target, key=jax.random.key(1), temperature=0.0, top_k=7, top_p=0.9, draft_lengths=k
     )
     tokens = np.asarray(out.tokens)
     n_seen = np.asarray(out.num_accepted)
@@ -305,7 +305,7 @@ def _run_case(case: VerifyCase, key_seed: int):
         temperature=case.temperature,
         top_k=case.top_k,
         top_p=case.top_p,
-        num_draft_tokens=None if case.num_draft is None else kb,
+        draft_lengths=None if case.num_draft is None else kb,
     )
     u, s = kernel_uniforms(key, b, g)
     refs = [ref_verify_row(x[i], draft[i], target[i], u[i], s[i], ts[i], ks[i], ps[i], kb[i]) for i in range(b)]
@@ -415,7 +415,7 @@ def test_ragged_ignores_draft_tokens_past_k():
     pos = np.arange(g)[None, :] >= kb[:, None]
     garbage[pos] = rng.choice([-1, vocab, vocab + 99], pos.sum())
     key = jax.random.split(jax.random.key(3), batch)
-    kw = dict(key=key, temperature=0.8, top_k=10, top_p=1.0, num_draft_tokens=kb)
+    kw = dict(key=key, temperature=0.8, top_k=10, top_p=1.0, draft_lengths=kb)
     a = verify_from_logits(x, draft, target, **kw)
     b = verify_from_logits(garbage, draft, target, **kw)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
@@ -446,10 +446,8 @@ def test_position_by_position_path_equals_the_all_rows_path(seed):
     temperature = np.array([1.0, 0.0, 0.7, 1.3, 0.0, 0.9], np.float32)
     kb = np.array([g, g, 3, 0, 2, g], np.int32)
     key = jax.random.split(jax.random.key(seed), batch)
-    lazy = verify_from_logits(x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb)
-    full = verify_from_logits(
-        x, draft, target, key=key, temperature=temperature, num_draft_tokens=kb, top_k=0, top_p=1.0
-    )
+    lazy = verify_from_logits(x, draft, target, key=key, temperature=temperature, draft_lengths=kb)
+    full = verify_from_logits(x, draft, target, key=key, temperature=temperature, draft_lengths=kb, top_k=0, top_p=1.0)
     np.testing.assert_array_equal(np.asarray(lazy.num_accepted), np.asarray(full.num_accepted))
     np.testing.assert_array_equal(np.asarray(lazy.tokens), np.asarray(full.tokens))
     # The case is not degenerate: some row accepts its whole draft and some none.
@@ -545,7 +543,7 @@ def test_verify_invariants(inp):
         temperature=inp["temperature"],
         top_k=inp["top_k"],
         top_p=inp["top_p"],
-        num_draft_tokens=inp["kb"],
+        draft_lengths=inp["kb"],
     )
     tokens = np.asarray(out.tokens)
     n = np.asarray(out.num_accepted)

@@ -43,7 +43,7 @@ def _main_inputs(seed=10, noise=0.3):
         temperature=rng.choice([0.0, 0.5, 0.9, 1.2], MB),
         top_k=rng.choice([0, 1, 5, 30], MB),
         top_p=rng.choice([1.0, 0.95, 0.7], MB),
-        num_draft_tokens=rng.integers(0, MG + 1, MB),
+        draft_lengths=rng.integers(0, MG + 1, MB),
     )
     return x, draft, target, params
 
@@ -144,9 +144,9 @@ def test_changing_parameter_values_never_recompiles():
         dict(top_p=1.0),
         dict(top_p=rng.uniform(0.1, 1.0, MB).tolist()),
         dict(top_p=jnp.asarray(rng.uniform(0.1, 1.0, MB), jnp.float32)),
-        dict(num_draft_tokens=rng.integers(0, MG + 1, MB)),
-        dict(num_draft_tokens=np.zeros(MB, np.int32)),
-        dict(num_draft_tokens=MG),
+        dict(draft_lengths=rng.integers(0, MG + 1, MB)),
+        dict(draft_lengths=np.zeros(MB, np.int32)),
+        dict(draft_lengths=MG),
         dict(key=jax.random.split(jax.random.key(9), MB)),
         dict(key=jax.random.split(jax.random.PRNGKey(9), MB)),  # raw uint32 keys
     ]
@@ -283,21 +283,21 @@ VERIFY_ERRORS = [
     ("top_k-float", _with(top_k=2.5), r"top_k: expected integers, got dtype float64"),
     ("top_k-shape", _with(top_k=[1, 2, 3]), r"top_k: expected a scalar or shape \(B,\) = \(1,\), got shape \(3,\)"),
     (
-        "num_draft-too-big",
-        _with(num_draft_tokens=[VG + 1]),
-        r"num_draft_tokens: expected values in \[0, G\] = \[0, 4\], got \[5\]",
+        "draft_lengths-too-big",
+        _with(draft_lengths=[VG + 1]),
+        r"draft_lengths: expected values in \[0, G\] = \[0, 4\], got \[5\]",
     ),
     (
-        "num_draft-negative",
-        _with(num_draft_tokens=-1),
-        r"num_draft_tokens: expected values in \[0, G\] = \[0, 4\], got \[-1\]",
+        "draft_lengths-negative",
+        _with(draft_lengths=-1),
+        r"draft_lengths: expected values in \[0, G\] = \[0, 4\], got \[-1\]",
     ),
     (
-        "num_draft-shape",
-        _with(num_draft_tokens=[1, 2]),
-        r"num_draft_tokens: expected a scalar or shape \(B,\) = \(1,\), got shape \(2,\)",
+        "draft_lengths-shape",
+        _with(draft_lengths=[1, 2]),
+        r"draft_lengths: expected a scalar or shape \(B,\) = \(1,\), got shape \(2,\)",
     ),
-    ("num_draft-float", _with(num_draft_tokens=[1.0]), r"num_draft_tokens: expected integers, got dtype float64"),
+    ("draft_lengths-float", _with(draft_lengths=[1.0]), r"draft_lengths: expected integers, got dtype float64"),
     ("key-none", _with(key=None), r"key: expected a JAX PRNG key .*got None"),
     ("key-int", _with(key=0), r"key: expected a JAX PRNG key .*got int"),
     (

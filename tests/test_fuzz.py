@@ -401,9 +401,9 @@ def test_fuzz_verify_from_logits(case, data):
         wrap(draft),
         wrap(target),
         **params,
-        num_draft_tokens=k,
+        draft_lengths=k,
         validate=validate,
-        names=("draft_tokens", "draft_logits", "target_logits", "num_draft_tokens", *PARAM_ARGS),
+        names=("draft_tokens", "draft_logits", "target_logits", "draft_lengths", *PARAM_ARGS),
     )
     if bad is None and not tok_defect:
         assert err is None, f"valid inputs refused: {err}"

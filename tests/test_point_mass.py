@@ -10,7 +10,7 @@ test ``i`` passes iff ``u_i < p_i(x_i)``; a rejected position draws from
   that one-hot array, for float32/bfloat16/float16 inputs;
 * the shipped NumPy and torch samplers give the same results with ``None``;
 * ``verify_from_logits(draft_logits=None)``: greedy rows keep exactly the
-  argmax-matching prefix, ragged ``num_draft_tokens`` are honoured, bad input
+  argmax-matching prefix, ragged ``draft_lengths`` are honoured, bad input
   still gets named errors;
 * the mesh path equals one device (tests/mesh/test_mesh_point_mass.py);
 * statistics (slow): at T = 0.7 with top-k and top-p the emitted tokens follow
@@ -156,7 +156,7 @@ def test_verify_point_masses_ragged_rows_match_the_kernel_on_processed_probs():
     x = np.where(rng.random((b, g)) < 0.7, am[:, :g], rng.integers(0, vocab, (b, g))).astype(np.int32)
     k = rng.integers(0, g + 1, size=b).astype(np.int32)
     keys = jax.random.split(jax.random.key(9), b)
-    out = verify_from_logits(x, None, t, key=keys, temperature=1.0, num_draft_tokens=k)
+    out = verify_from_logits(x, None, t, key=keys, temperature=1.0, draft_lengths=k)
     n, tokens = np.asarray(out.num_accepted), np.asarray(out.tokens)
     assert np.all(n <= k)
     p = np.asarray(jax.nn.softmax(jnp.asarray(t), axis=-1))
@@ -245,8 +245,8 @@ def test_all_greedy_point_masses_match_the_sampled_path_on_their_rows():
     x = np.where(rng.random((b, g)) < 0.7, am[:, :g], rng.integers(0, vocab, (b, g))).astype(np.int32)
     k = np.array([4, 3, 0, 2, 4, 1], np.int32)
     keys = jax.random.split(jax.random.key(3), b)
-    greedy = verify_from_logits(x, None, t, key=keys, temperature=0.0, num_draft_tokens=k)
-    mixed = verify_from_logits(x, None, t, key=keys, temperature=[0.0] * (b - 1) + [0.7], num_draft_tokens=k)
+    greedy = verify_from_logits(x, None, t, key=keys, temperature=0.0, draft_lengths=k)
+    mixed = verify_from_logits(x, None, t, key=keys, temperature=[0.0] * (b - 1) + [0.7], draft_lengths=k)
     np.testing.assert_array_equal(np.asarray(greedy.tokens)[:-1], np.asarray(mixed.tokens)[:-1])
     n = np.asarray(greedy.num_accepted)
     for row in range(b):

@@ -39,7 +39,7 @@ def test_agreement_logits_1x8() -> None:
         jnp.asarray(tl),
         kwargs["key"],
         SamplingParams(jnp.asarray(kwargs["temperature"]), jnp.zeros(16, jnp.int32), jnp.zeros(16, jnp.float32)),
-        jnp.asarray(kwargs["num_draft_tokens"]),
+        jnp.asarray(kwargs["draft_lengths"]),
         layout=MeshLayout(make_mesh(AGREE_MESH), "b", "v"),
         per_shard=True,
     )

@@ -116,7 +116,7 @@ def test_collective_bytes_are_the_documented_formula(kernel: str) -> None:
                 place(tl, mesh, split),
                 place(kw["key"], mesh, rep),
                 jax.tree.map(lambda a: place(np.asarray(a), mesh, rep), params),
-                place(np.asarray(kw["num_draft_tokens"]), mesh, rep),
+                place(np.asarray(kw["draft_lengths"]), mesh, rep),
             )
             fn = _verify_mesh_jit
         found = hlo_collectives(fn.lower(*args, layout=layout).compile().as_text())

@@ -28,7 +28,7 @@ def test_point_masses_on_a_mesh_equal_one_device() -> None:
         temperature=np.array([0.0, 0.7, 1.0, 0.7, 1.3, 0.0], np.float32),
         top_k=[0, 20, 0, 5, 0, 0],
         top_p=[1.0, 0.9, 1.0, 1.0, 0.8, 1.0],
-        num_draft_tokens=k,
+        draft_lengths=k,
     )
     one = verify_from_logits(x, None, t, **kw)
     for axes in (("b", None), (None, "v"), ("b", "v")):

@@ -201,7 +201,7 @@ def verify_from_logits(
     temperature: FloatOrRows,
     top_k: IntOrRows | None = None,
     top_p: FloatOrRows | None = None,
-    num_draft_tokens: IntOrRows | None = None,
+    draft_lengths: IntOrRows | None = None,
     validate: bool = True,
     impl: str = "auto",
 ) -> AcceptanceResult:
@@ -222,9 +222,10 @@ def verify_from_logits(
         it equals ``argmax p_i``, and the correction/bonus token is ``argmax``.
       top_k: None, or scalar / i32[B] (0 keeps all).
       top_p: None, or scalar / f32[B] in (0, 1] (1 keeps all).
-      num_draft_tokens: None (= G for every row), or i32[B] ``k_b`` in [0, G]: row b
-        tests only its first ``k_b`` draft tokens; its correction or bonus token
-        sits at position ``<= k_b``; ``k_b = 0`` emits one token from ``p_0``.
+      draft_lengths: None (every row's draft length is G), or i32[B] ``k_b`` in
+        [0, G], each row's draft length: row b tests only its first ``k_b`` draft
+        tokens; its correction or bonus token sits at position ``<= k_b``;
+        ``k_b = 0`` emits one token from ``p_0``.
       validate: check values (one host sync); shapes are always checked. Without
         the checks, a draft id outside [0, V) is never accepted and ``k_b``
         outside [0, G] acts as its clamped value; non-finite logits give
@@ -258,7 +259,7 @@ def verify_from_logits(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        num_draft_tokens=num_draft_tokens,
+        draft_lengths=draft_lengths,
         validate=validate,
         layout=None,
         impl=impl,
@@ -326,7 +327,7 @@ def _verify_from_logits(
     temperature: FloatOrRows,
     top_k: IntOrRows | None = None,
     top_p: FloatOrRows | None = None,
-    num_draft_tokens: IntOrRows | None = None,
+    draft_lengths: IntOrRows | None = None,
     validate: bool = True,
     layout: sharded.MeshLayout | None,
     impl: str = "auto",
@@ -345,14 +346,14 @@ def _verify_from_logits(
     draft_tokens = _v.as_token_ids("draft_tokens", draft_tokens)
     key = _v.as_key(key, batch)
     params = _v.prepare_params(temperature, top_k, top_p, batch, validate, impl)
-    if num_draft_tokens is None:
+    if draft_lengths is None:
         k = _v.full_k(batch, g)
     else:
-        k = _v.row_param("num_draft_tokens", num_draft_tokens, batch, "int")
+        k = _v.row_param("draft_lengths", draft_lengths, batch, "int")
         if validate:
             kh = _v.host_copy(k)
             if np.any(kh < 0) or np.any(kh > g):
-                raise ValueError(f"num_draft_tokens: expected values in [0, G] = [0, {g}], got {kh.tolist()}")
+                raise ValueError(f"draft_lengths: expected values in [0, G] = [0, {g}], got {kh.tolist()}")
         k = np.ascontiguousarray(k, np.int32)
     if batch == 0:
         return AcceptanceResult(jnp.zeros((0,), jnp.int32), jnp.zeros((0, g + 1), jnp.int32))
@@ -364,7 +365,7 @@ def _verify_from_logits(
         lo, hi = (int(v) for v in np.asarray(lo_hi))
         if lo < 0 or hi >= vocab:
             raise ValueError(
-                f"draft_tokens: expected token ids in [0, V) = [0, {vocab}) at positions < num_draft_tokens, "
+                f"draft_tokens: expected token ids in [0, V) = [0, {vocab}) at positions < draft_lengths, "
                 f"got values in [{lo}, {hi}]"
             )
         _v.check_logits("target_logits", target_logits, bool(t_finite))
@@ -434,7 +435,7 @@ def verify_from_logits_sharded(
     Args:
       draft_tokens: i32/i64[B, G]; draft_logits: f[B, G, V]; target_logits:
         f[B, G+1, V]; keyword arguments (``key``, ``temperature``, ``top_k``,
-        ``top_p``, ``num_draft_tokens``, ``validate``): as
+        ``top_p``, ``draft_lengths``, ``validate``): as
         :func:`verify_from_logits`.
       mesh, batch_axis, vocab_axis: as :func:`rejection_sample_sharded`.
 

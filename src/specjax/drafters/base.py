@@ -189,6 +189,10 @@ class Proposal:
         f[B', V_draft] arrays (JAX, or torch that crosses zero-copy): the logits
         ``tokens[:, i]`` were sampled from, processed by the loop with the
         target's sampling parameters. ``V_draft`` may differ from V by padding.
+      point_mass_rows: None, or bool[B'] host array with ``logits``: the rows
+        whose proposals are deterministic all the same (the ``hybrid``
+        drafter's n-gram rows): verified as point masses, their rows of
+        ``logits`` never read. None: every row was drawn from ``logits``.
       paid_tokens: how many tokens per row the drafter paid for (a model's
         draft positions), for the schedule's cost per token; None: the
         request's ``max(max_tokens)``; 0 for free proposals.
@@ -230,6 +234,7 @@ class Proposal:
     free_rows: np.ndarray | None = None
     hindsight: tuple[np.ndarray, np.ndarray] | None = None
     confidence: np.ndarray | None = None
+    point_mass_rows: np.ndarray | None = None
 
     @property
     def width(self) -> int:

@@ -4,43 +4,29 @@ Each step asks the n-gram drafter first. When every row that may draft has a
 match, the step uses the n-gram proposals alone (point masses) and the
 fallback does not run. Otherwise the fallback proposes for the whole batch
 (one batched forward per position) and rows with an n-gram match take the
-n-gram proposals instead: their draft logits are replaced by logits that are
-0 at the proposed token and -inf elsewhere, whose processed distribution at
-any temperature, top-k and top-p is exactly the point mass at that token, so
-one acceptance step verifies both kinds of rows exactly. When the fallback
-proposes point masses too (every row greedy), the rows simply take their
-tokens from one drafter or the other. The proposal marks the n-gram rows
-(``free_rows``), so the loop's draft schedule learns the two drafters'
-acceptance apart: whether to pay for the fallback is decided from the
-fallback's acceptance alone.
+n-gram proposals instead. The proposal keeps the fallback's draft logits and
+marks the n-gram rows as point masses (``Proposal.point_mass_rows``): one
+acceptance step verifies each row by its own kind, the n-gram rows by the
+point-mass rule and the others against the fallback's distribution. When the
+fallback proposes point masses too (every row greedy), the rows simply take
+their tokens from one drafter or the other. The proposal also marks the
+n-gram rows as free (``free_rows``), so the loop's draft schedule learns the
+two drafters' acceptance apart: whether to pay for the fallback is decided
+from the fallback's acceptance alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 
 from specjax.drafters.base import DRAFTER_METHODS, CommitInfo, DraftRequest, DraftSetup, Proposal, is_drafter
-from specjax.kernels.steps import fit_vocab
 
 __all__ = ["HybridDrafter"]
-
-
-# Recompiles when B, the draft vocabulary or V change.
-@partial(jax.jit, static_argnames=("vocab",))
-def _point_mass_logits(logits: Any, tokens: Any, use_tokens: Any, *, vocab: int) -> Any:
-    """f[B, V]: ``logits`` (padded/cut to V) where ``use_tokens`` is False, else 0 at ``tokens``, -inf elsewhere."""
-    logits = fit_vocab(logits, vocab)
-    ids = lax.iota(jnp.int32, vocab)
-    mass = jnp.where(ids[None, :] == tokens[:, None], 0.0, -jnp.inf).astype(logits.dtype)
-    return jnp.where(use_tokens[:, None], mass, logits)
 
 
 class HybridDrafter:
@@ -73,7 +59,6 @@ class HybridDrafter:
         self.needs_target_hidden = bool(getattr(fallback, "needs_target_hidden", False))
         self.target_hidden_layers = tuple(getattr(fallback, "target_hidden_layers", (-1,)))
         self.cost_per_token_hint = float(getattr(fallback, "cost_per_token_hint", 0.0))
-        self.vocab = 0
         self.last_source = ""
 
     def fork(self) -> HybridDrafter:
@@ -95,7 +80,6 @@ class HybridDrafter:
         return HybridDrafter(*forks)
 
     def start(self, setup: DraftSetup) -> None:
-        self.vocab = setup.target_vocab
         self.ngram.start(setup)
         self.fallback.start(setup)
 
@@ -129,13 +113,9 @@ class HybridDrafter:
             fb_tokens = jnp.asarray(fb.tokens).astype(jnp.int32)
             if g > fb.width:  # positions only n-gram rows reach: the fallback's rows never test them
                 fb_tokens = jnp.pad(fb_tokens, ((0, 0), (0, g - fb.width)))
-            use_j = jnp.asarray(use)
-            tokens = jnp.where(use_j[:, None], jnp.asarray(ng_tokens), fb_tokens)
-            # n-gram rows: logits whose processed distribution is the point mass at their token
-            fb_logits = list(fb.logits) + [fb.logits[-1]] * (g - fb.width)
-            logits = tuple(
-                _point_mass_logits(lg, tokens[:, i], use_j, vocab=self.vocab) for i, lg in enumerate(fb_logits)
-            )
+            tokens = jnp.where(jnp.asarray(use)[:, None], jnp.asarray(ng_tokens), fb_tokens)
+            # one logits array per position; the n-gram rows' (point masses) are never read
+            logits = tuple(fb.logits) + (fb.logits[-1],) * (g - fb.width)
         return Proposal(
             tokens,
             counts,
@@ -144,6 +124,7 @@ class HybridDrafter:
             free_rows=use,
             hindsight=fb.hindsight,
             confidence=confidence,
+            point_mass_rows=None if logits is None else use,
         )
 
     def commit(self, info: CommitInfo) -> None:

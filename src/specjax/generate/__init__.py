@@ -14,7 +14,7 @@ from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
 from specjax.generate.jax_loop import check_jax_call, host_ids, run_jax_loop
-from specjax.generate.loop import LoopState, SpeculativeOutput, SpeculativeStats, run_loop
+from specjax.generate.loop import LoopConfig, LoopState, SpeculativeOutput, SpeculativeStats, run_loop
 from specjax.generate.outputs import Outputs
 from specjax.generate.processors import LoopProcessors, build_processors
 from specjax.generate.stopping import check_stopping_criteria, stop_string_criterion
@@ -446,41 +446,32 @@ def speculative_generate(
             output_logits=output_logits,
             output_logprobs=output_logprobs,
         )
+    config = LoopConfig(
+        max_new_tokens=int(max_new_tokens),
+        num_draft_tokens=int(num_draft_tokens),
+        eos_ids=frozenset(eos_ids),
+        pad_token_id=int(pad_token_id),
+        target_vocab=target_vocab,
+        sampler=sampler_fn,
+        adaptive=adaptive,
+        on_tokens=on_tokens,
+        return_state=return_state,
+        stopping_criteria=tuple(criteria),
+        outputs=Outputs(output_scores, output_logits, output_logprobs),
+    )
+    started = (t_start, setup_compiles.seconds)
     # one call's state per drafter object: a drafter another call is using is forked
     with claim_drafter(drafter) as drafter:
         if on_jax:
-            return run_jax_loop(
-                target,
-                drafter,
-                input_ids,
-                attention_mask,
-                max_new_tokens=int(max_new_tokens),
-                num_draft_tokens=int(num_draft_tokens),
-                sampling=sampling,
-                eos_ids=eos_ids,
-                pad_token_id=int(pad_token_id),
-                target_vocab=target_vocab,
-                on_tokens=on_tokens,
-                started=(t_start, setup_compiles.seconds),
-            )
+            return run_jax_loop(target, drafter, input_ids, attention_mask, sampling, config, started=started)
         return run_loop(
             target,
             drafter,
             input_ids,
             attention_mask,
-            max_new_tokens=int(max_new_tokens),
-            num_draft_tokens=int(num_draft_tokens),
-            sampling=sampling,
-            adaptive=adaptive,
-            eos_ids=eos_ids,
-            pad_token_id=int(pad_token_id),
-            target_vocab=target_vocab,
-            sampler=sampler_fn,
-            on_tokens=on_tokens,
-            return_state=return_state,
-            started=(t_start, setup_compiles.seconds),
-            stopping_criteria=criteria,
-            outputs=Outputs(output_scores, output_logits, output_logprobs),
+            sampling,
+            config,
+            started=started,
             processors=processors,
             grammar=grammar,
         )

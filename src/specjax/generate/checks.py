@@ -224,13 +224,13 @@ def _int_array(who: str, what: str, x: Any, shape: tuple[int, ...]) -> np.ndarra
     return arr
 
 
-def check_step_output(who: str, num_accepted: Any, tokens: Any, num_draft_tokens: Any, vocab: int) -> None:
-    """Check one verification's result for rows with ``k_b = num_draft_tokens[b]``.
+def check_step_output(who: str, num_accepted: Any, tokens: Any, draft_lengths: Any, vocab: int) -> None:
+    """Check one verification's result for rows with ``k_b = draft_lengths[b]``.
 
     ``num_accepted``: i[B] in [0, k_b]; ``tokens``: i[B, W] with W > max k_b, whose
     first ``n_b + 1`` entries (the accepted tokens and the emitted one) are in [0, V).
     """
-    k = np.asarray(num_draft_tokens).astype(np.int64).reshape(-1)
+    k = np.asarray(draft_lengths).astype(np.int64).reshape(-1)
     b = k.shape[0]
     n = _int_array(who, "num_accepted", num_accepted, (b,)).astype(np.int64)
     tok = _host(tokens)

@@ -3,8 +3,8 @@
 :func:`check_proposal` holds a drafter's answer to its contract
 (:class:`specjax.drafters.Proposal`); :func:`draft_batch` turns the kept part
 into a :class:`DraftBatch`: the draft columns as the target's input (torch)
-and as the verifier's (NumPy on a CPU, else JAX), each row's count, and the
-draft logits or None (point masses).
+and as the verifier's (NumPy on a CPU, else JAX), each row's count, the
+draft logits or None, and which rows are point masses.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ class DraftBatch:
         in host memory, else JAX).
       k: i64[B'] host array, ``k_b`` in [0, g]: the draft tokens row b tests.
       g: ``max(k)``; W >= g is the padded width (a few widths compile).
-      logits: None (point masses), or a tuple of g f[B', V_draft] arrays: the
-        draft distributions the tokens were drawn from.
+      logits: None (every row a point mass), or a tuple of g f[B', V_draft]
+        arrays: the draft distributions the tokens were drawn from.
+      point_mass_rows: bool[B'] host array: the rows whose proposals are
+        deterministic (``q`` the point mass at each token); all True when
+        ``logits`` is None.
       free_rows, confidence: the proposal's (:class:`specjax.drafters.Proposal`),
         for the schedule.
     """
@@ -45,12 +48,20 @@ class DraftBatch:
     k: np.ndarray
     g: int
     logits: tuple[Any, ...] | None
+    point_mass_rows: np.ndarray
     free_rows: np.ndarray | None = None
     confidence: np.ndarray | None = None
 
     @property
     def width(self) -> int:
         return int(self.tokens_t.shape[1])
+
+    @property
+    def mixed_point_masses(self) -> np.ndarray | None:
+        """``point_mass_rows`` for the verifier where point masses and draft logits share the batch, else None."""
+        if self.logits is None or not (self.point_mass_rows & (self.k > 0)).any():
+            return None
+        return self.point_mass_rows
 
 
 def draft_batch(
@@ -64,8 +75,17 @@ def draft_batch(
 
     g = int(k.max(initial=0))
     tokens_t, tokens_v = _draft_columns(proposal.tokens, k, g, width, last, device, jnp)
-    logits = None if proposal.logits is None or not g else tuple(proposal.logits[:g])
-    return DraftBatch(tokens_t, tokens_v, k, g, logits, proposal.free_rows, confidence)
+    masses = _point_mass_rows(proposal, k)
+    logits = None if proposal.logits is None or masses.all() else tuple(proposal.logits[:g])
+    return DraftBatch(tokens_t, tokens_v, k, g, logits, masses, proposal.free_rows, confidence)
+
+
+def _point_mass_rows(proposal: Proposal, k: np.ndarray) -> np.ndarray:
+    """bool[B']: the rows verified as point masses; all of them when no row that tests a token has draft logits."""
+    if proposal.logits is None:
+        return np.ones(len(k), bool)
+    masses = np.zeros(len(k), bool) if proposal.point_mass_rows is None else np.array(proposal.point_mass_rows, bool)
+    return np.ones(len(k), bool) if masses[k > 0].all() else masses
 
 
 def no_proposal(batch: int) -> Proposal:
@@ -105,12 +125,12 @@ def check_proposal(
                 f"{who} returned {count} logits arrays for {int(k.max(initial=0))} draft positions, expected a "
                 "tuple with one f[B, V] array per position"
             )
-    if proposal.free_rows is not None:
-        free = np.asarray(proposal.free_rows)
-        if free.shape != (batch,) or free.dtype != np.bool_:
+    for name in ("free_rows", "point_mass_rows"):
+        rows = getattr(proposal, name)
+        if rows is not None and (np.shape(rows) != (batch,) or np.asarray(rows).dtype != np.bool_):
             raise checks.PluginOutputError(
-                f"{who} returned free_rows of shape {free.shape} and dtype {free.dtype}, expected bool of shape "
-                f"({batch},)"
+                f"{who} returned {name} of shape {np.shape(rows)} and dtype {np.asarray(rows).dtype}, expected "
+                f"bool of shape ({batch},)"
             )
     if proposal.confidence is not None:
         conf = np.asarray(proposal.confidence)
@@ -141,8 +161,9 @@ def check_proposal(
     if proposal.logits is not None:
         if check_logits and host is None:
             host = to_host(proposal.tokens)
+        drawn = k if proposal.point_mass_rows is None else np.where(proposal.point_mass_rows, 0, k)  # rows read
         checks.check_draft_logits(
-            who, proposal.logits, host if host is not None else np.zeros((batch, 0)), k, batch, values=check_logits
+            who, proposal.logits, host if host is not None else np.zeros((batch, 0)), drawn, batch, values=check_logits
         )
 
 

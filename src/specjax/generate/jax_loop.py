@@ -46,12 +46,18 @@ from jax import lax
 from specjax.adapters.jax_view import torchax_array
 from specjax.drafters import HybridDrafter, ModelDrafter
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
-from specjax.drafters.hybrid import _point_mass_logits as point_mass_logits  # the hybrid's own rule
 from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import check_proposal
 from specjax.generate.jax_model import JaxModel, KVCache, jax_model
-from specjax.generate.loop import SpeculativeOutput, SpeculativeStats, _build_output, _finish_stats, _Row
+from specjax.generate.loop import (
+    LoopConfig,
+    SpeculativeOutput,
+    SpeculativeStats,
+    _build_output,
+    _finish_stats,
+    _Row,
+)
 from specjax.kernels import steps
 from specjax.kernels.types import SamplingParams
 
@@ -79,15 +85,14 @@ def prefill(model: JaxModel, weights: dict[str, jax.Array], cache: KVCache, toke
 def _draft(draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab):
     """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V]); the draft cache after.
 
-    Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing, with point-mass logits (0 at the
-    token, -inf elsewhere: the hybrid drafter's rule), and feed those tokens, so the
-    draft's cache holds what the row proposed either way.
+    Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing and feed those tokens, so the
+    draft's cache holds what the row proposed either way; their logits are the draft model's, never read
+    (the acceptance step verifies those rows as point masses: ``point_mass_rows``).
     """
 
-    def pick(q, i):  # the drawn token, or the row's forced one (with its point mass); purpose i + 1
+    def pick(q, i):  # the drawn token, or the row's forced one; purpose i + 1
         drawn = steps.draft_draw(q, row_keys, step, i + 1, params, vocab=vocab)
-        x = jnp.where(use, forced[:, i], drawn)
-        return x, point_mass_logits(q, x, use, vocab=vocab)
+        return (drawn if use is None else jnp.where(use, forced[:, i], drawn)), q
 
     logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
     x0, q0 = pick(logits[:, -1], 0)
@@ -119,8 +124,8 @@ def draft_and_verify(
     step: jax.Array,
     params: SamplingParams,
     k: jax.Array,
-    forced: jax.Array,
-    use: jax.Array,
+    forced: jax.Array | None,
+    use: jax.Array | None,
     *,
     g: int,
     vocab: int,
@@ -135,7 +140,9 @@ def draft_and_verify(
       row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows.
       k: i32[B], ``k_b`` in [0, G]: the draft tokens row b tests.
       forced: i32[B, G], use: bool[B]: rows with ``use`` propose ``forced`` (the hybrid drafter's lookups)
-        as point masses instead of the draft model's draws (all False for the model drafter).
+        as point masses instead of the draft model's draws; the acceptance step takes ``use`` as its
+        ``point_mass_rows``, the CPU hybrid's rule. Both None for the model drafter (every row drawn; a
+        separate compilation, and the acceptance step's paths for draft logits alone).
       g: G; vocab: the target's vocabulary size V.
 
     Returns:
@@ -144,7 +151,7 @@ def draft_and_verify(
     """
     x, q, d_cache = _draft(draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab)
     logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
-    out = steps.verify_step(x, q, logits, row_keys, step, params, k)
+    out = steps.verify_step(x, q, logits, row_keys, step, params, k, use)
     return out.num_accepted, out.tokens, t_cache, d_cache
 
 
@@ -231,10 +238,9 @@ class _JaxRun:
     """One call's state on JAX's device and its steps: plan, propose (host lookups), verify (one program),
     commit; arguments as :func:`run_jax_loop`'s."""
 
-    def __init__(self, target, drafter, input_ids, attention_mask, *, max_new_tokens, num_draft_tokens, sampling,
-                 eos_ids, target_vocab, on_tokens) -> None:  # fmt: skip
-        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, eos_ids, on_tokens
-        self.max_new_tokens, self.g, self.vocab = max_new_tokens, num_draft_tokens, target_vocab
+    def __init__(self, target, drafter, input_ids, attention_mask, sampling: SamplingState, config: LoopConfig) -> None:
+        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, config.eos_ids, config.on_tokens
+        self.max_new_tokens, self.g, self.vocab = config.max_new_tokens, config.num_draft_tokens, config.target_vocab
         self.contexts = _contexts(input_ids, attention_mask)
         self.batch = len(self.contexts)
         self.prefilled = int(max(len(c) for c in self.contexts) > 1)  # one forward over the prompts first
@@ -247,7 +253,7 @@ class _JaxRun:
         self.fused = draft_model is not None
         # the host's proposals: a lookup drafter's, or the hybrid's lookups (its model drafts the other rows)
         self.asked = drafter.ngram if isinstance(drafter, HybridDrafter) else (None if self.fused else drafter)
-        positions = _positions(self.contexts, max_new_tokens + self.g + 1)
+        positions = _positions(self.contexts, self.max_new_tokens + self.g + 1)
         self.t = jax_model("target", target)
         self.d = jax_model("draft", draft_model) if self.fused else None
         self.t_cache, self.start, self.last = _prefilled(self.t, self.contexts, positions)
@@ -255,7 +261,7 @@ class _JaxRun:
         self.prev = np.array([c[-2] if len(c) > 1 else 0 for c in self.contexts], np.int32)
         if self.asked is not None:
             contexts = [list(c) for c in self.contexts]
-            self.asked.start(DraftSetup(target, input_ids, attention_mask, contexts, target_vocab, self.g, sampling))
+            self.asked.start(DraftSetup(target, input_ids, attention_mask, contexts, self.vocab, self.g, sampling))
 
     def active(self) -> bool:
         return not all(r.done for r in self.rows)
@@ -297,9 +303,11 @@ class _JaxRun:
         last, start, k_j = jnp.asarray(self.last), jnp.asarray(self.start), jnp.asarray(k, jnp.int32)
         if self.d is not None:
             assert self.d_cache is not None
+            # the hybrid's lookups and its point-mass rows; None for the model drafter
+            forced = (jnp.asarray(x), jnp.asarray(use)) if self.asked is not None else (None, None)
             n, tokens, self.t_cache, self.d_cache = draft_and_verify(
                 self.t, self.d, self.t.weights, self.d.weights, self.t_cache, self.d_cache, jnp.asarray(self.prev),
-                last, start, keys, step, params, k_j, jnp.asarray(x), jnp.asarray(use), g=self.g, vocab=self.vocab,
+                last, start, keys, step, params, k_j, *forced, g=self.g, vocab=self.vocab,
             )  # fmt: skip
         else:
             n, tokens, self.t_cache = lookup_and_verify(
@@ -346,37 +354,23 @@ def run_jax_loop(
     drafter: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    num_draft_tokens: int,
     sampling: SamplingState,
-    eos_ids: set[int],
-    pad_token_id: int,
-    target_vocab: int,
-    on_tokens: Any = None,
+    config: LoopConfig,
+    *,
     started: tuple[float, float] | None = None,
 ) -> SpeculativeOutput:
     """The loop on JAX's devices; arguments as :func:`specjax.generate.loop.run_loop`'s, already validated.
 
-    ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded.
+    ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded. Of ``config`` this
+    path reads G, ``max_new_tokens``, the EOS and pad ids, V and ``on_tokens``: it drafts G every step
+    (``adaptive`` has no effect), and :func:`check_jax_call` has refused the settings it does not run.
     """
     from specjax.adapters import count_copies
 
     _check_drafter(drafter)
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
     with count_copies() as copies, measure_compiles() as compiles:
-        run = _JaxRun(
-            target,
-            drafter,
-            input_ids,
-            attention_mask,
-            max_new_tokens=max_new_tokens,
-            num_draft_tokens=num_draft_tokens,
-            sampling=sampling,
-            eos_ids=eos_ids,
-            target_vocab=target_vocab,
-            on_tokens=on_tokens,
-        )
+        run = _JaxRun(target, drafter, input_ids, attention_mask, sampling, config)
         while run.active():
             active, caps = run.plan()  # 1.
             x, k, use = run.propose(active, caps)  # 2. (host lookups; the draft model runs in 3.)
@@ -385,12 +379,12 @@ def run_jax_loop(
 
     stats = run.stats
     stats.target_forwards = stats.steps + run.prefilled
-    stats.draft_forwards = (stats.steps * num_draft_tokens + run.prefilled) if run.fused else 0
+    stats.draft_forwards = (stats.steps * run.g + run.prefilled) if run.fused else 0
     stats.adapter_copies = copies.copies
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained, run.row_steps, run.rows, t_start)
     stats.loop_time_s = stats.wall_time_s
-    return _build_output(input_ids, run.rows, pad_token_id, stats)
+    return _build_output(input_ids, run.rows, config.pad_token_id, stats)
 
 
 def _contexts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -453,7 +447,7 @@ def greedy_decode(
     return np.asarray(jax.device_get(jnp.stack(out, axis=1))).astype(np.int64)
 
 
-def _emit(row: _Row, tokens: list[int], eos_ids: set[int], max_new_tokens: int) -> list[int]:
+def _emit(row: _Row, tokens: list[int], eos_ids: frozenset[int], max_new_tokens: int) -> list[int]:
     """Append a step's tokens to ``row`` up to its first EOS and ``max_new_tokens``; returns those appended."""
     for i, token in enumerate(tokens):
         if token in eos_ids:

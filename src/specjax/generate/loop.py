@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,11 +62,49 @@ from specjax.generate.grammar import GrammarRows
 from specjax.generate.outputs import OutputRecorder, Outputs
 from specjax.generate.processors import LoopProcessors
 from specjax.generate.schedule import DraftSchedule
-from specjax.generate.stopping import StopRule
+from specjax.generate.stopping import Criterion, StopRule
 from specjax.generate.verify import Verifier, choose_verifier
 from specjax.slots import SlotCache, to_host
 
-__all__ = ["LoopState", "SpeculativeOutput", "SpeculativeStats", "run_loop"]
+__all__ = ["LoopConfig", "LoopState", "SpeculativeOutput", "SpeculativeStats", "run_loop"]
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """One call's settings, checked by :func:`speculative_generate` and fixed for the call.
+
+    Read by :func:`run_loop` and by the JAX path (:func:`specjax.generate.jax_loop.run_jax_loop`).
+    What changes during the call (logits processors, grammar matchers) is passed beside it.
+
+    Attributes:
+      max_new_tokens: the most tokens a row generates.
+      num_draft_tokens: G, the most draft tokens a row proposes per step.
+      eos_ids: the token ids that end a row (empty: none).
+      pad_token_id: what fills a row's output after it ends.
+      target_vocab: V, the width of the target's logits.
+      sampler: None for the built-in JAX step, else a callable with the
+        :func:`specjax.rejection_sample` contract (its output checked).
+      adaptive: choose the draft length per step and row from measured costs
+        (:mod:`specjax.generate.schedule`); False drafts G every step (fewer only
+        where ``max_new_tokens`` allows fewer).
+      on_tokens: None, or ``on_tokens(row, tokens)`` called with each row's new tokens.
+      return_state: keep the caches after the last step in the output (:class:`LoopState`).
+      stopping_criteria: callables ``(input_ids, scores) -> bool[R]`` asked after every
+        token besides EOS (:mod:`specjax.generate.stopping`; stop strings among them).
+      outputs: the per-token outputs to return (:mod:`specjax.generate.outputs`).
+    """
+
+    max_new_tokens: int
+    num_draft_tokens: int
+    eos_ids: frozenset[int]
+    pad_token_id: int
+    target_vocab: int
+    sampler: Callable[..., Any] | None = None
+    adaptive: bool = True
+    on_tokens: Callable[[int, list[int]], Any] | None = None
+    return_state: bool = False
+    stopping_criteria: tuple[Criterion, ...] = ()
+    outputs: Outputs = field(default_factory=Outputs)
 
 
 @dataclass
@@ -224,7 +262,11 @@ class _Scored:
 
 
 class _Run:
-    """One call's state and its steps (see the module docstring); arguments as :func:`run_loop`'s."""
+    """One call's state and its steps (see the module docstring); arguments as :func:`run_loop`'s.
+
+    ``greedy``: every row greedy with the built-in sampler (the greedy verifier's case);
+    ``all_greedy``: every row greedy (what the schedule prices).
+    """
 
     def __init__(
         self,
@@ -232,25 +274,21 @@ class _Run:
         drafter: Any,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        *,
-        max_new_tokens: int,
-        num_draft_tokens: int,
         sampling: SamplingState,
-        stop: StopRule,
-        outputs: OutputRecorder | None,
-        target_vocab: int,
+        config: LoopConfig,
+        *,
         greedy: bool,
-        adaptive: bool,
-        on_tokens: Any,
+        all_greedy: bool,
         processors: LoopProcessors | None = None,
         grammar: GrammarRows | None = None,
     ) -> None:
-        self.drafter, self.sampling, self.stop, self.on_tokens = drafter, sampling, stop, on_tokens
-        self.outputs = outputs
+        self.drafter, self.sampling, self.config = drafter, sampling, config
         self.processors, self.grammar = processors, grammar
-        self.max_new_tokens, self.num_draft_tokens, self.target_vocab = max_new_tokens, num_draft_tokens, target_vocab
+        num_draft_tokens = config.num_draft_tokens
         self.device = input_ids.device
         batch, prompt_len = input_ids.shape
+        self.stop = StopRule(config.eos_ids, config.stopping_criteria, input_ids)
+        self.outputs = OutputRecorder(batch, config.outputs, greedy=greedy) if config.outputs else None
         self.rows = [_Row(i) for i in range(batch)]
         self.cache_rows = list(range(batch))  # original row index of each cache row
         self.stats = SpeculativeStats(drafter=str(getattr(drafter, "name", type(drafter).__name__)))
@@ -267,7 +305,7 @@ class _Run:
         # sampling, it only stops the drafting token by token, and the count is chosen
         # sequentially (DraftSchedule.trim's ``asked``), since a count chosen from the drawn
         # tokens would bias the output.
-        self.use_confidence = adaptive
+        self.use_confidence = config.adaptive
         # Drafters whose proposals cost nothing (lookups) are asked every step.
         self.free_proposals = bool(
             getattr(drafter, "asks_every_step", float(getattr(drafter, "cost_per_token_hint", 1.0)) == 0.0)
@@ -299,7 +337,7 @@ class _Run:
                 input_ids,
                 attention_mask,
                 [list(c) for c in self.contexts],
-                target_vocab,
+                config.target_vocab,
                 num_draft_tokens,
                 sampling,
                 prompt_hidden,
@@ -309,11 +347,11 @@ class _Run:
         self.schedule = DraftSchedule(
             batch,
             num_draft_tokens,
-            adaptive=adaptive,
+            adaptive=config.adaptive,
             draft_cost_hint=float(getattr(drafter, "cost_per_token_hint", 0.003)),
             model=target,
             drafter_key=self.stats.drafter,
-            greedy=bool(np.all(np.asarray(sampling.temperature) == 0)),
+            greedy=all_greedy,
         )
         self.last = ids_h[:, -1].astype(np.int64).copy()  # i64[B']: last committed token, not in the target cache
 
@@ -335,9 +373,9 @@ class _Run:
         may go up to the cap.
         """
         state = [self.rows[i] for i in self.cache_rows]
-        remaining = np.array([0 if r.done else self.max_new_tokens - len(r.generated) for r in state])
+        remaining = np.array([0 if r.done else self.config.max_new_tokens - len(r.generated) for r in state])
         active = remaining > 0
-        caps = np.where(active, np.minimum(self.num_draft_tokens, np.maximum(remaining - 1, 0)), 0)
+        caps = np.where(active, np.minimum(self.config.num_draft_tokens, np.maximum(remaining - 1, 0)), 0)
         plain = self.first_scored is not None  # the prompt's forward already scored a plain step
         want = np.zeros_like(caps) if plain else self.schedule.plan(caps, active, remaining)
         return remaining, active, caps, want
@@ -376,7 +414,7 @@ class _Run:
                 proposal,
                 caps,
                 b_now,
-                self.target_vocab,
+                self.config.target_vocab,
                 check_ids=not self.trusted,
                 check_logits=not self.greedy,
             )
@@ -412,8 +450,8 @@ class _Run:
         k = np.asarray(proposal.num_tokens, np.int64)
         if self.greedy or proposal.logits is None:
             point = np.ones(len(k), bool)
-        elif proposal.free_rows is not None:
-            point = np.asarray(proposal.free_rows, bool)
+        elif proposal.point_mass_rows is not None:
+            point = np.asarray(proposal.point_mass_rows, bool)
         else:
             return proposal
         if not (point & (k > 0)).any():
@@ -461,7 +499,7 @@ class _Run:
         rule (EOS, stop strings, criteria: :mod:`specjax.generate.stopping`) ends the row, and stops at
         ``max_new_tokens``; the target cache drops the rejected slots; the drafter and the schedule
         learn the outcome."""
-        stats = self.stats
+        stats, on_tokens = self.stats, self.config.on_tokens
         stats.steps += 1
         b_now = len(batch.k)
         kept = np.zeros(b_now, np.int64)  # accepted draft tokens each row keeps (a stop may cut them)
@@ -484,12 +522,12 @@ class _Run:
                 row.done = True
             row.generated.extend(emitted)
             self.contexts[row.index].extend(emitted)
-            if len(row.generated) >= self.max_new_tokens:
+            if len(row.generated) >= self.config.max_new_tokens:
                 row.done = True
             self.gained_total += len(emitted)
             self.row_steps += 1
-            if self.on_tokens is not None:
-                self.on_tokens(row.index, emitted)
+            if on_tokens is not None:
+                on_tokens(row.index, emitted)
             kept[j] = len(emitted) - 1
             self.last[j] = emitted[-1]
             emitted_rows.append(emitted)
@@ -520,7 +558,7 @@ class _Run:
         live = [j for j, i in enumerate(self.cache_rows) if not self.rows[i].done]
         if not live or len(live) > b_now // 2:
             return
-        to_go = max(self.max_new_tokens - len(self.rows[self.cache_rows[j]].generated) for j in live)
+        to_go = max(self.config.max_new_tokens - len(self.rows[self.cache_rows[j]].generated) for j in live)
         if not self.greedy and to_go < _DROP_MIN_LEFT:
             return
         size = b_now // 2
@@ -549,61 +587,42 @@ def run_loop(
     drafter: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    num_draft_tokens: int,
     sampling: SamplingState,
-    eos_ids: set[int],
-    pad_token_id: int,
-    target_vocab: int,
-    sampler: Any,
-    on_tokens: Any = None,
-    return_state: bool = False,
-    adaptive: bool = True,
+    config: LoopConfig,
+    *,
     started: tuple[float, float] | None = None,
-    stopping_criteria: Sequence[Any] = (),
-    outputs: Outputs | None = None,
     processors: LoopProcessors | None = None,
     grammar: GrammarRows | None = None,
 ) -> SpeculativeOutput:
     """The loop proper; arguments are already validated by :func:`speculative_generate`.
 
     ``drafter`` follows :class:`specjax.drafters.Drafter`; ``sampling`` holds the
-    per-row parameters and keys; ``sampler`` is None for the fused JAX path,
-    else a callable with the :func:`specjax.rejection_sample` contract.
-    ``adaptive`` chooses the draft length per step from measured costs
-    (:mod:`specjax.generate.schedule`); False drafts ``num_draft_tokens`` every
-    step (fewer only where ``max_new_tokens`` allows fewer). Finished rows stay
-    in the caches until they are dropped, but append no valid slots.
+    per-row parameters and keys; ``config`` the call's settings. Finished rows
+    stay in the caches until they are dropped, but append no valid slots.
     ``started``: ``(time.perf_counter() at the caller's start, seconds it spent
     compiling)``, so that the statistics' times cover the caller's setup too
-    (default: from this call's start). ``stopping_criteria``: callables
-    ``(input_ids, scores) -> bool[R]`` asked after every token besides EOS
-    (:mod:`specjax.generate.stopping`); ``outputs``: the per-token outputs to
-    return (:mod:`specjax.generate.outputs`); ``processors``: the call's logits
+    (default: from this call's start). ``processors``: the call's logits
     processors (:mod:`specjax.generate.processors`), or None; ``grammar``: the grammar among them
     (:class:`~specjax.generate.grammar.GrammarRows`), whose matchers cut point-mass proposals, or None.
+    Both hold state that changes with every step (prefixes, matchers, timings), so they are
+    arguments beside the frozen ``config``, not fields of it.
     """
     from specjax.adapters import count_copies
 
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
-    greedy = sampler is None and bool(np.all(np.asarray(sampling.temperature) == 0))
-    verify: Verifier = choose_verifier(sampler, greedy, int(input_ids.shape[0]), num_draft_tokens)
+    all_greedy = bool(np.all(np.asarray(sampling.temperature) == 0))
+    greedy = config.sampler is None and all_greedy
+    verify: Verifier = choose_verifier(config.sampler, greedy, int(input_ids.shape[0]), config.num_draft_tokens)
     with count_copies() as copies, measure_compiles() as compiles:
         run = _Run(
             target,
             drafter,
             input_ids,
             attention_mask,
-            max_new_tokens=max_new_tokens,
-            num_draft_tokens=num_draft_tokens,
-            sampling=sampling,
-            stop=StopRule(eos_ids, stopping_criteria, input_ids),
-            outputs=OutputRecorder(int(input_ids.shape[0]), outputs, greedy=greedy) if outputs else None,
-            target_vocab=target_vocab,
+            sampling,
+            config,
             greedy=greedy,
-            adaptive=adaptive,
-            on_tokens=on_tokens,
+            all_greedy=all_greedy,
             processors=processors,
             grammar=grammar,
         )
@@ -614,7 +633,7 @@ def run_loop(
             batch, draft_s = run.draft(remaining, active, caps, want, timed)  # 2.
             scored = run.score(batch, active)  # 3.
             n, tokens = verify(batch, scored.logits, run.sampling, run.step)  # 4.
-            check_step_output("the verification step", n, tokens, batch.k, target_vocab)
+            check_step_output("the verification step", n, tokens, batch.k, config.target_vocab)
             run.commit(batch, scored, n, tokens)  # 5.
             # the step's time besides drafting and the target forward (verification, bookkeeping,
             # the drafter's commit), apart for steps that verified drafts and plain ones
@@ -634,10 +653,10 @@ def run_loop(
     stats.processor_time_s = processors.seconds if processors is not None else 0.0
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained_total, run.row_steps, run.rows, t_start)
-    out = _build_output(input_ids, run.rows, pad_token_id, stats)
+    out = _build_output(input_ids, run.rows, config.pad_token_id, stats)
     if run.outputs is not None:
         out.scores, out.logits, out.logprobs = run.outputs.finish(out.sequences.shape[1] - input_ids.shape[1])
-    if return_state:
+    if config.return_state:
         pending = getattr(drafter, "pending", None)
         out.state = LoopState(
             run.t_cache,

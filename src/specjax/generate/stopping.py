@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -121,7 +122,7 @@ class StopRule:
     that end a row; ``criteria``: as :func:`check_stopping_criteria` returns them.
     """
 
-    def __init__(self, eos_ids: set[int], criteria: Sequence[Criterion], prompts: torch.Tensor) -> None:
+    def __init__(self, eos_ids: AbstractSet[int], criteria: Sequence[Criterion], prompts: torch.Tensor) -> None:
         self.eos_ids = eos_ids
         self.criteria = [(c, _window(c), plugin_name("stopping criterion", c)) for c in criteria]
         self.device = prompts.device

@@ -86,7 +86,7 @@ class FusedVerifier:
         tj = jit_input(target_logits)
         d_logits = _jax_draft_logits(batch)
         # shapes from a few buckets: each new (B', width) compiles the step anew
-        xb, db, tb, kb, pb, nb = bucketed(
+        xb, db, tb, kb, pb, nb, mb = bucketed(
             batch.tokens_v,
             d_logits,
             target_logits,
@@ -96,9 +96,10 @@ class FusedVerifier:
             self.batch_size,
             self.max_width,
             jnp,
+            batch.mixed_point_masses,
         )
         tb = tj if tb is target_logits else jit_input(tb)
-        result = steps.verify_step(xb, db, tb, kb, step, pb, nb)
+        result = steps.verify_step(xb, db, tb, kb, step, pb, nb, mb)
         b_now = len(batch.k)
         tok = np.asarray(jax.block_until_ready(result.tokens[:b_now, : batch.width + 1]))
         n = np.asarray(result.num_accepted[:b_now]).astype(np.int64)
@@ -121,7 +122,9 @@ class SamplerVerifier:
 
         tj = jit_input(target_logits)
         d_logits = _jax_draft_logits(batch)
-        n_j, tok_j = _run_sampler(self.sampler, batch.tokens_v, d_logits, tj, sampling, step, batch.k)
+        n_j, tok_j = _run_sampler(
+            self.sampler, batch.tokens_v, d_logits, tj, sampling, step, batch.k, batch.mixed_point_masses
+        )
         tok = np.asarray(jax.block_until_ready(tok_j))
         n = np.asarray(n_j).astype(np.int64)
         del d_logits, tj
@@ -173,7 +176,8 @@ def bucketed(
     batch: int,
     max_width: int,
     jnp: Any,
-) -> tuple[Any, tuple[Any, ...] | None, torch.Tensor, Any, Any, np.ndarray]:
+    point_mass_rows: np.ndarray | None = None,
+) -> tuple[Any, tuple[Any, ...] | None, torch.Tensor, Any, Any, np.ndarray, np.ndarray | None]:
     """The sampled verification's inputs padded to a bucketed (rows, positions) shape.
 
     ``verify_step`` compiles once per shape, and the adaptive length and rows
@@ -185,16 +189,20 @@ def bucketed(
     for the added rows); a row's draws depend on its own key and ``k_b`` only
     (:func:`specjax.kernels.steps.sampling_uniform`), so the padding changes no
     token. Returns ``(draft tokens, draft logits, target logits (torch),
-    keys, params, k i32[B''])``; the target logits are the input itself when
-    no padding is needed.
+    keys, params, k i32[B''], point_mass_rows bool[B''] or None)``; the target
+    logits are the input itself when no padding is needed.
     """
     b, w1 = target_logits.shape[:2]
     rows = min(batch, 1 << max(b - 1, 0).bit_length())
     cols = next(size for size in buckets(max_width) if size >= w1)
     k = np.zeros(rows, np.int32)
     k[:b] = k_rows
+    masses = None
+    if point_mass_rows is not None:  # the added rows test nothing: either kind will do
+        masses = np.zeros(rows, bool)
+        masses[:b] = point_mass_rows
     if rows == b and cols == w1:
-        return x_j, d_logits, target_logits, keys, params, k
+        return x_j, d_logits, target_logits, keys, params, k, masses
     row_idx = np.concatenate([np.arange(b), np.zeros(rows - b, np.int64)])
     pos_idx = np.minimum(np.arange(cols), w1 - 1)
     t = target_logits[torch.as_tensor(row_idx)[:, None], torch.as_tensor(pos_idx)[None, :]]
@@ -204,7 +212,7 @@ def bucketed(
     if d_logits is not None:
         d = tuple(jnp.asarray(a)[row_idx] for a in d_logits)
         d += (d[-1],) * (cols - 1 - len(d))
-    return x, d, t, keys[row_idx], _take_rows(params, row_idx), k
+    return x, d, t, keys[row_idx], _take_rows(params, row_idx), k, masses
 
 
 def _take_rows(params: Any, rows: Any) -> Any:
@@ -214,14 +222,14 @@ def _take_rows(params: Any, rows: Any) -> Any:
     return jax.tree.map(lambda a: a[rows], params)
 
 
-def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows):
+def _run_sampler(sampler, xj, draft_logits, tj, s: SamplingState, step, k_rows, point_mass_rows=None):
     """A probabilities-contract sampler, called once per distinct draft length in the batch."""
     import jax.numpy as jnp
 
     from specjax.kernels import steps
 
-    q, p, u = steps.probs_step(draft_logits, tj, s.keys, step, s.params)
     xj = jnp.asarray(xj)
+    q, p, u = steps.probs_step(draft_logits, tj, s.keys, step, s.params, xj, point_mass_rows)
     b, g = xj.shape
     n_out = np.zeros((b,), np.int32)
     tok_out = np.full((b, g + 1), -1, np.int32)

@@ -160,7 +160,7 @@ def num_accepted_from_ratios(
     target_at_draft: jax.Array,
     draft_at_draft: jax.Array,
     accept_uniforms: jax.Array,
-    num_draft_tokens: jax.Array | None = None,
+    draft_lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Length of the accepted prefix, per row.
 
@@ -168,7 +168,7 @@ def num_accepted_from_ratios(
       target_at_draft: f32[B, G], ``p_i(x_i)``.
       draft_at_draft: f32[B, G], ``q_i(x_i)``.
       accept_uniforms: f32[B, G], ``u_i``.
-      num_draft_tokens: optional i32[B], ``k_b``: only the first ``k_b`` tests
+      draft_lengths: optional i32[B], ``k_b``: only the first ``k_b`` tests
         of row b run (a ragged draft); the others count as failures.
 
     Returns:
@@ -187,9 +187,9 @@ def num_accepted_from_ratios(
     p_pos, q_pos = is_positive(p), is_positive(q)
     passes = jnp.where(q_pos, (u < positive_ratio(p, q)) | ((u == 0) & p_pos), p_pos)
     passes &= ~(jnp.isnan(p) | jnp.isnan(q))
-    if num_draft_tokens is not None:
+    if draft_lengths is not None:
         positions = jnp.arange(p.shape[1], dtype=jnp.int32)
-        passes = passes & (positions[None, :] < num_draft_tokens[:, None])
+        passes = passes & (positions[None, :] < draft_lengths[:, None])
     return jnp.sum(jnp.cumprod(passes.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
 
 

@@ -444,7 +444,7 @@ def verify(
     target: jax.Array,
     draft: jax.Array,
     draft_tokens: jax.Array,
-    num_draft_tokens: jax.Array,
+    draft_lengths: jax.Array,
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
     scale: jax.Array,
@@ -462,7 +462,7 @@ def verify(
       draft: f32[B, G, V], draft logits.
       draft_tokens: i32[B, G], ``x_i``; an id outside [0, V) has probability 0 and is
         never accepted (as in ``frontend.vocab_gather``).
-      num_draft_tokens: i32[B], ``k_b`` (clamped to [0, G]).
+      draft_lengths: i32[B], ``k_b`` (clamped to [0, G]).
       accept_uniforms: f32[B, G], ``u_i``.
       sample_uniforms: f32[B], ``s``.
       scale: f32[B], ``c = 1 / temperature``; 0 marks a greedy row.
@@ -480,7 +480,7 @@ def verify(
         target,
         draft,
         draft_tokens,
-        num_draft_tokens,
+        draft_lengths,
         accept_uniforms,
         sample_uniforms,
         scale,

@@ -75,7 +75,7 @@ def accept(
     target_at_draft: jax.Array,
     argmax: jax.Array,
     draft_tokens: jax.Array,
-    num_draft_tokens: jax.Array,
+    draft_lengths: jax.Array,
     accept_uniforms: jax.Array,
     greedy: jax.Array,
     bonus_tokens: jax.Array,
@@ -86,7 +86,7 @@ def accept(
       target_at_draft: f32[B, G], ``p_i(x_i)`` (:func:`summarise_rows`).
       argmax: i32[B, G], the argmax of each processed target row.
       draft_tokens: i32[B, G], ``x_i`` (any value past ``k_b``).
-      num_draft_tokens: i32[B], ``k_b`` in [0, G].
+      draft_lengths: i32[B], ``k_b`` in [0, G].
       accept_uniforms: f32[B, G], ``u_i`` in [0, 1).
       greedy: bool[B], rows whose processed distributions are point masses.
       bonus_tokens: i32[B], emitted where all ``k_b`` tests pass.
@@ -98,8 +98,8 @@ def accept(
       emitted token is a placeholder for :func:`residual_draw`'s.
     """
     g = draft_tokens.shape[1]
-    n = num_accepted_from_ratios(target_at_draft, jnp.ones_like(target_at_draft), accept_uniforms, num_draft_tokens)
-    rejected = n < num_draft_tokens
+    n = num_accepted_from_ratios(target_at_draft, jnp.ones_like(target_at_draft), accept_uniforms, draft_lengths)
+    rejected = n < draft_lengths
     at_n = jnp.take_along_axis(argmax, jnp.minimum(n, max(g - 1, 0))[:, None], axis=1)[:, 0]
     emitted = jnp.where(rejected, at_n, bonus_tokens)
     return assemble_tokens(draft_tokens, n, emitted), n, rejected & ~greedy

@@ -29,7 +29,7 @@ without top-k/top-p, the acceptance step summarises position ``i`` only while
 some row of the batch is still accepting (rows after every row's first
 rejection are never read).
 
-Per-row parameters (temperature, top_k, top_p, num_draft_tokens) are arrays:
+Per-row parameters (temperature, top_k, top_p, draft_lengths) are arrays:
 changing their values never recompiles. The sampling parameters travel as one
 :class:`~specjax.kernels.types.SamplingParams` pytree; whether top-k / top-p are
 used at all is one of its static fields (the primitives below take ``None``
@@ -305,14 +305,18 @@ def verify_core(
     accept_uniforms: jax.Array,
     sample_uniforms: jax.Array,
     params: SamplingParams,
-    num_draft_tokens: jax.Array,
+    draft_lengths: jax.Array,
     *,
+    point_mass_rows: jax.Array | None = None,
     axis_name: AxisName = None,
     offset: jax.Array | int = 0,
 ) -> AcceptanceResult:
     """The acceptance step from logits (traceable; see :func:`verify_from_logits`).
 
     ``params`` holds f32/i32[B] per-row fields (:class:`SamplingParams`).
+    ``point_mass_rows``: None, or bool[B] with ``draft_logits`` given: the rows
+    whose ``q_i`` is the point mass at ``x_i`` (their draft logits are not read),
+    as if ``draft_logits`` were None for them alone.
     With ``axis_name``, the last axis of the logits is this shard's slice of the
     vocabulary (starting at global index ``offset``) inside ``shard_map``.
     """
@@ -323,9 +327,9 @@ def verify_core(
     point_masses = draft_logits is None  # q_i is the point mass at x_i
     # k_b outside [0, G] (possible with validate=False) means what its clamped value
     # means, on every path: the C++ step clamps it too.
-    num_draft_tokens = jnp.clip(num_draft_tokens, 0, g)
+    draft_lengths = jnp.clip(draft_lengths, 0, g)
     positions = jnp.arange(g, dtype=jnp.int32)
-    valid = positions[None, :] < num_draft_tokens[:, None]
+    valid = positions[None, :] < draft_lengths[:, None]
     x = jnp.where(valid, draft_tokens, 0).astype(jnp.int32)
 
     def stats(logits: jax.Array) -> RowStats:  # the same processing for both sides
@@ -346,15 +350,27 @@ def verify_core(
         t_first = RowStats(*(f[:, :g] for f in t_stats))
         p_x = probs_from_stats(t_first, vocab_gather(target_logits[:, :g], x, axis_name, offset), x)
         if point_masses:  # q_i(x_i) = 1
-            return t_stats, None, num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms, num_draft_tokens)
+            return t_stats, None, num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms, draft_lengths)
         assert draft_logits is not None
         d_stats = stats(draft_logits)
         q_x = probs_from_stats(d_stats, vocab_gather(draft_logits, x, axis_name, offset), x)
-        return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, num_draft_tokens)
+        if point_mass_rows is not None:
+            q_x = jnp.where(point_mass_rows[:, None], jnp.float32(1), q_x)
+        return t_stats, d_stats, num_accepted_from_ratios(p_x, q_x, accept_uniforms, draft_lengths)
 
     def draw(n: jax.Array, t_sel: RowStats, d_sel: RowStats | None) -> AcceptanceResult:
         y = _draw_from_logits(
-            target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x, axis_name, offset
+            target_logits,
+            draft_logits,
+            t_sel,
+            d_sel,
+            n,
+            draft_lengths,
+            sample_uniforms,
+            x,
+            axis_name,
+            offset,
+            point_mass_rows,
         )
         return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
@@ -375,7 +391,7 @@ def verify_core(
 
     def lazily_one_device() -> AcceptanceResult:
         return draw_unless_greedy(
-            *_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens)
+            *_accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, draft_lengths)
         )
 
     def fused_cpu() -> AcceptanceResult:
@@ -397,7 +413,7 @@ def verify_core(
             target_logits.astype(jnp.float32),
             draft_logits.astype(jnp.float32),
             x,
-            num_draft_tokens,
+            draft_lengths,
             accept_uniforms.astype(jnp.float32),
             sample_uniforms.astype(jnp.float32),
             jnp.where(greedy, jnp.float32(0), inv_t),
@@ -407,9 +423,9 @@ def verify_core(
         return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
     if not axis_name:
-        if point_masses:
-            # One pass summarises the target's G+1 rows (there is no draft row to
-            # read); the draw then reads row n only. No C++ fast path: the
+        if point_masses or point_mass_rows is not None:
+            # One pass summarises the target's G+1 rows (and the draft's, for rows
+            # with logits); the draw then reads row n only. No C++ fast path: the
             # target's forward dwarfs this step, and the JAX code is the contract.
             return all_rows()
         if top_k is not None or one_minus_top_p is not None:
@@ -426,7 +442,7 @@ def verify_core(
     return all_rows()
 
 
-def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, num_draft_tokens):
+def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature, draft_lengths):
     """``n`` and the statistics of the rows the draw needs, position by position (one device).
 
     Without top-k/top-p only (see :func:`verify_core`).
@@ -486,13 +502,13 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
             rejected = alive & ~passes
             t_sel, d_sel = select(rejected, ts, t_sel), select(rejected, ds, d_sel)
             n = jnp.where(alive & passes, i + 1, n)
-            return i + 1, alive & passes & (i + 1 < num_draft_tokens), n, t_sel, d_sel
+            return i + 1, alive & passes & (i + 1 < draft_lengths), n, t_sel, d_sel
 
-        alive = num_draft_tokens > 0
+        alive = draft_lengths > 0
         _, _, n, t_sel, d_sel = lax.while_loop(cond, body, (jnp.int32(0), alive, n, t_sel, placeholder()))
 
     # Rows that passed all their k_b tests emit the bonus token from p at k_b.
-    bonus = n >= num_draft_tokens
+    bonus = n >= draft_lengths
 
     def bonus_stats():
         def t_row():
@@ -505,7 +521,17 @@ def _accept_lazily(x, draft_logits, target_logits, accept_uniforms, temperature,
 
 
 def _draw_from_logits(
-    target_logits, draft_logits, t_sel, d_sel, n, num_draft_tokens, sample_uniforms, x, axis_name=None, offset=0
+    target_logits,
+    draft_logits,
+    t_sel,
+    d_sel,
+    n,
+    draft_lengths,
+    sample_uniforms,
+    x,
+    axis_name=None,
+    offset=0,
+    point_mass_rows=None,
 ):
     """i32[B]: y per row from the residual of the processed rows ``p_n``, ``q_n`` (JAX code).
 
@@ -513,8 +539,9 @@ def _draw_from_logits(
     (B,) fields). Only row ``n`` of the target logits (and of the draft logits,
     when a draft token was rejected) is turned into probabilities, (B, L) each.
     ``draft_logits=None``: ``q_n`` is the point mass at ``x_n`` (i32[B, G]
-    ``x``). With ``axis_name`` the logits are this shard's vocabulary slice,
-    global ids from ``offset``. (On one CPU device the C++
+    ``x``), and so it is for the rows of ``point_mass_rows`` (bool[B]). With
+    ``axis_name`` the logits are this shard's vocabulary slice, global ids from
+    ``offset``. (On one CPU device the C++
     :func:`specjax.kernels.cpu_kernels.verify` does the step with draft logits.)
     """
     g = x.shape[1]
@@ -526,12 +553,15 @@ def _draw_from_logits(
         q_n = jnp.zeros_like(p_n)
     else:
         d_pos = jnp.minimum(n, g - 1)
+        x_n = jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0]
         if draft_logits is None:
-            q_n = point_mass(jnp.take_along_axis(x, d_pos[:, None], axis=1)[:, 0], ids[0], jnp.float32)
+            q_n = point_mass(x_n, ids[0], jnp.float32)
         else:
             d_row = take(draft_logits, d_pos[:, None], 1)
             q_n = probs_from_stats(d_sel, d_row, ids)
-        q_n = jnp.where((n < num_draft_tokens)[:, None], q_n, 0)
+            if point_mass_rows is not None:
+                q_n = jnp.where(point_mass_rows[:, None], point_mass(x_n, ids[0], jnp.float32), q_n)
+        q_n = jnp.where((n < draft_lengths)[:, None], q_n, 0)
     return inverse_cdf(residual_weights(p_n, q_n, axis_name), sample_uniforms, axis_name, offset)
 
 
@@ -539,10 +569,10 @@ def _draw_from_logits(
 # per row), or when params.use_top_k / use_top_p change (static fields of the
 # SamplingParams pytree). Never for values.
 @vector_jit
-def _verify_jit(draft_tokens, draft_logits, target_logits, key, params: SamplingParams, num_draft_tokens):
+def _verify_jit(draft_tokens, draft_logits, target_logits, key, params: SamplingParams, draft_lengths):
     b, g = draft_tokens.shape
     u = _uniforms(key, b, g + 1)
-    return verify_core(draft_tokens, draft_logits, target_logits, u[:, :g], u[:, g], params, num_draft_tokens)
+    return verify_core(draft_tokens, draft_logits, target_logits, u[:, :g], u[:, g], params, draft_lengths)
 
 
 # Recompiles when shapes/dtypes, the key kind or params.use_top_k / use_top_p change.

@@ -51,7 +51,7 @@ def greedy_row(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> lis
 
 
 def accept_greedy(
-    draft_tokens: np.ndarray, target_argmax: np.ndarray, num_draft_tokens: np.ndarray
+    draft_tokens: np.ndarray, target_argmax: np.ndarray, draft_lengths: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Accepted counts and emitted tokens of a greedy target, on a (B, G) grid (:func:`greedy_row` per row).
 
@@ -60,7 +60,7 @@ def accept_greedy(
       target_argmax: int[B, G+1], ``a_i``: the target's first argmax at each
         position (position ``k_b`` gives the bonus token; positions past it
         are never read).
-      num_draft_tokens: int[B], ``k_b`` in [0, G].
+      draft_lengths: int[B], ``k_b`` in [0, G].
 
     Returns:
       ``(n, tokens)``: i64[B] accepted counts and i32[B, G+1] tokens: the
@@ -71,7 +71,7 @@ def accept_greedy(
     tokens = np.full((b, g + 1), -1, np.int32)
     n = np.zeros(b, np.int64)
     drafts, best = draft_tokens.tolist(), target_argmax.tolist()
-    for row, k in enumerate(num_draft_tokens.tolist()):
+    for row, k in enumerate(draft_lengths.tolist()):
         emitted = greedy_row(drafts[row][:k], best[row][: k + 1])
         tokens[row, : len(emitted)] = emitted
         n[row] = len(emitted) - 1

@@ -342,7 +342,7 @@ def _verify_body(
     target_logits,
     u,
     params: SamplingParams,
-    num_draft_tokens,
+    draft_lengths,
     *,
     vocab_axis: AxisName,
     per_shard: bool,
@@ -356,7 +356,7 @@ def _verify_body(
         u[:, :g],
         u[:, g],
         params,
-        num_draft_tokens,
+        draft_lengths,
         axis_name=vocab_axis,
         offset=offset,
     )
@@ -375,7 +375,7 @@ def _verify_mesh_jit(
     target_logits,
     key,
     params: SamplingParams,
-    num_draft_tokens,
+    draft_lengths,
     *,
     layout: MeshLayout,
     per_shard: bool = False,
@@ -403,7 +403,7 @@ def _verify_mesh_jit(
         _constrain(_pad_to(_pad_to(target_logits, 0, b_pad), 2, v_pad, -jnp.inf), mesh, P(ba, None, va)),
         _constrain(_pad_to(u, 0, b_pad), mesh, P(ba, None)),
         jax.tree.map(lambda a: _constrain(a, mesh, row), padded),
-        _constrain(_pad_to(num_draft_tokens, 0, b_pad), mesh, row),
+        _constrain(_pad_to(draft_lengths, 0, b_pad), mesh, row),
     )
     body: Callable[..., Any] = partial(_verify_body, vocab_axis=va, per_shard=per_shard)
     if point_masses:
@@ -433,7 +433,7 @@ def verify_on_mesh(
     target_logits,
     key,
     params: SamplingParams,
-    num_draft_tokens,
+    draft_lengths,
     *,
     layout: MeshLayout,
     per_shard: bool = False,
@@ -447,7 +447,7 @@ def verify_on_mesh(
         _place(target_logits, layout, P(ba, None, va)),
         _place(key, layout, P()),
         jax.tree.map(lambda a: _place(a, layout, row), params),
-        _place(num_draft_tokens, layout, row),
+        _place(draft_lengths, layout, row),
         layout=layout,
         per_shard=per_shard,
     )

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.kernels.compile_options import vector_jit
-from specjax.kernels.core import inverse_cdf
+from specjax.kernels.core import inverse_cdf, point_mass
 from specjax.kernels.frontend import _uniforms, row_probs, row_stats, verify_core
 from specjax.kernels.types import AcceptanceResult, SamplingParams
 
@@ -69,14 +69,14 @@ def draft_draw(logits, row_keys, step, purpose, params: SamplingParams, *, vocab
     return lax.cond(jnp.all(stats.greedy), lambda: stats.argmax, draw)
 
 
-def sampling_uniform(u: jax.Array, num_draft_tokens: jax.Array) -> jax.Array:
+def sampling_uniform(u: jax.Array, draft_lengths: jax.Array) -> jax.Array:
     """f32[B]: row b's sampling uniform ``u[b, k_b]`` (its acceptance uniforms are ``u[b, :k_b]``).
 
     Indexed by the row's own draft length, not the step's G (the batch's
     largest ``k_b``): the uniforms of ``key_b`` are a prefix-stable sequence, so
     a row's draws do not depend on the other rows of its batch.
     """
-    return jnp.take_along_axis(u, num_draft_tokens[:, None].astype(jnp.int32), axis=1)[:, 0]
+    return jnp.take_along_axis(u, draft_lengths[:, None].astype(jnp.int32), axis=1)[:, 0]
 
 
 def _stack_draft(draft_logits, b: int, vocab: int):
@@ -88,11 +88,18 @@ def _stack_draft(draft_logits, b: int, vocab: int):
     return fit_vocab(jnp.stack(draft_logits, axis=1), vocab)
 
 
-# Recompiles when B, G, the vocabularies, params.use_top_k / use_top_p or point
-# masses (draft_logits None) versus logits change.
+# Recompiles when B, G, the vocabularies, params.use_top_k / use_top_p, point
+# masses (draft_logits None) versus logits, or a point-mass mask versus none change.
 @vector_jit
 def verify_step(
-    draft_tokens, draft_logits, target_logits, row_keys, step, params: SamplingParams, num_draft_tokens
+    draft_tokens,
+    draft_logits,
+    target_logits,
+    row_keys,
+    step,
+    params: SamplingParams,
+    draft_lengths,
+    point_mass_rows=None,
 ) -> AcceptanceResult:
     """The acceptance step of the loop (the fused JAX sampler).
 
@@ -100,7 +107,10 @@ def verify_step(
       draft_tokens: i32[B, G]; draft_logits: a tuple of G f[B, V_draft], or None
         for deterministic proposals (point masses); target_logits: f[B, G+1, V].
       row_keys: key[B]; step: i32[]; params: :class:`SamplingParams` of B rows;
-      num_draft_tokens: i32[B], ``k_b``.
+      draft_lengths: i32[B], ``k_b``.
+      point_mass_rows: None, or bool[B] with ``draft_logits``: rows whose
+        proposals are deterministic (point masses) beside rows with draft logits;
+        each row gets the result it would get in a batch of its own kind.
     """
     vocab = target_logits.shape[-1]
     b, g = draft_tokens.shape
@@ -111,16 +121,24 @@ def verify_step(
         d,
         target_logits,
         u[:, :g],
-        sampling_uniform(u, num_draft_tokens),
+        sampling_uniform(u, draft_lengths),
         params,
-        num_draft_tokens,
+        draft_lengths,
+        point_mass_rows=point_mass_rows,
     )
 
 
-# Recompiles when B, G, the vocabularies or params.use_top_k / use_top_p change.
+# Recompiles when B, G, the vocabularies, params.use_top_k / use_top_p or a point-mass
+# mask versus none change.
 @vector_jit
-def probs_step(draft_logits, target_logits, row_keys, step, params: SamplingParams):
+def probs_step(
+    draft_logits, target_logits, row_keys, step, params: SamplingParams, draft_tokens=None, point_mass_rows=None
+):
     """Processed probabilities and uniforms for a sampler with the probabilities contract.
+
+    ``point_mass_rows``: None, or bool[B] with ``draft_logits`` and
+    ``draft_tokens`` (i32[B, G]): the draft probabilities of these rows are the
+    point masses at their tokens (their draft logits are not read).
 
     Returns ``(draft_probs f32[B, G, V] (None for point masses), target_probs f32[B, G+1, V],
     uniforms f32[B, G+1])``; for a row with draft length ``k_b``,
@@ -140,4 +158,8 @@ def probs_step(draft_logits, target_logits, row_keys, step, params: SamplingPara
 
     d = _stack_draft(draft_logits, b, vocab)
     u = _uniforms(step_keys(row_keys, step, 0), b, g + 1)
-    return None if d is None else probs(d), probs(target_logits), u
+    q = None if d is None else probs(d)
+    if q is not None and point_mass_rows is not None:
+        masses = point_mass(draft_tokens, lax.iota(jnp.int32, vocab), q.dtype)
+        q = jnp.where(point_mass_rows[:, None, None], masses, q)
+    return q, probs(target_logits), u

@@ -84,14 +84,14 @@ def _to_kernel(tensor: Any) -> Any:
     return jit_input(tensor)
 
 
-def run_step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, bonus_token_ids, sampling_metadata):
-    """:func:`rejection_sample`'s work (``g`` = max_spec_len, ``num_draft_tokens`` a host list)."""
+def run_step(draft_token_ids, draft_lengths, g, draft_probs, target_logits, bonus_token_ids, sampling_metadata):
+    """:func:`rejection_sample`'s work (``g`` = max_spec_len, ``draft_lengths`` a host list)."""
     import numpy as np
     import torch
 
     if all_greedy(sampling_metadata):
-        return _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus_token_ids)
-    batch = len(num_draft_tokens)
+        return _greedy_flat(draft_token_ids, draft_lengths, g, target_logits, bonus_token_ids)
+    batch = len(draft_lengths)
     device = target_logits.device
     bonus = bonus_token_ids.reshape(batch).to(torch.int32)
     out = torch.full((batch, g + 1), -1, dtype=torch.int32, device=device)
@@ -111,13 +111,13 @@ def run_step(draft_token_ids, num_draft_tokens, g, draft_probs, target_logits, b
     temperature = np.zeros(bp, np.float32)
     temperature[:batch] = (sampling_metadata.temperature[:batch] != 0).cpu().numpy()
     k = np.zeros(bp, np.int32)
-    k[:batch] = num_draft_tokens
+    k[:batch] = draft_lengths
     starts = np.cumsum(k, dtype=np.int64) - k
     request = np.repeat(np.arange(batch), k[:batch])
     position = np.arange(num_tokens) - starts[request]
     bonus_p = np.full(bp, -1, np.int32)
     bonus_p[:batch] = bonus.cpu().numpy()
-    keys = _row_keys(batch, bp, num_draft_tokens, sampling_metadata.generators, device)
+    keys = _row_keys(batch, bp, draft_lengths, sampling_metadata.generators, device)
 
     if draft_probs is None:
         tokens = _point_mass_flat(
@@ -151,7 +151,7 @@ def all_greedy(sampling_metadata: Any) -> bool:
     return sampling_metadata.temperature is None or bool(sampling_metadata.all_greedy)
 
 
-def _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus_token_ids) -> Any:
+def _greedy_flat(draft_token_ids, draft_lengths, g, target_logits, bonus_token_ids) -> Any:
     """An all-greedy step on vLLM's flattened rows, by :func:`specjax.kernels.greedy.greedy_row`.
 
     A greedy row's result needs only the target's first argmax at each draft
@@ -162,7 +162,7 @@ def _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus_toke
     than this whole step costs (docs/vllm.md).
 
     Args:
-      draft_token_ids: int[T] (torch); num_draft_tokens: B host ints ``k_b``;
+      draft_token_ids: int[T] (torch); draft_lengths: B host ints ``k_b``;
       g: max ``k_b``; target_logits: f[T, V] (torch);
       bonus_token_ids: int[B, 1] (torch).
 
@@ -180,14 +180,14 @@ def _greedy_flat(draft_token_ids, num_draft_tokens, g, target_logits, bonus_toke
     bonus = bonus_token_ids.reshape(-1).tolist()
     rows = []
     start = 0
-    for b, k in enumerate(num_draft_tokens):
+    for b, k in enumerate(draft_lengths):
         emitted = greedy_row(draft[start : start + k], [*best[start : start + k], bonus[b]])
         rows.append(emitted + [-1] * (g + 1 - len(emitted)))
         start += k
     return torch.tensor(rows, dtype=torch.int32, device=target_logits.device)
 
 
-def _row_keys(batch, bp, num_draft_tokens, generators, device) -> Any:
+def _row_keys(batch, bp, draft_lengths, generators, device) -> Any:
     """i32[B', 2] (host): each row's key data (a threefry2x32 key's two words, as int32).
 
     A seeded request's words come from its own generator (so its draws do not
@@ -202,7 +202,7 @@ def _row_keys(batch, bp, num_draft_tokens, generators, device) -> Any:
     lo, hi = -(2**31), 2**31
     keys[:batch] = torch.randint(lo, hi, (batch, 2), dtype=torch.int32, device=device).cpu().numpy()
     for row, gen in generators.items():
-        if row < batch and num_draft_tokens[row] > 0:
+        if row < batch and draft_lengths[row] > 0:
             keys[row] = torch.randint(lo, hi, (2,), dtype=torch.int32, generator=gen, device=gen.device).cpu().numpy()
     return keys
 
@@ -351,11 +351,11 @@ def _uniforms(key_words: Any, count: int) -> Any:
     return jax.vmap(lambda key: jax.random.uniform(key, (count,), jnp.float32))(keys)
 
 
-def _splice_bonus(xp: Any, tokens: Any, num_accepted: Any, num_draft_tokens: Any, bonus: Any) -> Any:
+def _splice_bonus(xp: Any, tokens: Any, num_accepted: Any, draft_lengths: Any, bonus: Any) -> Any:
     """Where a row accepted all its ``k_b`` draft tokens, vLLM's bonus token at position ``k_b``."""
     positions = xp.arange(tokens.shape[1], dtype=xp.int32)[None, :]
-    all_accepted = (num_accepted == num_draft_tokens)[:, None]
-    return xp.where(all_accepted & (positions == num_draft_tokens[:, None]), bonus[:, None], tokens)
+    all_accepted = (num_accepted == draft_lengths)[:, None]
+    return xp.where(all_accepted & (positions == draft_lengths[:, None]), bonus[:, None], tokens)
 
 
 @functools.cache
@@ -374,10 +374,10 @@ def _target_probs_fn() -> Callable[..., Any]:
     impl = cpu_kernels.resolve("auto")  # eager, here: never while tracing
 
     @vector_jit
-    def probs(target_logits, key_words, temperature, num_draft_tokens):
+    def probs(target_logits, key_words, temperature, draft_lengths):
         g1 = target_logits.shape[1]
         p = row_probs(row_stats(target_logits, temperature[:, None], impl=impl), target_logits, impl)
-        inside = jnp.arange(g1, dtype=jnp.int32)[None, :] < num_draft_tokens[:, None]
+        inside = jnp.arange(g1, dtype=jnp.int32)[None, :] < draft_lengths[:, None]
         u = _uniforms(key_words, g1)
         return jnp.where(inside[:, :, None], p, 0), u[:, : g1 - 1], u[:, g1 - 1]
 
