@@ -235,6 +235,7 @@ def test_the_shared_tables_let_go_of_a_freed_model():
 
     from specjax.generate import schedule
 
+    gc.collect()  # models of earlier tests, freed now rather than during this test's count
     before = (len(schedule._SHARED), len(schedule._CARRIED))
     models = [_Model() for _ in range(3)]
     for m in models:
@@ -313,6 +314,11 @@ def test_the_call_gain_is_the_last_rows_not_the_largest_expectation():
         gained = 1 + np.where(np.arange(4) < k[:, None], np.cumprod(passed, axis=2), 0).sum(axis=2)
         simulated = (r.max() - (r - gained).max(axis=1)).mean()
         assert expected_call_gain(probs, k, r) == pytest.approx(simulated, abs=0.01)
+    # one row (its own short path): 1 + Σ_{i<k} Π_{j≤i} p_j, also checked against the simulation
+    for kk in range(5):
+        passed = rng.random((100_000, 4)) < probs[0]
+        simulated = 1 + np.where(np.arange(4) < kk, np.cumprod(passed, axis=1), 0).sum(axis=1).mean()
+        assert expected_call_gain(probs[:1], np.array([kk]), np.array([20.0])) == pytest.approx(simulated, abs=0.01)
     # eight rows alike, each passing half its tokens: a one-token draft gains the call 1 + 0.5^8,
     # though each row expects 1.5
     assert expected_call_gain(np.full((8, 4), 0.5), np.ones(8, np.int64), np.full(8, 20.0)) == pytest.approx(1 + 0.5**8)

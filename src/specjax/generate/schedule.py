@@ -133,6 +133,12 @@ def expected_call_gain(probs: np.ndarray, k: np.ndarray, remaining: np.ndarray) 
     n, g = probs.shape
     if n == 0:
         return 1.0
+    if n == 1:  # 1 + Σ_{i<k} Π_{j≤i} p_j, in Python floats (a step asks this for every width)
+        gain = reach = 1.0
+        for p in probs[0, : int(k[0])].tolist():
+            reach *= p
+            gain += reach
+        return gain
     # surv[b, j] = P(X_b ≥ j + 1), j = 0 .. g: 1, then the running product while j ≤ k_b, then 0
     surv = np.concatenate([np.ones((n, 1)), np.cumprod(probs, axis=1)], axis=1)
     surv = np.where(np.arange(g + 1)[None, :] <= k[:, None], surv, 0.0)
@@ -141,6 +147,43 @@ def expected_call_gain(probs: np.ndarray, k: np.ndarray, remaining: np.ndarray) 
     need = np.arange(1, g + 1)[None, :] - ahead[:, None]  # [b, d - 1] = d − s_b: X_b ≥ 1 + that
     passed = np.where(need <= 0, 1.0, surv[np.arange(n)[:, None], np.clip(need, 0, g)])
     return 1.0 + float(np.prod(passed, axis=0).sum())
+
+
+class _Times(dict[Any, deque[float]]):
+    """key -> the recent times (seconds) of one kind of work, with each key's estimate kept until
+    the key's next time (a step asks for estimates dozens of times and records a few)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._estimates: dict[Any, float | None] = {}
+        self.verify_widths: list[int] = []  # the widths with a ("verify", w) entry, ascending
+
+    def record(self, key: Any, seconds: float) -> None:
+        if key not in self:
+            self[key] = deque(maxlen=_KEEP + 1)
+            if key[0] == "verify":
+                self.verify_widths = sorted([*self.verify_widths, key[1]])
+        self[key].append(seconds)
+        self._estimates.pop(key, None)
+
+    def estimate(self, key: Any) -> float | None:
+        """The median of the recent times of ``key``, ignoring its very first (warm-up) time; None if unknown.
+
+        The median rather than the smallest: a step's cost is what it takes on
+        average, and the smallest of several noisy times is biased low (more
+        for the wider, noisier forwards of drafting steps).
+        """
+        if key in self._estimates:
+            return self._estimates[key]
+        t = self.get(key)
+        if t is None or len(t) < 2:
+            est = None
+        else:
+            kept = sorted(list(t)[1:] if len(t) <= _KEEP else t)  # a handful: faster than np.median
+            mid = len(kept) // 2
+            est = kept[mid] if len(kept) % 2 else 0.5 * (kept[mid - 1] + kept[mid])
+        self._estimates[key] = est
+        return est
 
 
 class DraftSchedule:
@@ -185,7 +228,7 @@ class DraftSchedule:
         self.since_plain = 0  # steps since a plain step was timed
         self._edge = np.inf  # the last decision's rate over a plain step's (when it drafted)
         self._model = weakref.ref(model) if model is not None else None
-        self._own: dict[int, dict[Any, deque[float]]] = {}  # without a model: this call's, per batch size
+        self._own: dict[int, _Times] = {}  # without a model: this call's, per batch size
         self.times = self._table(batch)
         self.tally, self.calibration = self._carried(greedy)
         self.confident = False  # the drafter has proposed with its confidence (set by the loop)
@@ -210,35 +253,24 @@ class DraftSchedule:
         calibration *= _CARRY_DECAY
         return tally, calibration
 
-    def _table(self, batch: int) -> dict[Any, deque[float]]:
+    def _table(self, batch: int) -> _Times:
         """The timings of the model at ``batch`` rows (shared between calls)."""
         model = self._model() if self._model is not None else None
         if model is None:
-            return self._own.setdefault(batch, {})
+            return self._own.setdefault(batch, _Times())
         from specjax.packed import packed_layers
 
-        times: dict[Any, deque[float]] = _SHARED.of(model).setdefault((batch, packed_layers(model)[0]), {})
+        times: _Times = _SHARED.of(model).setdefault((batch, packed_layers(model)[0]), _Times())
         return times
 
     # ------------------------------------------------------------------ #
     # Costs
     # ------------------------------------------------------------------ #
     def _record(self, key: Any, seconds: float) -> None:
-        self.times.setdefault(key, deque(maxlen=_KEEP + 1)).append(seconds)
+        self.times.record(key, seconds)
 
     def _estimate(self, key: Any) -> float | None:
-        """The median of the recent times of ``key``, ignoring its very first (warm-up) time; None if unknown.
-
-        The median rather than the smallest: a step's cost is what it takes on
-        average, and the smallest of several noisy times is biased low (more
-        for the wider, noisier forwards of drafting steps).
-        """
-        t = self.times.get(key)
-        if t is None or len(t) < 2:
-            return None
-        kept = sorted(list(t)[1:] if len(t) <= _KEEP else t)  # a handful: faster than np.median
-        mid = len(kept) // 2
-        return kept[mid] if len(kept) % 2 else 0.5 * (kept[mid - 1] + kept[mid])
+        return self.times.estimate(key)
 
     def record_verify(self, q: int, seconds: float) -> None:
         self._record(("verify", q), seconds)
@@ -260,7 +292,7 @@ class DraftSchedule:
         # a prior: between two measured widths, the straight line between their costs; outside
         # them, small q cost little more than one token, scaled from the nearest measured width
         below = above = None
-        for w in sorted(key[1] for key in self.times if key[0] == "verify"):
+        for w in self.times.verify_widths:
             t = self._estimate(("verify", w))
             if t is None:
                 continue
