@@ -28,8 +28,9 @@ from specjax.generate.row_processors import Prefixes, vectorised
 
 V = 40
 B = 4
-ALIGN = V - 1  # the alignment padding's id: a real token, never drawn into a prefix, so reading it shows
+ALIGN = V - 1  # the alignment padding's id: a real token, rare in the prefixes, so reading the padding shows
 PAD = 0  # the prompts' left padding id (a real column of generate's input_ids)
+T = range(1, 9)  # the prefixes' usual tokens
 
 
 def reference(p: Any, prefixes: list[list[int]], rows: list[int], scores: torch.Tensor, batch: int) -> torch.Tensor:
@@ -55,12 +56,12 @@ def as_prefixes(prefixes: list[list[int]], rows: list[int], committed: list[int]
 def random_call(seed: int, prompt: int) -> tuple[list[list[int]], list[int], list[int]]:
     """``(prefixes, rows, committed)``: 14 ragged positions over B left-padded rows, every length from the prompt's
     to 9 tokens past it (the length rules fire for some), tokens from a few ids so that they repeat (row 0 periodic),
-    and an id past the scores' vocabulary now and then (transformers skips those)."""
+    and now and then an id past the scores' vocabulary (transformers skips those) or the alignment padding's."""
     rng = np.random.default_rng(seed)
     rows_tokens = []
     for b in range(B):
         pad = int(rng.integers(0, prompt))
-        tokens = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, V + 3], size=prompt - pad + 12, p=[0.12] * 8 + [0.04])
+        tokens = rng.choice([*T, V + 3, ALIGN], size=prompt - pad + 12, p=[0.12] * 8 + [0.02] * 2)
         if b == 0:  # a row that repeats itself: long n-grams recur
             tokens = np.resize(tokens[:3], tokens.size)
         rows_tokens.append([PAD] * pad + tokens.tolist())
@@ -88,6 +89,8 @@ PROCESSORS = [
     ("no repeat 3", lambda P: lp.NoRepeatNGramLogitsProcessor(3)),
     ("no repeat 6", lambda P: lp.NoRepeatNGramLogitsProcessor(6)),
     ("bad words", lambda P: lp.NoBadWordsLogitsProcessor([[3], [4, 5], [6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8]])),
+    # sequences through the alignment padding's id: a one-token prefix must not reach into the padding
+    ("bad words with the padding's id", lambda P: lp.NoBadWordsLogitsProcessor([[5]] + [[ALIGN, t, 3] for t in T])),
     ("bad words without EOS", lambda P: lp.NoBadWordsLogitsProcessor([[2], [3, 2]], eos_token_id=[2])),
     ("sequence bias", lambda P: lp.SequenceBiasLogitsProcessor([[[4, 5], -2.0], [[7], 1.5], [[1, 2, 3], 3.0]])),
     ("min new tokens", lambda P: lp.MinNewTokensLengthLogitsProcessor(P, 3, [2, 4])),
