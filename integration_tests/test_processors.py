@@ -373,6 +373,12 @@ ERRORS = [
         ValueError,
         r"logits_processor: item 0, SynthIDTextWatermarkLogitsProcessor, keeps state from call to call",
     ),
+    (
+        dict(logits_processor=[lp.RepetitionPenaltyLogitsProcessor(1.2, torch.tensor([0, 0, 0]))]),
+        ValueError,
+        r"logits_processor RepetitionPenaltyLogitsProcessor: prompt_ignore_length has 3 entries, expected one per "
+        r"batch row \(2\)",
+    ),
     (dict(repetition_penalty=-1.0), ValueError, r"repetition_penalty: .*strictly positive"),
     (dict(repetition_penalty="high"), ValueError, r"repetition_penalty: expected a number, got 'high'"),
     (dict(no_repeat_ngram_size=2.5), ValueError, r"no_repeat_ngram_size: expected an integer"),

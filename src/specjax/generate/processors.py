@@ -414,7 +414,7 @@ class LoopProcessors:
         self.t = np.zeros(batch, np.int64)
         self.seconds = 0.0
         self.calls = 0
-        for p in chain:
+        for p in self.chain:
             start = getattr(p, "start", None)
             if is_row_processor(p) and callable(start):
                 start(batch, self.prompt_len)

@@ -146,17 +146,20 @@ class _RepetitionPenalty(_Vectorised):
     (an int, or i64[B] indexed by the batch row) has its score divided by the penalty (multiplied where negative);
     ids past the scores' vocabulary are skipped."""
 
+    def start(self, batch: int, prompt_length: int) -> None:
+        ignore = self.p.prompt_ignore_length
+        if isinstance(ignore, torch.Tensor) and ignore.shape[0] != batch:  # transformers refuses it at its call
+            raise ValueError(
+                f"logits_processor {type(self.p).__name__}: prompt_ignore_length has {ignore.shape[0]} entries, "
+                f"expected one per batch row ({batch}); pass one per row, or an int for all rows"
+            )
+
     def process_rows(self, prefixes: Prefixes, scores: torch.Tensor) -> torch.Tensor:
         vocab = scores.shape[-1]
         ids, _, position = _ids(prefixes, scores.device)
         ignore = self.p.prompt_ignore_length
         if isinstance(ignore, torch.Tensor):
             rows = torch.as_tensor(prefixes.rows, device=scores.device)
-            if rows.numel() and int(rows.max()) >= ignore.shape[0]:
-                raise ValueError(
-                    f"{type(self.p).__name__}: prompt_ignore_length has {ignore.shape[0]} rows, "
-                    f"the batch has row {int(rows.max())}"
-                )
             start = ignore.to(scores.device)[rows][:, None]
         else:
             start = torch.as_tensor(int(ignore or 0), device=scores.device)
