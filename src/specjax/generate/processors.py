@@ -32,18 +32,18 @@ A processor is one of two kinds; a chain mixes them and applies them in order.
   :data:`REFUSED_PROCESSORS`, refused): it is called more often than in
   ``generate``, and on draft tokens that may be rejected. transformers' own
   built-in classes (the penalties, n-gram and word bans, the warpers, the
-  length rules: exactly the classes :func:`specjax.generate.row_processors.vectorised`
+  length rules: exactly those :func:`specjax.generate.row_processors.vectorised`
   lists, whether built from options, prepared by ``generate`` or passed in a
   list) do not take this path: they run as row processors, vectorised.
 * **A row processor**: an object with ``process_rows(prefixes, scores)``,
   ``prefixes`` a :class:`~specjax.generate.row_processors.Prefixes` (shared by
-  the chain's row processors: read it, never write to it) and ``scores`` f32[N, V], returning f32[N,
-  V]; optionally ``start(batch, prompt_length)``, called once before a call's
-  first step. Per step it is called once per draft position of a model drafter
-  (``i = 0, 1, ..``, the rows that draft, each prefix = committed + ``x_0 ..
-  x_{i-1}``), then once for the target with every processed position of every
-  row, row-major (row b's positions ``0 .. k_b`` in order). ``prefixes.rows`` names
-  each scores row's batch row, ``prefixes.committed`` how much of its prefix is
+  the chain's row processors: read it, never write to it) and ``scores``
+  f32[N, V], returning f32[N, V]; optionally ``start(batch, prompt_length)``,
+  called once before a call's first step. Per step it is called once per draft
+  position of a model drafter (``i = 0, 1, ..``, the rows that draft, each
+  prefix = committed + ``x_0 .. x_{i-1}``), then once for the target with every
+  processed position of every row, row-major (row b's positions ``0 .. k_b`` in
+  order). ``prefixes.rows`` names each scores row's batch row, ``prefixes.committed`` how much of its prefix is
   committed (only grows from step to step); the rest are draft tokens that may
   be rejected. A grammar keeps one matcher per row: advance it along a call's
   draft tokens, fill the mask, and roll it back to the committed prefix (its
