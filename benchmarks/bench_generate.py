@@ -58,7 +58,9 @@ call), and no assisted generation (xgrammar's processor keeps a matcher state
 that assisted generation's rejected candidates would corrupt). specjax's rows
 then also give the processors' own time per step (``processor_step_ms``:
 :attr:`specjax.SpeculativeStats.processor_time_s` over the steps, part of the
-drafting and loop times beside it).
+drafting and loop times beside it) and their calls per step
+(``processor_step_calls``, :attr:`specjax.SpeculativeStats.processor_calls`
+over the steps).
 
 Every method is warmed up with exactly the calls it is then timed on, each
 call again (up to ``WARMUP_CALLS`` times) while it still compiles: JAX
@@ -399,6 +401,7 @@ class Result:
     compile_seconds: float = 0.0  # JAX compilation inside the call (specjax's stats)
     step_ms: tuple[float, float, float] | None = None  # per step: drafting, target forwards, the loop's own work
     processor_ms: float | None = None  # per step: the logits processors (part of drafting and the loop's work)
+    processor_calls: float | None = None  # per step: the logits processors' calls
 
 
 @dataclass
@@ -450,6 +453,7 @@ class Method:
                 parts = (stats.draft_time_s, stats.target_time_s, stats.loop_time_s)
                 res.step_ms = tuple(1e3 * t / stats.steps for t in parts)  # type: ignore[assignment]
                 res.processor_ms = 1e3 * stats.processor_time_s / stats.steps
+                res.processor_calls = stats.processor_calls / stats.steps
             # one-time work per shape and process (see the module doc)
             res.seconds = max(res.seconds - res.compile_seconds, 1e-9)
             res.cpu_seconds = max(res.cpu_seconds - res.compile_seconds, 1e-9)
@@ -791,6 +795,7 @@ def bench_generate(
             row_steps = sum(r.row_steps for r in runs)
             proposed = sum(r.proposed for r in runs)
             processor_ms = [r.processor_ms for r in runs if r.processor_ms is not None]
+            processor_calls = [r.processor_calls for r in runs if r.processor_calls is not None]
             same = None
             if m.temperature == 0.0 and m is not base:
                 same = all(a.sequences == b.sequences for a, b in zip(runs, base.results, strict=True))
@@ -821,6 +826,9 @@ def bench_generate(
                 ),
                 "processor_step_ms": (
                     round(statistics.median(processor_ms), 3) if runs and len(processor_ms) == len(runs) else None
+                ),
+                "processor_step_calls": (
+                    round(statistics.median(processor_calls), 1) if runs and len(processor_calls) == len(runs) else None
                 ),
                 "options": opts.name,
                 "draft_step_fraction": (
@@ -894,6 +902,7 @@ def format_table(rows: list[dict]) -> str:
         f"{r['step_ms'][1]:.2f} ms, the loop's own work {r['step_ms'][2]:.2f} ms"
         + (
             f"; the processors ({r['options']}) {r['processor_step_ms']:.2f} ms of drafting and the loop's work"
+            + (f" in {r['processor_step_calls']:.1f} calls" if r.get("processor_step_calls") is not None else "")
             if r.get("options") not in (None, "none") and r.get("processor_step_ms") is not None
             else ""
         )

@@ -37,7 +37,7 @@ import torch
 import specjax
 from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
-from specjax.generate.processors import Prefixes
+from specjax.generate.row_processors import Prefixes
 
 pytestmark = pytest.mark.demo_pair
 

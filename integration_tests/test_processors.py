@@ -152,6 +152,32 @@ def test_greedy_rows_of_a_mixed_batch_match_generate(pair, left_padded):
         assert torch.equal(out.sequences[row], ref[row])
 
 
+def test_a_ragged_batch_of_8_calls_each_built_in_once_a_batch(pair, left_padded):
+    """B = 8 ragged rows sampled with a repetition penalty and min-p (the chain: the penalty, temperature, min-p,
+    transformers' classes): each is called once per draft position and once for the target's positions of a step,
+    at most 3 (G + 1) calls a step. The per-length path calls each once per distinct prefix length, which the
+    target's positions alone (G + 1 lengths a row, rows apart) exceed."""
+    target, draft = pair
+    g = 4
+    ids, mask = left_padded((5, 1, 7, 3, 6, 2, 4, 8), vocab_size=V, seed=11)
+    out = specjax.speculative_generate(
+        target,
+        draft,
+        ids,
+        mask,
+        max_new_tokens=NEW,
+        num_draft_tokens=g,
+        adaptive=False,
+        temperature=0.7,
+        repetition_penalty=1.1,
+        min_p=0.05,
+        seed=0,
+    )
+    s = out.stats
+    assert s.draft_tokens_proposed > 0 and 0 < s.acceptance_rate < 1  # rows accept different counts
+    assert 3 * s.steps <= s.processor_calls <= 3 * (g + 1) * s.steps
+
+
 def test_forced_bos_on_a_one_token_prompt(pair):
     target, draft = pair
     ids, mask = torch.tensor([[9]]), torch.ones((1, 1), dtype=torch.long)
@@ -346,6 +372,12 @@ ERRORS = [
         dict(logits_processor=[lp.SynthIDTextWatermarkLogitsProcessor(2, [1, 2], 8, 0, 8, torch.device("cpu"))]),
         ValueError,
         r"logits_processor: item 0, SynthIDTextWatermarkLogitsProcessor, keeps state from call to call",
+    ),
+    (
+        dict(logits_processor=[lp.RepetitionPenaltyLogitsProcessor(1.2, torch.tensor([0, 0, 0]))]),
+        ValueError,
+        r"logits_processor RepetitionPenaltyLogitsProcessor: prompt_ignore_length has 3 entries, expected one per "
+        r"batch row \(2\)",
     ),
     (dict(repetition_penalty=-1.0), ValueError, r"repetition_penalty: .*strictly positive"),
     (dict(repetition_penalty="high"), ValueError, r"repetition_penalty: expected a number, got 'high'"),

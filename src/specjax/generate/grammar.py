@@ -242,7 +242,7 @@ class GrammarRows:
     def process_rows(self, prefixes: Any, scores: torch.Tensor) -> torch.Tensor:
         """f[N, V] ``scores`` masked, scores row n with the grammar's state after its prefix's generated tokens.
 
-        ``prefixes``: a ``specjax.generate.processors.Prefixes`` (``rows``,
+        ``prefixes``: a ``specjax.generate.row_processors.Prefixes`` (``rows``,
         ``committed``, ``prefix(n)``; each prefix's first ``prompt_length``
         tokens, as :meth:`start` was told, are the prompt's columns).
         """

@@ -144,6 +144,10 @@ class SpeculativeStats:
       processor_time_s: the part of draft and loop time spent in the logits
         processors (``logits_processor`` and the options built into processors;
         0 without them).
+      processor_calls: how many times a logits processor was called (0 without
+        them): transformers' built-in processors once each per draft position
+        and once each for the target's positions of a step; a callable of the
+        caller's once per distinct prefix length among those positions.
     """
 
     steps: int = 0
@@ -167,6 +171,7 @@ class SpeculativeStats:
     target_time_s: float = 0.0
     loop_time_s: float = 0.0
     processor_time_s: float = 0.0
+    processor_calls: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -651,6 +656,7 @@ def run_loop(
     stats.draft_forwards = d_cache.forwards if isinstance(d_cache, SlotCache) else 0
     stats.adapter_copies = copies.copies
     stats.processor_time_s = processors.seconds if processors is not None else 0.0
+    stats.processor_calls = processors.calls if processors is not None else 0
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained_total, run.row_steps, run.rows, t_start)
     out = _build_output(input_ids, run.rows, config.pad_token_id, stats)

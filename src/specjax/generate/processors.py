@@ -30,15 +30,20 @@ A processor is one of two kinds; a chain mixes them and applies them in order.
   ``RepetitionPenaltyLogitsProcessor``'s per-row ``prompt_ignore_length``).
   Such a processor must be a function of its inputs (transformers' are, except
   :data:`REFUSED_PROCESSORS`, refused): it is called more often than in
-  ``generate``, and on draft tokens that may be rejected.
+  ``generate``, and on draft tokens that may be rejected. transformers' own
+  built-in classes (the penalties, n-gram and word bans, the warpers, the
+  length rules: exactly those :func:`specjax.generate.row_processors.vectorised`
+  lists, whether built from options, prepared by ``generate`` or passed in a
+  list) do not take this path: they run as row processors, vectorised.
 * **A row processor**: an object with ``process_rows(prefixes, scores)``,
-  ``prefixes`` a :class:`Prefixes` and ``scores`` f32[N, V], returning f32[N,
-  V]; optionally ``start(batch, prompt_length)``, called once before a call's
-  first step. Per step it is called once per draft position of a model drafter
-  (``i = 0, 1, ..``, the rows that draft, each prefix = committed + ``x_0 ..
-  x_{i-1}``), then once for the target with every processed position of every
-  row, row-major (row b's positions ``0 .. k_b`` in order). ``prefixes.rows`` names
-  each scores row's batch row, ``prefixes.committed`` how much of its prefix is
+  ``prefixes`` a :class:`~specjax.generate.row_processors.Prefixes` (shared by
+  the chain's row processors: read it, never write to it) and ``scores``
+  f32[N, V], returning f32[N, V]; optionally ``start(batch, prompt_length)``,
+  called once before a call's first step. Per step it is called once per draft
+  position of a model drafter (``i = 0, 1, ..``, the rows that draft, each
+  prefix = committed + ``x_0 .. x_{i-1}``), then once for the target with every
+  processed position of every row, row-major (row b's positions ``0 .. k_b`` in
+  order). ``prefixes.rows`` names each scores row's batch row, ``prefixes.committed`` how much of its prefix is
   committed (only grows from step to step); the rest are draft tokens that may
   be rejected. A grammar keeps one matcher per row: advance it along a call's
   draft tokens, fill the mask, and roll it back to the committed prefix (its
@@ -46,7 +51,9 @@ A processor is one of two kinds; a chain mixes them and applies them in order.
 
 Cost: nothing when no processor is given (the loop takes its plain path). With
 processors, one host copy of the draft tokens per draft position and per step,
-a float32 copy of the processed logits, and the processors' own calls.
+a float32 copy of the processed logits, one :class:`Prefixes` per batch of
+positions when a row processor runs, and the processors' own calls (counted in
+``SpeculativeStats.processor_calls``).
 """
 
 from __future__ import annotations
@@ -54,20 +61,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from specjax.generate.checks import PluginOutputError
+from specjax.generate.row_processors import Prefixes, vectorised
 
 __all__ = [
     "PROCESSOR_OPTIONS",
     "REFUSED_PROCESSORS",
     "WARPER_OPTIONS",
     "LoopProcessors",
-    "Prefixes",
     "build_processors",
     "is_row_processor",
     "processor_name",
@@ -106,31 +113,6 @@ def refusal(p: Any) -> str | None:
     """Why the loop refuses processor ``p`` (:data:`REFUSED_PROCESSORS`, by class name or module and class name)."""
     kind = type(p)
     return REFUSED_PROCESSORS.get(kind.__name__) or REFUSED_PROCESSORS.get(f"{kind.__module__}.{kind.__qualname__}")
-
-
-@dataclass(frozen=True)
-class Prefixes:
-    """What a row processor is told about the ``N`` scores rows of one call.
-
-    Attributes:
-      rows: i64[N], each scores row's batch row (the caller's row index).
-      ids: i64[N, L] host array: each prefix, right-aligned and left-padded with
-        the pad id to the call's longest, ``L = max(lengths)``.
-      lengths: i64[N], each prefix's length (the P prompt columns included).
-      committed: i64[N] <= lengths: how many of the prefix's tokens are committed;
-        the other ``lengths - committed`` are draft tokens.
-      prompt_length: P, the prompt's columns (left padding included).
-    """
-
-    rows: np.ndarray
-    ids: np.ndarray
-    lengths: np.ndarray
-    committed: np.ndarray
-    prompt_length: int
-
-    def prefix(self, n: int) -> np.ndarray:
-        """i64[lengths[n]]: scores row ``n``'s prefix."""
-        return self.ids[n, self.ids.shape[1] - int(self.lengths[n]) :]
 
 
 def is_row_processor(p: Any) -> bool:
@@ -401,6 +383,12 @@ class LoopProcessors:
       max_new_tokens, max_draft: the call's; they bound the history's width.
       vocab: V, the target's vocabulary size (draft logits are cut or padded to it).
       pad_token_id: the stand-in rows' and :class:`Prefixes`' padding.
+
+    transformers' built-in processors in the chain run as row processors
+    (:func:`specjax.generate.row_processors.vectorised`): one call each on all
+    the positions of a batch, where a callable is called once per distinct
+    prefix length. ``calls`` counts the processors' calls, ``seconds`` the time
+    spent in them.
     """
 
     def __init__(
@@ -413,16 +401,20 @@ class LoopProcessors:
         vocab: int,
         pad_token_id: int,
     ) -> None:
-        self.chain = chain
+        self.chain = [vectorised(p) or p for p in chain]
         self.device = input_ids.device
         batch, self.prompt_len = (int(n) for n in input_ids.shape)
         self.vocab, self.pad = vocab, pad_token_id
-        # hist[b]: the prompt, row b's committed tokens (t[b] of them), then scratch for its draft tokens
-        self.hist = np.full((batch, self.prompt_len + max_new_tokens + max_draft + 2), pad_token_id, np.int64)
+        # hist[b]: the prompt, row b's committed tokens (t[b] of them), then scratch for its draft tokens; a view
+        # into a buffer with as many pad columns before it, from which right-aligned prefixes are read as windows
+        width = self.prompt_len + max_new_tokens + max_draft + 2
+        self._padded = np.full((batch, 2 * width), pad_token_id, np.int64)
+        self.hist = self._padded[:, width:]
         self.hist[:, : self.prompt_len] = input_ids.cpu().numpy()
         self.t = np.zeros(batch, np.int64)
         self.seconds = 0.0
-        for p in chain:
+        self.calls = 0
+        for p in self.chain:
             start = getattr(p, "start", None)
             if is_row_processor(p) and callable(start):
                 start(batch, self.prompt_len)
@@ -511,10 +503,15 @@ class LoopProcessors:
     ) -> torch.Tensor:
         """The chain on f32[N, V] ``scores``: scores row n is batch row ``rows[n]`` after a prefix of ``lengths[n]``
         tokens (the history's first ones, drafts written), ``committed[n]`` of them committed."""
+        prefixes: Prefixes | None = None
         i = 0
         while i < len(self.chain):
             if is_row_processor(self.chain[i]):
-                scores = self._row_call(self.chain[i], scores, rows, lengths, committed)
+                if prefixes is None:
+                    prefixes = self._prefixes(rows, lengths, committed)
+                p = self.chain[i]
+                self.calls += 1
+                scores = _checked(p, p.process_rows(prefixes, scores), tuple(scores.shape))
                 i += 1
                 continue
             j = i
@@ -536,18 +533,17 @@ class LoopProcessors:
             full = scores.new_zeros((batch, scores.shape[1]))
             full[r] = scores[sel_t]
             for p in run:
+                self.calls += 1
                 full = _checked(p, p(ids, full), (batch, scores.shape[1]))
             out[sel_t] = full[r]
         return out
 
-    def _row_call(
-        self, p: Any, scores: torch.Tensor, rows: np.ndarray, lengths: np.ndarray, committed: np.ndarray
-    ) -> torch.Tensor:
+    def _prefixes(self, rows: np.ndarray, lengths: np.ndarray, committed: np.ndarray) -> Prefixes:
+        """The :class:`Prefixes` of one batch (the chain's row processors share it: they read it, never write)."""
         width = int(lengths.max(initial=0))
-        cols = lengths[:, None] - width + np.arange(width)[None, :]
-        ids = np.where(cols >= 0, self.hist[rows[:, None], np.maximum(cols, 0)], self.pad)
-        prefixes = Prefixes(rows.copy(), ids, lengths.copy(), committed.copy(), self.prompt_len)
-        return _checked(p, p.process_rows(prefixes, scores), tuple(scores.shape))
+        gap = self._padded.shape[1] - self.hist.shape[1]
+        ids = sliding_window_view(self._padded, width, axis=1)[rows, gap + lengths - width]  # a copy
+        return Prefixes(rows.copy(), ids, lengths.copy(), committed.copy(), self.prompt_len)
 
 
 def _checked(p: Any, out: Any, shape: tuple[int, ...]) -> torch.Tensor:
