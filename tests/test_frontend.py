@@ -376,6 +376,48 @@ def test_cutoff_keeps_what_the_float64_sorted_reference_keeps(seed):
     assert checked > rows * 3 // 4 and bisected > 5, (checked, bisected)
 
 
+def tied_rows(vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows whose k-th largest value is tied far past the 256 candidates, with top-k and top-p.
+
+    f32[6, V] relative scaled logits, i32[6] top_k, f32[6] ``1 - top_p``. Ten
+    large values, then 2000 copies of 0 (the k-th for k = 50), then -5: the
+    kept set of top-k 50 is all 2010 entries, and the copies hold more than
+    ``1 - top_p`` of its mass although 246 of them would not. Also: every value
+    equal; all ties at the top; top-k alone; and an untied control row.
+    """
+    rows = np.full((6, vocab), -5.0, np.float32)
+    rows[:, :2000] = 0.0
+    rows[:, 2000:2010] = np.log(600.0)
+    rows[1] = 0.0  # every value equal
+    rows[2, 2000:2010] = 0.0  # the ties are the top
+    rows[5, :2000] = np.linspace(-1, 0, 2000, endpoint=False)  # no ties: the candidates decide
+    rows -= rows.max(1, keepdims=True)
+    top_k = np.array([50, 50, 50, 50, 3000, 50], np.int32)
+    one_minus_top_p = np.array([0.1, 0.1, 0.1, 0.0, 0.1, 0.1], np.float32)
+    return rows, top_k, one_minus_top_p
+
+
+def test_cutoff_keeps_every_tie_of_the_kth_value():
+    """Top-k keeps every logit equal to the k-th, and top-p weighs them all (issue 54).
+
+    Against the sort-based cutoff (tests/_straightforward.py: transformers'
+    algorithm, cutting at a value, docs/api.md). The candidates route once
+    decided such rows from the 256 largest alone: row 0 then dropped all 2000
+    tied copies (cutoff 0.0, the large values'), as they hold less than
+    ``1 - top_p`` of the 256 candidates' mass but more of the kept set's.
+    """
+    from _straightforward import straightforward_cutoff
+
+    from specjax.kernels.core import cutoff
+
+    args = tuple(jnp.asarray(a) for a in tied_rows(8192))
+    got = np.asarray(jax.jit(cutoff)(*args))
+    np.testing.assert_array_equal(got, np.asarray(straightforward_cutoff(*args)))
+    scaled = np.asarray(args[0])
+    assert (scaled[0] >= got[0]).sum() == 2010  # the ties and the large values
+    assert (scaled[5] >= got[5]).sum() < 50  # the control: top-p cuts inside the top 50
+
+
 def test_cutoff_token_keeps_its_probability_in_the_acceptance_test():
     """Minimal reproducer. Top-2 of [5, 3.0299606, -1, ...] at T = 0.7 keeps tokens 0 and 1.
 

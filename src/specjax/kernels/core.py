@@ -522,7 +522,8 @@ def cutoff(
     (:func:`_bisection_cutoff`: 32 passes over the row per filter, with
     ``psum``'d counts and masses on a mesh; no sort, which XLA:CPU runs ~25×
     slower). On one device the 256 largest logits (``lax.top_k``) decide most
-    rows first: top-k with ``k <= 256``, and top-p when the mass outside the
+    rows first: top-k with ``k <= 256`` whose kept set (ties at the k-th value
+    included) lies inside them, and top-p when the mass outside the
     candidates is below ``1 - top_p`` by a margin; only the others take the
     bisection. Each row's cutoff is computed by the same arithmetic whichever
     way the batch goes, so a row's result never depends on the other rows.
@@ -557,7 +558,9 @@ def cutoff(
     if k is not None:
         kth = jnp.take_along_axis(cand, (kc - jnp.clip(k, 1, kc))[..., None], axis=-1)[..., 0]
         cut = jnp.where(k > 0, kth, cut)
-        eligible = k <= kc
+        # The kept set is every value >= the k-th: it lies inside the candidates
+        # unless the smallest candidate is kept too (ties at the k-th value past them).
+        eligible = (k <= kc) & ((kc == vocab) | (cand[..., 0] < kth) | (k == 0))
         k_active = k > 0
     if one_minus_top_p is not None:
         # The row max, as its own reduction: reading it off the candidates
