@@ -126,3 +126,149 @@ def test_greedy_verify_on_the_jax_path_is_the_greedy_rule(point_masses, filtered
     np.testing.assert_array_equal(np.asarray(got.num_accepted), n)
     np.testing.assert_array_equal(np.asarray(got.tokens), tokens)
     assert 0 < n.sum() and (n < k).any()
+
+
+# --------------------------------------------------------------------------- #
+# The TPU's top-k / top-p cutoff (core.cutoff_by_lanes), in Pallas' interpreter
+# --------------------------------------------------------------------------- #
+
+LANE_SHAPES = [(16, 1024), (3, 5, 2048), (2, 9, 1024), (1024,), (3, 1000)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", LANE_SHAPES, ids=str)
+def test_lane_candidates_are_the_largest_of_each_lane(shape, dtype):
+    """tpu_pallas.lane_candidates against a sort of each strided lane, with ties, -inf and a short lane."""
+    from specjax.kernels import tpu_pallas
+
+    rng = np.random.default_rng(sum(shape))
+    x = rng.integers(-6, 6, shape).astype(np.float32)  # many ties
+    x[..., 5::11] = -np.inf
+    x.reshape(-1, shape[-1])[0] = -np.inf  # a row of -inf
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    got = np.asarray(jax.jit(lambda a: tpu_pallas.lane_candidates(a, 8, interpret=True))(jnp.asarray(x, dtype)))
+    vocab = shape[-1]
+    padded = -(-vocab // 128) * 128
+    lanes = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - vocab)], constant_values=-np.inf)
+    lanes = lanes.reshape(*shape[:-1], padded // 128, 128)
+    want = -np.sort(-lanes, axis=-2)[..., :8, :]  # the 8 largest per lane, descending
+    want = np.pad(want, [(0, 0)] * (want.ndim - 2) + [(0, 8 - want.shape[-2]), (0, 0)], constant_values=-np.inf)
+    assert got.shape == (*shape[:-1], 8 * 128) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want.reshape(*shape[:-1], 8 * 128))
+
+
+def _lane_case(name: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(scaled f32[R, V], top_k i32[R], 1 - top_p f32[R], whether the lane candidates decide every row)."""
+    from test_frontend import tied_rows
+
+    rows, vocab = 8, 4096
+    scaled = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    top_k = np.full(rows, 50, np.int32)
+    omp = np.full(rows, 0.1, np.float32)
+    decided = True
+    if name == "normal, mixed k and p":
+        top_k = np.array([50, 1, 256, 0, 0, 4096, 10**6, 7], np.int32)  # k >= V, k > 256, k = 0
+        omp = np.array([0.1, 0.5, 0.0, 0.05, 0.0, 0.1, 0.2, 0.999], np.float32)
+    elif name == "ties at the k-th past the lanes":
+        scaled, top_k, omp = tied_rows(vocab)
+        decided = False  # 2000 copies of the k-th value: some lane holds more than 8
+    elif name == "all equal":
+        scaled[:] = 0.0
+        decided = False
+    elif name == "-inf entries and an all -inf row":
+        scaled[:, 1::3] = -np.inf
+        scaled[2] = -np.inf  # tau = -inf: the candidates are the row's
+        scaled[5, 128:] = -np.inf  # 128 finite values: k = 50 decided
+    elif name == "k-th below tau (one crowded lane)":
+        scaled[:] = rng.uniform(-20, -10, (rows, vocab))
+        scaled[:, ::128] = np.linspace(10, 0, vocab // 128)  # lane 0 holds the 32 largest
+        top_k[:] = 20  # the 20th largest is in lane 0, 12 places below its 8th: undecided
+        decided = False
+    elif name == "k-th tied at tau (one lane of ties)":
+        scaled[:] = -5.0
+        scaled[:, 1:11] = np.log(100.0)  # ten large values, in lanes 1..10
+        scaled[:, 0 : 300 * 128 : 128] = 0.0  # 300 copies of the k-th value, all in lane 0: 8 reach the lanes
+        top_k[:] = 15  # the k-th is 0 = tau; the kept set's 300 zeros outweigh 1 - top_p, the lanes' 8 do not
+        decided = False
+    elif name == "top-p alone, nucleus beyond the candidates":
+        top_k[:] = 0
+        omp[:] = 0.01  # the nucleus spans the flat rest: the bisection, after candidates that decide
+        scaled *= 0.1
+        scaled[:, 3 : 3 + 300 * 13 : 13] += 2.0  # the 300 largest, at most 3 per lane: all above tau
+    elif name == "NaN":
+        scaled[3, 7] = np.nan
+        decided = False
+    finite = np.isfinite(scaled).any(1)
+    scaled[finite] -= np.max(scaled[finite], 1, keepdims=True, where=np.isfinite(scaled[finite]), initial=-np.inf)
+    return scaled.astype(np.float32), top_k, omp, decided
+
+
+LANE_CASES = [
+    "normal",
+    "normal, mixed k and p",
+    "ties at the k-th past the lanes",
+    "all equal",
+    "-inf entries and an all -inf row",
+    "k-th below tau (one crowded lane)",
+    "k-th tied at tau (one lane of ties)",
+    "top-p alone, nucleus beyond the candidates",
+    "NaN",
+]
+
+
+@pytest.mark.parametrize("name", LANE_CASES)
+def test_tpu_cutoff_gives_the_cpu_cutoff(name):
+    """core.cutoff_by_lanes (the TPU branch, Pallas interpreted) equals the CPU's cutoff on every row.
+
+    Also checks which way the batch went (the lane candidates, or the fallback to
+    ``lax.top_k``), so that each case tests the branch it is named for.
+    """
+    rng = np.random.default_rng(LANE_CASES.index(name))
+    scaled, top_k, omp, decided = (jnp.asarray(a) for a in _lane_case(name, rng))
+    want = jax.jit(core.cutoff)(scaled, top_k, omp)
+    k = jnp.clip(top_k, 0, scaled.shape[-1])
+    got = jax.jit(lambda s, k, o: core.cutoff_by_lanes(s, k, o, interpret=True))(scaled, k, omp)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _, rows_decided = jax.jit(lambda s, k, o: core.lane_candidates_decide(s, k, o, interpret=True))(scaled, k, omp)
+    assert bool(jnp.all(rows_decided)) == decided, np.asarray(rows_decided)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_with_the_tpu_cutoff_gives_the_same_tokens(dtype, monkeypatch):
+    """verify_core (impl="xla") with every TPU branch traced on the CPU, against the CPU's.
+
+    The front end hands the cutoff its logits and the map to scaled logits
+    (``source``), so the Pallas pass reads the logits themselves; T = 0.7,
+    top-k 50 / top-p 0.9 and mixed rows (k = 0, p = 1, greedy).
+    """
+    from functools import partial
+
+    from specjax.kernels.types import SamplingParams
+
+    rng = np.random.default_rng(3)
+    b, g, v = 6, 3, 2048
+    t = jnp.asarray(rng.normal(size=(b, g + 1, v)) * 3, dtype)
+    d = jnp.asarray(np.asarray(t, np.float32)[:, :g] + rng.normal(size=(b, g, v)), dtype)
+    x = jnp.argmax(d.astype(jnp.float32) + jnp.asarray(rng.gumbel(size=(b, g, v)), jnp.float32), -1).astype(jnp.int32)
+    temperature = jnp.asarray([0.7, 0.7, 0.7, 1.0, 0.0, 0.7], jnp.float32)
+    top_k = jnp.asarray([50, 50, 0, 50, 50, 3000], jnp.int32)
+    omp = jnp.asarray([0.1, 0.0, 0.1, 0.1, 0.1, 0.1], jnp.float32)
+    params = SamplingParams(temperature, top_k, omp, True, True, "xla")
+    u = jnp.asarray(rng.random((b, g)), jnp.float32)
+    s = jnp.asarray(rng.random(b), jnp.float32)
+    k = jnp.full((b,), g, jnp.int32)
+    want = jax.jit(frontend.verify_core)(x, d, t, u, s, params, k)
+
+    seen = []
+
+    def choose(*args, default, **platforms):  # the TPU branch where there is one, else the default
+        seen.append(sorted(platforms))
+        return platforms["tpu"](*args) if "tpu" in platforms else default(*args)
+
+    monkeypatch.setattr(core.lax, "platform_dependent", choose)
+    monkeypatch.setattr(core, "cutoff_by_lanes", partial(core.cutoff_by_lanes, interpret=True))
+    got = jax.jit(lambda *a: frontend.verify_core(*a))(x, d, t, u, s, params, k)
+    assert ["tpu"] in seen  # the cutoff took its TPU branch
+    np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert 0 < int(np.asarray(want.num_accepted).sum()) < b * g

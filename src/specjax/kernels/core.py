@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax.kernels import tpu_pallas
+
 __all__ = [
     "AxisName",
     "assemble_tokens",
@@ -426,6 +428,8 @@ _CUTOFF_CANDIDATES = 256
 # A row takes the candidates' top-p cutoff only if the mass outside them is
 # below 1 - top_p by this margin, so that rounding cannot move the cutoff out.
 _REST_MARGIN = 1e-5
+# The TPU route's candidates: this many largest per lane (1024 for 128 lanes).
+_LANE_DEPTH = 8
 
 
 def _float_key(x: jax.Array) -> jax.Array:
@@ -510,6 +514,8 @@ def cutoff(
     top_k: jax.Array | None,
     one_minus_top_p: jax.Array | None,
     axis_name: AxisName = None,
+    *,
+    source: tuple[jax.Array, Callable[[jax.Array], jax.Array]] | None = None,
 ) -> jax.Array:
     """Smallest scaled logit kept by top-k then top-p, per row (-inf when nothing is dropped).
 
@@ -521,15 +527,21 @@ def cutoff(
     The exact algorithm is a bisection over float32 bit patterns
     (:func:`_bisection_cutoff`: 32 passes over the row per filter, with
     ``psum``'d counts and masses on a mesh; no sort, which XLA:CPU runs ~25×
-    slower). On one device the 256 largest logits (``lax.top_k``) decide most
-    rows first: top-k with ``k <= 256`` whose kept set (ties at the k-th value
-    included) lies inside them, and top-p when the mass outside the
-    candidates is below ``1 - top_p`` by a margin; only the others take the
-    bisection. Each row's cutoff is computed by the same arithmetic whichever
-    way the batch goes, so a row's result never depends on the other rows.
-    The candidates' top-p sum and the bisection's mass round differently in
-    the last bits; a cutoff can differ only where a cumulative probability is
+    slower). On one device the 256 largest logits decide most rows first
+    (:func:`_cutoff_from_candidates`): top-k with ``k <= 256`` whose kept set
+    (ties at the k-th value included) lies inside them, and top-p when the mass
+    outside the candidates is below ``1 - top_p`` by a margin; only the others
+    take the bisection. Each row's cutoff is computed by the same arithmetic
+    whichever way the batch goes, so a row's result never depends on the other
+    rows. The candidates' top-p sum and the bisection's mass round differently
+    in the last bits; a cutoff can differ only where a cumulative probability is
     within rounding of ``1 - top_p``.
+
+    Where the candidates come from is the one per-platform choice: ``lax.top_k``
+    of the row on CPU (and GPU); on a TPU, where ``lax.top_k`` is a sort of the
+    whole row, :func:`cutoff_by_lanes` (a Pallas pass gives a short list known to
+    hold them, or says it cannot, and the row's batch then takes ``lax.top_k``).
+    Both hand the same candidates to the same rule: the same cutoff, bit for bit.
 
     Args:
       scaled: f32[..., L], (this shard's slice of) the temperature-scaled logits;
@@ -537,21 +549,48 @@ def cutoff(
       top_k: optional i32[...]; 0 keeps all.
       one_minus_top_p: optional f32[...], ``1 - top_p``; 0 keeps all.
       axis_name: the vocabulary mesh axis, or None.
+      source: optional ``(logits, to_scaled)`` with ``scaled == to_scaled(logits)``
+        (f[..., L] and an elementwise, non-decreasing map that broadcasts over
+        any last-axis length, e.g. ``(v - max) * (1 / T)``): the TPU route then
+        reads ``logits`` itself, not a materialised ``scaled``.
 
     Returns:
       f32[...] (replicated over ``axis_name``).
     """
     vocab = scaled.shape[-1]
-    rows = scaled.shape[:-1]
     if axis_name:
         k = None if top_k is None else jnp.maximum(top_k, 0)
         return _bisection_cutoff(scaled, k, one_minus_top_p, axis_name)
     k = None if top_k is None else jnp.clip(top_k, 0, vocab)
-
+    logits = scaled if source is None else source[0]
     kc = min(_CUTOFF_CANDIDATES, vocab)
-    # f32[..., kc], ascending: the kc largest. lax.top_k on a rank-2 operand: XLA:CPU
-    # has a fast TopK only for (rows, V) and lowers other ranks to a full sort.
-    cand = lax.top_k(scaled.reshape(-1, vocab), kc)[0].reshape((*rows, kc))[..., ::-1]
+    lanes_fit = tpu_pallas.lane_candidates_fit(logits.shape, logits.dtype.itemsize, _LANE_DEPTH)
+    if kc == vocab or vocab < _LANE_DEPTH * tpu_pallas.LANES or not lanes_fit or scaled.size == 0:
+        return _cutoff_from_candidates(scaled, _largest(scaled, kc), k, one_minus_top_p)
+    return lax.platform_dependent(
+        tpu=lambda: cutoff_by_lanes(scaled, k, one_minus_top_p, source),
+        default=lambda: _cutoff_from_candidates(scaled, _largest(scaled, kc), k, one_minus_top_p),
+    )
+
+
+def _largest(scaled: jax.Array, count: int) -> jax.Array:
+    """f32[..., count], ascending: the ``count`` largest of each row (``lax.top_k``)."""
+    rows, vocab = scaled.shape[:-1], scaled.shape[-1]
+    # lax.top_k on a rank-2 operand: XLA:CPU has a fast TopK only for (rows, V) and
+    # lowers other ranks to a full sort.
+    return lax.top_k(scaled.reshape(-1, vocab), count)[0].reshape((*rows, count))[..., ::-1]
+
+
+def _cutoff_from_candidates(
+    scaled: jax.Array, cand: jax.Array, k: jax.Array | None, one_minus_top_p: jax.Array | None
+) -> jax.Array:
+    """:func:`cutoff` on one device from ``cand`` (f32[..., kc], the ``kc`` largest of each row, ascending).
+
+    Rows the candidates cannot decide take :func:`_bisection_cutoff` (only when
+    some row needs it: one ``lax.cond`` for the batch). ``k`` is clipped to [0, V].
+    """
+    rows, vocab = scaled.shape[:-1], scaled.shape[-1]
+    kc = cand.shape[-1]
     cut = jnp.full(rows, _NEG_INF, scaled.dtype)
     eligible = jnp.ones(rows, bool)
     k_active = jnp.zeros(rows, bool)
@@ -587,3 +626,71 @@ def cutoff(
         return jnp.where(eligible, cut, _bisection_cutoff(scaled, k, one_minus_top_p, None))
 
     return lax.cond(jnp.all(eligible), lambda: cut, bisection)
+
+
+def lane_candidates_decide(
+    scaled: jax.Array,
+    k: jax.Array | None,
+    one_minus_top_p: jax.Array | None,
+    source: tuple[jax.Array, Callable[[jax.Array], jax.Array]] | None = None,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """The TPU's candidates for :func:`_cutoff_from_candidates`, and per row whether they are the right ones.
+
+    Returns ``(cand, decided)``: f32[..., kc] ascending, the ``kc`` largest of
+    the :func:`specjax.kernels.tpu_pallas.lane_candidates` of the row (its
+    ``_LANE_DEPTH`` largest per lane, mapped by ``to_scaled``), and bool[...].
+    With ``τ`` the largest ``_LANE_DEPTH``-th largest per lane, every value of
+    the row above ``τ`` is among those candidates, with its multiplicity, so
+    ``cand`` agrees with the row's true ``kc`` largest in every entry above ``τ``
+    (and everywhere when ``τ = -inf``). The rule reads, per row, only the
+    entries ``>=`` the k-th largest when top-k is active, else all of them for
+    top-p, else none: ``decided`` says that those are above ``τ``. A NaN in the
+    row makes ``τ`` NaN, so such a row is never decided. ``k`` is clipped to [0, V].
+    """
+    logits, to_scaled = (scaled, lambda v: v) if source is None else source
+    rows = scaled.shape[:-1]
+    kc = min(_CUTOFF_CANDIDATES, scaled.shape[-1])
+    lanes = to_scaled(tpu_pallas.lane_candidates(logits, _LANE_DEPTH, interpret=interpret))
+    width = lanes.shape[-1]
+    tau = jnp.max(lanes[..., width - tpu_pallas.LANES :], axis=-1)
+    cand = _largest(lanes, kc)
+    # Per row, the rank (0: the largest) of the smallest candidate the rule reads,
+    # and whether it reads any.
+    rank = jnp.full(rows, kc - 1, jnp.int32)
+    used = jnp.zeros(rows, bool)
+    if k is not None:
+        rank = jnp.where(k > 0, jnp.clip(k, 1, kc) - 1, rank)
+        used |= k > 0
+        # k > kc: the row takes the bisection, which reads the row itself
+        used &= k <= kc
+    if one_minus_top_p is not None:
+        used |= (one_minus_top_p > 0) & (True if k is None else k <= kc)
+    lowest = jnp.take_along_axis(cand, (kc - 1 - rank)[..., None], axis=-1)[..., 0]
+    decided = ~used | (lowest > tau) | (tau == _NEG_INF)
+    return cand, decided
+
+
+def cutoff_by_lanes(
+    scaled: jax.Array,
+    k: jax.Array | None,
+    one_minus_top_p: jax.Array | None,
+    source: tuple[jax.Array, Callable[[jax.Array], jax.Array]] | None = None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """:func:`cutoff` on one TPU (``k`` clipped to [0, V]): the candidates of
+    :func:`lane_candidates_decide` when they decide every row, else ``lax.top_k``'s.
+
+    Either way :func:`_cutoff_from_candidates` applies the rule to the row's true
+    ``kc`` largest (in the entries it reads), so the result is bit for bit the
+    CPU path's. ``interpret``: run the Pallas pass in its interpreter (tests).
+    """
+    kc = min(_CUTOFF_CANDIDATES, scaled.shape[-1])
+    cand, decided = lane_candidates_decide(scaled, k, one_minus_top_p, source, interpret=interpret)
+    return lax.cond(
+        jnp.all(decided),
+        lambda: _cutoff_from_candidates(scaled, cand, k, one_minus_top_p),
+        lambda: _cutoff_from_candidates(scaled, _largest(scaled, kc), k, one_minus_top_p),
+    )

@@ -146,11 +146,17 @@ def _row_cutoffs(
         return jnp.full(rows, _NEG_INF, jnp.float32)
     if x_max is None:
         x_max = vocab_max(x, axis_name)
+    row_max, inv = x_max[..., None], jnp.broadcast_to(inv_t, rows)[..., None]
+
+    def to_scaled(v: jax.Array) -> jax.Array:  # non-decreasing in v: inv > 0
+        return (v - row_max) * inv
+
     return cutoff(
-        (x - x_max[..., None]) * jnp.broadcast_to(inv_t, rows)[..., None],
+        to_scaled(x),
         None if top_k is None else jnp.broadcast_to(top_k, rows),
         None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
         axis_name,
+        source=(x, to_scaled),
     )
 
 
