@@ -566,10 +566,10 @@ def cutoff(
     kc = min(_CUTOFF_CANDIDATES, vocab)
     lanes_fit = tpu_pallas.lane_candidates_fit(logits.shape, logits.dtype.itemsize, _LANE_DEPTH)
     if kc == vocab or vocab < _LANE_DEPTH * tpu_pallas.LANES or not lanes_fit or scaled.size == 0:
-        return _cutoff_from_candidates(scaled, _largest(scaled, kc), k, one_minus_top_p)
+        return _cutoff_from_candidates(lambda: scaled, vocab, _largest(scaled, kc), k, one_minus_top_p)
     return lax.platform_dependent(
         tpu=lambda: cutoff_by_lanes(scaled, k, one_minus_top_p, source),
-        default=lambda: _cutoff_from_candidates(scaled, _largest(scaled, kc), k, one_minus_top_p),
+        default=lambda: _cutoff_from_candidates(lambda: scaled, vocab, _largest(scaled, kc), k, one_minus_top_p),
     )
 
 
@@ -582,16 +582,23 @@ def _largest(scaled: jax.Array, count: int) -> jax.Array:
 
 
 def _cutoff_from_candidates(
-    scaled: jax.Array, cand: jax.Array, k: jax.Array | None, one_minus_top_p: jax.Array | None
+    read: Callable[[], jax.Array],
+    vocab: int,
+    cand: jax.Array,
+    k: jax.Array | None,
+    one_minus_top_p: jax.Array | None,
 ) -> jax.Array:
     """:func:`cutoff` on one device from ``cand`` (f32[..., kc], the ``kc`` largest of each row, ascending).
 
-    Rows the candidates cannot decide take :func:`_bisection_cutoff` (only when
-    some row needs it: one ``lax.cond`` for the batch). ``k`` is clipped to [0, V].
+    ``read()`` gives the scaled logits f32[..., V] (``vocab`` = V); it is called
+    where they are needed, so that inside a conditional branch they are
+    computed there from the logits rather than copied into it. Rows the
+    candidates cannot decide take :func:`_bisection_cutoff` (only when some row
+    needs it: one ``lax.cond`` for the batch). ``k`` is clipped to [0, V].
     """
-    rows, vocab = scaled.shape[:-1], scaled.shape[-1]
+    rows = cand.shape[:-1]
     kc = cand.shape[-1]
-    cut = jnp.full(rows, _NEG_INF, scaled.dtype)
+    cut = jnp.full(rows, _NEG_INF, jnp.float32)
     eligible = jnp.ones(rows, bool)
     k_active = jnp.zeros(rows, bool)
     if k is not None:
@@ -605,14 +612,14 @@ def _cutoff_from_candidates(
         # The row max, as its own reduction: reading it off the candidates
         # (cand[..., -1]) makes XLA:CPU lower lax.top_k to a sort of the whole
         # row (~13 ms per row of 49152, against ~0.3 ms).
-        top = jnp.max(scaled, axis=-1)
+        top = jnp.max(read(), axis=-1)
         e = jnp.exp(jnp.where(cand >= cut[..., None], cand, _NEG_INF) - top[..., None])
         cand_mass = jnp.sum(e, axis=-1)
         if kc < vocab:
-            full = row_sums(jnp.exp(scaled - top[..., None]))
+            full = row_sums(jnp.exp(read() - top[..., None]))
             rest = jnp.where(k_active, 0, jnp.maximum(full - cand_mass, 0))
         else:
-            rest = jnp.zeros(rows, scaled.dtype)
+            rest = jnp.zeros(rows, jnp.float32)
         z = cand_mass + rest
         cum = (rest[..., None] + jnp.cumsum(e, axis=-1)) / z[..., None]
         dropped = jnp.sum(cum <= one_minus_top_p[..., None], axis=-1)
@@ -623,7 +630,7 @@ def _cutoff_from_candidates(
         return cut
 
     def bisection() -> jax.Array:
-        return jnp.where(eligible, cut, _bisection_cutoff(scaled, k, one_minus_top_p, None))
+        return jnp.where(eligible, cut, _bisection_cutoff(read(), k, one_minus_top_p, None))
 
     return lax.cond(jnp.all(eligible), lambda: cut, bisection)
 
@@ -687,10 +694,15 @@ def cutoff_by_lanes(
     ``kc`` largest (in the entries it reads), so the result is bit for bit the
     CPU path's. ``interpret``: run the Pallas pass in its interpreter (tests).
     """
-    kc = min(_CUTOFF_CANDIDATES, scaled.shape[-1])
+    vocab = scaled.shape[-1]
+    kc = min(_CUTOFF_CANDIDATES, vocab)
     cand, decided = lane_candidates_decide(scaled, k, one_minus_top_p, source, interpret=interpret)
+
+    def read() -> jax.Array:  # from the logits inside each branch: no copy of size V into them
+        return scaled if source is None else source[1](source[0])
+
     return lax.cond(
         jnp.all(decided),
-        lambda: _cutoff_from_candidates(scaled, cand, k, one_minus_top_p),
-        lambda: _cutoff_from_candidates(scaled, _largest(scaled, kc), k, one_minus_top_p),
+        lambda: _cutoff_from_candidates(read, vocab, cand, k, one_minus_top_p),
+        lambda: _cutoff_from_candidates(read, vocab, _largest(read(), kc), k, one_minus_top_p),
     )
