@@ -135,11 +135,14 @@ def _row_cutoffs(
     one_minus_top_p: jax.Array | None,
     x_max: jax.Array | None = None,
     axis_name: AxisName = None,
+    raw: jax.Array | None = None,
 ) -> jax.Array:
     """f32[...]: each row's smallest kept ``s_j = (x_j - max)·inv_t`` (-inf without top-k/top-p).
 
     ``x`` is f32[..., V]; ``inv_t`` and the optional parameters broadcast to its
-    rows; ``x_max`` is the rows' max when already known.
+    rows; ``x_max`` is the rows' max when already known; ``raw``: ``x`` in its
+    own dtype (``x`` is its float32 conversion), for the TPU's candidates pass
+    to read as it lies in memory.
     """
     rows = x.shape[:-1]
     if top_k is None and one_minus_top_p is None:
@@ -149,14 +152,14 @@ def _row_cutoffs(
     row_max, inv = x_max[..., None], jnp.broadcast_to(inv_t, rows)[..., None]
 
     def to_scaled(v: jax.Array) -> jax.Array:  # non-decreasing in v: inv > 0
-        return (v - row_max) * inv
+        return (v.astype(jnp.float32) - row_max) * inv
 
     return cutoff(
         to_scaled(x),
         None if top_k is None else jnp.broadcast_to(top_k, rows),
         None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
         axis_name,
-        source=(x, to_scaled),
+        source=(x if raw is None else raw, to_scaled),
     )
 
 
@@ -199,7 +202,8 @@ def row_stats(
         return (x - x_max[..., None]) * inv_t[..., None]
 
     x_max = vocab_max(x, axis_name) if filtered else None
-    cut = _row_cutoffs(x, inv_t, top_k, one_minus_top_p, x_max, axis_name)
+    raw = logits() if callable(logits) else logits
+    cut = _row_cutoffs(x, inv_t, top_k, one_minus_top_p, x_max, axis_name, raw=raw)
     vocab = x.shape[-1]
 
     def jax_summary() -> tuple[jax.Array, jax.Array, jax.Array]:
