@@ -10,14 +10,21 @@ kernels with it against the CPU's.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels import core, frontend, rejection
+from specjax.kernels import core, frontend, rejection, tpu_pallas
 
 SHAPES = [(3, 2, 40), (4, 3, 300), (2, 4, 1000), (2, 1, 128), (1, 1, 1)]
+
+
+def _tpu_branch(*args, default, **platforms):
+    """``lax.platform_dependent`` as a TPU lowers it: its ``tpu`` branch where it has one, else ``default``."""
+    return platforms["tpu"](*args) if "tpu" in platforms else default(*args)
 
 
 def _bits(a) -> np.ndarray:
@@ -49,11 +56,35 @@ def test_masked_take_gives_the_bits_of_a_plain_gather(dtype, shape):
     assert float(got[0, 0]) == float(tiny) or dtype != "float32"  # the subnormal survived
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 256), (16, 9, 128), (1, 1, 128), (9, 4, 384)], ids=str)
+def test_row_dma_gives_the_bits_of_a_plain_gather(shape):
+    """tpu_pallas.rows_at (Pallas interpreted): row index[b] of x[b], bit for bit, B not a multiple of 8 too."""
+    b, p, v = shape
+    rng = np.random.default_rng(sum(shape))
+    x = jnp.asarray(rng.random(shape), jnp.float32)
+    x = x.at[0, :, 3].set(jnp.finfo(jnp.float32).smallest_subnormal).at[0, :, 4].set(jnp.nan).at[-1, :, 5].set(-0.0)
+    index = jnp.asarray(rng.integers(0, p, b), jnp.int32).at[-1].set(p - 1)
+    assert tpu_pallas.rows_at_fit(x.shape, x.dtype)
+    got = jax.jit(lambda x, i: tpu_pallas.rows_at(x, i, interpret=True))(x, index)
+    want = jnp.take_along_axis(x, index[:, None, None], axis=1)[:, 0]
+    assert got.shape == (b, v) and got.dtype == x.dtype
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_row_dma_takes_only_what_it_can_copy():
+    """rows_at_fit: 32-bit rows a multiple of 128 long; 16-bit tiles pack two rows per sublane."""
+    assert tpu_pallas.rows_at_fit((4, 5, 128256), jnp.float32)
+    assert not tpu_pallas.rows_at_fit((4, 5, 128256), jnp.bfloat16)
+    assert not tpu_pallas.rows_at_fit((4, 5, 1000), jnp.float32)
+    assert not tpu_pallas.rows_at_fit((0, 5, 128), jnp.float32)
+
+
+@pytest.mark.parametrize("v", [700, 768])  # 768: rows a multiple of 128, read by the row DMA
 @pytest.mark.parametrize("point_masses", [False, True])
-def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, monkeypatch):
+def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, v, monkeypatch):
     """The whole kernel with the off-CPU picks, on the CPU, against the CPU's gathers."""
     rng = np.random.default_rng(54)
-    b, g, v = 16, 4, 700
+    b, g = 13, 4
     p = rng.random((b, g + 1, v)) ** 4
     p = jnp.asarray(p / p.sum(-1, keepdims=True), jnp.float32)
     q = None if point_masses else jnp.asarray(jax.nn.softmax(jnp.log(p[:, :g]) + 0.3), jnp.float32)
@@ -62,8 +93,10 @@ def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, monkeyp
     u = jnp.asarray(rng.random((b, g)) * 0.02, jnp.float32)  # small: point-mass tests pass too
     s = jnp.asarray(rng.random(b), jnp.float32)
     want = jax.jit(rejection.rejection_body)(x, q, p, u, s)
-    # Every off-CPU branch (the TPU's picks and block sums), traced on the CPU:
-    monkeypatch.setattr(rejection.lax, "platform_dependent", lambda *a, cpu, default: default(*a))
+    # Every off-CPU branch (the TPU's where there is one: its row DMA, in Pallas'
+    # interpreter; else the default: the masked picks, the block sums), traced on the CPU:
+    monkeypatch.setattr(rejection.lax, "platform_dependent", _tpu_branch)
+    monkeypatch.setattr(tpu_pallas, "rows_at", partial(tpu_pallas.rows_at, interpret=True))
     got = jax.jit(lambda *a: rejection.rejection_body(*a, impl="xla"))(x, q, p, u, s)
     np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -89,7 +122,6 @@ def test_verify_with_the_masked_take_gives_the_same_tokens(mode, monkeypatch):
     s = jnp.asarray(rng.random(b), jnp.float32)
     k = jnp.full((b,), g, jnp.int32)
     want = jax.jit(frontend.verify_core)(x, d, t, u, s, params, k)
-    monkeypatch.setattr(frontend, "take", core.take_masked)
     monkeypatch.setattr(core, "take", core.take_masked)
     got = jax.jit(lambda *a: frontend.verify_core(*a))(x, d, t, u, s, params, k)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -241,8 +273,6 @@ def test_verify_with_the_tpu_cutoff_gives_the_same_tokens(dtype, monkeypatch):
     (``source``), so the Pallas pass reads the logits themselves; T = 0.7,
     top-k 50 / top-p 0.9 and mixed rows (k = 0, p = 1, greedy).
     """
-    from functools import partial
-
     from specjax.kernels.types import SamplingParams
 
     rng = np.random.default_rng(3)
@@ -261,11 +291,12 @@ def test_verify_with_the_tpu_cutoff_gives_the_same_tokens(dtype, monkeypatch):
 
     seen = []
 
-    def choose(*args, default, **platforms):  # the TPU branch where there is one, else the default
+    def choose(*args, default, **platforms):
         seen.append(sorted(platforms))
-        return platforms["tpu"](*args) if "tpu" in platforms else default(*args)
+        return _tpu_branch(*args, default=default, **platforms)
 
     monkeypatch.setattr(core.lax, "platform_dependent", choose)
+    monkeypatch.setattr(tpu_pallas, "rows_at", partial(tpu_pallas.rows_at, interpret=True))
     monkeypatch.setattr(core, "cutoff_by_lanes", partial(core.cutoff_by_lanes, interpret=True))
     got = jax.jit(lambda *a: frontend.verify_core(*a))(x, d, t, u, s, params, k)
     assert ["tpu"] in seen  # the cutoff took its TPU branch

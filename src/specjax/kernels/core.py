@@ -13,7 +13,7 @@ runs exactly the single-device code (vocabulary of terms: see
 
 * sums over the vocabulary: :func:`to_blocks`, :func:`block_sums`, :func:`row_sums`;
 * the accept test: :func:`num_accepted_from_ratios` (``u < p/q`` on the bits);
-* a per-platform exact gather: :func:`take`;
+* per-platform exact gathers: :func:`take`, :func:`take_rows`;
 * reductions over a (possibly split) vocabulary: :func:`vocab_max`,
   :func:`vocab_sum`, :func:`vocab_argmax`, :func:`vocab_gather`, :func:`psum_owned`;
 * the residual and the draw: :func:`residual_weights`, :func:`inverse_cdf`,
@@ -53,6 +53,7 @@ __all__ = [
     "residual_weights",
     "row_sums",
     "take",
+    "take_rows",
     "to_blocks",
     "vocab_argmax",
     "vocab_gather",
@@ -247,6 +248,24 @@ def take(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
         return jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(index, axis), axis=axis), axis)
 
     return lax.platform_dependent(x, index, cpu=gather, default=lambda x, i: take_masked(x, i, axis))
+
+
+def take_rows(x: jax.Array, index: jax.Array, axis_name: AxisName = None) -> jax.Array:
+    """f[B, P, L], i32[B] in [0, P) -> f[B, L]: row ``index[b]`` of ``x[b]``, bit for bit.
+
+    :func:`take` along axis 1, except on one TPU for 32-bit rows a multiple of
+    128 long: there :func:`specjax.kernels.tpu_pallas.rows_at` copies each row
+    alone by one DMA (a sublane of each tile: an eighth of what the masked
+    pass over every position's tiles reads). On a mesh (``axis_name``, inside
+    ``shard_map``) always :func:`take`: the DMA is not tried there.
+    """
+
+    def other(x: jax.Array, index: jax.Array) -> jax.Array:
+        return take(x, index[:, None], 1)
+
+    if axis_name or not tpu_pallas.rows_at_fit(x.shape, x.dtype):
+        return other(x, index)
+    return lax.platform_dependent(x, index, tpu=lambda x, i: tpu_pallas.rows_at(x, i), default=other)
 
 
 def take_masked(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:

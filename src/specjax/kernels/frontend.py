@@ -60,7 +60,7 @@ from specjax.kernels.core import (
     num_accepted_from_ratios,
     point_mass,
     residual_weights,
-    take,
+    take_rows,
     vocab_argmax,
     vocab_gather,
     vocab_max,
@@ -557,7 +557,7 @@ def _draw_from_logits(
     g = x.shape[1]
     size = target_logits.shape[-1]
     ids = (lax.iota(jnp.int32, size) + offset)[None, :]
-    t_row = take(target_logits, n[:, None], 1)
+    t_row = take_rows(target_logits, n, axis_name)
     p_n = probs_from_stats(t_sel, t_row, ids)
     if g == 0:
         q_n = jnp.zeros_like(p_n)
@@ -567,7 +567,7 @@ def _draw_from_logits(
         if draft_logits is None:
             q_n = point_mass(x_n, ids[0], jnp.float32)
         else:
-            d_row = take(draft_logits, d_pos[:, None], 1)
+            d_row = take_rows(draft_logits, d_pos, axis_name)
             q_n = probs_from_stats(d_sel, d_row, ids)
             if point_mass_rows is not None:
                 q_n = jnp.where(point_mass_rows[:, None], point_mass(x_n, ids[0], jnp.float32), q_n)
