@@ -3,7 +3,7 @@
 Usage (on a TPU host; the project need not be installed)::
 
     PYTHONPATH=src:benchmarks:$PYTHONPATH python3 benchmarks/bench_tpu_kernels.py \\
-        --out benchmarks/results [--compare-cutoff] [--budget-s 420] [--quick]
+        --out benchmarks/results [--compare-cutoff] [--budget-s 400] [--quick]
 
 For every (B, G, V, dtype) of the grid (issue 54: B in {1, 8, 64, 256}, G in
 {4, 8}, V in {32000, 128256, 151936}, float32 and bfloat16; the front end at
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", choices=("cutoff", "verify", "rejection"), help="one section")
     parser.add_argument("--compare-cutoff", action="store_true", help="time the previous (lax.top_k) cutoff too")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="start no case after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=400.0, help="start no case after this many seconds")
     parser.add_argument("--batches", type=int, nargs="+", help=f"batch sizes (default {BATCHES})")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, help="dtypes (default both)")
     parser.add_argument("--vocabs", type=int, nargs="+", help=f"rejection_sample's vocabularies (default {VOCABS})")
