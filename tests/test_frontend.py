@@ -376,27 +376,6 @@ def test_cutoff_keeps_what_the_float64_sorted_reference_keeps(seed):
     assert checked > rows * 3 // 4 and bisected > 5, (checked, bisected)
 
 
-def tied_rows(vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows whose k-th largest value is tied far past the 256 candidates, with top-k and top-p.
-
-    f32[6, V] relative scaled logits, i32[6] top_k, f32[6] ``1 - top_p``. Ten
-    large values, then 2000 copies of 0 (the k-th for k = 50), then -5: the
-    kept set of top-k 50 is all 2010 entries, and the copies hold more than
-    ``1 - top_p`` of its mass although 246 of them would not. Also: every value
-    equal; all ties at the top; top-k alone; and an untied control row.
-    """
-    rows = np.full((6, vocab), -5.0, np.float32)
-    rows[:, :2000] = 0.0
-    rows[:, 2000:2010] = np.log(600.0)
-    rows[1] = 0.0  # every value equal
-    rows[2, 2000:2010] = 0.0  # the ties are the top
-    rows[5, :2000] = np.linspace(-1, 0, 2000, endpoint=False)  # no ties: the candidates decide
-    rows -= rows.max(1, keepdims=True)
-    top_k = np.array([50, 50, 50, 50, 3000, 50], np.int32)
-    one_minus_top_p = np.array([0.1, 0.1, 0.1, 0.0, 0.1, 0.1], np.float32)
-    return rows, top_k, one_minus_top_p
-
-
 def test_cutoff_keeps_every_tie_of_the_kth_value():
     """Top-k keeps every logit equal to the k-th, and top-p weighs them all (issue 54).
 
@@ -406,7 +385,7 @@ def test_cutoff_keeps_every_tie_of_the_kth_value():
     tied copies (cutoff 0.0, the large values'), as they hold less than
     ``1 - top_p`` of the 256 candidates' mass but more of the kept set's.
     """
-    from _straightforward import straightforward_cutoff
+    from _straightforward import straightforward_cutoff, tied_rows
 
     from specjax.kernels.core import cutoff
 

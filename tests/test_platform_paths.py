@@ -191,7 +191,7 @@ def test_lane_candidates_are_the_largest_of_each_lane(shape, dtype):
 
 def _lane_case(name: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
     """(scaled f32[R, V], top_k i32[R], 1 - top_p f32[R], whether the lane candidates decide every row)."""
-    from test_frontend import tied_rows
+    from _straightforward import tied_rows
 
     rows, vocab = 8, 4096
     scaled = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
