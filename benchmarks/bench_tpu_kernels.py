@@ -3,10 +3,11 @@
 Usage (on a TPU host; the project need not be installed)::
 
     PYTHONPATH=src:benchmarks:$PYTHONPATH python3 benchmarks/bench_tpu_kernels.py \\
-        --jsonl benchmarks/results/tpu-kernels.jsonl [--quick]
+        --out benchmarks/results [--compare-cutoff] [--budget-s 400] [--quick]
 
-For every (B, G, V, dtype) of the grid, in the same process and on the same
-inputs (generated on the device):
+For every (B, G, V, dtype) of the grid (issue 54: B in {1, 8, 64, 256}, G in
+{4, 8}, V in {32000, 128256, 151936}, float32 and bfloat16; the front end at
+V = 128256), in the same process and on the same inputs (generated on the device):
 
 * ``kernel``: ``rejection_sample``'s jitted kernel
   (``specjax.kernels.rejection._rejection_sample_jit``, ``impl="xla"``), or
@@ -19,28 +20,43 @@ inputs (generated on the device):
 * ``trivial``: a jitted call that adds 1 to 8 floats (the dispatch cost; B = 1 rows
   are judged against it: within 1.5x).
 
+``--compare-cutoff`` adds, first, the top-k / top-p cutoff alone on the target's
+B·(G+1) rows of scaled logits (G = 4, V = 128256; k = 50, p = 0.9), each against
+the same read: the TPU's route (``core.cutoff_by_lanes``), its Pallas pass alone
+(``tpu_pallas.lane_candidates``), and the previous path (``lax.top_k`` of every
+row, then the same rule); whether both give the same cutoffs, bit for bit, and the
+share of rows the lane candidates decide. It also times the sampled front end
+with the previous path (mode ``sampled-topk``) beside the current one.
+
 Each is timed two ways: the median of ``--reps`` blocking calls (call, then
 ``block_until_ready``: what a loop that needs the result pays) and the mean of
 as many calls queued before one block (device time, dispatch overlapped). The
-verdicts use the blocking medians, as issue 54's targets do. One row per
-(section, mode, B, G, V, dtype) is appended to ``--jsonl`` as it is measured,
-with the device named.
+verdicts use the blocking medians, as issue 54's targets do. Rows are appended
+as they are measured to ``--out``/tpu-cutoff.jsonl, tpu-verify.jsonl and
+tpu-rejection.jsonl (that order: the cutoff, the front end, then the
+probability kernel), each with the device named. ``--budget-s`` stops starting
+new cases once that many seconds have passed (one device call is limited), and
+says which were skipped. Off a TPU (a dry run, ``JAX_PLATFORMS=cpu --quick``)
+the Pallas pass runs in its interpreter.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from results_io import append_jsonl
 
-from specjax.kernels import frontend
+from specjax.kernels import core, frontend, tpu_pallas
 from specjax.kernels.rejection import _rejection_sample_jit
 from specjax.kernels.types import SamplingParams
 
@@ -130,28 +146,45 @@ def _record(section, mode, b, g, v, dtype, kernel, read, nbytes, need_bytes, lim
     return row
 
 
-def _print(row: dict[str, Any]) -> None:
+def _print(row: dict[str, Any], tail: str = "") -> None:
     extra = f" {row['per_trivial_call']:6.2f}x trivial" if "per_trivial_call" in row else ""
     print(
-        f"{row['section']:>9} {row['mode']:>8} {row['B']:4d} {row['G']:2d} {row['V']:7d} {row['dtype']:>8} "
+        f"{row['section']:>9} {row['mode']:>12} {row['B']:4d} {row['G']:2d} {row['V']:7d} {row['dtype']:>8} "
         f"{row['kernel_us']:10.1f} {row['read_us']:9.1f} {row['kernel_per_read']:7.2f} {row['queued_per_read']:8.2f} "
-        f"{row['floor_all_us']:9.1f} {row['floor_needed_us']:9.1f} {row['verdict']:>6}{extra}",
+        f"{row['floor_all_us']:9.1f} {row['floor_needed_us']:9.1f} {row['verdict']:>6}{extra}{tail}",
         flush=True,
     )
 
 
 HEADER_LINE = (
-    f"{'section':>9} {'mode':>8} {'B':>4} {'G':>2} {'V':>7} {'dtype':>8} {'kernel_us':>10} {'read_us':>9} "
+    f"{'section':>9} {'mode':>12} {'B':>4} {'G':>2} {'V':>7} {'dtype':>8} {'kernel_us':>10} {'read_us':>9} "
     f"{'k/read':>7} {'k/read_q':>8} {'floor_all':>9} {'floor_need':>9} {'verdict':>6}"
 )
 
 
-def bench_rejection(batches, drafts, vocabs, dtypes, reps, device, trivial_s, sink) -> None:
+class Budget:
+    """Stops new cases once ``seconds`` have passed since the start (a device call is limited)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.skipped: list[str] = []
+
+    def allows(self, case: str) -> bool:
+        if time.monotonic() < self.deadline:
+            return True
+        self.skipped.append(case)
+        print(f"skipped (time budget spent): {case}", flush=True)
+        return False
+
+
+def bench_rejection(batches, drafts, vocabs, dtypes, reps, device, trivial_s, sink, budget) -> None:
     print(HEADER_LINE)
     for v in vocabs:
         for g in drafts:
             for dtype in dtypes:
                 for b in batches:
+                    if not budget.allows(f"rejection B={b} G={g} V={v} {dtype}"):
+                        continue
                     args = rejection_inputs(b, g, v, dtype)
                     item = jnp.dtype(dtype).itemsize
                     kernel = timed(lambda a=args: _rejection_sample_jit(*a), reps)
@@ -161,32 +194,120 @@ def bench_rejection(batches, drafts, vocabs, dtypes, reps, device, trivial_s, si
                         b * 2 * v * item, 1.0 if b >= 64 else None, trivial_s, device, reps,
                     )  # fmt: skip
                     _print(row)
-                    sink([row])
+                    sink("tpu-rejection", [row])
                     del args
 
 
-def bench_verify(batches, drafts, dtypes, reps, device, trivial_s, sink) -> None:
+@contextlib.contextmanager
+def topk_cutoff() -> Iterator[None]:
+    """Within: the cutoff's TPU branch takes ``lax.top_k`` of every row (the path before the lane candidates)."""
+    keep = core.cutoff_by_lanes
+
+    def previous(scaled, k, one_minus_top_p, source=None, *, interpret=False):
+        vocab = scaled.shape[-1]
+
+        def read() -> jax.Array:
+            return scaled if source is None else source[1](source[0])
+
+        return core._cutoff_from_candidates(read, vocab, core._largest(read(), min(256, vocab)), k, one_minus_top_p)
+
+    core.cutoff_by_lanes = previous
+    try:
+        yield
+    finally:
+        core.cutoff_by_lanes = keep
+
+
+def bench_verify(batches, drafts, dtypes, reps, device, trivial_s, sink, budget, compare) -> None:
     v = VERIFY_VOCAB
-    limits = {"sampled": 3.0, "greedy": 1.5}
+    limits = {"sampled": 3.0, "sampled-topk": 3.0, "greedy": 1.5}
+    modes = ("sampled", "sampled-topk", "greedy") if compare else ("sampled", "greedy")
     print(HEADER_LINE)
     for g in drafts:
         for dtype in dtypes:
             for b in batches:
+                if not budget.allows(f"verify B={b} G={g} V={v} {dtype}"):
+                    continue
                 x, d, t = verify_inputs(b, g, v, dtype)
                 read = timed(lambda d=d, t=t: _read(d, t), reps)
                 nbytes = b * (2 * g + 1) * v * jnp.dtype(dtype).itemsize
                 key = jax.random.key(0)
                 k = jnp.full((b,), g, jnp.int32)
-                for mode in ("sampled", "greedy"):
+                for mode in modes:
                     args = (x, d, t, key, _params(b, mode), k)
-                    kernel = timed(lambda a=args: frontend._verify_jit(*a), reps)
+                    if mode == "sampled-topk":
+                        fresh = jax.jit(frontend._verify_jit.__wrapped__)  # traced inside the context
+                        with topk_cutoff():
+                            kernel = timed(lambda a=args, f=fresh: f(*a), reps)
+                    else:
+                        kernel = timed(lambda a=args: frontend._verify_jit(*a), reps)
                     row = _record(
                         "verify", mode, b, g, v, dtype, kernel, read, nbytes, nbytes,
                         limits[mode] if b >= 8 else None, trivial_s, device, reps,
                     )  # fmt: skip
                     _print(row)
-                    sink([row])
+                    sink("tpu-verify", [row])
                 del x, d, t
+
+
+def bench_cutoff(batches, dtypes, reps, device, trivial_s, sink, budget, interpret) -> None:
+    """The cutoff alone on the target's B·(G+1) rows (G = 4): the lane route, its pass, the ``lax.top_k`` path."""
+    g, v = 4, VERIFY_VOCAB
+    print(HEADER_LINE + " same_bits decided")
+    for dtype in dtypes:
+        for b in batches:
+            if budget.allows(f"cutoff B={b} G={g} V={v} {dtype}"):
+                rows = _cutoff_case(verify_inputs(b, g, v, dtype)[2], reps, interpret)
+                for mode, kernel, read, same, share in rows:
+                    row = _record(
+                        "cutoff", mode, b, g, v, dtype, kernel, read, b * (g + 1) * v * jnp.dtype(dtype).itemsize,
+                        b * (g + 1) * v * jnp.dtype(dtype).itemsize, 3.0 if b >= 8 and mode == "lanes-route" else None,
+                        trivial_s, device, reps,
+                    )  # fmt: skip
+                    row.update(same_bits=same, decided_share=share)
+                    _print(row, f" {same!s:>9} {share:7.4f}")
+                    sink("tpu-cutoff", [row])
+
+
+def _cutoff_case(t: jax.Array, reps: int, interpret: bool) -> list[tuple[str, Any, Any, bool, float]]:
+    """(mode, kernel times, read times, same cutoffs bit for bit, share of rows decided) for logits ``t``."""
+    v = t.shape[-1]
+    top_k = jnp.full(t.shape[:-1], 50, jnp.int32)
+    omp = jnp.full(t.shape[:-1], 0.1, jnp.float32)
+
+    def parts(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:  # as the front end scales
+        x_max = jnp.max(x, axis=-1, keepdims=True).astype(jnp.float32)
+
+        def to_scaled(a: jax.Array) -> jax.Array:
+            return (a.astype(jnp.float32) - x_max) * jnp.float32(1 / 0.7)
+
+        return to_scaled(x), to_scaled
+
+    @jax.jit
+    def lanes_route(x, k, o):
+        scaled, to_scaled = parts(x)
+        return core.cutoff_by_lanes(scaled, k, o, (x, to_scaled), interpret=interpret)
+
+    @jax.jit
+    def topk_path(x, k, o):
+        scaled, _ = parts(x)
+        return core._cutoff_from_candidates(lambda: scaled, v, core._largest(scaled, 256), k, o)
+
+    @jax.jit
+    def decided(x, k, o):
+        scaled, to_scaled = parts(x)
+        return jnp.mean(core.lane_candidates_decide(scaled, k, o, (x, to_scaled), interpret=interpret)[1])
+
+    lanes_pass = jax.jit(lambda x: tpu_pallas.lane_candidates(x, 8, interpret=interpret))
+    new, old = lanes_route(t, top_k, omp), topk_path(t, top_k, omp)
+    same = bool(jnp.all(lax.bitcast_convert_type(new, jnp.int32) == lax.bitcast_convert_type(old, jnp.int32)))
+    share = round(float(decided(t, top_k, omp)), 4)
+    read = timed(lambda: _read(t), reps)
+    return [
+        ("lanes-route", timed(lambda: lanes_route(t, top_k, omp), reps), read, same, share),
+        ("lanes-pass", timed(lambda: lanes_pass(t), reps), read, same, share),
+        ("topk-path", timed(lambda: topk_path(t, top_k, omp), reps), read, same, share),
+    ]
 
 
 def _params(b: int, mode: str) -> SamplingParams:
@@ -206,40 +327,46 @@ def bench_trivial(reps: int) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jsonl", metavar="PATH", help="append result rows as JSON lines to PATH")
+    parser.add_argument("--out", metavar="DIR", help="append rows to DIR/tpu-{cutoff,verify,rejection}.jsonl")
     parser.add_argument("--quick", action="store_true", help="small sizes (a dry run of the script)")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--only", choices=("rejection", "verify"), help="one section")
+    parser.add_argument("--only", choices=("cutoff", "verify", "rejection"), help="one section")
+    parser.add_argument("--compare-cutoff", action="store_true", help="time the previous (lax.top_k) cutoff too")
+    parser.add_argument("--budget-s", type=float, default=400.0, help="start no case after this many seconds")
     parser.add_argument("--batches", type=int, nargs="+", help=f"batch sizes (default {BATCHES})")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, help="dtypes (default both)")
     parser.add_argument("--vocabs", type=int, nargs="+", help=f"rejection_sample's vocabularies (default {VOCABS})")
-    parser.add_argument("--drafts", type=int, nargs="+", help=f"rejection_sample's draft lengths (default {DRAFTS})")
+    parser.add_argument("--drafts", type=int, nargs="+", help=f"draft lengths (default {DRAFTS})")
     args = parser.parse_args(argv)
     d = jax.devices()[0]
     device = f"{d.platform}:{d.device_kind}"
-    print(f"device: {device}; JAX {jax.__version__}")
+    interpret = d.platform != "tpu"  # the Pallas pass off a TPU: its interpreter (a dry run)
+    print(f"device: {device}; JAX {jax.__version__}", flush=True)
+    global VERIFY_VOCAB
     if args.quick:
-        batches, drafts, vocabs, dtypes, verify_batches = (1, 64), (4,), (4000,), DTYPES, (1, 8)
-        global VERIFY_VOCAB
-        VERIFY_VOCAB = 4000
+        batches, drafts, vocabs, dtypes = (1, 8), (4,), (2048,), DTYPES
+        VERIFY_VOCAB = 2048
     else:
-        batches, drafts, vocabs, dtypes, verify_batches = BATCHES, DRAFTS, VOCABS, DTYPES, BATCHES
-    if args.batches:
-        batches = verify_batches = tuple(args.batches)
-    if args.dtypes:
-        dtypes = tuple(args.dtypes)
+        batches, drafts, vocabs, dtypes = BATCHES, DRAFTS, VOCABS, DTYPES
+    batches = tuple(args.batches or batches)
+    dtypes = tuple(args.dtypes or dtypes)
     vocabs = tuple(args.vocabs or vocabs)
     drafts = tuple(args.drafts or drafts)
+    budget = Budget(args.budget_s)
 
-    def sink(new_rows: list[dict[str, Any]]) -> None:  # rows land as they come (a run may be cut short)
-        if args.jsonl:
-            append_jsonl(args.jsonl, new_rows)
+    def sink(name: str, new_rows: list[dict[str, Any]]) -> None:  # rows land as they come (a run may be cut short)
+        if args.out:
+            append_jsonl(os.path.join(args.out, f"{name}.jsonl"), new_rows)
 
     trivial_s = bench_trivial(args.reps)
-    if args.only in (None, "rejection"):
-        bench_rejection(batches, drafts, vocabs, dtypes, args.reps, device, trivial_s, sink)
+    if args.only == "cutoff" or (args.only is None and args.compare_cutoff):
+        bench_cutoff(batches, dtypes, args.reps, device, trivial_s, sink, budget, interpret)
     if args.only in (None, "verify"):
-        bench_verify(verify_batches, (4,), dtypes, args.reps, device, trivial_s, sink)
+        bench_verify(batches, drafts, dtypes, args.reps, device, trivial_s, sink, budget, args.compare_cutoff)
+    if args.only in (None, "rejection"):
+        bench_rejection(batches, drafts, vocabs, dtypes, args.reps, device, trivial_s, sink, budget)
+    if budget.skipped:
+        print(f"{len(budget.skipped)} cases skipped by --budget-s: {'; '.join(budget.skipped)}")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.kernels.core import assemble_tokens, num_accepted_from_ratios
 from specjax.kernels.types import AcceptanceResult
@@ -69,3 +70,24 @@ def straightforward_cutoff(scaled: jax.Array, top_k: jax.Array, one_minus_top_p:
     dropped = jnp.sum(cum <= one_minus_top_p[:, None], axis=-1)
     cut_p = jnp.take_along_axis(asc, jnp.minimum(dropped, vocab - 1)[:, None], axis=-1)[:, 0]
     return jnp.where(one_minus_top_p > 0, jnp.maximum(cut, cut_p), cut)
+
+
+def tied_rows(vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows whose k-th largest value is tied far past the 256 candidates, with top-k and top-p.
+
+    f32[6, V] relative scaled logits, i32[6] top_k, f32[6] ``1 - top_p``. Ten
+    large values, then 2000 copies of 0 (the k-th for k = 50), then -5: the
+    kept set of top-k 50 is all 2010 entries, and the copies hold more than
+    ``1 - top_p`` of its mass although 246 of them would not. Also: every value
+    equal; all ties at the top; top-k alone; and an untied control row.
+    """
+    rows = np.full((6, vocab), -5.0, np.float32)
+    rows[:, :2000] = 0.0
+    rows[:, 2000:2010] = np.log(600.0)
+    rows[1] = 0.0  # every value equal
+    rows[2, 2000:2010] = 0.0  # the ties are the top
+    rows[5, :2000] = np.linspace(-1, 0, 2000, endpoint=False)  # no ties: the candidates decide
+    rows -= rows.max(1, keepdims=True)
+    top_k = np.array([50, 50, 50, 50, 3000, 50], np.int32)
+    one_minus_top_p = np.array([0.1, 0.1, 0.1, 0.0, 0.1, 0.1], np.float32)
+    return rows, top_k, one_minus_top_p

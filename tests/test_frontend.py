@@ -376,6 +376,27 @@ def test_cutoff_keeps_what_the_float64_sorted_reference_keeps(seed):
     assert checked > rows * 3 // 4 and bisected > 5, (checked, bisected)
 
 
+def test_cutoff_keeps_every_tie_of_the_kth_value():
+    """Top-k keeps every logit equal to the k-th, and top-p weighs them all (issue 54).
+
+    Against the sort-based cutoff (tests/_straightforward.py: transformers'
+    algorithm, cutting at a value, docs/api.md). The candidates route once
+    decided such rows from the 256 largest alone: row 0 then dropped all 2000
+    tied copies (cutoff 0.0, the large values'), as they hold less than
+    ``1 - top_p`` of the 256 candidates' mass but more of the kept set's.
+    """
+    from _straightforward import straightforward_cutoff, tied_rows
+
+    from specjax.kernels.core import cutoff
+
+    args = tuple(jnp.asarray(a) for a in tied_rows(8192))
+    got = np.asarray(jax.jit(cutoff)(*args))
+    np.testing.assert_array_equal(got, np.asarray(straightforward_cutoff(*args)))
+    scaled = np.asarray(args[0])
+    assert (scaled[0] >= got[0]).sum() == 2010  # the ties and the large values
+    assert (scaled[5] >= got[5]).sum() < 50  # the control: top-p cuts inside the top 50
+
+
 def test_cutoff_token_keeps_its_probability_in_the_acceptance_test():
     """Minimal reproducer. Top-2 of [5, 3.0299606, -1, ...] at T = 0.7 keeps tokens 0 and 1.
 

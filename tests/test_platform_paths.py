@@ -10,14 +10,21 @@ kernels with it against the CPU's.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.kernels import core, frontend, rejection
+from specjax.kernels import core, frontend, rejection, tpu_pallas
 
 SHAPES = [(3, 2, 40), (4, 3, 300), (2, 4, 1000), (2, 1, 128), (1, 1, 1)]
+
+
+def _tpu_branch(*args, default, **platforms):
+    """``lax.platform_dependent`` as a TPU lowers it: its ``tpu`` branch where it has one, else ``default``."""
+    return platforms["tpu"](*args) if "tpu" in platforms else default(*args)
 
 
 def _bits(a) -> np.ndarray:
@@ -49,11 +56,35 @@ def test_masked_take_gives_the_bits_of_a_plain_gather(dtype, shape):
     assert float(got[0, 0]) == float(tiny) or dtype != "float32"  # the subnormal survived
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 256), (16, 9, 128), (1, 1, 128), (9, 4, 384)], ids=str)
+def test_row_dma_gives_the_bits_of_a_plain_gather(shape):
+    """tpu_pallas.rows_at (Pallas interpreted): row index[b] of x[b], bit for bit, B not a multiple of 8 too."""
+    b, p, v = shape
+    rng = np.random.default_rng(sum(shape))
+    x = jnp.asarray(rng.random(shape), jnp.float32)
+    x = x.at[0, :, 3].set(jnp.finfo(jnp.float32).smallest_subnormal).at[0, :, 4].set(jnp.nan).at[-1, :, 5].set(-0.0)
+    index = jnp.asarray(rng.integers(0, p, b), jnp.int32).at[-1].set(p - 1)
+    assert tpu_pallas.rows_at_fit(x.shape, x.dtype)
+    got = jax.jit(lambda x, i: tpu_pallas.rows_at(x, i, interpret=True))(x, index)
+    want = jnp.take_along_axis(x, index[:, None, None], axis=1)[:, 0]
+    assert got.shape == (b, v) and got.dtype == x.dtype
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_row_dma_takes_only_what_it_can_copy():
+    """rows_at_fit: 32-bit rows a multiple of 128 long; 16-bit tiles pack two rows per sublane."""
+    assert tpu_pallas.rows_at_fit((4, 5, 128256), jnp.float32)
+    assert not tpu_pallas.rows_at_fit((4, 5, 128256), jnp.bfloat16)
+    assert not tpu_pallas.rows_at_fit((4, 5, 1000), jnp.float32)
+    assert not tpu_pallas.rows_at_fit((0, 5, 128), jnp.float32)
+
+
+@pytest.mark.parametrize("v", [700, 768])  # 768: rows a multiple of 128, read by the row DMA
 @pytest.mark.parametrize("point_masses", [False, True])
-def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, monkeypatch):
+def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, v, monkeypatch):
     """The whole kernel with the off-CPU picks, on the CPU, against the CPU's gathers."""
     rng = np.random.default_rng(54)
-    b, g, v = 16, 4, 700
+    b, g = 13, 4
     p = rng.random((b, g + 1, v)) ** 4
     p = jnp.asarray(p / p.sum(-1, keepdims=True), jnp.float32)
     q = None if point_masses else jnp.asarray(jax.nn.softmax(jnp.log(p[:, :g]) + 0.3), jnp.float32)
@@ -62,8 +93,10 @@ def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, monkeyp
     u = jnp.asarray(rng.random((b, g)) * 0.02, jnp.float32)  # small: point-mass tests pass too
     s = jnp.asarray(rng.random(b), jnp.float32)
     want = jax.jit(rejection.rejection_body)(x, q, p, u, s)
-    # Every off-CPU branch (the TPU's picks and block sums), traced on the CPU:
-    monkeypatch.setattr(rejection.lax, "platform_dependent", lambda *a, cpu, default: default(*a))
+    # Every off-CPU branch (the TPU's where there is one: its row DMA, in Pallas'
+    # interpreter; else the default: the masked picks, the block sums), traced on the CPU:
+    monkeypatch.setattr(rejection.lax, "platform_dependent", _tpu_branch)
+    monkeypatch.setattr(tpu_pallas, "rows_at", partial(tpu_pallas.rows_at, interpret=True))
     got = jax.jit(lambda *a: rejection.rejection_body(*a, impl="xla"))(x, q, p, u, s)
     np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -89,7 +122,6 @@ def test_verify_with_the_masked_take_gives_the_same_tokens(mode, monkeypatch):
     s = jnp.asarray(rng.random(b), jnp.float32)
     k = jnp.full((b,), g, jnp.int32)
     want = jax.jit(frontend.verify_core)(x, d, t, u, s, params, k)
-    monkeypatch.setattr(frontend, "take", core.take_masked)
     monkeypatch.setattr(core, "take", core.take_masked)
     got = jax.jit(lambda *a: frontend.verify_core(*a))(x, d, t, u, s, params, k)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -126,3 +158,148 @@ def test_greedy_verify_on_the_jax_path_is_the_greedy_rule(point_masses, filtered
     np.testing.assert_array_equal(np.asarray(got.num_accepted), n)
     np.testing.assert_array_equal(np.asarray(got.tokens), tokens)
     assert 0 < n.sum() and (n < k).any()
+
+
+# --------------------------------------------------------------------------- #
+# The TPU's top-k / top-p cutoff (core.cutoff_by_lanes), in Pallas' interpreter
+# --------------------------------------------------------------------------- #
+
+LANE_SHAPES = [(16, 1024), (3, 5, 2048), (2, 9, 1024), (1024,), (3, 1000)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", LANE_SHAPES, ids=str)
+def test_lane_candidates_are_the_largest_of_each_lane(shape, dtype):
+    """tpu_pallas.lane_candidates against a sort of each strided lane, with ties, -inf and a short lane."""
+    from specjax.kernels import tpu_pallas
+
+    rng = np.random.default_rng(sum(shape))
+    x = rng.integers(-6, 6, shape).astype(np.float32)  # many ties
+    x[..., 5::11] = -np.inf
+    x.reshape(-1, shape[-1])[0] = -np.inf  # a row of -inf
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    got = np.asarray(jax.jit(lambda a: tpu_pallas.lane_candidates(a, 8, interpret=True))(jnp.asarray(x, dtype)))
+    vocab = shape[-1]
+    padded = -(-vocab // 128) * 128
+    lanes = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - vocab)], constant_values=-np.inf)
+    lanes = lanes.reshape(*shape[:-1], padded // 128, 128)
+    want = -np.sort(-lanes, axis=-2)[..., :8, :]  # the 8 largest per lane, descending
+    want = np.pad(want, [(0, 0)] * (want.ndim - 2) + [(0, 8 - want.shape[-2]), (0, 0)], constant_values=-np.inf)
+    assert got.shape == (*shape[:-1], 8 * 128) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want.reshape(*shape[:-1], 8 * 128))
+
+
+def _lane_case(name: str, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """(scaled f32[R, V], top_k i32[R], 1 - top_p f32[R], whether the lane candidates decide every row)."""
+    from _straightforward import tied_rows
+
+    rows, vocab = 8, 4096
+    scaled = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    top_k = np.full(rows, 50, np.int32)
+    omp = np.full(rows, 0.1, np.float32)
+    decided = True
+    if name == "normal, mixed k and p":
+        top_k = np.array([50, 1, 256, 0, 0, 4096, 10**6, 7], np.int32)  # k >= V, k > 256, k = 0
+        omp = np.array([0.1, 0.5, 0.0, 0.05, 0.0, 0.1, 0.2, 0.999], np.float32)
+    elif name == "ties at the k-th past the lanes":
+        scaled, top_k, omp = tied_rows(vocab)
+        decided = False  # 2000 copies of the k-th value: some lane holds more than 8
+    elif name == "all equal":
+        scaled[:] = 0.0
+        decided = False
+    elif name == "-inf entries and an all -inf row":
+        scaled[:, 1::3] = -np.inf
+        scaled[2] = -np.inf  # tau = -inf: the candidates are the row's
+        scaled[5, 128:] = -np.inf  # 128 finite values: k = 50 decided
+    elif name == "k-th below tau (one crowded lane)":
+        scaled[:] = rng.uniform(-20, -10, (rows, vocab))
+        scaled[:, ::128] = np.linspace(10, 0, vocab // 128)  # lane 0 holds the 32 largest
+        top_k[:] = 20  # the 20th largest is in lane 0, 12 places below its 8th: undecided
+        decided = False
+    elif name == "k-th tied at tau (one lane of ties)":
+        scaled[:] = -5.0
+        scaled[:, 1:11] = np.log(100.0)  # ten large values, in lanes 1..10
+        scaled[:, 0 : 300 * 128 : 128] = 0.0  # 300 copies of the k-th value, all in lane 0: 8 reach the lanes
+        top_k[:] = 15  # the k-th is 0 = tau; the kept set's 300 zeros outweigh 1 - top_p, the lanes' 8 do not
+        decided = False
+    elif name == "top-p alone, nucleus beyond the candidates":
+        top_k[:] = 0
+        omp[:] = 0.01  # the nucleus spans the flat rest: the bisection, after candidates that decide
+        scaled *= 0.1
+        scaled[:, 3 : 3 + 300 * 13 : 13] += 2.0  # the 300 largest, at most 3 per lane: all above tau
+    elif name == "NaN":
+        scaled[3, 7] = np.nan
+        decided = False
+    finite = np.isfinite(scaled).any(1)
+    scaled[finite] -= np.max(scaled[finite], 1, keepdims=True, where=np.isfinite(scaled[finite]), initial=-np.inf)
+    return scaled.astype(np.float32), top_k, omp, decided
+
+
+LANE_CASES = [
+    "normal",
+    "normal, mixed k and p",
+    "ties at the k-th past the lanes",
+    "all equal",
+    "-inf entries and an all -inf row",
+    "k-th below tau (one crowded lane)",
+    "k-th tied at tau (one lane of ties)",
+    "top-p alone, nucleus beyond the candidates",
+    "NaN",
+]
+
+
+@pytest.mark.parametrize("name", LANE_CASES)
+def test_tpu_cutoff_gives_the_cpu_cutoff(name):
+    """core.cutoff_by_lanes (the TPU branch, Pallas interpreted) equals the CPU's cutoff on every row.
+
+    Also checks which way the batch went (the lane candidates, or the fallback to
+    ``lax.top_k``), so that each case tests the branch it is named for.
+    """
+    rng = np.random.default_rng(LANE_CASES.index(name))
+    scaled, top_k, omp, decided = (jnp.asarray(a) for a in _lane_case(name, rng))
+    want = jax.jit(core.cutoff)(scaled, top_k, omp)
+    k = jnp.clip(top_k, 0, scaled.shape[-1])
+    got = jax.jit(lambda s, k, o: core.cutoff_by_lanes(s, k, o, interpret=True))(scaled, k, omp)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _, rows_decided = jax.jit(lambda s, k, o: core.lane_candidates_decide(s, k, o, interpret=True))(scaled, k, omp)
+    assert bool(jnp.all(rows_decided)) == decided, np.asarray(rows_decided)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_with_the_tpu_cutoff_gives_the_same_tokens(dtype, monkeypatch):
+    """verify_core (impl="xla") with every TPU branch traced on the CPU, against the CPU's.
+
+    The front end hands the cutoff its logits and the map to scaled logits
+    (``source``), so the Pallas pass reads the logits themselves; T = 0.7,
+    top-k 50 / top-p 0.9 and mixed rows (k = 0, p = 1, greedy).
+    """
+    from specjax.kernels.types import SamplingParams
+
+    rng = np.random.default_rng(3)
+    b, g, v = 6, 3, 2048
+    t = jnp.asarray(rng.normal(size=(b, g + 1, v)) * 3, dtype)
+    d = jnp.asarray(np.asarray(t, np.float32)[:, :g] + rng.normal(size=(b, g, v)), dtype)
+    x = jnp.argmax(d.astype(jnp.float32) + jnp.asarray(rng.gumbel(size=(b, g, v)), jnp.float32), -1).astype(jnp.int32)
+    temperature = jnp.asarray([0.7, 0.7, 0.7, 1.0, 0.0, 0.7], jnp.float32)
+    top_k = jnp.asarray([50, 50, 0, 50, 50, 3000], jnp.int32)
+    omp = jnp.asarray([0.1, 0.0, 0.1, 0.1, 0.1, 0.1], jnp.float32)
+    params = SamplingParams(temperature, top_k, omp, True, True, "xla")
+    u = jnp.asarray(rng.random((b, g)), jnp.float32)
+    s = jnp.asarray(rng.random(b), jnp.float32)
+    k = jnp.full((b,), g, jnp.int32)
+    want = jax.jit(frontend.verify_core)(x, d, t, u, s, params, k)
+
+    seen = []
+
+    def choose(*args, default, **platforms):
+        seen.append(sorted(platforms))
+        return _tpu_branch(*args, default=default, **platforms)
+
+    monkeypatch.setattr(core.lax, "platform_dependent", choose)
+    monkeypatch.setattr(tpu_pallas, "rows_at", partial(tpu_pallas.rows_at, interpret=True))
+    monkeypatch.setattr(core, "cutoff_by_lanes", partial(core.cutoff_by_lanes, interpret=True))
+    got = jax.jit(lambda *a: frontend.verify_core(*a))(x, d, t, u, s, params, k)
+    assert ["tpu"] in seen  # the cutoff took its TPU branch
+    np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert 0 < int(np.asarray(want.num_accepted).sum()) < b * g

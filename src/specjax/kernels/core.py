@@ -13,7 +13,7 @@ runs exactly the single-device code (vocabulary of terms: see
 
 * sums over the vocabulary: :func:`to_blocks`, :func:`block_sums`, :func:`row_sums`;
 * the accept test: :func:`num_accepted_from_ratios` (``u < p/q`` on the bits);
-* a per-platform exact gather: :func:`take`;
+* per-platform exact gathers: :func:`take`, :func:`take_rows`;
 * reductions over a (possibly split) vocabulary: :func:`vocab_max`,
   :func:`vocab_sum`, :func:`vocab_argmax`, :func:`vocab_gather`, :func:`psum_owned`;
 * the residual and the draw: :func:`residual_weights`, :func:`inverse_cdf`,
@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax.kernels import tpu_pallas
+
 __all__ = [
     "AxisName",
     "assemble_tokens",
@@ -51,6 +53,7 @@ __all__ = [
     "residual_weights",
     "row_sums",
     "take",
+    "take_rows",
     "to_blocks",
     "vocab_argmax",
     "vocab_gather",
@@ -247,6 +250,24 @@ def take(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
     return lax.platform_dependent(x, index, cpu=gather, default=lambda x, i: take_masked(x, i, axis))
 
 
+def take_rows(x: jax.Array, index: jax.Array, axis_name: AxisName = None) -> jax.Array:
+    """f[B, P, L], i32[B] in [0, P) -> f[B, L]: row ``index[b]`` of ``x[b]``, bit for bit.
+
+    :func:`take` along axis 1, except on one TPU for 32-bit rows a multiple of
+    128 long: there :func:`specjax.kernels.tpu_pallas.rows_at` copies each row
+    alone by one DMA (a sublane of each tile: an eighth of what the masked
+    pass over every position's tiles reads). On a mesh (``axis_name``, inside
+    ``shard_map``) always :func:`take`: the DMA is not tried there.
+    """
+
+    def other(x: jax.Array, index: jax.Array) -> jax.Array:
+        return take(x, index[:, None], 1)
+
+    if axis_name or not tpu_pallas.rows_at_fit(x.shape, x.dtype):
+        return other(x, index)
+    return lax.platform_dependent(x, index, tpu=lambda x, i: tpu_pallas.rows_at(x, i), default=other)
+
+
 def take_masked(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
     """:func:`take` off CPU: a compare against an iota and an integer sum of the bits over ``axis``."""
     bits = _int_view(x)
@@ -426,6 +447,8 @@ _CUTOFF_CANDIDATES = 256
 # A row takes the candidates' top-p cutoff only if the mass outside them is
 # below 1 - top_p by this margin, so that rounding cannot move the cutoff out.
 _REST_MARGIN = 1e-5
+# The TPU route's candidates: this many largest per lane (1024 for 128 lanes).
+_LANE_DEPTH = 8
 
 
 def _float_key(x: jax.Array) -> jax.Array:
@@ -510,6 +533,8 @@ def cutoff(
     top_k: jax.Array | None,
     one_minus_top_p: jax.Array | None,
     axis_name: AxisName = None,
+    *,
+    source: tuple[jax.Array, Callable[[jax.Array], jax.Array]] | None = None,
 ) -> jax.Array:
     """Smallest scaled logit kept by top-k then top-p, per row (-inf when nothing is dropped).
 
@@ -521,14 +546,21 @@ def cutoff(
     The exact algorithm is a bisection over float32 bit patterns
     (:func:`_bisection_cutoff`: 32 passes over the row per filter, with
     ``psum``'d counts and masses on a mesh; no sort, which XLA:CPU runs ~25×
-    slower). On one device the 256 largest logits (``lax.top_k``) decide most
-    rows first: top-k with ``k <= 256``, and top-p when the mass outside the
-    candidates is below ``1 - top_p`` by a margin; only the others take the
-    bisection. Each row's cutoff is computed by the same arithmetic whichever
-    way the batch goes, so a row's result never depends on the other rows.
-    The candidates' top-p sum and the bisection's mass round differently in
-    the last bits; a cutoff can differ only where a cumulative probability is
+    slower). On one device the 256 largest logits decide most rows first
+    (:func:`_cutoff_from_candidates`): top-k with ``k <= 256`` whose kept set
+    (ties at the k-th value included) lies inside them, and top-p when the mass
+    outside the candidates is below ``1 - top_p`` by a margin; only the others
+    take the bisection. Each row's cutoff is computed by the same arithmetic
+    whichever way the batch goes, so a row's result never depends on the other
+    rows. The candidates' top-p sum and the bisection's mass round differently
+    in the last bits; a cutoff can differ only where a cumulative probability is
     within rounding of ``1 - top_p``.
+
+    Where the candidates come from is the one per-platform choice: ``lax.top_k``
+    of the row on CPU (and GPU); on a TPU, where ``lax.top_k`` is a sort of the
+    whole row, :func:`cutoff_by_lanes` (a Pallas pass gives a short list known to
+    hold them, or says it cannot, and the row's batch then takes ``lax.top_k``).
+    Both hand the same candidates to the same rule: the same cutoff, bit for bit.
 
     Args:
       scaled: f32[..., L], (this shard's slice of) the temperature-scaled logits;
@@ -536,41 +568,77 @@ def cutoff(
       top_k: optional i32[...]; 0 keeps all.
       one_minus_top_p: optional f32[...], ``1 - top_p``; 0 keeps all.
       axis_name: the vocabulary mesh axis, or None.
+      source: optional ``(logits, to_scaled)`` with ``scaled == to_scaled(logits)``
+        (f[..., L] and an elementwise, non-decreasing map that broadcasts over
+        any last-axis length, e.g. ``(v - max) * (1 / T)``): the TPU route then
+        reads ``logits`` itself, not a materialised ``scaled``.
 
     Returns:
       f32[...] (replicated over ``axis_name``).
     """
     vocab = scaled.shape[-1]
-    rows = scaled.shape[:-1]
     if axis_name:
         k = None if top_k is None else jnp.maximum(top_k, 0)
         return _bisection_cutoff(scaled, k, one_minus_top_p, axis_name)
     k = None if top_k is None else jnp.clip(top_k, 0, vocab)
-
+    logits = scaled if source is None else source[0]
     kc = min(_CUTOFF_CANDIDATES, vocab)
-    # f32[..., kc], ascending: the kc largest. lax.top_k on a rank-2 operand: XLA:CPU
-    # has a fast TopK only for (rows, V) and lowers other ranks to a full sort.
-    cand = lax.top_k(scaled.reshape(-1, vocab), kc)[0].reshape((*rows, kc))[..., ::-1]
-    cut = jnp.full(rows, _NEG_INF, scaled.dtype)
+    lanes_fit = tpu_pallas.lane_candidates_fit(logits.shape, logits.dtype.itemsize, _LANE_DEPTH)
+    if kc == vocab or vocab < _LANE_DEPTH * tpu_pallas.LANES or not lanes_fit or scaled.size == 0:
+        return _cutoff_from_candidates(lambda: scaled, vocab, _largest(scaled, kc), k, one_minus_top_p)
+    return lax.platform_dependent(
+        tpu=lambda: cutoff_by_lanes(scaled, k, one_minus_top_p, source),
+        default=lambda: _cutoff_from_candidates(lambda: scaled, vocab, _largest(scaled, kc), k, one_minus_top_p),
+    )
+
+
+def _largest(scaled: jax.Array, count: int) -> jax.Array:
+    """f32[..., count], ascending: the ``count`` largest of each row (``lax.top_k``)."""
+    rows, vocab = scaled.shape[:-1], scaled.shape[-1]
+    # lax.top_k on a rank-2 operand: XLA:CPU has a fast TopK only for (rows, V) and
+    # lowers other ranks to a full sort.
+    return lax.top_k(scaled.reshape(-1, vocab), count)[0].reshape((*rows, count))[..., ::-1]
+
+
+def _cutoff_from_candidates(
+    read: Callable[[], jax.Array],
+    vocab: int,
+    cand: jax.Array,
+    k: jax.Array | None,
+    one_minus_top_p: jax.Array | None,
+) -> jax.Array:
+    """:func:`cutoff` on one device from ``cand`` (f32[..., kc], the ``kc`` largest of each row, ascending).
+
+    ``read()`` gives the scaled logits f32[..., V] (``vocab`` = V); it is called
+    where they are needed, so that inside a conditional branch they are
+    computed there from the logits rather than copied into it. Rows the
+    candidates cannot decide take :func:`_bisection_cutoff` (only when some row
+    needs it: one ``lax.cond`` for the batch). ``k`` is clipped to [0, V].
+    """
+    rows = cand.shape[:-1]
+    kc = cand.shape[-1]
+    cut = jnp.full(rows, _NEG_INF, jnp.float32)
     eligible = jnp.ones(rows, bool)
     k_active = jnp.zeros(rows, bool)
     if k is not None:
         kth = jnp.take_along_axis(cand, (kc - jnp.clip(k, 1, kc))[..., None], axis=-1)[..., 0]
         cut = jnp.where(k > 0, kth, cut)
-        eligible = k <= kc
+        # The kept set is every value >= the k-th: it lies inside the candidates
+        # unless the smallest candidate is kept too (ties at the k-th value past them).
+        eligible = (k <= kc) & ((kc == vocab) | (cand[..., 0] < kth) | (k == 0))
         k_active = k > 0
     if one_minus_top_p is not None:
         # The row max, as its own reduction: reading it off the candidates
         # (cand[..., -1]) makes XLA:CPU lower lax.top_k to a sort of the whole
         # row (~13 ms per row of 49152, against ~0.3 ms).
-        top = jnp.max(scaled, axis=-1)
+        top = jnp.max(read(), axis=-1)
         e = jnp.exp(jnp.where(cand >= cut[..., None], cand, _NEG_INF) - top[..., None])
         cand_mass = jnp.sum(e, axis=-1)
         if kc < vocab:
-            full = row_sums(jnp.exp(scaled - top[..., None]))
+            full = row_sums(jnp.exp(read() - top[..., None]))
             rest = jnp.where(k_active, 0, jnp.maximum(full - cand_mass, 0))
         else:
-            rest = jnp.zeros(rows, scaled.dtype)
+            rest = jnp.zeros(rows, jnp.float32)
         z = cand_mass + rest
         cum = (rest[..., None] + jnp.cumsum(e, axis=-1)) / z[..., None]
         dropped = jnp.sum(cum <= one_minus_top_p[..., None], axis=-1)
@@ -581,6 +649,79 @@ def cutoff(
         return cut
 
     def bisection() -> jax.Array:
-        return jnp.where(eligible, cut, _bisection_cutoff(scaled, k, one_minus_top_p, None))
+        return jnp.where(eligible, cut, _bisection_cutoff(read(), k, one_minus_top_p, None))
 
     return lax.cond(jnp.all(eligible), lambda: cut, bisection)
+
+
+def lane_candidates_decide(
+    scaled: jax.Array,
+    k: jax.Array | None,
+    one_minus_top_p: jax.Array | None,
+    source: tuple[jax.Array, Callable[[jax.Array], jax.Array]] | None = None,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """The TPU's candidates for :func:`_cutoff_from_candidates`, and per row whether they are the right ones.
+
+    Returns ``(cand, decided)``: f32[..., kc] ascending, the ``kc`` largest of
+    the :func:`specjax.kernels.tpu_pallas.lane_candidates` of the row (its
+    ``_LANE_DEPTH`` largest per lane, mapped by ``to_scaled``), and bool[...].
+    With ``τ`` the largest ``_LANE_DEPTH``-th largest per lane, every value of
+    the row above ``τ`` is among those candidates, with its multiplicity, so
+    ``cand`` agrees with the row's true ``kc`` largest in every entry above ``τ``
+    (and everywhere when ``τ = -inf``). The rule reads, per row, only the
+    entries ``>=`` the k-th largest when top-k is active, else all of them for
+    top-p, else none: ``decided`` says that those are above ``τ``. A NaN in the
+    row makes ``τ`` NaN, so such a row is never decided. ``k`` is clipped to [0, V].
+    """
+    logits, to_scaled = (scaled, lambda v: v) if source is None else source
+    rows = scaled.shape[:-1]
+    kc = min(_CUTOFF_CANDIDATES, scaled.shape[-1])
+    lanes = to_scaled(tpu_pallas.lane_candidates(logits, _LANE_DEPTH, interpret=interpret))
+    width = lanes.shape[-1]
+    tau = jnp.max(lanes[..., width - tpu_pallas.LANES :], axis=-1)
+    cand = _largest(lanes, kc)
+    # Per row, the rank (0: the largest) of the smallest candidate the rule reads,
+    # and whether it reads any.
+    rank = jnp.full(rows, kc - 1, jnp.int32)
+    used = jnp.zeros(rows, bool)
+    if k is not None:
+        rank = jnp.where(k > 0, jnp.clip(k, 1, kc) - 1, rank)
+        used |= k > 0
+        # k > kc: the row takes the bisection, which reads the row itself
+        used &= k <= kc
+    if one_minus_top_p is not None:
+        used |= (one_minus_top_p > 0) & (True if k is None else k <= kc)
+    lowest = jnp.take_along_axis(cand, (kc - 1 - rank)[..., None], axis=-1)[..., 0]
+    decided = ~used | (lowest > tau) | (tau == _NEG_INF)
+    return cand, decided
+
+
+def cutoff_by_lanes(
+    scaled: jax.Array,
+    k: jax.Array | None,
+    one_minus_top_p: jax.Array | None,
+    source: tuple[jax.Array, Callable[[jax.Array], jax.Array]] | None = None,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """:func:`cutoff` on one TPU (``k`` clipped to [0, V]): the candidates of
+    :func:`lane_candidates_decide` when they decide every row, else ``lax.top_k``'s.
+
+    Either way :func:`_cutoff_from_candidates` applies the rule to the row's true
+    ``kc`` largest (in the entries it reads), so the result is bit for bit the
+    CPU path's. ``interpret``: run the Pallas pass in its interpreter (tests).
+    """
+    vocab = scaled.shape[-1]
+    kc = min(_CUTOFF_CANDIDATES, vocab)
+    cand, decided = lane_candidates_decide(scaled, k, one_minus_top_p, source, interpret=interpret)
+
+    def read() -> jax.Array:  # from the logits inside each branch: no copy of size V into them
+        return scaled if source is None else source[1](source[0])
+
+    return lax.cond(
+        jnp.all(decided),
+        lambda: _cutoff_from_candidates(read, vocab, cand, k, one_minus_top_p),
+        lambda: _cutoff_from_candidates(read, vocab, _largest(read(), kc), k, one_minus_top_p),
+    )

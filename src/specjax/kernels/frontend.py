@@ -60,7 +60,7 @@ from specjax.kernels.core import (
     num_accepted_from_ratios,
     point_mass,
     residual_weights,
-    take,
+    take_rows,
     vocab_argmax,
     vocab_gather,
     vocab_max,
@@ -135,22 +135,31 @@ def _row_cutoffs(
     one_minus_top_p: jax.Array | None,
     x_max: jax.Array | None = None,
     axis_name: AxisName = None,
+    raw: jax.Array | None = None,
 ) -> jax.Array:
     """f32[...]: each row's smallest kept ``s_j = (x_j - max)·inv_t`` (-inf without top-k/top-p).
 
     ``x`` is f32[..., V]; ``inv_t`` and the optional parameters broadcast to its
-    rows; ``x_max`` is the rows' max when already known.
+    rows; ``x_max`` is the rows' max when already known; ``raw``: ``x`` in its
+    own dtype (``x`` is its float32 conversion), for the TPU's candidates pass
+    to read as it lies in memory.
     """
     rows = x.shape[:-1]
     if top_k is None and one_minus_top_p is None:
         return jnp.full(rows, _NEG_INF, jnp.float32)
     if x_max is None:
         x_max = vocab_max(x, axis_name)
+    row_max, inv = x_max[..., None], jnp.broadcast_to(inv_t, rows)[..., None]
+
+    def to_scaled(v: jax.Array) -> jax.Array:  # non-decreasing in v: inv > 0
+        return (v.astype(jnp.float32) - row_max) * inv
+
     return cutoff(
-        (x - x_max[..., None]) * jnp.broadcast_to(inv_t, rows)[..., None],
+        to_scaled(x),
         None if top_k is None else jnp.broadcast_to(top_k, rows),
         None if one_minus_top_p is None else jnp.broadcast_to(one_minus_top_p, rows),
         axis_name,
+        source=(x if raw is None else raw, to_scaled),
     )
 
 
@@ -193,7 +202,8 @@ def row_stats(
         return (x - x_max[..., None]) * inv_t[..., None]
 
     x_max = vocab_max(x, axis_name) if filtered else None
-    cut = _row_cutoffs(x, inv_t, top_k, one_minus_top_p, x_max, axis_name)
+    raw = logits() if callable(logits) else logits
+    cut = _row_cutoffs(x, inv_t, top_k, one_minus_top_p, x_max, axis_name, raw=raw)
     vocab = x.shape[-1]
 
     def jax_summary() -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -547,7 +557,7 @@ def _draw_from_logits(
     g = x.shape[1]
     size = target_logits.shape[-1]
     ids = (lax.iota(jnp.int32, size) + offset)[None, :]
-    t_row = take(target_logits, n[:, None], 1)
+    t_row = take_rows(target_logits, n, axis_name)
     p_n = probs_from_stats(t_sel, t_row, ids)
     if g == 0:
         q_n = jnp.zeros_like(p_n)
@@ -557,7 +567,7 @@ def _draw_from_logits(
         if draft_logits is None:
             q_n = point_mass(x_n, ids[0], jnp.float32)
         else:
-            d_row = take(draft_logits, d_pos[:, None], 1)
+            d_row = take_rows(draft_logits, d_pos, axis_name)
             q_n = probs_from_stats(d_sel, d_row, ids)
             if point_mass_rows is not None:
                 q_n = jnp.where(point_mass_rows[:, None], point_mass(x_n, ids[0], jnp.float32), q_n)

@@ -67,6 +67,7 @@ from specjax.kernels.core import (
     psum_owned,
     residual_weights,
     take,
+    take_rows,
 )
 from specjax.kernels.types import AcceptanceResult
 
@@ -162,7 +163,7 @@ def rejection_body(
 
     def jax_draw() -> jax.Array:
         def row(probs: jax.Array, index: jax.Array) -> jax.Array:  # f[B, L]: row index[b] of probs[b]
-            return take(probs, index[:, None], 1).astype(ct)
+            return take_rows(probs, index, axis_name).astype(ct)
 
         p_n = row(target_probs, n)
         if g == 0:
