@@ -15,9 +15,9 @@ import torch
 from torchax_models import on_jax, perturbed, tiny_llama
 
 from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
-from specjax.generate import speculative_generate
+from specjax.generate import jax_loop, speculative_generate
 from specjax.generate.checks import PluginOutputError
-from specjax.generate.jax_loop import greedy_decode
+from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
 # torchax registers torch's "jax" device in this process, which breaks accelerate's
 # offloading elsewhere: these run in their own pytest session (make test-torchax).
@@ -181,3 +181,84 @@ def test_ids_are_read_once_from_a_torchax_tensor(models, prompts):
         jx["target"], jx["close"], on_jax(ids), on_jax(mask), max_new_tokens=8, num_draft_tokens=G
     )
     np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy())
+
+
+# The device-resident loop (``jax_loop.resident_steps``): the model drafter's steps in one program, the
+# host reading only the int32 tokens and per-step counts. Reference: the per-step path of the same call
+# (``per_step_loop``), whose steps it must repeat exactly: the same tokens, stats and streamed chunks.
+
+_TIMINGS = {"wall_time_s", "compile_time_s", "tokens_per_s", "draft_time_s", "target_time_s", "loop_time_s"}
+_SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+
+
+def _both_paths(jx, draft, ids, mask, monkeypatch, **kw):
+    """``(device-resident, per-step)`` results of one call, each as (output, stats without timings, the
+    ``on_tokens`` calls), and how many programs the device-resident one ran."""
+    programs = []
+    real = jax_loop.resident_steps
+
+    def counted(*args, **kwargs):
+        programs.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax_loop, "resident_steps", counted)
+
+    def run():
+        calls = []
+        out = speculative_generate(
+            jx["target"], jx[draft], ids, mask, on_tokens=lambda b, t: calls.append((b, list(t))), **kw
+        )
+        return out, {k: v for k, v in out.stats.as_dict().items() if k not in _TIMINGS}, calls
+
+    resident = run()
+    with per_step_loop():
+        per_step = run()
+    return resident, per_step, len(programs)
+
+
+@pytest.mark.parametrize(
+    "draft, sampling, max_new, eos_at",
+    [
+        ("close", {}, MAX_NEW, None),
+        ("far", {}, MAX_NEW, None),  # acceptance near 0: over STREAM_STEPS steps, several chunks
+        ("close", _SAMPLED, MAX_NEW, None),
+        ("far", _SAMPLED, MAX_NEW, None),
+        ("close", {}, MAX_NEW, 5),  # row 0 ends at EOS, the others at their own EOS or max_new
+        ("close", _SAMPLED, MAX_NEW, 2),
+        ("close", {}, 1, None),  # no draft token fits: k = 0 every step
+        ("close", {}, 2, 0),
+        ("close", _SAMPLED, 5, None),
+    ],
+)
+def test_device_loop_repeats_the_per_step_path_exactly(models, prompts, monkeypatch, draft, sampling, max_new, eos_at):
+    _, jx = models
+    ids, mask = prompts
+    kw = dict(max_new_tokens=max_new, num_draft_tokens=G, pad_token_id=0, **sampling)
+    if eos_at is not None:  # an EOS id from row 0's own output
+        kw["eos_token_id"] = int(
+            speculative_generate(jx["target"], jx[draft], ids, mask, **kw).sequences[0, 7 + eos_at]
+        )
+    (got, got_stats, got_calls), (want, want_stats, want_calls), programs = _both_paths(
+        jx, draft, ids, mask, monkeypatch, **kw
+    )
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert got.num_new_tokens.tolist() == want.num_new_tokens.tolist()
+    assert got_stats == want_stats
+    assert got_calls == want_calls  # each step's tokens per row, in order
+    assert got.stats.adapter_copies == 0
+    assert programs == -(-want.stats.steps // jax_loop.STREAM_STEPS)  # on_tokens: one program per chunk
+    if eos_at is not None:
+        assert got.num_new_tokens[0] == eos_at + 1 < max_new
+
+
+def test_device_loop_without_a_callback_is_one_program(models, prompts, monkeypatch):
+    """Nothing needs the host between steps: every step of the call in one program, the host reading once."""
+    cpu, jx = models
+    ids, mask = prompts
+    programs = []
+    real = jax_loop.resident_steps
+    monkeypatch.setattr(jax_loop, "resident_steps", lambda *a, **k: programs.append(1) or real(*a, **k))
+    out = speculative_generate(jx["target"], jx["far"], ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=G)
+    assert out.sequences[:, ids.shape[1] :].tolist() == target_greedy(cpu["target"], ids, mask, MAX_NEW)
+    assert out.stats.steps > jax_loop.STREAM_STEPS  # many steps ...
+    assert programs == [1]  # ... one program

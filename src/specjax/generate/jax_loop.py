@@ -33,9 +33,12 @@ draft position (:mod:`specjax.kernels.steps`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +70,9 @@ __all__ = [
     "greedy_decode",
     "host_ids",
     "lookup_and_verify",
+    "per_step_loop",
     "prefill",
+    "resident_steps",
     "run_jax_loop",
 ]
 
@@ -176,6 +181,168 @@ def lookup_and_verify(
     return out.num_accepted, out.tokens, t_cache
 
 
+def emitted_lengths(xp: Any, tokens: Any, n: Any, active: Any, count: Any, max_new: int, eos: Any) -> tuple[Any, Any]:
+    """What each row emits from a verification: the rule of both loops (``xp``: numpy on the host, jax.numpy
+    in the device-resident loop).
+
+    Row b's step gave ``tokens[b, : n[b] + 1]`` (accepted draft tokens, then the emitted one); it keeps them
+    up to and including the first EOS, and no more than ``max_new - count[b]``.
+
+    Args:
+      tokens: i[B, G+1]; n: i[B]; active: bool[B] (rows still generating this step); count: i[B], the
+        tokens each row has; max_new: ``max_new_tokens``; eos: i[E], the EOS ids (E may be 0).
+
+    Returns:
+      ``(e i[B], ends bool[B])``: tokens emitted (0 for inactive rows), and the rows this step ends (EOS
+      among the row's tokens, or ``max_new`` reached).
+    """
+    j = xp.arange(tokens.shape[1])[None, :]
+    hit = (tokens[:, :, None] == eos[None, None, :]).any(axis=-1) & (j <= n[:, None])
+    has_eos = hit.any(axis=1)
+    upto = xp.where(has_eos, xp.argmax(hit, axis=1) + 1, n + 1)
+    e = xp.where(active, xp.minimum(upto, max_new - count), 0)
+    return e, active & (has_eos | (count + e >= max_new))
+
+
+def next_positions(xp: Any, tokens: Any, n: Any, active: Any, prev: Any, last: Any, start: Any) -> tuple[Any, ...]:
+    """Each active row's ``(prev, last, start)`` (i[B] each) after its step (``tokens`` i[B, G+1], ``n`` i[B]):
+    its last two committed tokens and the position of the last (all ``n + 1`` tokens count, those past an
+    EOS too: a finished row is never read again); inactive rows keep theirs."""
+    at = lambda i: xp.take_along_axis(tokens, i[:, None], axis=1)[:, 0]  # noqa: E731
+    new_prev = xp.where(n > 0, at(xp.maximum(n - 1, 0)), last)
+    return (
+        xp.where(active, new_prev, prev).astype(prev.dtype),
+        xp.where(active, at(n), last).astype(last.dtype),
+        xp.where(active, start + n + 1, start).astype(start.dtype),
+    )
+
+
+class Resident(NamedTuple):
+    """The device-resident loop's carry (:func:`resident_steps`); M = ``max_new_tokens``.
+
+    Attributes:
+      t_cache, d_cache: the models' caches.
+      prev, last, start: i32[B], as :func:`draft_and_verify` takes them.
+      length: i32[B], tokens each row has emitted; done: bool[B], rows that ended (EOS or M tokens).
+      out: i32[B, M], each row's tokens (``out[b, :length[b]]``; the rest is not read).
+      rec_n, rec_k, rec_e: i32[M, B], per step s (a call runs at most M steps: every active row emits at
+        least one token a step): the accepted, tested and emitted counts of each row (all 0 for a row
+        inactive at that step).
+      step: i32[], the next step's number (the keys' step).
+    """
+
+    t_cache: KVCache
+    d_cache: KVCache
+    prev: jax.Array
+    last: jax.Array
+    start: jax.Array
+    length: jax.Array
+    done: jax.Array
+    out: jax.Array
+    rec_n: jax.Array
+    rec_k: jax.Array
+    rec_e: jax.Array
+    step: jax.Array
+
+
+# Recompiles when a model, B, G, M, E, the cache's length or params' static fields change; never per
+# chunk (``limit`` is an argument).
+@functools.partial(jax.jit, static_argnames=("target", "draft", "g", "vocab"), donate_argnames=("state",))
+def resident_steps(
+    target: JaxModel,
+    draft: JaxModel,
+    t_weights: dict[str, jax.Array],
+    d_weights: dict[str, jax.Array],
+    state: Resident,
+    row_keys: jax.Array,
+    params: SamplingParams,
+    eos: jax.Array,
+    limit: jax.Array,
+    *,
+    g: int,
+    vocab: int,
+) -> Resident:
+    """The ``model`` drafter's steps in one program: a ``lax.while_loop`` of :func:`draft_and_verify` with
+    the host's bookkeeping (:func:`emitted_lengths`, :func:`next_positions`) on the device.
+
+    Runs steps ``state.step ..`` until every row is done or the step number reaches ``limit`` (i32[]).
+    Each step is exactly the per-step path's (the same program, keys, draft lengths and rules), so the
+    outputs and stats are identical to it. ``eos``: i32[E]. Returns the carry after the last step.
+
+    A drafter that needs the host between steps (a lookup, processors) cannot run here; one that drafts on
+    the device from what the step produced (an EAGLE head reading the target's features) would carry its
+    own state in :class:`Resident` and replace the :func:`draft_and_verify` call.
+    """
+    max_new = state.out.shape[1]
+
+    def go_on(s: Resident) -> jax.Array:
+        return (s.step < limit) & ~jnp.all(s.done)
+
+    def one(s: Resident) -> Resident:
+        active = ~s.done
+        k = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
+        n, tokens, t_cache, d_cache = draft_and_verify(
+            target, draft, t_weights, d_weights, s.t_cache, s.d_cache, s.prev, s.last, s.start, row_keys, s.step,
+            params, k, None, None, g=g, vocab=vocab,
+        )  # fmt: skip
+        e, ends = emitted_lengths(jnp, tokens, n, active, s.length, max_new, eos)
+        j = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        slot = jnp.where(j < e[:, None], s.length[:, None] + j, max_new)  # past the buffer: dropped
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        prev, last, start = next_positions(jnp, tokens, n, active, s.prev, s.last, s.start)
+        return Resident(
+            t_cache, d_cache, prev, last, start,
+            length=(s.length + e).astype(jnp.int32),
+            done=s.done | ends,
+            out=s.out.at[rows, slot].set(tokens, mode="drop"),
+            rec_n=s.rec_n.at[s.step].set(jnp.where(active, n, 0)),
+            rec_k=s.rec_k.at[s.step].set(k),
+            rec_e=s.rec_e.at[s.step].set(e.astype(jnp.int32)),
+            step=s.step + 1,
+        )  # fmt: skip
+
+    return lax.while_loop(go_on, one, state)
+
+
+def _check_resident(out: np.ndarray, count: np.ndarray, rec_n: np.ndarray, rec_k: np.ndarray, vocab: int) -> None:
+    """Raise :class:`~specjax.generate.checks.PluginOutputError` unless the device-resident loop's counts are
+    in range (0 <= n <= k per step and row) and its tokens are ids in [0, V)."""
+    bad = np.argwhere((rec_n < 0) | (rec_n > rec_k))
+    if bad.size:
+        s, b = (int(v) for v in bad[0])
+        raise checks.PluginOutputError(
+            f"the device-resident loop returned num_accepted = {int(rec_n[s, b])} for row {b} at step {s}, "
+            f"expected a value in [0, {int(rec_k[s, b])}]"
+        )
+    held = np.arange(out.shape[1])[None, :] < count[:, None]
+    wrong = np.argwhere(held & ((out < 0) | (out >= vocab)))
+    if wrong.size:
+        b, i = (int(v) for v in wrong[0])
+        raise checks.PluginOutputError(
+            f"the device-resident loop returned token {int(out[b, i])} at row {b}, position {i}, expected an id "
+            f"in [0, V) = [0, {vocab})"
+        )
+
+
+#: With ``on_tokens``, the device-resident loop returns to the host every this many steps, so that the
+#: callback streams (each step's tokens, in order, when its chunk is back).
+STREAM_STEPS = 8
+
+_PER_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("specjax_jax_per_step", default=False)
+
+
+@contextlib.contextmanager
+def per_step_loop() -> Iterator[None]:
+    """Within it, the JAX path runs the ``model`` drafter step by step (one program per step, the host
+    reading each step's tokens) instead of the device-resident loop: the same outputs and stats; for
+    comparing the two (scripts/tpu_loop.py) and debugging."""
+    token = _PER_STEP.set(True)
+    try:
+        yield
+    finally:
+        _PER_STEP.reset(token)
+
+
 def host_ids(name: str, x: torch.Tensor) -> torch.Tensor:
     """Token ids (or a mask) for the JAX path as a host tensor: a CPU tensor as it is, a torchax tensor read
     to the host (a few integers, once per call)."""
@@ -239,7 +406,8 @@ class _JaxRun:
     commit; arguments as :func:`run_jax_loop`'s."""
 
     def __init__(self, target, drafter, input_ids, attention_mask, sampling: SamplingState, config: LoopConfig) -> None:
-        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, config.eos_ids, config.on_tokens
+        self.drafter, self.sampling, self.on_tokens = drafter, sampling, config.on_tokens
+        self.eos = np.array(sorted(config.eos_ids), np.int32)  # i32[E]
         self.max_new_tokens, self.g, self.vocab = config.max_new_tokens, config.num_draft_tokens, config.target_vocab
         self.contexts = _contexts(input_ids, attention_mask)
         self.batch = len(self.contexts)
@@ -318,35 +486,77 @@ class _JaxRun:
         return n_h, tokens_h
 
     def commit(self, active: np.ndarray, k: np.ndarray, n: np.ndarray, tokens: np.ndarray) -> None:
-        """Each active row appends its accepted tokens and the emitted one (up to EOS and ``max_new_tokens``)
-        and moves on: its next forward starts right after them, overwriting the rejected drafts' slots."""
-        stats = self.stats
+        """Each active row appends its accepted tokens and the emitted one (up to EOS and ``max_new_tokens``:
+        :func:`emitted_lengths`) and moves on (:func:`next_positions`): its next forward starts right after
+        them, overwriting the rejected drafts' slots."""
+        count = np.array([len(r.generated) for r in self.rows])
+        e, ends = emitted_lengths(np, tokens, n, active, count, self.max_new_tokens, self.eos)
         emitted_rows: list[list[int]] = []
         for b, row in enumerate(self.rows):
-            if not active[b]:
-                emitted_rows.append([])
-                continue
-            n_b = int(n[b])
-            full = tokens[b, : n_b + 1].tolist()
-            stats.draft_tokens_proposed += int(k[b])
-            stats.draft_tokens_accepted += n_b
-            self.tested[: min(n_b + 1, int(k[b]))] += 1
-            self.passed[:n_b] += 1
-            emitted = _emit(row, full, self.eos_ids, self.max_new_tokens)
-            self.contexts[b].extend(emitted)
-            self.gained += len(emitted)
-            self.row_steps += 1
-            if self.on_tokens is not None:
-                self.on_tokens(b, emitted)
+            emitted = tokens[b, : e[b]].tolist() if active[b] else []
+            if active[b]:
+                self.account(b, int(k[b]), int(n[b]), emitted)
+                self.contexts[b].extend(emitted)
+                row.done = bool(ends[b])
             emitted_rows.append(emitted)
-            self.prev[b] = full[-2] if len(full) > 1 else self.last[b]
-            self.last[b] = full[-1]
-            self.start[b] += len(full)
+        self.prev, self.last, self.start = next_positions(np, tokens, n, active, self.prev, self.last, self.start)
         if self.asked is not None:
             self.asked.commit(CommitInfo(emitted_rows, n.astype(np.int64), k, None))
-        stats.steps += 1
-        stats.draft_steps += int(k.max(initial=0) > 0)
+        self.end_step(k)
+
+    def account(self, b: int, k_b: int, n_b: int, emitted: list[int]) -> None:
+        """Row b's step in the stats and its output: ``k_b`` tested, ``n_b`` accepted, ``emitted`` appended
+        (and streamed)."""
+        self.stats.draft_tokens_proposed += k_b
+        self.stats.draft_tokens_accepted += n_b
+        self.tested[: min(n_b + 1, k_b)] += 1
+        self.passed[:n_b] += 1
+        self.rows[b].generated.extend(emitted)
+        self.gained += len(emitted)
+        self.row_steps += 1
+        if self.on_tokens is not None:
+            self.on_tokens(b, emitted)
+
+    def end_step(self, k: np.ndarray) -> None:
+        """The step's count in the stats (``k``: i[B], each row's tested draft tokens, 0 for idle rows)."""
+        self.stats.steps += 1
+        self.stats.draft_steps += int(k.max(initial=0) > 0)
         self.step += 1
+
+    def resident_state(self) -> Resident:
+        """The call's state as the device-resident loop's carry (:func:`resident_steps`), before step 0."""
+        m, b = self.max_new_tokens, self.batch
+        assert self.d_cache is not None
+        return Resident(
+            t_cache=self.t_cache, d_cache=self.d_cache, prev=jnp.asarray(self.prev), last=jnp.asarray(self.last),
+            start=jnp.asarray(self.start), length=jnp.zeros(b, jnp.int32), done=jnp.zeros(b, bool),
+            out=jnp.zeros((b, m), jnp.int32), rec_n=jnp.zeros((m, b), jnp.int32), rec_k=jnp.zeros((m, b), jnp.int32),
+            rec_e=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32),
+        )  # fmt: skip
+
+    def run_resident(self, state: Resident, limit: int) -> Resident:
+        """Steps on the device until every row is done or step ``limit`` (one program, no host read inside);
+        then the host reads the int32 tokens and per-step counts and replays each step's bookkeeping (stats,
+        ``on_tokens``), exactly as :meth:`commit` would have done it."""
+        assert self.d is not None
+        state = resident_steps(
+            self.t, self.d, self.t.weights, self.d.weights, state, self.sampling.keys, self.sampling.params,
+            jnp.asarray(self.eos, jnp.int32), jnp.asarray(limit, jnp.int32), g=self.g, vocab=self.vocab,
+        )  # fmt: skip
+        out, count, done, rec_n, rec_k, rec_e, step = (
+            np.asarray(a) for a in jax.device_get((state.out, state.length, state.done, *state[-4:]))
+        )
+        _check_resident(out, count, rec_n, rec_k, self.vocab)
+        offset = np.array([len(r.generated) for r in self.rows])
+        for s in range(self.step, int(step)):
+            for b in (int(i) for i in np.nonzero(rec_e[s] > 0)[0]):  # the step's active rows (each emits)
+                emitted = out[b, offset[b] : offset[b] + rec_e[s, b]].tolist()
+                offset[b] += rec_e[s, b]
+                self.account(b, int(rec_k[s, b]), int(rec_n[s, b]), emitted)
+            self.end_step(rec_k[s])
+        for b, row in enumerate(self.rows):
+            row.done = bool(done[b])
+        return state
 
 
 def run_jax_loop(
@@ -371,6 +581,11 @@ def run_jax_loop(
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
     with count_copies() as copies, measure_compiles() as compiles:
         run = _JaxRun(target, drafter, input_ids, attention_mask, sampling, config)
+        if run.fused and run.asked is None and not _PER_STEP.get():  # nothing needs the host between steps
+            state = run.resident_state()
+            chunk = config.max_new_tokens if config.on_tokens is None else STREAM_STEPS
+            while run.active():
+                state = run.run_resident(state, run.step + chunk)
         while run.active():
             active, caps = run.plan()  # 1.
             x, k, use = run.propose(active, caps)  # 2. (host lookups; the draft model runs in 3.)
@@ -445,17 +660,3 @@ def greedy_decode(
         start = start + 1
         out.append(last)
     return np.asarray(jax.device_get(jnp.stack(out, axis=1))).astype(np.int64)
-
-
-def _emit(row: _Row, tokens: list[int], eos_ids: frozenset[int], max_new_tokens: int) -> list[int]:
-    """Append a step's tokens to ``row`` up to its first EOS and ``max_new_tokens``; returns those appended."""
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            tokens = tokens[: i + 1]
-            row.done = True
-            break
-    tokens = tokens[: max_new_tokens - len(row.generated)]
-    row.generated.extend(tokens)
-    if len(row.generated) >= max_new_tokens:
-        row.done = True
-    return tokens
