@@ -229,15 +229,25 @@ def _both_paths(jx, draft, ids, mask, monkeypatch, **kw):
         ("close", {}, 2, 0),
         ("close", _SAMPLED, 5, None),
     ],
+    ids=[
+        "greedy",
+        "greedy-chunks",
+        "sampled",
+        "sampled-chunks",
+        "greedy-eos",
+        "sampled-eos",
+        "max1",
+        "max2-eos",
+        "max5",
+    ],
 )
 def test_device_loop_repeats_the_per_step_path_exactly(models, prompts, monkeypatch, draft, sampling, max_new, eos_at):
     _, jx = models
     ids, mask = prompts
     kw = dict(max_new_tokens=max_new, num_draft_tokens=G, pad_token_id=0, **sampling)
-    if eos_at is not None:  # an EOS id from row 0's own output
-        kw["eos_token_id"] = int(
-            speculative_generate(jx["target"], jx[draft], ids, mask, **kw).sequences[0, 7 + eos_at]
-        )
+    if eos_at is not None:  # an EOS id from row 0's own output (None: the model's own EOS, id 2)
+        first = speculative_generate(jx["target"], jx[draft], ids, mask, **kw)
+        kw["eos_token_id"] = int(first.sequences[0, ids.shape[1] + eos_at])
     (got, got_stats, got_calls), (want, want_stats, want_calls), programs = _both_paths(
         jx, draft, ids, mask, monkeypatch, **kw
     )
