@@ -18,10 +18,21 @@ static-shape KV caches, and one step is one ``jax.jit`` program:
 3. **Verify**: :func:`specjax.kernels.steps.verify_step` on the target's
    logits as they are (the same ``jax.Array``, never leaving the device).
 
-The host reads the int32 ``(num_accepted, tokens)`` of each step, nothing
-else, and does the bookkeeping: EOS, ``max_new_tokens``, each row's position
-(the next step starts right after its last committed token, overwriting the
-slots of rejected drafts: :mod:`specjax.generate.jax_model`).
+With a host drafter (``ngram``, ``hybrid``) the host reads the int32
+``(num_accepted, tokens)`` of each step, nothing else, and does the
+bookkeeping: EOS, ``max_new_tokens``, each row's position (the next step
+starts right after its last committed token, overwriting the slots of rejected
+drafts: :mod:`specjax.generate.jax_model`). With the ``model`` drafter nothing
+needs the host between steps, so the steps run **device-resident**
+(:func:`resident_steps`): a ``lax.while_loop`` over the same step program with
+the same bookkeeping on the device (per-row positions, emitted lengths, EOS,
+``max_new_tokens``, an i32[B, max_new_tokens] output buffer and per-step counts)
+until every row is done; the host then reads the int32 tokens and per-step
+counts once and replays each step's stats and ``on_tokens`` calls (with
+``on_tokens``, every :data:`STREAM_STEPS` steps, so the callback streams). The
+two paths give the same outputs and stats; :func:`per_step_loop` selects the
+per-step path for the model drafter. The rules both use are written once:
+:func:`emitted_lengths`, :func:`next_positions` (numpy or jax.numpy).
 
 Shapes are fixed for a call: every step drafts G tokens for every row (a row
 tests only its ``k_b = min(G, tokens left - 1)``; finished rows ride along,
@@ -574,6 +585,8 @@ def run_jax_loop(
     ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded. Of ``config`` this
     path reads G, ``max_new_tokens``, the EOS and pad ids, V and ``on_tokens``: it drafts G every step
     (``adaptive`` has no effect), and :func:`check_jax_call` has refused the settings it does not run.
+    The model drafter's steps run device-resident (:func:`resident_steps`) unless :func:`per_step_loop`
+    is active; other drafters step by step.
     """
     from specjax.adapters import count_copies
 
