@@ -71,9 +71,17 @@ from specjax.drafters.base import (
 )
 from specjax.drafters.eagle_head import EagleHead, FeatureCache, load_head
 
-__all__ = ["CONTEXT_TOKENS", "EagleDrafter"]
+__all__ = ["CONTEXT_TOKENS", "EagleDrafter", "context_ids"]
 
 CONTEXT_TOKENS = 2048  # EagleDrafter's default context_tokens
+
+
+def context_ids(scored: np.ndarray, tokens: np.ndarray, room: int) -> np.ndarray:
+    """i64[n]: the ids of ``tokens`` (a context's, any shape) the head scores next: those in [0, V) not
+    ``scored`` yet (bool[V]), ascending, at most ``room`` of them (the rule of both loops' eagle drafters)."""
+    seen = np.unique(np.asarray(tokens).astype(np.int64).ravel())
+    seen = seen[(seen >= 0) & (seen < len(scored))]  # ids the head can score
+    return seen[~scored[seen]][: max(room, 0)]
 
 
 class EagleDrafter:
@@ -182,9 +190,7 @@ class EagleDrafter:
         """Score ``tokens`` (i64[...], the rows' context) too, those not scored yet, while there is room."""
         if self._context_room <= 0 or tokens.numel() == 0:
             return
-        seen = np.unique(tokens.cpu().numpy().astype(np.int64).ravel())
-        seen = seen[(seen >= 0) & (seen < self.vocab)]  # ids the head can score
-        new = seen[~self._scored[seen]][: self._context_room]
+        new = context_ids(self._scored, tokens.cpu().numpy(), self._context_room)
         if len(new) == 0:
             return
         self._scored[new] = True
