@@ -12,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from torchax_models import tiny_llama
+from torchax_models import on_jax, ragged_prompts, target_greedy, tiny_llama
 
+from specjax.drafters.eagle import CONTEXT_TOKENS, EagleDrafter
 from specjax.drafters.eagle_head import EagleConfig, EagleHead, FeatureCache, init_weights
+from specjax.generate import speculative_generate
 from specjax.generate.jax_eagle import jax_head
 
 pytestmark = pytest.mark.torchax
@@ -67,3 +69,70 @@ def test_the_jax_head_matches_the_torch_head_through_its_cache(layers, feature_l
     for b in range(2):
         np.testing.assert_allclose(got[0][b, : kept[b]], ref[0][b, : kept[b]], atol=TOL, rtol=0)
         np.testing.assert_allclose(got[1][b], ref[1][b], atol=TOL, rtol=0)
+
+
+# The eagle drafter in the loop (``jax_loop.eagle_and_verify`` in the device-resident loop). References:
+# the target's own greedy decoding, and the CPU path of the same call with ``adaptive=False`` and
+# ``context_tokens=0`` (the CPU drafter adds committed ids to the tokens it scores as it goes, which the
+# JAX path's fixed shape does not): the same keys meet the same distributions, so the same tokens.
+
+MAX_NEW = 20
+_SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(seed=0)
+    return target, on_jax(target), {"one": random_head(), "eagle3": random_head(2, (1,))}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Three left-padded rows of 7, 1 and 4 tokens (a one-token row has no pair before its first step)."""
+    return ragged_prompts()
+
+
+@pytest.mark.parametrize("head, context, g", [("one", CONTEXT_TOKENS, 3), ("one", 0, 1), ("eagle3", 0, 3)])
+def test_eagle_greedy_equals_the_targets_own_greedy_decoding(pair, prompts, head, context, g):
+    target, target_j, heads = pair
+    ids, mask = prompts
+    want = target_greedy(target, ids, mask, MAX_NEW)
+    out = speculative_generate(
+        target_j, EagleDrafter(heads[head], context), ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=g
+    )
+    assert out.sequences[:, ids.shape[1] :].tolist() == want
+    assert out.stats.adapter_copies == 0
+    assert out.stats.draft_tokens_proposed > 0
+
+
+@pytest.mark.parametrize(
+    "head, sampling, eos_at",
+    [("one", _SAMPLED, None), ("one", _SAMPLED, 4), ("one", {}, 3), ("eagle3", _SAMPLED, None)],
+    ids=["sampled", "sampled-eos", "greedy-eos", "eagle3-sampled"],
+)
+def test_eagle_outputs_equal_the_cpu_paths_draw_for_draw(pair, prompts, head, sampling, eos_at):
+    target, target_j, heads = pair
+    ids, mask = prompts
+    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=3, pad_token_id=0, **sampling)
+    if eos_at is not None:  # an EOS id from row 0's own output (None: the model's own EOS, id 2)
+        first = speculative_generate(target_j, EagleDrafter(heads[head], 0), ids, mask, **kw)
+        kw["eos_token_id"] = int(first.sequences[0, ids.shape[1] + eos_at])
+    want = speculative_generate(target, EagleDrafter(heads[head], 0), ids, mask, adaptive=False, **kw)
+    got = speculative_generate(target_j, EagleDrafter(heads[head], 0), ids, mask, **kw)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert got.num_new_tokens.tolist() == want.num_new_tokens.tolist()
+    for name in ("steps", "draft_tokens_proposed", "draft_tokens_accepted", "tests_per_position"):
+        assert getattr(got.stats, name) == getattr(want.stats, name), name
+    assert got.stats.adapter_copies == 0
+    if sampling:  # both outcomes of the test happen
+        assert 0 < got.stats.draft_tokens_accepted < got.stats.draft_tokens_proposed
+    if eos_at is not None:
+        assert got.num_new_tokens[0] == eos_at + 1
+
+
+def test_a_head_for_another_target_is_refused(pair, prompts):
+    _, target_j, _ = pair
+    ids, mask = prompts
+    other = EagleHead(EagleConfig(64, 4, 2, 128, 300, 40))
+    with pytest.raises(ValueError, match="draft: the eagle head was made for a vocabulary of 300"):
+        speculative_generate(target_j, EagleDrafter(other), ids, mask, max_new_tokens=4)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torchax_models import on_jax, perturbed, tiny_llama
+from torchax_models import on_jax, perturbed, ragged_prompts, target_greedy, tiny_llama
 
 from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from specjax.generate import jax_loop, speculative_generate
@@ -50,24 +50,7 @@ def make_drafter(name, models):
 @pytest.fixture(scope="module")
 def prompts():
     """Three left-padded rows of 7, 1 and 4 tokens, one of them a repeating pattern (ngram finds it)."""
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 256, (3, 7), generator=gen)
-    ids[2, 3:] = torch.tensor([11, 12, 11, 12])
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0
-    mask[2, :3] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-def target_greedy(target, ids, mask, max_new):
-    """Each row alone, without padding, through transformers' generate: the target-only reference."""
-    rows = []
-    with torch.no_grad():
-        for b in range(ids.shape[0]):
-            row = ids[b : b + 1, mask[b].bool()]
-            out = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False)
-            rows.append(out[0, row.shape[1] :].tolist())
-    return rows
+    return ragged_prompts()
 
 
 def test_target_only_greedy_on_jax_equals_generate(models, prompts):
@@ -152,7 +135,11 @@ class _LogitsDrafter(NgramDrafter):
     [
         (dict(sampler="numpy"), ValueError, "sampler: the JAX path .* built-in sampler"),
         (dict(return_state=True), ValueError, "return_state: the JAX path"),
-        (dict(draft=_HiddenDrafter()), ValueError, "draft: the JAX path .* model drafter, lookup drafters"),
+        (
+            dict(draft=_HiddenDrafter()),
+            ValueError,
+            "draft: the JAX path .* model drafter, the eagle head, lookup drafters",
+        ),
         (dict(draft=_LogitsDrafter()), PluginOutputError, "proposed tokens with draft logits; the JAX path takes"),
         (dict(repetition_penalty=1.2), ValueError, "logits_processor: not supported yet on the JAX path"),
         (

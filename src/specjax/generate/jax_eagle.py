@@ -162,7 +162,8 @@ def jax_head(head: Any, target: Any, vocab: int) -> JaxHead:
     from specjax.generate.jax_model import _as_device_array, _fingerprint
 
     embed, lm = target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    named = {**dict(head.state_dict(keep_vars=True)), "embed": embed, "lm": lm}
+    state = head.state_dict(keep_vars=True)
+    named = {**{k: v for k, v in state.items() if k != "token_ids"}, "embed": embed, "lm": lm}  # ids: scored_ids
     fingerprint = (id(target), int(vocab), _fingerprint(named))
     known = _HEADS.get(head)
     if known is not None and known[0] == fingerprint:

@@ -60,9 +60,11 @@ from jax import lax
 from specjax.adapters.jax_view import torchax_array
 from specjax.drafters import HybridDrafter, ModelDrafter
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
+from specjax.drafters.eagle import EagleDrafter, check_head
 from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import check_proposal
+from specjax.generate.jax_eagle import HeadCache, JaxHead, jax_head, scored_ids
 from specjax.generate.jax_model import JaxModel, KVCache, jax_model
 from specjax.generate.loop import (
     LoopConfig,
@@ -192,6 +194,84 @@ def lookup_and_verify(
     return out.num_accepted, out.tokens, t_cache
 
 
+class EagleState(NamedTuple):
+    """The eagle head's state in the device-resident loop.
+
+    Attributes:
+      cache: the head's :data:`~specjax.generate.jax_eagle.HeadCache`.
+      feature: f[B, d], the head's prediction at each row's last committed pair (z of its last token).
+      pairs: i32[B], the pairs each row has in the cache (the next pair's number).
+      has_feature: bool[B], rows that draft: from the second step on (every active row emits in the first).
+    """
+
+    cache: HeadCache
+    feature: jax.Array
+    pairs: jax.Array
+    has_feature: jax.Array
+
+
+def eagle_and_verify(
+    target: JaxModel,
+    head: JaxHead,
+    t_weights: dict[str, jax.Array],
+    h_weights: dict[str, jax.Array],
+    t_cache: KVCache,
+    state: EagleState,
+    last: jax.Array,
+    start: jax.Array,
+    row_keys: jax.Array,
+    step: jax.Array,
+    params: SamplingParams,
+    k: jax.Array,
+    *,
+    g: int,
+    vocab: int,
+) -> tuple[jax.Array, jax.Array, KVCache, EagleState, jax.Array]:
+    """One step with the eagle head (pure; traced in :func:`resident_steps`): G tokens from the head, each
+    drawn by :func:`specjax.kernels.steps.draft_draw` from its logits over the scored tokens (the CPU
+    drafter's; greedy: their argmax), the drafted pairs ``(predicted feature, E x_i)`` at the row's next pair
+    numbers; the target's forward with its hidden states; the acceptance step.
+
+    Returns ``(num_accepted i32[B], tokens i32[B, G+1], t_cache, state, hidden f[B, G+1, k·d])``, hidden the
+    target's states at ``[last, x_0 .. x_{G-1}]`` (for :func:`eagle_commit`).
+    """
+
+    def pick(logits: jax.Array, i: Any) -> jax.Array:
+        return steps.draft_draw(logits, row_keys, step, i + 1, params, vocab=vocab)
+
+    q0 = head.logits(h_weights, state.feature)
+    x0 = pick(q0, 0)
+
+    def one(carry, i):  # the head on (feature_{i-1}, E x_{i-1}) at pair pairs + i - 1, then x_i
+        cache, f, x = carry
+        out, cache = head.forward(h_weights, cache, f[:, None], head.embed(h_weights, x)[:, None], state.pairs + i - 1)
+        q = head.logits(h_weights, out[:, 0])
+        nxt = pick(q, i)
+        return (cache, out[:, 0], nxt), (nxt, q)
+
+    (cache, _, _), (xs, qs) = lax.scan(one, (state.cache, state.feature, x0), jnp.arange(1, g, dtype=jnp.int32))
+    x = jnp.concatenate([x0[:, None], xs.T], axis=1)
+    tokens_in = jnp.concatenate([last[:, None], x], axis=1)
+    logits, t_cache, hidden = target.forward_hidden(t_weights, t_cache, tokens_in, start, None, head.layers)
+    out = steps.verify_step(x, (q0, *(qs[i] for i in range(g - 1))), logits, row_keys, step, params, k)
+    return out.num_accepted, out.tokens, t_cache, state._replace(cache=cache), hidden
+
+
+def eagle_commit(
+    head: JaxHead, h_weights: dict[str, jax.Array], state: EagleState, hidden: jax.Array, tokens: jax.Array, e: Any
+) -> EagleState:
+    """The head over a step's committed pairs ``(z_j, E tokens[j])``, j < ``e[b]`` (i[B], the emitted
+    counts), at each row's next pair numbers (over its drafted pairs); each row's feature becomes the
+    head's output at its last one (rows that emitted nothing keep theirs)."""
+    feats, embeds = head.fuse(h_weights, hidden), head.embed(h_weights, jnp.maximum(tokens, 0))
+    out, cache = head.forward(h_weights, state.cache, feats, embeds, state.pairs)
+    picked = jnp.take_along_axis(out, jnp.maximum(e - 1, 0)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+    emitted = e > 0
+    return EagleState(
+        cache, jnp.where(emitted[:, None], picked, state.feature), state.pairs + e, state.has_feature | emitted
+    )
+
+
 def emitted_lengths(xp: Any, tokens: Any, n: Any, active: Any, count: Any, max_new: int, eos: Any) -> tuple[Any, Any]:
     """What each row emits from a verification: the rule of both loops (``xp``: numpy on the host, jax.numpy
     in the device-resident loop).
@@ -232,7 +312,8 @@ class Resident(NamedTuple):
     """The device-resident loop's carry (:func:`resident_steps`); M = ``max_new_tokens``.
 
     Attributes:
-      t_cache, d_cache: the models' caches.
+      t_cache: the target's cache; draft: the drafter's state (the draft model's cache; for the eagle
+        head, :data:`EagleState`).
       prev, last, start: i32[B], as :func:`draft_and_verify` takes them.
       length: i32[B], tokens each row has emitted; done: bool[B], rows that ended (EOS or M tokens).
       out: i32[B, M], each row's tokens (``out[b, :length[b]]``; the rest is not read).
@@ -243,7 +324,7 @@ class Resident(NamedTuple):
     """
 
     t_cache: KVCache
-    d_cache: KVCache
+    draft: Any
     prev: jax.Array
     last: jax.Array
     start: jax.Array
@@ -261,7 +342,7 @@ class Resident(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("target", "draft", "g", "vocab"), donate_argnames=("state",))
 def resident_steps(
     target: JaxModel,
-    draft: JaxModel,
+    draft: JaxModel | JaxHead,
     t_weights: dict[str, jax.Array],
     d_weights: dict[str, jax.Array],
     state: Resident,
@@ -280,9 +361,9 @@ def resident_steps(
     Each step is exactly the per-step path's (the same program, keys, draft lengths and rules), so the
     outputs and stats are identical to it. ``eos``: i32[E]. Returns the carry after the last step.
 
-    A drafter that needs the host between steps (a lookup, processors) cannot run here; one that drafts on
-    the device from what the step produced (an EAGLE head reading the target's features) would carry its
-    own state in :class:`Resident` and replace the :func:`draft_and_verify` call.
+    ``draft``: the draft model (:func:`draft_and_verify`) or the eagle head (:func:`eagle_and_verify`, then
+    :func:`eagle_commit` of the emitted pairs). A drafter that needs the host between steps (a lookup,
+    processors) cannot run here.
     """
     max_new = state.out.shape[1]
 
@@ -292,17 +373,26 @@ def resident_steps(
     def one(s: Resident) -> Resident:
         active = ~s.done
         k = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
-        n, tokens, t_cache, d_cache = draft_and_verify(
-            target, draft, t_weights, d_weights, s.t_cache, s.d_cache, s.prev, s.last, s.start, row_keys, s.step,
-            params, k, None, None, g=g, vocab=vocab,
-        )  # fmt: skip
+        if isinstance(draft, JaxHead):
+            k = jnp.where(s.draft.has_feature, k, 0)  # a row drafts once the head has a feature (a pair)
+            n, tokens, t_cache, d_state, hidden = eagle_and_verify(
+                target, draft, t_weights, d_weights, s.t_cache, s.draft, s.last, s.start, row_keys, s.step, params,
+                k, g=g, vocab=vocab,
+            )  # fmt: skip
+        else:
+            n, tokens, t_cache, d_state = draft_and_verify(
+                target, draft, t_weights, d_weights, s.t_cache, s.draft, s.prev, s.last, s.start, row_keys,
+                s.step, params, k, None, None, g=g, vocab=vocab,
+            )  # fmt: skip
         e, ends = emitted_lengths(jnp, tokens, n, active, s.length, max_new, eos)
+        if isinstance(draft, JaxHead):
+            d_state = eagle_commit(draft, d_weights, d_state, hidden, tokens, e)
         j = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         slot = jnp.where(j < e[:, None], s.length[:, None] + j, max_new)  # past the buffer: dropped
         rows = jnp.arange(tokens.shape[0])[:, None]
         prev, last, start = next_positions(jnp, tokens, n, active, s.prev, s.last, s.start)
         return Resident(
-            t_cache, d_cache, prev, last, start,
+            t_cache, d_state, prev, last, start,
             length=(s.length + e).astype(jnp.int32),
             done=s.done | ends,
             out=s.out.at[rows, slot].set(tokens, mode="drop"),
@@ -401,12 +491,12 @@ def _draft_model(drafter: Any) -> Any:
 
 def _check_drafter(drafter: Any) -> None:
     """Raise ``ValueError`` for drafters the JAX path cannot run (their torch code would run eagerly)."""
-    if _draft_model(drafter) is not None:
+    if _draft_model(drafter) is not None or isinstance(drafter, EagleDrafter):
         return
     if getattr(drafter, "needs_target_hidden", False) or isinstance(drafter, HybridDrafter):
         raise ValueError(
-            f"draft: the JAX path (torchax) runs the model drafter, lookup drafters such as 'ngram' and a hybrid "
-            f"of the two, got "
+            f"draft: the JAX path (torchax) runs the model drafter, the eagle head, lookup drafters such as "
+            f"'ngram' and a hybrid of the two, got "
             f"{getattr(drafter, 'name', type(drafter).__name__)!r} (it runs torch code of its own); use one of "
             "those, or run on the CPU path"
         )
@@ -429,14 +519,27 @@ class _JaxRun:
         self.tested, self.passed = np.zeros(self.g, np.int64), np.zeros(self.g, np.int64)
         self.gained = self.row_steps = self.step = 0
         draft_model = _draft_model(drafter)
-        self.fused = draft_model is not None
+        eagle = isinstance(drafter, EagleDrafter)
+        self.fused = draft_model is not None or eagle  # the step program drafts itself
         # the host's proposals: a lookup drafter's, or the hybrid's lookups (its model drafts the other rows)
         self.asked = drafter.ngram if isinstance(drafter, HybridDrafter) else (None if self.fused else drafter)
         positions = _positions(self.contexts, self.max_new_tokens + self.g + 1)
         self.t = jax_model("target", target)
-        self.d = jax_model("draft", draft_model) if self.fused else None
-        self.t_cache, self.start, self.last = _prefilled(self.t, self.contexts, positions)
-        self.d_cache = _prefilled(self.d, self.contexts, positions)[0] if self.d is not None else None
+        self.d: JaxModel | JaxHead | None = jax_model("draft", draft_model) if draft_model is not None else None
+        self.d_weights: dict[str, jax.Array] | None = None
+        self.d_cache: Any = None
+        if eagle:
+            check_head(drafter.head, target, self.vocab)
+            head = jax_head(drafter.head, target, self.vocab)
+            ids = jnp.asarray(scored_ids(drafter, self.contexts, self.vocab))
+            self.d, self.d_weights = head, {**head.weights, "scored_ids": ids}
+            self.t_cache, self.start, self.last, hidden = _prefilled(self.t, self.contexts, positions, head.layers)
+            self.d_cache = _head_prefilled(head, self.d_weights, hidden, self.contexts, positions)
+        else:
+            self.t_cache, self.start, self.last, _ = _prefilled(self.t, self.contexts, positions)
+        if isinstance(self.d, JaxModel):
+            self.d_weights = self.d.weights
+            self.d_cache = _prefilled(self.d, self.contexts, positions)[0]
         self.prev = np.array([c[-2] if len(c) > 1 else 0 for c in self.contexts], np.int32)
         if self.asked is not None:
             contexts = [list(c) for c in self.contexts]
@@ -481,7 +584,7 @@ class _JaxRun:
         step, keys, params = jnp.asarray(self.step, jnp.int32), self.sampling.keys, self.sampling.params
         last, start, k_j = jnp.asarray(self.last), jnp.asarray(self.start), jnp.asarray(k, jnp.int32)
         if self.d is not None:
-            assert self.d_cache is not None
+            assert isinstance(self.d, JaxModel) and self.d_cache is not None
             # the hybrid's lookups and its point-mass rows; None for the model drafter
             forced = (jnp.asarray(x), jnp.asarray(use)) if self.asked is not None else (None, None)
             n, tokens, self.t_cache, self.d_cache = draft_and_verify(
@@ -539,7 +642,7 @@ class _JaxRun:
         m, b = self.max_new_tokens, self.batch
         assert self.d_cache is not None
         return Resident(
-            t_cache=self.t_cache, d_cache=self.d_cache, prev=jnp.asarray(self.prev), last=jnp.asarray(self.last),
+            t_cache=self.t_cache, draft=self.d_cache, prev=jnp.asarray(self.prev), last=jnp.asarray(self.last),
             start=jnp.asarray(self.start), length=jnp.zeros(b, jnp.int32), done=jnp.zeros(b, bool),
             out=jnp.zeros((b, m), jnp.int32), rec_n=jnp.zeros((m, b), jnp.int32), rec_k=jnp.zeros((m, b), jnp.int32),
             rec_e=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32),
@@ -549,9 +652,9 @@ class _JaxRun:
         """Steps on the device until every row is done or step ``limit`` (one program, no host read inside);
         then the host reads the int32 tokens and per-step counts and replays each step's bookkeeping (stats,
         ``on_tokens``), exactly as :meth:`commit` would have done it."""
-        assert self.d is not None
+        assert self.d is not None and self.d_weights is not None
         state = resident_steps(
-            self.t, self.d, self.t.weights, self.d.weights, state, self.sampling.keys, self.sampling.params,
+            self.t, self.d, self.t.weights, self.d_weights, state, self.sampling.keys, self.sampling.params,
             jnp.asarray(self.eos, jnp.int32), jnp.asarray(limit, jnp.int32), g=self.g, vocab=self.vocab,
         )  # fmt: skip
         out, count, done, rec_n, rec_k, rec_e, step = (
@@ -594,7 +697,8 @@ def run_jax_loop(
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
     with count_copies() as copies, measure_compiles() as compiles:
         run = _JaxRun(target, drafter, input_ids, attention_mask, sampling, config)
-        if run.fused and run.asked is None and not _PER_STEP.get():  # nothing needs the host between steps
+        # nothing needs the host between steps (the eagle head runs device-resident only)
+        if run.fused and run.asked is None and (isinstance(run.d, JaxHead) or not _PER_STEP.get()):
             state = run.resident_state()
             chunk = config.max_new_tokens if config.on_tokens is None else STREAM_STEPS
             while run.active():
@@ -627,18 +731,61 @@ def _positions(contexts: list[list[int]], more: int) -> int:
     return -(-(max(len(c) for c in contexts) + more) // _POSITION_BLOCK) * _POSITION_BLOCK
 
 
-def _prefilled(model: JaxModel, contexts: list[list[int]], positions: int) -> tuple[KVCache, np.ndarray, np.ndarray]:
-    """A cache holding every prompt but its last token, the last token's position i32[B] and the token i32[B]."""
+def _prefilled(
+    model: JaxModel, contexts: list[list[int]], positions: int, layers: tuple[int, ...] | None = None
+) -> tuple[KVCache, np.ndarray, np.ndarray, jax.Array | None]:
+    """A cache holding every prompt but its last token, the last token's position i32[B] and the token i32[B];
+    with ``layers``, the hidden states of that forward (f[B, P'-1, k·d], row b's first ``len - 1`` real;
+    None when every prompt is one token)."""
     batch = len(contexts)
     cache = model.init_cache(batch, positions)
     width = max(len(c) for c in contexts) - 1  # the last token is scored by the first step
+    hidden = None
     if width > 0:
         pre = np.zeros((batch, width), np.int32)  # filler past a shorter row's prompt: overwritten, never seen
         for b, c in enumerate(contexts):
             pre[b, : len(c) - 1] = c[:-1]
-        cache = prefill(model, model.weights, cache, jnp.asarray(pre))
+        if layers is None:
+            cache = prefill(model, model.weights, cache, jnp.asarray(pre))
+        else:
+            cache, hidden = _prefill_hidden(model, model.weights, cache, jnp.asarray(pre), layers=layers)
     start = np.array([len(c) - 1 for c in contexts], np.int32)
-    return cache, start, np.array([c[-1] for c in contexts], np.int32)
+    return cache, start, np.array([c[-1] for c in contexts], np.int32), hidden
+
+
+@functools.partial(jax.jit, static_argnames=("model", "layers"), donate_argnames=("cache",))
+def _prefill_hidden(model: JaxModel, weights, cache: KVCache, tokens: jax.Array, *, layers: tuple[int, ...]):
+    """:func:`prefill`, and the hidden states ``layers`` of every token (f[B, P', k·d])."""
+    _, cache, hidden = model.forward_hidden(weights, cache, tokens, jnp.zeros(tokens.shape[0], jnp.int32), 1, layers)
+    return cache, hidden
+
+
+@functools.partial(jax.jit, static_argnames=("head",))
+def _head_over_prompts(head: JaxHead, weights, cache, hidden: jax.Array, tokens: jax.Array):
+    out, cache = head.forward(weights, cache, head.fuse(weights, hidden), head.embed(weights, tokens),
+                              jnp.zeros(tokens.shape[0], jnp.int32))  # fmt: skip
+    return out, cache
+
+
+def _head_prefilled(
+    head: JaxHead, weights: dict[str, jax.Array], hidden: jax.Array | None, contexts: list[list[int]], positions: int
+) -> EagleState:
+    """The head's state after the prompts' pairs ``(z_t, E x_{t+1})``, t < len - 1 (the CPU drafter's
+    prompt pairs; none for a one-token prompt)."""
+    batch, d = len(contexts), head.config.hidden_size
+    cache = head.init_cache(batch, positions)
+    pairs = np.array([len(c) - 1 for c in contexts], np.int32)
+    feature = jnp.zeros((batch, d), head.weights["fc.weight"].dtype)
+    if hidden is not None:
+        nxt = np.zeros((batch, hidden.shape[1]), np.int32)
+        for b, c in enumerate(contexts):
+            nxt[b, : len(c) - 1] = c[1:]
+        out, cache = _head_over_prompts(head, weights, cache, hidden, jnp.asarray(nxt))
+        at = jnp.asarray(np.maximum(pairs - 1, 0))
+        feature = jnp.take_along_axis(out, at[:, None, None], axis=1)[:, 0]
+    # no row drafts in the first step: a plain step, as on the CPU path (whose forward over the prompts
+    # scores it), so that the same keys meet the same distributions there and here
+    return EagleState(cache, feature, jnp.asarray(pairs), jnp.zeros(batch, bool))
 
 
 # Recompiles when the target, B or the cache's length change.
@@ -666,7 +813,7 @@ def greedy_decode(
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     contexts = _contexts(input_ids, mask)
     t = jax_model("target", target)
-    cache, start_h, last_h = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
+    cache, start_h, last_h, _ = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
     last, start, out = jnp.asarray(last_h), jnp.asarray(start_h), []
     for _ in range(max_new_tokens):
         last, cache = _greedy_step(t, t.weights, cache, last, start)
