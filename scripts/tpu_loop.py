@@ -6,8 +6,8 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
 2. **Logits**: the target's jitted JAX forward (:mod:`specjax.generate.jax_model`)
    against torch's eager forward on the CPU, at JAX's default matmul precision and
    at ``highest``: max |difference| and argmax agreement per position.
-3. **Greedy identity**: ``speculative_generate`` with the model drafter (both paths) and with
-   ``ngram`` against the target alone on the same device
+3. **Greedy identity**: ``speculative_generate`` with the model drafter (both paths), with
+   ``ngram`` and with the eagle head against the target alone on the same device
    (:func:`specjax.generate.jax_loop.greedy_decode`), every row; and the first rows
    against torch's ``generate`` on the CPU, at both precisions (how many rows differ).
 4. **Law** at T = 0.7 (tests/torchax_law.py, the same check as
@@ -22,7 +22,8 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
    model drafter runs on both JAX paths side by side (``path``): ``device``, the
    device-resident loop (every step in one program, its default), and
    ``per-step``, one program per step with the host reading each step
-   (``jax_loop.per_step_loop``).
+   (``jax_loop.per_step_loop``); ``eagle`` (``--drafters model,eagle``) runs
+   device-resident only.
 
 A JSON summary of every section is the last line printed (and ``--out FILE``).
 Exit status 1 if a greedy identity on the device fails, or the law test rejects the
@@ -39,8 +40,9 @@ Dry run on JAX's CPU backend (small and quick)::
         --law-rows 2048 --reps 1
 
 ``--pair default`` is the embedded SmolLM2-135M-Instruct pair (float32; its shipped
-draft model); ``random`` random Llamas of the issue's check (target 4×512, V =
-128256; draft 2×256); ``tiny`` 2×64 / a perturbed copy (V = 256).
+draft model and EAGLE head); ``random`` random Llamas of the issue's check (target 4×512, V =
+128256; draft 2×256); ``tiny`` 2×64 / a perturbed copy (V = 256); with ``random`` and ``tiny``
+the EAGLE head is an untrained one (``init_weights``).
 """
 
 from __future__ import annotations
@@ -84,8 +86,17 @@ def random_llama(
     return LlamaForCausalLM(cfg).eval()
 
 
-def load_pair(kind: str) -> tuple[Any, Any, Any]:
-    """``(target, draft, tokenizer or None)`` on the CPU."""
+def random_head(hidden: int, vocab: int, tokens: int) -> Any:
+    """An EAGLE head with init_weights' start (near ``z_t``: the same code path, not a trained head)."""
+    from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
+
+    head = EagleHead(EagleConfig(hidden, 4, 2, 2 * hidden, vocab, tokens))
+    init_weights(head, 0)
+    return head.eval()
+
+
+def load_pair(kind: str) -> tuple[Any, Any, Any, Any]:
+    """``(target, draft, eagle head, tokenizer or None)`` on the CPU."""
     if kind == "default":
         from specjax.pair import DefaultPairError, load_default_pair
 
@@ -93,12 +104,12 @@ def load_pair(kind: str) -> tuple[Any, Any, Any]:
             pair = load_default_pair(dtype="float32")
         except DefaultPairError as err:
             sys.exit(f"--pair default: {err} (or run --pair random: random Llamas of the same code path)")
-        return pair.target.eval(), pair.draft.eval(), pair.tokenizer
+        return pair.target.eval(), pair.draft.eval(), pair.head, pair.tokenizer
     if kind == "random":
         target = random_llama(0, 4, 512, 128256)
-        return target, random_llama(1, 2, 256, 128256, heads=4, kv=2), None
+        return target, random_llama(1, 2, 256, 128256, heads=4, kv=2), random_head(512, 128256, 4096), None
     target = random_llama(0, 2, 64, 256, heads=4, kv=2)
-    return target, perturbed(target, 0.002), None
+    return target, perturbed(target, 0.002), random_head(64, 256, 64), None
 
 
 def prompts(tokenizer: Any, batch: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +172,7 @@ def section_logits(target: Any, target_j: Any, ids: torch.Tensor, mask: torch.Te
 
 def section_greedy(pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_rows: int) -> dict[str, Any]:
     from specjax.drafters import NgramDrafter
+    from specjax.drafters.eagle import EagleDrafter
     from specjax.generate import speculative_generate
     from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
@@ -171,6 +183,7 @@ def section_greedy(pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_ro
         ("model", pair["draft_j"], False),
         ("model-per-step", pair["draft_j"], True),
         ("ngram", NgramDrafter(), False),
+        ("eagle", EagleDrafter(pair["head"]), False),
     )
     for name, drafter, per_step in runs:
         with per_step_loop() if per_step else contextlib.nullcontext():
@@ -263,6 +276,7 @@ def _median_time(fn: Any, reps: int) -> float:
 
 def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argparse.Namespace) -> list[dict]:
     from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+    from specjax.drafters.eagle import EagleDrafter
     from specjax.generate import speculative_generate
     from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
@@ -271,6 +285,8 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
             return pair["draft_j"]
         if name == "ngram":
             return NgramDrafter()
+        if name == "eagle":
+            return EagleDrafter(pair["head"])
         return HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"]))
 
     rows = []
@@ -288,7 +304,7 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
             (name, path, temp)
             for name in args.drafters
             for temp in (0.0, 0.7)
-            for path in (("device", "per-step") if name == "model" else ("per-step",))
+            for path in {"model": ("device", "per-step"), "eagle": ("device",)}.get(name, ("per-step",))
         ]
         for name, path, temp in cases:
             stats: list[Any] = []
@@ -362,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "--drafters",
         type=lambda s: s.split(","),
         default=["model"],
-        help="timed drafters, comma-separated: model, ngram, hybrid (ngram, else the model)",
+        help="timed drafters, comma-separated: model, ngram, hybrid (ngram, else the model), eagle (the head)",
     )
     parser.add_argument("--law-rows", type=int, default=8192)
     parser.add_argument("--cpu-rows", type=int, default=2, help="rows compared with torch generate on the CPU")
@@ -388,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(f"backend {summary['backend']} {summary['devices']}; {summary['versions']}")
     ok = True
-    target, draft, tokenizer = load_pair(args.pair)
+    target, draft, head, tokenizer = load_pair(args.pair)
     vocab = int(target.config.vocab_size)
-    pair = {"target": target, "target_j": on_jax(target), "draft_j": on_jax(draft)}
+    pair = {"target": target, "target_j": on_jax(target), "draft_j": on_jax(draft), "head": head}
     log(
         f"pair {args.pair}: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters, "
         f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, V = {vocab}"
