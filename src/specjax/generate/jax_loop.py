@@ -31,7 +31,9 @@ until every row is done; the host then reads the int32 tokens and per-step
 counts once and replays each step's stats and ``on_tokens`` calls (with
 ``on_tokens``, every :data:`STREAM_STEPS` steps, so the callback streams). The
 two paths give the same outputs and stats; :func:`per_step_loop` selects the
-per-step path for the model drafter. The rules both use are written once:
+per-step path for the model drafter. The eagle head runs device-resident only
+(:func:`eagle_and_verify`, :func:`eagle_commit`; docs/torchax.md says how it
+differs from the CPU drafter). The rules both use are written once:
 :func:`emitted_lengths`, :func:`next_positions` (numpy or jax.numpy).
 
 Shapes are fixed for a call: every step drafts G tokens for every row (a row
@@ -78,11 +80,18 @@ from specjax.kernels import steps
 from specjax.kernels.types import SamplingParams
 
 __all__ = [
+    "STREAM_STEPS",
+    "EagleState",
+    "Resident",
     "check_jax_call",
     "draft_and_verify",
+    "eagle_and_verify",
+    "eagle_commit",
+    "emitted_lengths",
     "greedy_decode",
     "host_ids",
     "lookup_and_verify",
+    "next_positions",
     "per_step_loop",
     "prefill",
     "resident_steps",
