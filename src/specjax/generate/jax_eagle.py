@@ -52,12 +52,18 @@ class JaxHead:
       vocab: V, the target's vocabulary size (the width of :meth:`logits`).
 
     The methods take the weights as an argument ``w`` (so that a jitted caller does not bake them in):
-    :attr:`weights` and, for :meth:`logits`, ``"scored_ids"`` (i32[M], :func:`scored_ids`).
+    :attr:`weights` and, for :meth:`logits`, the call's scored tokens (:meth:`with_scored`).
     """
 
     config: EagleConfig
     weights: dict[str, jax.Array]
     vocab: int
+
+    def with_scored(self, ids: np.ndarray) -> dict[str, jax.Array]:
+        """:attr:`weights` with ``"scored_ids"`` (i32[M], :func:`scored_ids`) and ``"scored"`` (their rows
+        of the LM head, f[M, d]: gathered once per call, not at every draft token)."""
+        ids_j = jnp.asarray(np.asarray(ids, np.int32))
+        return {**self.weights, "scored_ids": ids_j, "scored": self.weights["lm"][ids_j]}
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -91,7 +97,7 @@ class JaxHead:
     def logits(self, w: dict[str, jax.Array], feature: jax.Array) -> jax.Array:
         """f[B, V]: the target's LM head on ``feature`` (f[B, d]) for the scored tokens, -inf elsewhere (the
         CPU drafter's sampled proposals; their argmax is its greedy pick up to ties)."""
-        scores = feature @ w["lm"][w["scored_ids"]].T
+        scores = feature @ w["scored"].T
         full = jnp.full((feature.shape[0], self.vocab), -jnp.inf, scores.dtype)
         return full.at[:, w["scored_ids"]].set(scores)
 

@@ -540,8 +540,7 @@ class _JaxRun:
         if eagle:
             check_head(drafter.head, target, self.vocab)
             head = jax_head(drafter.head, target, self.vocab)
-            ids = jnp.asarray(scored_ids(drafter, self.contexts, self.vocab))
-            self.d, self.d_weights = head, {**head.weights, "scored_ids": ids}
+            self.d, self.d_weights = head, head.with_scored(scored_ids(drafter, self.contexts, self.vocab))
             self.t_cache, self.start, self.last, hidden = _prefilled(self.t, self.contexts, positions, head.layers)
             self.d_cache = _head_prefilled(head, self.d_weights, hidden, self.contexts, positions)
         else:
