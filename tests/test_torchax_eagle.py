@@ -17,7 +17,7 @@ from torchax_models import on_jax, ragged_prompts, target_greedy, tiny_llama
 from specjax.drafters.eagle import CONTEXT_TOKENS, EagleDrafter
 from specjax.drafters.eagle_head import EagleConfig, EagleHead, FeatureCache, init_weights
 from specjax.generate import speculative_generate
-from specjax.generate.jax_eagle import jax_head
+from specjax.generate.jax_eagle import jax_head, scored_ids
 
 pytestmark = pytest.mark.torchax
 
@@ -136,3 +136,20 @@ def test_a_head_for_another_target_is_refused(pair, prompts):
     other = EagleHead(EagleConfig(64, 4, 2, 128, 300, 40))
     with pytest.raises(ValueError, match="draft: the eagle head was made for a vocabulary of 300"):
         speculative_generate(target_j, EagleDrafter(other), ids, mask, max_new_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "context, contexts, tail",
+    [
+        (3, [[45, 2, 300], [41, 45]], [41, 45, 0]),  # new ids ascending (2 is the head's, 300 >= V), then padding
+        (2, [[45, 2, 300], [41, 45]], [41, 45]),  # at most context_tokens of them
+        (4, [[1, 2]], [0, 0, 0, 0]),  # none new: the first id repeated (scored twice, the same)
+        (0, [[45]], []),
+    ],
+)
+def test_the_scored_tokens_are_the_heads_then_the_prompts_in_one_shape(context, contexts, tail):
+    """The head's N = 40 ids (0 .. 39), then the CPU drafter's rule for context ids, padded to
+    N + context_tokens: the same shape for every call of a drafter."""
+    got = scored_ids(EagleDrafter(random_head(), context), contexts, 256)
+    assert got.dtype == np.int32
+    assert got.tolist() == list(range(40)) + tail
