@@ -17,6 +17,7 @@ from torchax_models import on_jax, perturbed, ragged_prompts, target_greedy, tin
 from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from specjax.generate import jax_loop, speculative_generate
 from specjax.generate.checks import PluginOutputError
+from specjax.generate.compile_time import measure_compiles
 from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
 # torchax registers torch's "jax" device in this process, which breaks accelerate's
@@ -259,3 +260,15 @@ def test_device_loop_without_a_callback_is_one_program(models, prompts, monkeypa
     assert out.sequences[:, ids.shape[1] :].tolist() == target_greedy(cpu["target"], ids, mask, MAX_NEW)
     assert out.stats.steps > jax_loop.STREAM_STEPS  # many steps ...
     assert programs == [1]  # ... one program
+
+
+def test_nearby_max_new_tokens_share_the_device_loops_compilation(models, prompts):
+    """``max_new_tokens`` is an argument of the device-resident program (its buffers are sized in blocks):
+    a call with another value in the same block compiles nothing."""
+    _, jx = models
+    ids, mask = prompts
+    speculative_generate(jx["target"], jx["close"], ids, mask, max_new_tokens=9, num_draft_tokens=G)
+    with measure_compiles() as clock:
+        out = speculative_generate(jx["target"], jx["close"], ids, mask, max_new_tokens=11, num_draft_tokens=G)
+    assert out.num_new_tokens.max() == 11
+    assert clock.compiles == 0

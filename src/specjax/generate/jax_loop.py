@@ -281,7 +281,7 @@ def eagle_commit(
     )
 
 
-def emitted_lengths(xp: Any, tokens: Any, n: Any, active: Any, count: Any, max_new: int, eos: Any) -> tuple[Any, Any]:
+def emitted_lengths(xp: Any, tokens: Any, n: Any, active: Any, count: Any, max_new: Any, eos: Any) -> tuple[Any, Any]:
     """What each row emits from a verification: the rule of both loops (``xp``: numpy on the host, jax.numpy
     in the device-resident loop).
 
@@ -290,7 +290,7 @@ def emitted_lengths(xp: Any, tokens: Any, n: Any, active: Any, count: Any, max_n
 
     Args:
       tokens: i[B, G+1]; n: i[B]; active: bool[B] (rows still generating this step); count: i[B], the
-        tokens each row has; max_new: ``max_new_tokens``; eos: i[E], the EOS ids (E may be 0).
+        tokens each row has; max_new: ``max_new_tokens`` (an int, or i32[]); eos: i[E], the EOS ids (E may be 0).
 
     Returns:
       ``(e i[B], ends bool[B])``: tokens emitted (0 for inactive rows), and the rows this step ends (EOS
@@ -325,8 +325,9 @@ class Resident(NamedTuple):
         head, :data:`EagleState`).
       prev, last, start: i32[B], as :func:`draft_and_verify` takes them.
       length: i32[B], tokens each row has emitted; done: bool[B], rows that ended (EOS or M tokens).
-      out: i32[B, M], each row's tokens (``out[b, :length[b]]``; the rest is not read).
-      rec_n, rec_k, rec_e: i32[M, B], per step s (a call runs at most M steps: every active row emits at
+      out: i32[B, M'], each row's tokens (``out[b, :length[b]]``; the rest is not read), M' >= M rounded up
+        to a block of positions.
+      rec_n, rec_k, rec_e: i32[M', B], per step s (a call runs at most M steps: every active row emits at
         least one token a step): the accepted, tested and emitted counts of each row (all 0 for a row
         inactive at that step).
       step: i32[], the next step's number (the keys' step).
@@ -346,8 +347,8 @@ class Resident(NamedTuple):
     step: jax.Array
 
 
-# Recompiles when a model, B, G, M, E, the cache's length or params' static fields change; never per
-# chunk (``limit`` is an argument).
+# Recompiles when a model, B, G, E, the cache's length, M' (M in blocks) or params' static fields change;
+# never per chunk (``limit`` is an argument) nor per max_new_tokens within a block.
 @functools.partial(jax.jit, static_argnames=("target", "draft", "g", "vocab"), donate_argnames=("state",))
 def resident_steps(
     target: JaxModel,
@@ -358,6 +359,7 @@ def resident_steps(
     row_keys: jax.Array,
     params: SamplingParams,
     eos: jax.Array,
+    max_new: jax.Array,
     limit: jax.Array,
     *,
     g: int,
@@ -366,7 +368,9 @@ def resident_steps(
     """The ``model`` drafter's steps in one program: a ``lax.while_loop`` of :func:`draft_and_verify` with
     the host's bookkeeping (:func:`emitted_lengths`, :func:`next_positions`) on the device.
 
-    Runs steps ``state.step ..`` until every row is done or the step number reaches ``limit`` (i32[]).
+    Runs steps ``state.step ..`` until every row is done or the step number reaches ``limit`` (i32[]);
+    ``max_new`` (i32[]): ``max_new_tokens``, an argument (the buffers are sized in blocks: nearby values
+    share a compilation).
     Each step is exactly the per-step path's (the same program, keys, draft lengths and rules), so the
     outputs and stats are identical to it. ``eos``: i32[E]. Returns the carry after the last step.
 
@@ -374,7 +378,7 @@ def resident_steps(
     :func:`eagle_commit` of the emitted pairs). A drafter that needs the host between steps (a lookup,
     processors) cannot run here.
     """
-    max_new = state.out.shape[1]
+    width = state.out.shape[1]
 
     def go_on(s: Resident) -> jax.Array:
         return (s.step < limit) & ~jnp.all(s.done)
@@ -397,7 +401,7 @@ def resident_steps(
         if isinstance(draft, JaxHead):
             d_state = eagle_commit(draft, d_weights, d_state, hidden, tokens, e)
         j = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        slot = jnp.where(j < e[:, None], s.length[:, None] + j, max_new)  # past the buffer: dropped
+        slot = jnp.where(j < e[:, None], s.length[:, None] + j, width)  # past the buffer: dropped
         rows = jnp.arange(tokens.shape[0])[:, None]
         prev, last, start = next_positions(jnp, tokens, n, active, s.prev, s.last, s.start)
         return Resident(
@@ -647,7 +651,7 @@ class _JaxRun:
 
     def resident_state(self) -> Resident:
         """The call's state as the device-resident loop's carry (:func:`resident_steps`), before step 0."""
-        m, b = self.max_new_tokens, self.batch
+        m, b = _blocks(self.max_new_tokens), self.batch
         assert self.d_cache is not None
         return Resident(
             t_cache=self.t_cache, draft=self.d_cache, prev=jnp.asarray(self.prev), last=jnp.asarray(self.last),
@@ -663,7 +667,8 @@ class _JaxRun:
         assert self.d is not None and self.d_weights is not None
         state = resident_steps(
             self.t, self.d, self.t.weights, self.d_weights, state, self.sampling.keys, self.sampling.params,
-            jnp.asarray(self.eos, jnp.int32), jnp.asarray(limit, jnp.int32), g=self.g, vocab=self.vocab,
+            jnp.asarray(self.eos, jnp.int32), jnp.asarray(self.max_new_tokens, jnp.int32),
+            jnp.asarray(limit, jnp.int32), g=self.g, vocab=self.vocab,
         )  # fmt: skip
         out, count, done, rec_n, rec_k, rec_e, step = (
             np.asarray(a) for a in jax.device_get((state.out, state.length, state.done, *state[-4:]))
@@ -736,7 +741,12 @@ def _contexts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[lis
 
 def _positions(contexts: list[list[int]], more: int) -> int:
     """The cache's positions: the longest prompt plus ``more``, rounded up to a block."""
-    return -(-(max(len(c) for c in contexts) + more) // _POSITION_BLOCK) * _POSITION_BLOCK
+    return _blocks(max(len(c) for c in contexts) + more)
+
+
+def _blocks(n: int) -> int:
+    """``n`` rounded up to a whole number of position blocks (nearby sizes share a compilation)."""
+    return -(-n // _POSITION_BLOCK) * _POSITION_BLOCK
 
 
 def _prefilled(
