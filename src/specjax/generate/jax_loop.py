@@ -449,7 +449,8 @@ _PER_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("specjax_jax_pe
 def per_step_loop() -> Iterator[None]:
     """Within it, the JAX path runs the ``model`` drafter step by step (one program per step, the host
     reading each step's tokens) instead of the device-resident loop: the same outputs and stats; for
-    comparing the two (scripts/tpu_loop.py) and debugging."""
+    comparing the two (scripts/tpu_loop.py) and debugging. The eagle head has no per-step path: it stays
+    device-resident."""
     token = _PER_STEP.set(True)
     try:
         yield
