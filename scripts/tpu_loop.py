@@ -6,8 +6,8 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
 2. **Logits**: the target's jitted JAX forward (:mod:`specjax.generate.jax_model`)
    against torch's eager forward on the CPU, at JAX's default matmul precision and
    at ``highest``: max |difference| and argmax agreement per position.
-3. **Greedy identity**: ``speculative_generate`` with the model drafter and with
-   ``ngram`` against the target alone on the same device
+3. **Greedy identity**: ``speculative_generate`` with the model drafter (both paths), with
+   ``ngram`` and with the eagle head against the target alone on the same device
    (:func:`specjax.generate.jax_loop.greedy_decode`), every row; and the first rows
    against torch's ``generate`` on the CPU, at both precisions (how many rows differ).
 4. **Law** at T = 0.7 (tests/torchax_law.py, the same check as
@@ -18,7 +18,12 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
 5. **Timings**: for each drafter (``--drafters``), B and mode (greedy, T = 0.7), the loop against the
    target alone (``greedy_decode``: the same jitted forward, one token a step,
    read once at the end), both warmed up first (compilation excluded): tokens/s,
-   the ratio, the acceptance rate; median of ``--reps`` runs.
+   the ratio, the acceptance rate, ms per step; median of ``--reps`` runs. The
+   model drafter runs on both JAX paths side by side (``path``): ``device``, the
+   device-resident loop (every step in one program, its default), and
+   ``per-step``, one program per step with the host reading each step
+   (``jax_loop.per_step_loop``); ``eagle`` (``--drafters model,eagle``) runs
+   device-resident only.
 
 A JSON summary of every section is the last line printed (and ``--out FILE``).
 Exit status 1 if a greedy identity on the device fails, or the law test rejects the
@@ -35,13 +40,15 @@ Dry run on JAX's CPU backend (small and quick)::
         --law-rows 2048 --reps 1
 
 ``--pair default`` is the embedded SmolLM2-135M-Instruct pair (float32; its shipped
-draft model); ``random`` random Llamas of the issue's check (target 4×512, V =
-128256; draft 2×256); ``tiny`` 2×64 / a perturbed copy (V = 256).
+draft model and EAGLE head); ``random`` random Llamas of the issue's check (target 4×512, V =
+128256; draft 2×256); ``tiny`` 2×64 / a perturbed copy (V = 256); with ``random`` and ``tiny``
+the EAGLE head is an untrained one (``init_weights``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -79,8 +86,17 @@ def random_llama(
     return LlamaForCausalLM(cfg).eval()
 
 
-def load_pair(kind: str) -> tuple[Any, Any, Any]:
-    """``(target, draft, tokenizer or None)`` on the CPU."""
+def random_head(hidden: int, vocab: int, tokens: int) -> Any:
+    """An EAGLE head with init_weights' start (near ``z_t``: the same code path, not a trained head)."""
+    from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
+
+    head = EagleHead(EagleConfig(hidden, 4, 2, 2 * hidden, vocab, tokens))
+    init_weights(head, 0)
+    return head.eval()
+
+
+def load_pair(kind: str) -> tuple[Any, Any, Any, Any]:
+    """``(target, draft, eagle head, tokenizer or None)`` on the CPU."""
     if kind == "default":
         from specjax.pair import DefaultPairError, load_default_pair
 
@@ -88,12 +104,12 @@ def load_pair(kind: str) -> tuple[Any, Any, Any]:
             pair = load_default_pair(dtype="float32")
         except DefaultPairError as err:
             sys.exit(f"--pair default: {err} (or run --pair random: random Llamas of the same code path)")
-        return pair.target.eval(), pair.draft.eval(), pair.tokenizer
+        return pair.target.eval(), pair.draft.eval(), pair.head, pair.tokenizer
     if kind == "random":
         target = random_llama(0, 4, 512, 128256)
-        return target, random_llama(1, 2, 256, 128256, heads=4, kv=2), None
+        return target, random_llama(1, 2, 256, 128256, heads=4, kv=2), random_head(512, 128256, 4096), None
     target = random_llama(0, 2, 64, 256, heads=4, kv=2)
-    return target, perturbed(target, 0.002), None
+    return target, perturbed(target, 0.002), random_head(64, 256, 64), None
 
 
 def prompts(tokenizer: Any, batch: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,14 +172,22 @@ def section_logits(target: Any, target_j: Any, ids: torch.Tensor, mask: torch.Te
 
 def section_greedy(pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_rows: int) -> dict[str, Any]:
     from specjax.drafters import NgramDrafter
+    from specjax.drafters.eagle import EagleDrafter
     from specjax.generate import speculative_generate
-    from specjax.generate.jax_loop import greedy_decode
+    from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
     ok = True
     result: dict[str, Any] = {}
     ref = greedy_decode(pair["target_j"], ids, mask, max_new)
-    for name, drafter in (("model", pair["draft_j"]), ("ngram", NgramDrafter())):
-        out = speculative_generate(pair["target_j"], drafter, ids, mask, max_new_tokens=max_new, num_draft_tokens=g)
+    runs = (
+        ("model", pair["draft_j"], False),
+        ("model-per-step", pair["draft_j"], True),
+        ("ngram", NgramDrafter(), False),
+        ("eagle", EagleDrafter(pair["head"]), False),
+    )
+    for name, drafter, per_step in runs:
+        with per_step_loop() if per_step else contextlib.nullcontext():
+            out = speculative_generate(pair["target_j"], drafter, ids, mask, max_new_tokens=max_new, num_draft_tokens=g)
         got = out.sequences[:, ids.shape[1] :].numpy()
         same = int((got == ref).all(axis=1).sum())
         ok &= same == ids.shape[0]
@@ -252,14 +276,17 @@ def _median_time(fn: Any, reps: int) -> float:
 
 def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argparse.Namespace) -> list[dict]:
     from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+    from specjax.drafters.eagle import EagleDrafter
     from specjax.generate import speculative_generate
-    from specjax.generate.jax_loop import greedy_decode
+    from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
     def drafter(name: str) -> Any:
         if name == "model":
             return pair["draft_j"]
         if name == "ngram":
             return NgramDrafter()
+        if name == "eagle":
+            return EagleDrafter(pair["head"])
         return HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"]))
 
     rows = []
@@ -271,20 +298,31 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
 
         base()  # compile
         base_s = _median_time(base, args.reps)
-        for name, temp in [(name, temp) for name in args.drafters for temp in (0.0, 0.7)]:
+        # the model drafter on both paths side by side: the device-resident loop (its default) and one program
+        # per step with the host reading each step (per_step_loop); the host drafters run per step only
+        cases = [
+            (name, path, temp)
+            for name in args.drafters
+            for temp in (0.0, 0.7)
+            for path in {"model": ("device", "per-step"), "eagle": ("device",)}.get(name, ("per-step",))
+        ]
+        for name, path, temp in cases:
             stats: list[Any] = []
 
-            def spec(temp: float = temp, stats: list[Any] = stats, ids=ids, mask=mask, name: str = name) -> None:
-                out = speculative_generate(
-                    pair["target_j"],
-                    drafter(name),
-                    ids,
-                    mask,
-                    max_new_tokens=args.max_new,
-                    num_draft_tokens=args.draft_tokens,
-                    temperature=temp,
-                    seed=1,
-                )
+            def spec(
+                temp: float = temp, stats: list[Any] = stats, ids=ids, mask=mask, name: str = name, path: str = path
+            ) -> None:
+                with per_step_loop() if path == "per-step" else contextlib.nullcontext():
+                    out = speculative_generate(
+                        pair["target_j"],
+                        drafter(name),
+                        ids,
+                        mask,
+                        max_new_tokens=args.max_new,
+                        num_draft_tokens=args.draft_tokens,
+                        temperature=temp,
+                        seed=1,
+                    )
                 stats.append(out.stats)
 
             spec()  # compile
@@ -292,6 +330,7 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
             new = batch * args.max_new
             row = {
                 "drafter": name,
+                "path": path,
                 "batch": batch,
                 "temperature": temp,
                 "loop_tok_s": new / spec_s,
@@ -299,17 +338,32 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 "ratio": base_s / spec_s,
                 "acceptance": stats[-1].acceptance_rate,
                 "mean_accepted_length": stats[-1].mean_accepted_length,
+                "steps": stats[-1].steps,
+                "ms_per_step": 1e3 * spec_s / max(stats[-1].steps, 1),
+                "target_only_ms_per_token": 1e3 * base_s / args.max_new,
                 "adapter_copies": stats[-1].adapter_copies,
                 "loop_s": spec_s,
                 "target_only_s": base_s,
             }
             rows.append(row)
             log(
-                f"{name:6s} B={batch:3d} T={temp}: loop {row['loop_tok_s']:9.1f} tok/s, "
+                f"{name:6s} {path:8s} B={batch:3d} T={temp}: loop {row['loop_tok_s']:9.1f} tok/s, "
                 f"target-only {row['target_only_tok_s']:9.1f} tok/s, ratio {row['ratio']:.2f}x, "
-                f"acceptance {row['acceptance']:.3f}, "
-                f"tau {row['mean_accepted_length']:.2f}"
+                f"acceptance {row['acceptance']:.3f}, tau {row['mean_accepted_length']:.2f}, "
+                f"{row['ms_per_step']:.2f} ms/step (target-only {row['target_only_ms_per_token']:.2f} ms/token)"
             )
+        for name, temp in sorted({(r["drafter"], r["temperature"]) for r in rows if r["batch"] == batch}):
+            by_path = {
+                r["path"]: r["ratio"]
+                for r in rows
+                if (r["drafter"], r["batch"], r["temperature"]) == (name, batch, temp)
+            }
+            if len(by_path) > 1:
+                log(
+                    f"side by side {name} B={batch} T={temp}: "
+                    + ", ".join(f"{p} {ratio:.2f}x" for p, ratio in by_path.items())
+                    + " target-only"
+                )
     return rows
 
 
@@ -324,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "--drafters",
         type=lambda s: s.split(","),
         default=["model"],
-        help="timed drafters, comma-separated: model, ngram, hybrid (ngram, else the model)",
+        help="timed drafters, comma-separated: model, ngram, hybrid (ngram, else the model), eagle (the head)",
     )
     parser.add_argument("--law-rows", type=int, default=8192)
     parser.add_argument("--cpu-rows", type=int, default=2, help="rows compared with torch generate on the CPU")
@@ -350,9 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(f"backend {summary['backend']} {summary['devices']}; {summary['versions']}")
     ok = True
-    target, draft, tokenizer = load_pair(args.pair)
+    target, draft, head, tokenizer = load_pair(args.pair)
     vocab = int(target.config.vocab_size)
-    pair = {"target": target, "target_j": on_jax(target), "draft_j": on_jax(draft)}
+    pair = {"target": target, "target_j": on_jax(target), "draft_j": on_jax(draft), "head": head}
     log(
         f"pair {args.pair}: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters, "
         f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, V = {vocab}"

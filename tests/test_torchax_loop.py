@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torchax_models import on_jax, perturbed, tiny_llama
+from torchax_models import on_jax, perturbed, ragged_prompts, target_greedy, tiny_llama
 
 from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
-from specjax.generate import speculative_generate
+from specjax.generate import jax_loop, speculative_generate
 from specjax.generate.checks import PluginOutputError
-from specjax.generate.jax_loop import greedy_decode
+from specjax.generate.compile_time import measure_compiles
+from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
 # torchax registers torch's "jax" device in this process, which breaks accelerate's
 # offloading elsewhere: these run in their own pytest session (make test-torchax).
@@ -50,24 +51,7 @@ def make_drafter(name, models):
 @pytest.fixture(scope="module")
 def prompts():
     """Three left-padded rows of 7, 1 and 4 tokens, one of them a repeating pattern (ngram finds it)."""
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 256, (3, 7), generator=gen)
-    ids[2, 3:] = torch.tensor([11, 12, 11, 12])
-    mask = torch.ones_like(ids)
-    mask[1, :6] = 0
-    mask[2, :3] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-def target_greedy(target, ids, mask, max_new):
-    """Each row alone, without padding, through transformers' generate: the target-only reference."""
-    rows = []
-    with torch.no_grad():
-        for b in range(ids.shape[0]):
-            row = ids[b : b + 1, mask[b].bool()]
-            out = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False)
-            rows.append(out[0, row.shape[1] :].tolist())
-    return rows
+    return ragged_prompts()
 
 
 def test_target_only_greedy_on_jax_equals_generate(models, prompts):
@@ -152,7 +136,11 @@ class _LogitsDrafter(NgramDrafter):
     [
         (dict(sampler="numpy"), ValueError, "sampler: the JAX path .* built-in sampler"),
         (dict(return_state=True), ValueError, "return_state: the JAX path"),
-        (dict(draft=_HiddenDrafter()), ValueError, "draft: the JAX path .* model drafter, lookup drafters"),
+        (
+            dict(draft=_HiddenDrafter()),
+            ValueError,
+            "draft: the JAX path .* model drafter, the eagle head, lookup drafters",
+        ),
         (dict(draft=_LogitsDrafter()), PluginOutputError, "proposed tokens with draft logits; the JAX path takes"),
         (dict(repetition_penalty=1.2), ValueError, "logits_processor: not supported yet on the JAX path"),
         (
@@ -181,3 +169,106 @@ def test_ids_are_read_once_from_a_torchax_tensor(models, prompts):
         jx["target"], jx["close"], on_jax(ids), on_jax(mask), max_new_tokens=8, num_draft_tokens=G
     )
     np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy())
+
+
+# The device-resident loop (``jax_loop.resident_steps``): the model drafter's steps in one program, the
+# host reading only the int32 tokens and per-step counts. Reference: the per-step path of the same call
+# (``per_step_loop``), whose steps it must repeat exactly: the same tokens, stats and streamed chunks.
+
+_TIMINGS = {"wall_time_s", "compile_time_s", "tokens_per_s", "draft_time_s", "target_time_s", "loop_time_s"}
+_SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+
+
+def _both_paths(jx, draft, ids, mask, monkeypatch, **kw):
+    """``(device-resident, per-step)`` results of one call, each as (output, stats without timings, the
+    ``on_tokens`` calls), and how many programs the device-resident one ran."""
+    programs = []
+    real = jax_loop.resident_steps
+
+    def counted(*args, **kwargs):
+        programs.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax_loop, "resident_steps", counted)
+
+    def run():
+        calls = []
+        out = speculative_generate(
+            jx["target"], jx[draft], ids, mask, on_tokens=lambda b, t: calls.append((b, list(t))), **kw
+        )
+        return out, {k: v for k, v in out.stats.as_dict().items() if k not in _TIMINGS}, calls
+
+    resident = run()
+    with per_step_loop():
+        per_step = run()
+    return resident, per_step, len(programs)
+
+
+@pytest.mark.parametrize(
+    "draft, sampling, max_new, eos_at",
+    [
+        ("close", {}, MAX_NEW, None),
+        ("far", {}, MAX_NEW, None),  # acceptance near 0: over STREAM_STEPS steps, several chunks
+        ("close", _SAMPLED, MAX_NEW, None),
+        ("far", _SAMPLED, MAX_NEW, None),
+        ("close", {}, MAX_NEW, 5),  # row 0 ends at EOS, the others at their own EOS or max_new
+        ("close", _SAMPLED, MAX_NEW, 2),
+        ("close", {}, 1, None),  # no draft token fits: k = 0 every step
+        ("close", {}, 2, 0),
+        ("close", _SAMPLED, 5, None),
+    ],
+    ids=[
+        "greedy",
+        "greedy-chunks",
+        "sampled",
+        "sampled-chunks",
+        "greedy-eos",
+        "sampled-eos",
+        "max1",
+        "max2-eos",
+        "max5",
+    ],
+)
+def test_device_loop_repeats_the_per_step_path_exactly(models, prompts, monkeypatch, draft, sampling, max_new, eos_at):
+    _, jx = models
+    ids, mask = prompts
+    kw = dict(max_new_tokens=max_new, num_draft_tokens=G, pad_token_id=0, **sampling)
+    if eos_at is not None:  # an EOS id from row 0's own output (None: the model's own EOS, id 2)
+        first = speculative_generate(jx["target"], jx[draft], ids, mask, **kw)
+        kw["eos_token_id"] = int(first.sequences[0, ids.shape[1] + eos_at])
+    (got, got_stats, got_calls), (want, want_stats, want_calls), programs = _both_paths(
+        jx, draft, ids, mask, monkeypatch, **kw
+    )
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert got.num_new_tokens.tolist() == want.num_new_tokens.tolist()
+    assert got_stats == want_stats
+    assert got_calls == want_calls  # each step's tokens per row, in order
+    assert got.stats.adapter_copies == 0
+    assert programs == -(-want.stats.steps // jax_loop.STREAM_STEPS)  # on_tokens: one program per chunk
+    if eos_at is not None:
+        assert got.num_new_tokens[0] == eos_at + 1 < max_new
+
+
+def test_device_loop_without_a_callback_is_one_program(models, prompts, monkeypatch):
+    """Nothing needs the host between steps: every step of the call in one program, the host reading once."""
+    cpu, jx = models
+    ids, mask = prompts
+    programs = []
+    real = jax_loop.resident_steps
+    monkeypatch.setattr(jax_loop, "resident_steps", lambda *a, **k: programs.append(1) or real(*a, **k))
+    out = speculative_generate(jx["target"], jx["far"], ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=G)
+    assert out.sequences[:, ids.shape[1] :].tolist() == target_greedy(cpu["target"], ids, mask, MAX_NEW)
+    assert out.stats.steps > jax_loop.STREAM_STEPS  # many steps ...
+    assert programs == [1]  # ... one program
+
+
+def test_nearby_max_new_tokens_share_the_device_loops_compilation(models, prompts):
+    """``max_new_tokens`` is an argument of the device-resident program (its buffers are sized in blocks):
+    a call with another value in the same block compiles nothing."""
+    _, jx = models
+    ids, mask = prompts
+    speculative_generate(jx["target"], jx["close"], ids, mask, max_new_tokens=9, num_draft_tokens=G)
+    with measure_compiles() as clock:
+        out = speculative_generate(jx["target"], jx["close"], ids, mask, max_new_tokens=11, num_draft_tokens=G)
+    assert out.num_new_tokens.max() == 11
+    assert clock.compiles == 0

@@ -105,3 +105,30 @@ def test_sliding_window_models_are_refused():
     )
     with pytest.raises(ValueError, match=r"target: the JAX path .* full causal attention"):
         jax_model("target", MistralForCausalLM(cfg))
+
+
+@pytest.mark.parametrize("layers", [(-1,), (0, 1, -1)], ids=["final", "several"])
+def test_hidden_states_through_the_cache_match_the_eager_forward(layers):
+    """The states an EAGLE head reads, from the same forward as the logits: a prefill, then a piece of 3
+    at each row's own position, against torch's ``output_hidden_states`` over the whole sequence (the
+    final normed state at -1; EAGLE-3's layers concatenated in order)."""
+    model = tiny_llama(seed=3)
+    m = jax_model("target", model)
+    step = jax.jit(lambda w, c, t, s: m.forward_hidden(w, c, t, s, 1, layers))
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, 256, 9), rng.integers(0, 256, 7)]
+    lengths = [6, 4]
+    prefill = np.zeros((2, 6), np.int32)
+    for b, n in enumerate(lengths):
+        prefill[b, :n] = seqs[b][:n]
+    _, cache, first = step(m.weights, m.init_cache(2, 16), jnp.asarray(prefill), jnp.zeros(2, jnp.int32))
+    piece = np.stack([seqs[b][n : n + 3] for b, n in enumerate(lengths)]).astype(np.int32)
+    logits, _, second = step(m.weights, cache, jnp.asarray(piece), jnp.asarray(lengths, jnp.int32))
+    assert second.shape == (2, 3, len(layers) * 64) and logits.shape == (2, 1, 256)
+    for b, n in enumerate(lengths):
+        with torch.no_grad():
+            out = model(torch.as_tensor(seqs[b][: n + 3])[None].long(), output_hidden_states=True)
+        ref = torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).numpy()
+        mine = np.concatenate([np.asarray(first[b, :n]), np.asarray(second[b])])
+        np.testing.assert_allclose(mine, ref, atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.asarray(logits[b, 0]), out.logits[0, -1].numpy(), atol=TOL, rtol=0)

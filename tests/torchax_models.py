@@ -39,3 +39,25 @@ def on_jax(model):
     with torchax.default_env():
         out.to("jax")
     return out
+
+
+def ragged_prompts():
+    """``(ids i64[3, 7], mask)``: three left-padded rows of 7, 1 and 4 tokens, the last a repeating pattern."""
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (3, 7), generator=gen)
+    ids[2, 3:] = torch.tensor([11, 12, 11, 12])
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    mask[2, :3] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def target_greedy(target, ids, mask, max_new):
+    """Each row alone, without padding, through transformers' generate: the target-only reference."""
+    rows = []
+    with torch.no_grad():
+        for b in range(ids.shape[0]):
+            row = ids[b : b + 1, mask[b].bool()]
+            out = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False)
+            rows.append(out[0, row.shape[1] :].tolist())
+    return rows

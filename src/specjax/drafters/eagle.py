@@ -71,9 +71,39 @@ from specjax.drafters.base import (
 )
 from specjax.drafters.eagle_head import EagleHead, FeatureCache, load_head
 
-__all__ = ["CONTEXT_TOKENS", "EagleDrafter"]
+__all__ = ["CONTEXT_TOKENS", "EagleDrafter", "check_head", "context_ids"]
 
 CONTEXT_TOKENS = 2048  # EagleDrafter's default context_tokens
+
+
+def context_ids(scored: np.ndarray, tokens: np.ndarray, room: int) -> np.ndarray:
+    """i64[n]: the ids of ``tokens`` (a context's, any shape) the head scores next: those in [0, V) not
+    ``scored`` yet (bool[V]), ascending, at most ``room`` of them (the rule of both loops' eagle drafters)."""
+    seen = np.unique(np.asarray(tokens).astype(np.int64).ravel())
+    seen = seen[(seen >= 0) & (seen < len(scored))]  # ids the head can score
+    return seen[~scored[seen]][: max(room, 0)]
+
+
+def check_head(head: EagleHead, target: Any, target_vocab: int) -> None:
+    """Raise ``ValueError`` unless ``head`` fits ``target`` (its hidden size, depth and vocabulary V)."""
+    embed = target.get_input_embeddings()
+    cfg = head.config
+    if embed.weight.shape[1] != cfg.hidden_size:
+        raise ValueError(
+            f"draft: the eagle head expects the target's hidden size {cfg.hidden_size}, "
+            f"the target has {embed.weight.shape[1]}"
+        )
+    depth = int(getattr(target.config, "num_hidden_layers", 0) or 0)
+    if depth and any(i >= depth for i in cfg.feature_layers):
+        raise ValueError(
+            f"draft: the eagle head reads the target's hidden states after layers {list(cfg.feature_layers)}, "
+            f"the target has {depth} layers (expected indices below {depth})"
+        )
+    if target_vocab != cfg.target_vocab_size:
+        raise ValueError(
+            f"draft: the eagle head was made for a vocabulary of {cfg.target_vocab_size}, "
+            f"the target's is {target_vocab}"
+        )
 
 
 class EagleDrafter:
@@ -119,25 +149,10 @@ class EagleDrafter:
     # ------------------------------------------------------------------ #
     def start(self, setup: DraftSetup) -> None:
         target = setup.target
+        check_head(self.head, target, setup.target_vocab)
         embed = target.get_input_embeddings()
         out = target.get_output_embeddings()
         cfg = self.head.config
-        if embed.weight.shape[1] != cfg.hidden_size:
-            raise ValueError(
-                f"draft: the eagle head expects the target's hidden size {cfg.hidden_size}, "
-                f"the target has {embed.weight.shape[1]}"
-            )
-        depth = int(getattr(target.config, "num_hidden_layers", 0) or 0)
-        if depth and any(i >= depth for i in cfg.feature_layers):
-            raise ValueError(
-                f"draft: the eagle head reads the target's hidden states after layers {list(cfg.feature_layers)}, "
-                f"the target has {depth} layers (expected indices below {depth})"
-            )
-        if setup.target_vocab != cfg.target_vocab_size:
-            raise ValueError(
-                f"draft: the eagle head was made for a vocabulary of {cfg.target_vocab_size}, "
-                f"the target's is {setup.target_vocab}"
-            )
         device = setup.input_ids.device
         dtype = embed.weight.dtype
         self.head.to(device=device, dtype=dtype).eval()
@@ -182,9 +197,7 @@ class EagleDrafter:
         """Score ``tokens`` (i64[...], the rows' context) too, those not scored yet, while there is room."""
         if self._context_room <= 0 or tokens.numel() == 0:
             return
-        seen = np.unique(tokens.cpu().numpy().astype(np.int64).ravel())
-        seen = seen[(seen >= 0) & (seen < self.vocab)]  # ids the head can score
-        new = seen[~self._scored[seen]][: self._context_room]
+        new = context_ids(self._scored, tokens.cpu().numpy(), self._context_room)
         if len(new) == 0:
             return
         self._scored[new] = True

@@ -18,10 +18,23 @@ static-shape KV caches, and one step is one ``jax.jit`` program:
 3. **Verify**: :func:`specjax.kernels.steps.verify_step` on the target's
    logits as they are (the same ``jax.Array``, never leaving the device).
 
-The host reads the int32 ``(num_accepted, tokens)`` of each step, nothing
-else, and does the bookkeeping: EOS, ``max_new_tokens``, each row's position
-(the next step starts right after its last committed token, overwriting the
-slots of rejected drafts: :mod:`specjax.generate.jax_model`).
+With a host drafter (``ngram``, ``hybrid``) the host reads the int32
+``(num_accepted, tokens)`` of each step, nothing else, and does the
+bookkeeping: EOS, ``max_new_tokens``, each row's position (the next step
+starts right after its last committed token, overwriting the slots of rejected
+drafts: :mod:`specjax.generate.jax_model`). With the ``model`` drafter nothing
+needs the host between steps, so the steps run **device-resident**
+(:func:`resident_steps`): a ``lax.while_loop`` over the same step program with
+the same bookkeeping on the device (per-row positions, emitted lengths, EOS,
+``max_new_tokens``, an i32[B, max_new_tokens] output buffer and per-step counts)
+until every row is done; the host then reads the int32 tokens and per-step
+counts once and replays each step's stats and ``on_tokens`` calls (with
+``on_tokens``, every :data:`STREAM_STEPS` steps, so the callback streams). The
+two paths give the same outputs and stats; :func:`per_step_loop` selects the
+per-step path for the model drafter. The eagle head runs device-resident only
+(:func:`eagle_and_verify`, :func:`eagle_commit`; docs/torchax.md says how it
+differs from the CPU drafter). The rules both use are written once:
+:func:`emitted_lengths`, :func:`next_positions` (numpy or jax.numpy).
 
 Shapes are fixed for a call: every step drafts G tokens for every row (a row
 tests only its ``k_b = min(G, tokens left - 1)``; finished rows ride along,
@@ -33,9 +46,12 @@ draft position (:mod:`specjax.kernels.steps`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +62,11 @@ from jax import lax
 from specjax.adapters.jax_view import torchax_array
 from specjax.drafters import HybridDrafter, ModelDrafter
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
+from specjax.drafters.eagle import EagleDrafter, check_head
 from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import check_proposal
+from specjax.generate.jax_eagle import HeadCache, JaxHead, jax_head, scored_ids
 from specjax.generate.jax_model import JaxModel, KVCache, jax_model
 from specjax.generate.loop import (
     LoopConfig,
@@ -62,12 +80,21 @@ from specjax.kernels import steps
 from specjax.kernels.types import SamplingParams
 
 __all__ = [
+    "STREAM_STEPS",
+    "EagleState",
+    "Resident",
     "check_jax_call",
     "draft_and_verify",
+    "eagle_and_verify",
+    "eagle_commit",
+    "emitted_lengths",
     "greedy_decode",
     "host_ids",
     "lookup_and_verify",
+    "next_positions",
+    "per_step_loop",
     "prefill",
+    "resident_steps",
     "run_jax_loop",
 ]
 
@@ -176,6 +203,261 @@ def lookup_and_verify(
     return out.num_accepted, out.tokens, t_cache
 
 
+class EagleState(NamedTuple):
+    """The eagle head's state in the device-resident loop.
+
+    Attributes:
+      cache: the head's :data:`~specjax.generate.jax_eagle.HeadCache`.
+      feature: f[B, d], the head's prediction at each row's last committed pair (z of its last token).
+      pairs: i32[B], the pairs each row has in the cache (the next pair's number).
+      has_feature: bool[B], rows that draft: from the second step on (every active row emits in the first).
+    """
+
+    cache: HeadCache
+    feature: jax.Array
+    pairs: jax.Array
+    has_feature: jax.Array
+
+
+def eagle_and_verify(
+    target: JaxModel,
+    head: JaxHead,
+    t_weights: dict[str, jax.Array],
+    h_weights: dict[str, jax.Array],
+    t_cache: KVCache,
+    state: EagleState,
+    last: jax.Array,
+    start: jax.Array,
+    row_keys: jax.Array,
+    step: jax.Array,
+    params: SamplingParams,
+    k: jax.Array,
+    *,
+    g: int,
+    vocab: int,
+) -> tuple[jax.Array, jax.Array, KVCache, EagleState, jax.Array]:
+    """One step with the eagle head (pure; traced in :func:`resident_steps`): G tokens from the head, each
+    drawn by :func:`specjax.kernels.steps.draft_draw` from its logits over the scored tokens (the CPU
+    drafter's; greedy: their argmax), the drafted pairs ``(predicted feature, E x_i)`` at the row's next pair
+    numbers; the target's forward with its hidden states; the acceptance step.
+
+    Returns ``(num_accepted i32[B], tokens i32[B, G+1], t_cache, state, hidden f[B, G+1, k·d])``, hidden the
+    target's states at ``[last, x_0 .. x_{G-1}]`` (for :func:`eagle_commit`).
+    """
+
+    def pick(logits: jax.Array, i: Any) -> jax.Array:
+        return steps.draft_draw(logits, row_keys, step, i + 1, params, vocab=vocab)
+
+    q0 = head.logits(h_weights, state.feature)
+    x0 = pick(q0, 0)
+
+    def one(carry, i):  # the head on (feature_{i-1}, E x_{i-1}) at pair pairs + i - 1, then x_i
+        cache, f, x = carry
+        out, cache = head.forward(h_weights, cache, f[:, None], head.embed(h_weights, x)[:, None], state.pairs + i - 1)
+        q = head.logits(h_weights, out[:, 0])
+        nxt = pick(q, i)
+        return (cache, out[:, 0], nxt), (nxt, q)
+
+    (cache, _, _), (xs, qs) = lax.scan(one, (state.cache, state.feature, x0), jnp.arange(1, g, dtype=jnp.int32))
+    x = jnp.concatenate([x0[:, None], xs.T], axis=1)
+    tokens_in = jnp.concatenate([last[:, None], x], axis=1)
+    logits, t_cache, hidden = target.forward_hidden(t_weights, t_cache, tokens_in, start, None, head.layers)
+    out = steps.verify_step(x, (q0, *(qs[i] for i in range(g - 1))), logits, row_keys, step, params, k)
+    return out.num_accepted, out.tokens, t_cache, state._replace(cache=cache), hidden
+
+
+def eagle_commit(
+    head: JaxHead, h_weights: dict[str, jax.Array], state: EagleState, hidden: jax.Array, tokens: jax.Array, e: Any
+) -> EagleState:
+    """The head over a step's committed pairs ``(z_j, E tokens[j])``, j < ``e[b]`` (i[B], the emitted
+    counts), at each row's next pair numbers (over its drafted pairs); each row's feature becomes the
+    head's output at its last one (rows that emitted nothing keep theirs)."""
+    feats, embeds = head.fuse(h_weights, hidden), head.embed(h_weights, jnp.maximum(tokens, 0))
+    out, cache = head.forward(h_weights, state.cache, feats, embeds, state.pairs)
+    picked = jnp.take_along_axis(out, jnp.maximum(e - 1, 0)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+    emitted = e > 0
+    return EagleState(
+        cache, jnp.where(emitted[:, None], picked, state.feature), state.pairs + e, state.has_feature | emitted
+    )
+
+
+def emitted_lengths(xp: Any, tokens: Any, n: Any, active: Any, count: Any, max_new: Any, eos: Any) -> tuple[Any, Any]:
+    """What each row emits from a verification: the rule of both loops (``xp``: numpy on the host, jax.numpy
+    in the device-resident loop).
+
+    Row b's step gave ``tokens[b, : n[b] + 1]`` (accepted draft tokens, then the emitted one); it keeps them
+    up to and including the first EOS, and no more than ``max_new - count[b]``.
+
+    Args:
+      tokens: i[B, G+1]; n: i[B]; active: bool[B] (rows still generating this step); count: i[B], the
+        tokens each row has; max_new: ``max_new_tokens`` (an int, or i32[]); eos: i[E], the EOS ids (E may be 0).
+
+    Returns:
+      ``(e i[B], ends bool[B])``: tokens emitted (0 for inactive rows), and the rows this step ends (EOS
+      among the row's tokens, or ``max_new`` reached).
+    """
+    j = xp.arange(tokens.shape[1])[None, :]
+    hit = (tokens[:, :, None] == eos[None, None, :]).any(axis=-1) & (j <= n[:, None])
+    has_eos = hit.any(axis=1)
+    upto = xp.where(has_eos, xp.argmax(hit, axis=1) + 1, n + 1)
+    e = xp.where(active, xp.minimum(upto, max_new - count), 0)
+    return e, active & (has_eos | (count + e >= max_new))
+
+
+def next_positions(xp: Any, tokens: Any, n: Any, active: Any, prev: Any, last: Any, start: Any) -> tuple[Any, ...]:
+    """Each active row's ``(prev, last, start)`` (i[B] each) after its step (``tokens`` i[B, G+1], ``n`` i[B]):
+    its last two committed tokens and the position of the last (all ``n + 1`` tokens count, those past an
+    EOS too: a finished row is never read again); inactive rows keep theirs."""
+    at = lambda i: xp.take_along_axis(tokens, i[:, None], axis=1)[:, 0]  # noqa: E731
+    new_prev = xp.where(n > 0, at(xp.maximum(n - 1, 0)), last)
+    return (
+        xp.where(active, new_prev, prev).astype(prev.dtype),
+        xp.where(active, at(n), last).astype(last.dtype),
+        xp.where(active, start + n + 1, start).astype(start.dtype),
+    )
+
+
+class Resident(NamedTuple):
+    """The device-resident loop's carry (:func:`resident_steps`); M = ``max_new_tokens``.
+
+    Attributes:
+      t_cache: the target's cache; draft: the drafter's state (the draft model's cache; for the eagle
+        head, :data:`EagleState`).
+      prev, last, start: i32[B], as :func:`draft_and_verify` takes them.
+      length: i32[B], tokens each row has emitted; done: bool[B], rows that ended (EOS or M tokens).
+      out: i32[B, M'], each row's tokens (``out[b, :length[b]]``; the rest is not read), M' >= M rounded up
+        to a block of positions.
+      rec_n, rec_k, rec_e: i32[M', B], per step s (a call runs at most M steps: every active row emits at
+        least one token a step): the accepted, tested and emitted counts of each row (all 0 for a row
+        inactive at that step).
+      step: i32[], the next step's number (the keys' step).
+    """
+
+    t_cache: KVCache
+    draft: Any
+    prev: jax.Array
+    last: jax.Array
+    start: jax.Array
+    length: jax.Array
+    done: jax.Array
+    out: jax.Array
+    rec_n: jax.Array
+    rec_k: jax.Array
+    rec_e: jax.Array
+    step: jax.Array
+
+
+# Recompiles when a model, B, G, E, the cache's length, M' (M in blocks) or params' static fields change;
+# never per chunk (``limit`` is an argument) nor per max_new_tokens within a block.
+@functools.partial(jax.jit, static_argnames=("target", "draft", "g", "vocab"), donate_argnames=("state",))
+def resident_steps(
+    target: JaxModel,
+    draft: JaxModel | JaxHead,
+    t_weights: dict[str, jax.Array],
+    d_weights: dict[str, jax.Array],
+    state: Resident,
+    row_keys: jax.Array,
+    params: SamplingParams,
+    eos: jax.Array,
+    max_new: jax.Array,
+    limit: jax.Array,
+    *,
+    g: int,
+    vocab: int,
+) -> Resident:
+    """The ``model`` drafter's steps in one program: a ``lax.while_loop`` of :func:`draft_and_verify` with
+    the host's bookkeeping (:func:`emitted_lengths`, :func:`next_positions`) on the device.
+
+    Runs steps ``state.step ..`` until every row is done or the step number reaches ``limit`` (i32[]);
+    ``max_new`` (i32[]): ``max_new_tokens``, an argument (the buffers are sized in blocks: nearby values
+    share a compilation).
+    Each step is exactly the per-step path's (the same program, keys, draft lengths and rules), so the
+    outputs and stats are identical to it. ``eos``: i32[E]. Returns the carry after the last step.
+
+    ``draft``: the draft model (:func:`draft_and_verify`) or the eagle head (:func:`eagle_and_verify`, then
+    :func:`eagle_commit` of the emitted pairs). A drafter that needs the host between steps (a lookup,
+    processors) cannot run here.
+    """
+    width = state.out.shape[1]
+
+    def go_on(s: Resident) -> jax.Array:
+        return (s.step < limit) & ~jnp.all(s.done)
+
+    def one(s: Resident) -> Resident:
+        active = ~s.done
+        k = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
+        if isinstance(draft, JaxHead):
+            k = jnp.where(s.draft.has_feature, k, 0)  # a row drafts once the head has a feature (a pair)
+            n, tokens, t_cache, d_state, hidden = eagle_and_verify(
+                target, draft, t_weights, d_weights, s.t_cache, s.draft, s.last, s.start, row_keys, s.step, params,
+                k, g=g, vocab=vocab,
+            )  # fmt: skip
+        else:
+            n, tokens, t_cache, d_state = draft_and_verify(
+                target, draft, t_weights, d_weights, s.t_cache, s.draft, s.prev, s.last, s.start, row_keys,
+                s.step, params, k, None, None, g=g, vocab=vocab,
+            )  # fmt: skip
+        e, ends = emitted_lengths(jnp, tokens, n, active, s.length, max_new, eos)
+        if isinstance(draft, JaxHead):
+            d_state = eagle_commit(draft, d_weights, d_state, hidden, tokens, e)
+        j = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        slot = jnp.where(j < e[:, None], s.length[:, None] + j, width)  # past the buffer: dropped
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        prev, last, start = next_positions(jnp, tokens, n, active, s.prev, s.last, s.start)
+        return Resident(
+            t_cache, d_state, prev, last, start,
+            length=(s.length + e).astype(jnp.int32),
+            done=s.done | ends,
+            out=s.out.at[rows, slot].set(tokens, mode="drop"),
+            rec_n=s.rec_n.at[s.step].set(jnp.where(active, n, 0)),
+            rec_k=s.rec_k.at[s.step].set(k),
+            rec_e=s.rec_e.at[s.step].set(e.astype(jnp.int32)),
+            step=s.step + 1,
+        )  # fmt: skip
+
+    return lax.while_loop(go_on, one, state)
+
+
+def _check_resident(out: np.ndarray, count: np.ndarray, rec_n: np.ndarray, rec_k: np.ndarray, vocab: int) -> None:
+    """Raise :class:`~specjax.generate.checks.PluginOutputError` unless the device-resident loop's counts are
+    in range (0 <= n <= k per step and row) and its tokens are ids in [0, V)."""
+    bad = np.argwhere((rec_n < 0) | (rec_n > rec_k))
+    if bad.size:
+        s, b = (int(v) for v in bad[0])
+        raise checks.PluginOutputError(
+            f"the device-resident loop returned num_accepted = {int(rec_n[s, b])} for row {b} at step {s}, "
+            f"expected a value in [0, {int(rec_k[s, b])}]"
+        )
+    held = np.arange(out.shape[1])[None, :] < count[:, None]
+    wrong = np.argwhere(held & ((out < 0) | (out >= vocab)))
+    if wrong.size:
+        b, i = (int(v) for v in wrong[0])
+        raise checks.PluginOutputError(
+            f"the device-resident loop returned token {int(out[b, i])} at row {b}, position {i}, expected an id "
+            f"in [0, V) = [0, {vocab})"
+        )
+
+
+#: With ``on_tokens``, the device-resident loop returns to the host every this many steps, so that the
+#: callback streams (each step's tokens, in order, when its chunk is back).
+STREAM_STEPS = 8
+
+_PER_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("specjax_jax_per_step", default=False)
+
+
+@contextlib.contextmanager
+def per_step_loop() -> Iterator[None]:
+    """Within it, the JAX path runs the ``model`` drafter step by step (one program per step, the host
+    reading each step's tokens) instead of the device-resident loop: the same outputs and stats; for
+    comparing the two (scripts/tpu_loop.py) and debugging. The eagle head has no per-step path: it stays
+    device-resident."""
+    token = _PER_STEP.set(True)
+    try:
+        yield
+    finally:
+        _PER_STEP.reset(token)
+
+
 def host_ids(name: str, x: torch.Tensor) -> torch.Tensor:
     """Token ids (or a mask) for the JAX path as a host tensor: a CPU tensor as it is, a torchax tensor read
     to the host (a few integers, once per call)."""
@@ -223,12 +505,12 @@ def _draft_model(drafter: Any) -> Any:
 
 def _check_drafter(drafter: Any) -> None:
     """Raise ``ValueError`` for drafters the JAX path cannot run (their torch code would run eagerly)."""
-    if _draft_model(drafter) is not None:
+    if _draft_model(drafter) is not None or isinstance(drafter, EagleDrafter):
         return
     if getattr(drafter, "needs_target_hidden", False) or isinstance(drafter, HybridDrafter):
         raise ValueError(
-            f"draft: the JAX path (torchax) runs the model drafter, lookup drafters such as 'ngram' and a hybrid "
-            f"of the two, got "
+            f"draft: the JAX path (torchax) runs the model drafter, the eagle head, lookup drafters such as "
+            f"'ngram' and a hybrid of the two, got "
             f"{getattr(drafter, 'name', type(drafter).__name__)!r} (it runs torch code of its own); use one of "
             "those, or run on the CPU path"
         )
@@ -239,7 +521,8 @@ class _JaxRun:
     commit; arguments as :func:`run_jax_loop`'s."""
 
     def __init__(self, target, drafter, input_ids, attention_mask, sampling: SamplingState, config: LoopConfig) -> None:
-        self.drafter, self.sampling, self.eos_ids, self.on_tokens = drafter, sampling, config.eos_ids, config.on_tokens
+        self.drafter, self.sampling, self.on_tokens = drafter, sampling, config.on_tokens
+        self.eos = np.array(sorted(config.eos_ids), np.int32)  # i32[E]
         self.max_new_tokens, self.g, self.vocab = config.max_new_tokens, config.num_draft_tokens, config.target_vocab
         self.contexts = _contexts(input_ids, attention_mask)
         self.batch = len(self.contexts)
@@ -250,14 +533,26 @@ class _JaxRun:
         self.tested, self.passed = np.zeros(self.g, np.int64), np.zeros(self.g, np.int64)
         self.gained = self.row_steps = self.step = 0
         draft_model = _draft_model(drafter)
-        self.fused = draft_model is not None
+        eagle = isinstance(drafter, EagleDrafter)
+        self.fused = draft_model is not None or eagle  # the step program drafts itself
         # the host's proposals: a lookup drafter's, or the hybrid's lookups (its model drafts the other rows)
         self.asked = drafter.ngram if isinstance(drafter, HybridDrafter) else (None if self.fused else drafter)
         positions = _positions(self.contexts, self.max_new_tokens + self.g + 1)
         self.t = jax_model("target", target)
-        self.d = jax_model("draft", draft_model) if self.fused else None
-        self.t_cache, self.start, self.last = _prefilled(self.t, self.contexts, positions)
-        self.d_cache = _prefilled(self.d, self.contexts, positions)[0] if self.d is not None else None
+        self.d: JaxModel | JaxHead | None = jax_model("draft", draft_model) if draft_model is not None else None
+        self.d_weights: dict[str, jax.Array] | None = None
+        self.d_cache: Any = None
+        if eagle:
+            check_head(drafter.head, target, self.vocab)
+            head = jax_head(drafter.head, target, self.vocab)
+            self.d, self.d_weights = head, head.with_scored(scored_ids(drafter, self.contexts, self.vocab))
+            self.t_cache, self.start, self.last, hidden = _prefilled(self.t, self.contexts, positions, head.layers)
+            self.d_cache = _head_prefilled(head, self.d_weights, hidden, self.contexts, positions)
+        else:
+            self.t_cache, self.start, self.last, _ = _prefilled(self.t, self.contexts, positions)
+        if isinstance(self.d, JaxModel):
+            self.d_weights = self.d.weights
+            self.d_cache = _prefilled(self.d, self.contexts, positions)[0]
         self.prev = np.array([c[-2] if len(c) > 1 else 0 for c in self.contexts], np.int32)
         if self.asked is not None:
             contexts = [list(c) for c in self.contexts]
@@ -302,7 +597,7 @@ class _JaxRun:
         step, keys, params = jnp.asarray(self.step, jnp.int32), self.sampling.keys, self.sampling.params
         last, start, k_j = jnp.asarray(self.last), jnp.asarray(self.start), jnp.asarray(k, jnp.int32)
         if self.d is not None:
-            assert self.d_cache is not None
+            assert isinstance(self.d, JaxModel) and self.d_cache is not None
             # the hybrid's lookups and its point-mass rows; None for the model drafter
             forced = (jnp.asarray(x), jnp.asarray(use)) if self.asked is not None else (None, None)
             n, tokens, self.t_cache, self.d_cache = draft_and_verify(
@@ -318,35 +613,78 @@ class _JaxRun:
         return n_h, tokens_h
 
     def commit(self, active: np.ndarray, k: np.ndarray, n: np.ndarray, tokens: np.ndarray) -> None:
-        """Each active row appends its accepted tokens and the emitted one (up to EOS and ``max_new_tokens``)
-        and moves on: its next forward starts right after them, overwriting the rejected drafts' slots."""
-        stats = self.stats
+        """Each active row appends its accepted tokens and the emitted one (up to EOS and ``max_new_tokens``:
+        :func:`emitted_lengths`) and moves on (:func:`next_positions`): its next forward starts right after
+        them, overwriting the rejected drafts' slots."""
+        count = np.array([len(r.generated) for r in self.rows])
+        e, ends = emitted_lengths(np, tokens, n, active, count, self.max_new_tokens, self.eos)
         emitted_rows: list[list[int]] = []
         for b, row in enumerate(self.rows):
-            if not active[b]:
-                emitted_rows.append([])
-                continue
-            n_b = int(n[b])
-            full = tokens[b, : n_b + 1].tolist()
-            stats.draft_tokens_proposed += int(k[b])
-            stats.draft_tokens_accepted += n_b
-            self.tested[: min(n_b + 1, int(k[b]))] += 1
-            self.passed[:n_b] += 1
-            emitted = _emit(row, full, self.eos_ids, self.max_new_tokens)
-            self.contexts[b].extend(emitted)
-            self.gained += len(emitted)
-            self.row_steps += 1
-            if self.on_tokens is not None:
-                self.on_tokens(b, emitted)
+            emitted = tokens[b, : e[b]].tolist() if active[b] else []
+            if active[b]:
+                self.account(b, int(k[b]), int(n[b]), emitted)
+                self.contexts[b].extend(emitted)
+                row.done = bool(ends[b])
             emitted_rows.append(emitted)
-            self.prev[b] = full[-2] if len(full) > 1 else self.last[b]
-            self.last[b] = full[-1]
-            self.start[b] += len(full)
+        self.prev, self.last, self.start = next_positions(np, tokens, n, active, self.prev, self.last, self.start)
         if self.asked is not None:
             self.asked.commit(CommitInfo(emitted_rows, n.astype(np.int64), k, None))
-        stats.steps += 1
-        stats.draft_steps += int(k.max(initial=0) > 0)
+        self.end_step(k)
+
+    def account(self, b: int, k_b: int, n_b: int, emitted: list[int]) -> None:
+        """Row b's step in the stats and its output: ``k_b`` tested, ``n_b`` accepted, ``emitted`` appended
+        (and streamed)."""
+        self.stats.draft_tokens_proposed += k_b
+        self.stats.draft_tokens_accepted += n_b
+        self.tested[: min(n_b + 1, k_b)] += 1
+        self.passed[:n_b] += 1
+        self.rows[b].generated.extend(emitted)
+        self.gained += len(emitted)
+        self.row_steps += 1
+        if self.on_tokens is not None:
+            self.on_tokens(b, emitted)
+
+    def end_step(self, k: np.ndarray) -> None:
+        """The step's count in the stats (``k``: i[B], each row's tested draft tokens, 0 for idle rows)."""
+        self.stats.steps += 1
+        self.stats.draft_steps += int(k.max(initial=0) > 0)
         self.step += 1
+
+    def resident_state(self) -> Resident:
+        """The call's state as the device-resident loop's carry (:func:`resident_steps`), before step 0."""
+        m, b = _blocks(self.max_new_tokens), self.batch
+        assert self.d_cache is not None
+        return Resident(
+            t_cache=self.t_cache, draft=self.d_cache, prev=jnp.asarray(self.prev), last=jnp.asarray(self.last),
+            start=jnp.asarray(self.start), length=jnp.zeros(b, jnp.int32), done=jnp.zeros(b, bool),
+            out=jnp.zeros((b, m), jnp.int32), rec_n=jnp.zeros((m, b), jnp.int32), rec_k=jnp.zeros((m, b), jnp.int32),
+            rec_e=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32),
+        )  # fmt: skip
+
+    def run_resident(self, state: Resident, limit: int) -> Resident:
+        """Steps on the device until every row is done or step ``limit`` (one program, no host read inside);
+        then the host reads the int32 tokens and per-step counts and replays each step's bookkeeping (stats,
+        ``on_tokens``), exactly as :meth:`commit` would have done it."""
+        assert self.d is not None and self.d_weights is not None
+        state = resident_steps(
+            self.t, self.d, self.t.weights, self.d_weights, state, self.sampling.keys, self.sampling.params,
+            jnp.asarray(self.eos, jnp.int32), jnp.asarray(self.max_new_tokens, jnp.int32),
+            jnp.asarray(limit, jnp.int32), g=self.g, vocab=self.vocab,
+        )  # fmt: skip
+        out, count, done, rec_n, rec_k, rec_e, step = (
+            np.asarray(a) for a in jax.device_get((state.out, state.length, state.done, *state[-4:]))
+        )
+        _check_resident(out, count, rec_n, rec_k, self.vocab)
+        offset = np.array([len(r.generated) for r in self.rows])
+        for s in range(self.step, int(step)):
+            for b in (int(i) for i in np.nonzero(rec_e[s] > 0)[0]):  # the step's active rows (each emits)
+                emitted = out[b, offset[b] : offset[b] + rec_e[s, b]].tolist()
+                offset[b] += rec_e[s, b]
+                self.account(b, int(rec_k[s, b]), int(rec_n[s, b]), emitted)
+            self.end_step(rec_k[s])
+        for b, row in enumerate(self.rows):
+            row.done = bool(done[b])
+        return state
 
 
 def run_jax_loop(
@@ -364,6 +702,8 @@ def run_jax_loop(
     ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded. Of ``config`` this
     path reads G, ``max_new_tokens``, the EOS and pad ids, V and ``on_tokens``: it drafts G every step
     (``adaptive`` has no effect), and :func:`check_jax_call` has refused the settings it does not run.
+    The model drafter's steps run device-resident (:func:`resident_steps`) unless :func:`per_step_loop`
+    is active; other drafters step by step.
     """
     from specjax.adapters import count_copies
 
@@ -371,6 +711,12 @@ def run_jax_loop(
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
     with count_copies() as copies, measure_compiles() as compiles:
         run = _JaxRun(target, drafter, input_ids, attention_mask, sampling, config)
+        # nothing needs the host between steps (the eagle head runs device-resident only)
+        if run.fused and run.asked is None and (isinstance(run.d, JaxHead) or not _PER_STEP.get()):
+            state = run.resident_state()
+            chunk = config.max_new_tokens if config.on_tokens is None else STREAM_STEPS
+            while run.active():
+                state = run.run_resident(state, run.step + chunk)
         while run.active():
             active, caps = run.plan()  # 1.
             x, k, use = run.propose(active, caps)  # 2. (host lookups; the draft model runs in 3.)
@@ -396,21 +742,69 @@ def _contexts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[lis
 
 def _positions(contexts: list[list[int]], more: int) -> int:
     """The cache's positions: the longest prompt plus ``more``, rounded up to a block."""
-    return -(-(max(len(c) for c in contexts) + more) // _POSITION_BLOCK) * _POSITION_BLOCK
+    return _blocks(max(len(c) for c in contexts) + more)
 
 
-def _prefilled(model: JaxModel, contexts: list[list[int]], positions: int) -> tuple[KVCache, np.ndarray, np.ndarray]:
-    """A cache holding every prompt but its last token, the last token's position i32[B] and the token i32[B]."""
+def _blocks(n: int) -> int:
+    """``n`` rounded up to a whole number of position blocks (nearby sizes share a compilation)."""
+    return -(-n // _POSITION_BLOCK) * _POSITION_BLOCK
+
+
+def _prefilled(
+    model: JaxModel, contexts: list[list[int]], positions: int, layers: tuple[int, ...] | None = None
+) -> tuple[KVCache, np.ndarray, np.ndarray, jax.Array | None]:
+    """A cache holding every prompt but its last token, the last token's position i32[B] and the token i32[B];
+    with ``layers``, the hidden states of that forward (f[B, P'-1, k·d], row b's first ``len - 1`` real;
+    None when every prompt is one token)."""
     batch = len(contexts)
     cache = model.init_cache(batch, positions)
     width = max(len(c) for c in contexts) - 1  # the last token is scored by the first step
+    hidden = None
     if width > 0:
         pre = np.zeros((batch, width), np.int32)  # filler past a shorter row's prompt: overwritten, never seen
         for b, c in enumerate(contexts):
             pre[b, : len(c) - 1] = c[:-1]
-        cache = prefill(model, model.weights, cache, jnp.asarray(pre))
+        if layers is None:
+            cache = prefill(model, model.weights, cache, jnp.asarray(pre))
+        else:
+            cache, hidden = _prefill_hidden(model, model.weights, cache, jnp.asarray(pre), layers=layers)
     start = np.array([len(c) - 1 for c in contexts], np.int32)
-    return cache, start, np.array([c[-1] for c in contexts], np.int32)
+    return cache, start, np.array([c[-1] for c in contexts], np.int32), hidden
+
+
+@functools.partial(jax.jit, static_argnames=("model", "layers"), donate_argnames=("cache",))
+def _prefill_hidden(model: JaxModel, weights, cache: KVCache, tokens: jax.Array, *, layers: tuple[int, ...]):
+    """:func:`prefill`, and the hidden states ``layers`` of every token (f[B, P', k·d])."""
+    _, cache, hidden = model.forward_hidden(weights, cache, tokens, jnp.zeros(tokens.shape[0], jnp.int32), 1, layers)
+    return cache, hidden
+
+
+@functools.partial(jax.jit, static_argnames=("head",))
+def _head_over_prompts(head: JaxHead, weights, cache, hidden: jax.Array, tokens: jax.Array):
+    out, cache = head.forward(weights, cache, head.fuse(weights, hidden), head.embed(weights, tokens),
+                              jnp.zeros(tokens.shape[0], jnp.int32))  # fmt: skip
+    return out, cache
+
+
+def _head_prefilled(
+    head: JaxHead, weights: dict[str, jax.Array], hidden: jax.Array | None, contexts: list[list[int]], positions: int
+) -> EagleState:
+    """The head's state after the prompts' pairs ``(z_t, E x_{t+1})``, t < len - 1 (the CPU drafter's
+    prompt pairs; none for a one-token prompt)."""
+    batch, d = len(contexts), head.config.hidden_size
+    cache = head.init_cache(batch, positions)
+    pairs = np.array([len(c) - 1 for c in contexts], np.int32)
+    feature = jnp.zeros((batch, d), head.weights["fc.weight"].dtype)
+    if hidden is not None:
+        nxt = np.zeros((batch, hidden.shape[1]), np.int32)
+        for b, c in enumerate(contexts):
+            nxt[b, : len(c) - 1] = c[1:]
+        out, cache = _head_over_prompts(head, weights, cache, hidden, jnp.asarray(nxt))
+        at = jnp.asarray(np.maximum(pairs - 1, 0))
+        feature = jnp.take_along_axis(out, at[:, None, None], axis=1)[:, 0]
+    # no row drafts in the first step: a plain step, as on the CPU path (whose forward over the prompts
+    # scores it), so that the same keys meet the same distributions there and here
+    return EagleState(cache, feature, jnp.asarray(pairs), jnp.zeros(batch, bool))
 
 
 # Recompiles when the target, B or the cache's length change.
@@ -438,24 +832,10 @@ def greedy_decode(
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     contexts = _contexts(input_ids, mask)
     t = jax_model("target", target)
-    cache, start_h, last_h = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
+    cache, start_h, last_h, _ = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
     last, start, out = jnp.asarray(last_h), jnp.asarray(start_h), []
     for _ in range(max_new_tokens):
         last, cache = _greedy_step(t, t.weights, cache, last, start)
         start = start + 1
         out.append(last)
     return np.asarray(jax.device_get(jnp.stack(out, axis=1))).astype(np.int64)
-
-
-def _emit(row: _Row, tokens: list[int], eos_ids: frozenset[int], max_new_tokens: int) -> list[int]:
-    """Append a step's tokens to ``row`` up to its first EOS and ``max_new_tokens``; returns those appended."""
-    for i, token in enumerate(tokens):
-        if token in eos_ids:
-            tokens = tokens[: i + 1]
-            row.done = True
-            break
-    tokens = tokens[: max_new_tokens - len(row.generated)]
-    row.generated.extend(tokens)
-    if len(row.generated) >= max_new_tokens:
-        row.done = True
-    return tokens

@@ -127,6 +127,41 @@ class JaxModel:
         Returns:
           ``(logits f[B, K, V], cache)`` with K = ``keep`` or W, the cache holding the W new tokens.
         """
+        logits, cache, _ = self._run(weights, cache, tokens, start, keep, None)
+        return logits, cache
+
+    def forward_hidden(
+        self,
+        weights: dict[str, jax.Array],
+        cache: KVCache,
+        tokens: jax.Array,
+        start: jax.Array,
+        keep: int | None,
+        layers: tuple[int, ...],
+    ) -> tuple[jax.Array, KVCache, jax.Array]:
+        """:meth:`forward`, and the hidden states a drafter reads from the same forward (an EAGLE head).
+
+        Args:
+          layers: indices into the model's ``output_hidden_states`` (``num_hidden_layers + 1`` entries;
+            -1: the final normed state), as the CPU path's ``SlotCache.forward(hidden=...)`` takes them.
+
+        Returns:
+          ``(logits f[B, K, V], cache, hidden f[B, W, len(layers)·d])``: the states of every one of the
+          W tokens (whatever ``keep``), concatenated on the last axis in the order of ``layers``.
+        """
+        logits, cache, hidden = self._run(weights, cache, tokens, start, keep, layers)
+        assert hidden is not None
+        return logits, cache, hidden
+
+    def _run(
+        self,
+        weights: dict[str, jax.Array],
+        cache: KVCache,
+        tokens: jax.Array,
+        start: jax.Array,
+        keep: int | None,
+        layers: tuple[int, ...] | None,
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
         import torchax
         from torchax.interop import jax_view, torch_view
         from transformers.cache_utils import Cache
@@ -142,9 +177,11 @@ class JaxModel:
         kwargs: dict[str, Any] = {"use_cache": True}
         if keep is not None:
             kwargs["logits_to_keep"] = keep
+        if layers is not None:
+            kwargs["output_hidden_states"] = True
         with torchax.default_env():
             slot_t = torch_view(slots)
-            layers = [self._layer_class(torch_view(k), torch_view(v), slot_t) for k, v in cache]
+            cache_layers = [self._layer_class(torch_view(k), torch_view(v), slot_t) for k, v in cache]
             out = torch.func.functional_call(
                 self.module,
                 torch_view(weights),
@@ -153,13 +190,14 @@ class JaxModel:
                     "input_ids": torch_view(ids),
                     "position_ids": torch_view(slots - 1),
                     "attention_mask": torch_view(mask),
-                    cache_argument(self.module): Cache(layers=layers),
+                    cache_argument(self.module): Cache(layers=cache_layers),
                     **kwargs,
                 },
             )
             logits = jax_view(out.logits)
-            new_cache = tuple((jax_view(layer.keys), jax_view(layer.values)) for layer in layers)
-        return logits, new_cache
+            new_cache = tuple((jax_view(layer.keys), jax_view(layer.values)) for layer in cache_layers)
+            hidden = None if layers is None else jnp.concatenate([jax_view(out.hidden_states[i]) for i in layers], -1)
+        return logits, new_cache, hidden
 
 
 def _row_layer_class() -> Any:
