@@ -303,3 +303,52 @@ def test_verify_with_the_tpu_cutoff_gives_the_same_tokens(dtype, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     assert 0 < int(np.asarray(want.num_accepted).sum()) < b * g
+
+
+GREEDY_CASES = ["draft-logits", "point-masses", "mixed-point-mass-rows", "top-k-top-p", "nan-rows", "ragged", "g0"]
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES)
+def test_an_all_greedy_batch_off_cpu_gives_the_cpu_tokens(case, monkeypatch):
+    """Off CPU an all-greedy batch takes one argmax over the target's rows (verify_core's
+    ``greedy_batch``); traced on the CPU, it gives the CPU path's counts and tokens."""
+    from specjax.kernels.types import SamplingParams
+
+    rng = np.random.default_rng(GREEDY_CASES.index(case))
+    b, g, v = 8, 0 if case == "g0" else 4, 640
+    t = jnp.asarray(rng.normal(size=(b, g + 1, v)) * 3, jnp.float32)
+    d = jnp.asarray(np.asarray(t)[:, :g] + rng.normal(size=(b, g, v)), jnp.float32)
+    # half the draft tokens are the target's argmax, so rows accept 0 .. g tokens
+    am = np.argmax(np.asarray(t)[:, :g], -1)
+    x = np.where(rng.random((b, g)) < 0.7, am, rng.integers(0, v, (b, g)))
+    x = jnp.asarray(x, jnp.int32)
+    filtered = case == "top-k-top-p"
+    params = SamplingParams(
+        jnp.zeros((b,), jnp.float32),
+        jnp.full((b,), 5, jnp.int32) if filtered else None,
+        jnp.full((b,), 0.1, jnp.float32) if filtered else None,
+        filtered,
+        filtered,
+        "xla",
+    )
+    if case == "nan-rows":
+        d = d.at[0].set(jnp.nan).at[1, 0, 7].set(jnp.nan)
+        t = t.at[2, 1].set(jnp.nan).at[3, :, 9].set(jnp.inf)
+    k = jnp.asarray(rng.integers(0, g + 1, b) if case == "ragged" else np.full(b, g), jnp.int32)
+    u = jnp.asarray(rng.random((b, g)), jnp.float32)
+    s = jnp.asarray(rng.random(b), jnp.float32)
+    draft = None if case == "point-masses" else d
+    pm = jnp.asarray(rng.random(b) < 0.5) if case == "mixed-point-mass-rows" else None
+
+    def verify(*a):
+        return frontend.verify_core(*a, point_mass_rows=pm)
+
+    want = jax.jit(verify)(x, draft, t, u, s, params, k)
+    monkeypatch.setattr(core.lax, "platform_dependent", _tpu_branch)
+    monkeypatch.setattr(tpu_pallas, "rows_at", partial(tpu_pallas.rows_at, interpret=True))
+    monkeypatch.setattr(core, "cutoff_by_lanes", partial(core.cutoff_by_lanes, interpret=True))
+    got = jax.jit(lambda *a: verify(*a))(x, draft, t, u, s, params, k)  # a new function: traced again
+    np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    if g:
+        assert 0 < int(np.asarray(want.num_accepted).sum()) < int(np.asarray(k).sum())

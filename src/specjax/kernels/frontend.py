@@ -432,21 +432,39 @@ def verify_core(
         )
         return AcceptanceResult(n, assemble_tokens(x, n, y, None if axis_name else vocab_local))
 
+    def greedy_batch() -> AcceptanceResult:
+        # Every row greedy: p_i is the point mass at argmax p_i whatever the filters, and
+        # q_i(x_i) is 0 or 1 (a greedy draft row's point mass, or the drafter's), never
+        # NaN; so test i passes iff x_i = argmax p_i, and the token after the accepted
+        # prefix is argmax p_n. One argmax over the target's G+1 rows decides the step;
+        # the draft logits are not read. The same rule as :func:`num_accepted_from_ratios`.
+        am = row_stats(target_logits, temperature[row]).argmax
+        p_x = (x == am[:, :g]).astype(jnp.float32)
+        n = num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms, draft_lengths)
+        return AcceptanceResult(n, assemble_tokens(x, n, jnp.take_along_axis(am, n[:, None], axis=1)[:, 0]))
+
     if not axis_name:
         if point_masses or point_mass_rows is not None:
             # One pass summarises the target's G+1 rows (and the draft's, for rows
             # with logits); the draw then reads row n only. No C++ fast path: the
             # target's forward dwarfs this step, and the JAX code is the contract.
-            return all_rows()
-        if top_k is not None or one_minus_top_p is not None:
+            jax_path = all_rows
+        elif top_k is not None or one_minus_top_p is not None:
             # Every row needs its cutoff (a top-k or a full pass anyway), and one
             # call over all rows is cheaper than one per position.
             jax_path = all_rows
         else:  # summarise positions only as far as needed
             jax_path = lazily_one_device
-        if cpu_kernels.require(params.impl):
-            return lax.platform_dependent(cpu=fused_cpu, default=jax_path)
-        return jax_path()
+
+        def off_cpu() -> AcceptanceResult:
+            # On an accelerator the per-position passes read strided slices of the
+            # (B, G+1, V) tiles (several reads of the input); an all-greedy batch needs
+            # one argmax (docs/tpu.md). XLA:CPU keeps its programs.
+            return lax.cond(jnp.all(temperature <= 0), greedy_batch, jax_path)
+
+        if cpu_kernels.require(params.impl) and not (point_masses or point_mass_rows is not None):
+            return lax.platform_dependent(cpu=fused_cpu, default=off_cpu)
+        return lax.platform_dependent(cpu=jax_path, default=off_cpu)
 
     # On a mesh: the same composition with the vocabulary axis (no C++, no lazy pass).
     return all_rows()
