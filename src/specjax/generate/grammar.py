@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,11 +190,24 @@ class GrammarRows:
         allows them, and only them, once the output is complete.
       vocab: V, the width of the logits the masks apply to.
       name: the argument the grammar came from, for messages (``json_schema`` or ``regex``).
+      encode: None, or the tokenizer's ``text -> ids`` (no special tokens), to tokenise the strings the
+        grammar forces (:meth:`forced_extension`).
     """
 
-    def __init__(self, compiled: Any, batch: int, stop_ids: list[int], vocab: int, name: str = "grammar") -> None:
+    def __init__(
+        self,
+        compiled: Any,
+        batch: int,
+        stop_ids: list[int],
+        vocab: int,
+        name: str = "grammar",
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:
         self.vocab, self.name, self.compiled, self.stop_ids = vocab, name, compiled, list(stop_ids)
         self.words = (vocab + 31) // 32
+        self.encode = encode
+        self._encoded: dict[str, list[int]] = {}
+        self._mask1 = np.zeros((1, self.words), np.int32)
         self.start(batch, 0)
 
     def start(self, batch: int, prompt_length: int) -> None:
@@ -225,6 +239,79 @@ class GrammarRows:
             self._follow(rows[j], gen, tokens[j, : out[j]].tolist(), len(gen))
             out[j] = max(len(self.fed[rows[j]]) - len(gen), 0)
         return out
+
+    def forced_extension(
+        self, tokens: np.ndarray, k: np.ndarray, rows: np.ndarray, room: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Each row of ``rows`` (bool[B']) with its proposal followed by the tokens the grammar forces after it.
+
+        ``tokens``: i64[B', g] host array, row j's first ``k[j]`` (i64[B']) used
+        and valid under the grammar (:meth:`valid_prefix`); ``room``: i64[B'],
+        the most tokens row j may gain. Returns ``(tokens', k')``: i64[B', g']
+        and i64[B'], row j's ``k'[j] - k[j]`` new tokens after its ``k[j]``
+        (:meth:`_forced`). Rows that the grammar ended (or whose proposal it
+        refuses) gain nothing.
+        """
+        steps, generated = self._step
+        k = np.asarray(k, np.int64)
+        extra: dict[int, list[int]] = {}
+        for j in np.nonzero(np.asarray(rows) & (np.asarray(room) > 0))[0].tolist():
+            gen = generated[j]
+            if self._follow(steps[j], gen, tokens[j, : k[j]].tolist(), len(gen)):
+                extra[j] = self._forced(steps[j], int(room[j]))
+        k2 = k + np.array([len(extra.get(j, ())) for j in range(len(k))], np.int64)
+        out = np.zeros((len(k), int(k2.max(initial=0))), np.int64)
+        width = min(tokens.shape[1], out.shape[1])
+        out[:, :width] = tokens[:, :width]
+        for j, more in extra.items():
+            out[j, k[j] : k2[j]] = more
+        return out, k2
+
+    def _forced(self, row: int, room: int) -> list[int]:
+        """Up to ``room`` tokens that row ``row``'s grammar forces from its matcher's state, fed to the matcher.
+
+        The grammar's forced continuation (xgrammar's jump-forward string:
+        keys, ``": "``, closing brackets) tokenised as the tokenizer encodes it
+        (``encode``; without one, xgrammar's own longest-match tokens), each
+        checked by the matcher; where nothing is forced but the mask allows one
+        token (EOS once the output is complete), that token. Any tokenisation
+        is exact as a point-mass proposal; the tokenizer's is the one a model
+        trained on it tends to choose.
+        """
+        m, fed, out = self.matchers[row], self.fed[row], list[int]()
+        while len(out) < room and not m.is_terminated():
+            text = m.find_jump_forward_string()
+            cand = self._encode(text) if text and self.encode is not None else m.find_jump_forward_tokens()
+            if not cand:
+                cand = self._only_token(m)
+            taken = 0
+            for t in cand[: room - len(out)]:
+                if not m.accept_token(t):
+                    break
+                fed.append(t)
+                out.append(t)
+                taken += 1
+            if taken < len(cand) or not taken:  # refused, out of room, or nothing forced
+                break
+        return out
+
+    def _encode(self, text: str) -> list[int]:
+        """The tokenizer's ids for ``text`` (cached: a schema's forced strings recur)."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            assert self.encode is not None
+            ids = self._encoded[text] = [int(t) for t in self.encode(text)]
+        return ids
+
+    def _only_token(self, m: Any) -> list[int]:
+        """``[t]`` when ``m``'s mask allows the one token t, else ``[]``."""
+        m.fill_next_token_bitmask(self._mask1, 0)
+        words = np.flatnonzero(self._mask1[0])
+        if words.size != 1:
+            return []
+        w = int(self._mask1[0, words[0]]) & 0xFFFFFFFF
+        t = int(words[0]) * 32 + w.bit_length() - 1
+        return [t] if w & (w - 1) == 0 and t < self.vocab else []
 
     def mask_logits(self, logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
         """``logits`` (f[..., V'], torch) with ``-inf`` where ``masks`` (i32[..., ceil(V/32)]) refuse a token.

@@ -144,6 +144,11 @@ class SpeculativeStats:
       processor_time_s: the part of draft and loop time spent in the logits
         processors (``logits_processor`` and the options built into processors;
         0 without them).
+      forced_tokens_proposed / forced_tokens_accepted: the part of
+        ``draft_tokens_proposed`` / ``draft_tokens_accepted`` that the grammar
+        forced (``json_schema`` / ``regex``: keys, punctuation, EOS after a
+        complete output), proposed after the drafter's tokens at no draft cost
+        (:meth:`specjax.generate.grammar.GrammarRows.forced_extension`).
     """
 
     steps: int = 0
@@ -167,6 +172,8 @@ class SpeculativeStats:
     target_time_s: float = 0.0
     loop_time_s: float = 0.0
     processor_time_s: float = 0.0
+    forced_tokens_proposed: int = 0
+    forced_tokens_accepted: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -438,10 +445,15 @@ class _Run:
             ),
             caps,
         )
+        own = k
+        if self.grammar is not None and self.first_scored is None:
+            proposal, k = self.grammar_extend(proposal, k, caps, active)
+            confidence = proposal.confidence if self.use_confidence else None
         g = int(k.max(initial=0))
         self.stats.draft_steps += int(g > 0)
         width = self.schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
-        return draft_batch(proposal, k, width, self.last, self.device, confidence), draft_s
+        batch = draft_batch(proposal, k, width, self.last, self.device, confidence)
+        return dataclasses.replace(batch, own=own), draft_s
 
     def grammar_cut(self, proposal: Proposal) -> Proposal:
         """The proposal with its point-mass rows cut at their first grammar-refused token (see
@@ -458,6 +470,46 @@ class _Run:
             return proposal
         cut = self.grammar.valid_prefix(to_host(proposal.tokens), k, point)
         return dataclasses.replace(proposal, num_tokens=cut)
+
+    def grammar_extend(
+        self, proposal: Proposal, k: np.ndarray, caps: np.ndarray, active: np.ndarray
+    ) -> tuple[Proposal, np.ndarray]:
+        """The proposal with the tokens the grammar forces appended to its point-mass rows' tested tokens
+        (:meth:`GrammarRows.forced_extension`), up to each row's cap, and the new counts (i64[B']).
+
+        Rows verified as point masses (every row of a greedy call or of a proposal without draft
+        logits; rows marked ``point_mass_rows``) and rows that test nothing are extended; a row with
+        tokens drawn from draft logits is not (it draws the forced tokens anyway: its logits are
+        masked too). Exact: a forced token has masked target probability 1 after the prefix it
+        follows, and a point-mass proposal may be any token fixed by that prefix (a row that tests
+        nothing becomes one). Whether a row is extended depends on its tested tokens before the
+        new ones only.
+        """
+        assert self.grammar is not None
+        if self.greedy or proposal.logits is None:
+            point = np.ones(len(k), bool)
+        else:
+            marked = proposal.point_mass_rows
+            point = (np.zeros(len(k), bool) if marked is None else np.asarray(marked, bool)) | (k == 0)
+        rows = point & active & (caps > k)
+        if not rows.any():
+            return proposal, k
+        g = int(k.max(initial=0))
+        host = np.asarray(to_host(proposal.tokens), np.int64)[:, :g] if g else np.zeros((len(k), 0), np.int64)
+        tokens, k2 = self.grammar.forced_extension(host, k, rows, caps - k)
+        if (k2 == k).all():
+            return proposal, k
+        g2, logits, masses, conf = int(k2.max()), proposal.logits, proposal.point_mass_rows, proposal.confidence
+        if logits is not None:
+            masses = (np.zeros(len(k), bool) if masses is None else np.asarray(masses, bool)) | (k2 > k)
+            if masses[k2 > 0].all():  # no row tests a drawn token: every row a point mass
+                logits, masses = None, None
+            elif len(logits) < g2:  # positions only point-mass rows reach: never read
+                logits = tuple(logits) + (logits[-1],) * (g2 - len(logits))
+        if conf is not None and conf.shape[1] < g2:  # the forced tokens have no confidence of the drafter's
+            conf = np.concatenate([conf, np.full((len(k), g2 - conf.shape[1]), np.nan)], axis=1)
+        extended = dataclasses.replace(proposal, tokens=tokens, logits=logits, point_mass_rows=masses, confidence=conf)
+        return extended, k2
 
     # 3. Score -----------------------------------------------------------------------------------
 
@@ -511,9 +563,11 @@ class _Run:
             if row.done:
                 emitted_rows.append([])
                 continue
-            n_j, k_j = int(n[j]), int(batch.k[j])
+            n_j, k_j, own_j = int(n[j]), int(batch.k[j]), int(batch.own_k[j])
             stats.draft_tokens_proposed += k_j
             stats.draft_tokens_accepted += n_j
+            stats.forced_tokens_proposed += k_j - own_j
+            stats.forced_tokens_accepted += max(n_j - own_j, 0)
             self.tested[: min(n_j + 1, k_j)] += 1
             self.passed[:n_j] += 1
             emitted, at = runs[j], stops[j]
@@ -539,8 +593,10 @@ class _Run:
         scored.logits = scored.raw_logits = None  # type: ignore[assignment]  # the torch buffers are free again
         # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
         self.t_cache.invalidate(scored.start_slot, 1 + kept)
-        self.drafter.commit(CommitInfo(emitted_rows, n, batch.k, scored.hidden))
-        self.schedule.record_outcome(batch.k, n, batch.free_rows, batch.confidence)
+        # the drafter and the schedule learn from the drafter's own tokens (the forced ones follow them)
+        own_n = np.minimum(n, batch.own_k)
+        self.drafter.commit(CommitInfo(emitted_rows, own_n, batch.own_k, scored.hidden))
+        self.schedule.record_outcome(batch.own_k, own_n, batch.free_rows, batch.confidence)
         self.step += 1
 
     # 6. Shrink ----------------------------------------------------------------------------------
