@@ -10,7 +10,7 @@ something independent of the loop:
   random outcomes): every mask equals a fresh xgrammar matcher's after that
   position's prefix, and every cut is where a fresh matcher refuses the
   proposal (random drafts, many steps);
-* the tokens the grammar forces, proposed after a row's draft tokens, are a
+* the tokens the grammar forces, merged into a row's draft tokens, are a
   fresh matcher's forced continuation (its jump-forward string, or the one
   token its mask allows), on both tokenisations;
 * greedy output equals ``target.generate`` with xgrammar's own transformers
@@ -276,12 +276,13 @@ def test_masks_cuts_and_rollbacks_equal_fresh_matchers(tok, kind):
 
 @pytest.mark.parametrize("encode", [True, False], ids=["tokenizer", "xgrammar-tokens"])
 @pytest.mark.parametrize("kind", ["json_schema", "regex"])
-def test_forced_extensions_are_what_a_fresh_matcher_forces(kind, encode, tok):
-    """After random valid prefixes and random proposals (cut to their valid part), each row's extension is
-    the grammar's forced continuation: a fresh matcher fed the prefix and the proposal accepts its tokens,
-    each one spelling the start of that matcher's jump-forward string there or being the one token its
-    mask allows; at most ``room`` of them, none for rows not asked. The schema's fixed keys are forced:
-    the extensions are not empty."""
+def test_forced_tokens_merge_as_a_fresh_matcher_forces(kind, encode, tok):
+    """After random valid prefixes, random valid proposals merged with the grammar's forced tokens: a fresh
+    matcher fed the committed tokens accepts each new proposal; where it forces text (its jump-forward
+    string) or allows one token, the proposal's token spells the start of that text or is that token;
+    elsewhere it is the drafter's own; the ``own`` leading tokens are the drafter's and the first token
+    after them (if any) is not; at most ``caps`` tokens; rows not asked keep their proposal. The schema's
+    fixed keys are forced: forced tokens are proposed."""
     import xgrammar as xgr
 
     grammar = compiled(tok, kind)
@@ -295,7 +296,7 @@ def test_forced_extensions_are_what_a_fresh_matcher_forces(kind, encode, tok):
         drafts = []
         for b in range(batch):
             d: list[int] = []
-            for _ in range(int(rng.integers(0, 3))):
+            for _ in range(int(rng.integers(0, 4))):
                 mask = fresh_mask(grammar, committed[b] + d)
                 if mask is None:
                     break
@@ -305,22 +306,28 @@ def test_forced_extensions_are_what_a_fresh_matcher_forces(kind, encode, tok):
         tokens = np.zeros((batch, max(int(k.max()), 1)), np.int64)
         for b, d in enumerate(drafts):
             tokens[b, : len(d)] = d
-        room = rng.integers(0, 8, batch)
+        caps = np.maximum(rng.integers(0, 8, batch), k)
         take = np.array([True, True, False])
         rows.begin_step(list(range(batch)), committed)
-        out, k2 = rows.forced_extension(tokens, k, take, room)
+        out, k2, own = rows.forced_extension(tokens, k, take, caps)
         for b in range(batch):
-            assert out[b, : k[b]].tolist() == drafts[b]
-            more = out[b, k[b] : k2[b]].tolist()
-            assert len(more) <= (room[b] if take[b] else 0)
-            forced_seen += len(more)
-            m = fresh_matcher(grammar, committed[b] + drafts[b])
-            for t in more:  # each token spells the start of what is forced, or is the one token allowed
+            new, o = out[b, : k2[b]].tolist(), int(own[b])
+            if not take[b]:
+                assert (new, o) == (drafts[b], len(drafts[b]))
+                continue
+            assert len(new) <= caps[b] and new[:o] == drafts[b][:o]
+            assert o in (len(new), len(drafts[b])) or new[o] != drafts[b][o]
+            forced_seen += len(new) - o
+            m = fresh_matcher(grammar, committed[b])
+            for i, t in enumerate(new):
                 mask = xgr.allocate_token_bitmask(1, V).numpy()
                 m.fill_next_token_bitmask(mask)
+                forced, only = m.find_jump_forward_string(), allowed_ids(mask[0]).tolist()
                 piece = tok.decode([t])
-                forced = m.find_jump_forward_string()
-                assert (piece and forced.startswith(piece)) or allowed_ids(mask[0]).tolist() == [t], (forced, piece)
+                if forced or len(only) == 1:
+                    assert (piece and forced.startswith(piece)) or only == [t], (forced, piece)
+                else:
+                    assert i < o, "a token the grammar does not force must be the drafter's"
                 assert m.accept_token(t)
         for b in range(batch):  # commit some drafts, then a token the grammar allows
             committed[b] += drafts[b][: int(rng.integers(0, len(drafts[b]) + 1))]

@@ -447,7 +447,7 @@ class _Run:
         )
         own = k
         if self.grammar is not None and self.first_scored is None:
-            proposal, k = self.grammar_extend(proposal, k, caps, active)
+            proposal, k, own = self.grammar_extend(proposal, k, caps, active)
             confidence = proposal.confidence if self.use_confidence else None
         g = int(k.max(initial=0))
         self.stats.draft_steps += int(g > 0)
@@ -473,17 +473,17 @@ class _Run:
 
     def grammar_extend(
         self, proposal: Proposal, k: np.ndarray, caps: np.ndarray, active: np.ndarray
-    ) -> tuple[Proposal, np.ndarray]:
-        """The proposal with the tokens the grammar forces appended to its point-mass rows' tested tokens
-        (:meth:`GrammarRows.forced_extension`), up to each row's cap, and the new counts (i64[B']).
+    ) -> tuple[Proposal, np.ndarray, np.ndarray]:
+        """The proposal with the tokens the grammar forces merged into its point-mass rows
+        (:meth:`GrammarRows.forced_extension`), up to each row's cap: ``(proposal, k, own)``, the new
+        counts and how many of them lead as the drafter proposed them (i64[B'] each).
 
         Rows verified as point masses (every row of a greedy call or of a proposal without draft
-        logits; rows marked ``point_mass_rows``) and rows that test nothing are extended; a row with
+        logits; rows marked ``point_mass_rows``) and rows that test nothing are merged; a row with
         tokens drawn from draft logits is not (it draws the forced tokens anyway: its logits are
-        masked too). Exact: a forced token has masked target probability 1 after the prefix it
-        follows, and a point-mass proposal may be any token fixed by that prefix (a row that tests
-        nothing becomes one). Whether a row is extended depends on its tested tokens before the
-        new ones only.
+        masked too). Exact: a point-mass proposal may be any tokens fixed by the committed prefix
+        (a row that tests nothing becomes one), and a forced token has masked target probability 1
+        where the grammar forces it alone.
         """
         assert self.grammar is not None
         if self.greedy or proposal.logits is None:
@@ -491,25 +491,28 @@ class _Run:
         else:
             marked = proposal.point_mass_rows
             point = (np.zeros(len(k), bool) if marked is None else np.asarray(marked, bool)) | (k == 0)
-        rows = point & active & (caps > k)
+        rows = point & active & (caps > 0)
         if not rows.any():
-            return proposal, k
+            return proposal, k, k
         g = int(k.max(initial=0))
         host = np.asarray(to_host(proposal.tokens), np.int64)[:, :g] if g else np.zeros((len(k), 0), np.int64)
-        tokens, k2 = self.grammar.forced_extension(host, k, rows, caps - k)
-        if (k2 == k).all():
-            return proposal, k
-        g2, logits, masses, conf = int(k2.max()), proposal.logits, proposal.point_mass_rows, proposal.confidence
+        tokens, k2, own = self.grammar.forced_extension(host, k, rows, caps)
+        if ((k2 == k) & (own == k)).all():
+            return proposal, k, k
+        g2, logits, conf = int(k2.max(initial=0)), proposal.logits, proposal.confidence
+        masses = proposal.point_mass_rows
         if logits is not None:
-            masses = (np.zeros(len(k), bool) if masses is None else np.asarray(masses, bool)) | (k2 > k)
+            masses = (np.zeros(len(k), bool) if masses is None else np.asarray(masses, bool)) | (k2 > own)
             if masses[k2 > 0].all():  # no row tests a drawn token: every row a point mass
                 logits, masses = None, None
             elif len(logits) < g2:  # positions only point-mass rows reach: never read
                 logits = tuple(logits) + (logits[-1],) * (g2 - len(logits))
-        if conf is not None and conf.shape[1] < g2:  # the forced tokens have no confidence of the drafter's
-            conf = np.concatenate([conf, np.full((len(k), g2 - conf.shape[1]), np.nan)], axis=1)
+        if conf is not None:  # the drafter's confidence holds for its own tokens only
+            wide = np.full((len(k), max(g2, conf.shape[1])), np.nan)
+            wide[:, : conf.shape[1]] = conf
+            conf = np.where(np.arange(wide.shape[1])[None, :] < own[:, None], wide, np.nan)
         extended = dataclasses.replace(proposal, tokens=tokens, logits=logits, point_mass_rows=masses, confidence=conf)
-        return extended, k2
+        return extended, k2, own
 
     # 3. Score -----------------------------------------------------------------------------------
 
