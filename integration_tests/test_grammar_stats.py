@@ -162,10 +162,10 @@ def test_negative_control_forced_rows_verified_against_draft_logits(pair, tok, m
     real = loop._Run.grammar_extend
 
     def unmarked(self, proposal, k, caps, active):
-        extended, k2 = real(self, proposal, k, caps, active)
+        extended, k2, own = real(self, proposal, k, caps, active)
         if extended.logits is None:
-            return extended, k2
-        return dataclasses.replace(extended, point_mass_rows=proposal.point_mass_rows), k2
+            return extended, k2, own
+        return dataclasses.replace(extended, point_mass_rows=proposal.point_mass_rows), k2, own
 
     monkeypatch.setattr(loop._Run, "grammar_extend", unmarked)
     target, draft = pair
