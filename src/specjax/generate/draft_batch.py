@@ -42,8 +42,9 @@ class DraftBatch:
       free_rows, confidence: the proposal's (:class:`specjax.drafters.Proposal`),
         for the schedule.
       own: None (the drafter proposed all ``k``), or i64[B'] host array: how
-        many of row b's ``k[b]`` tokens are the drafter's; the rest, after
-        them, the grammar forced (:meth:`specjax.generate.grammar.GrammarRows.forced_extension`).
+        many of row b's ``k[b]`` tokens lead as the drafter proposed them; the
+        rest, after them, the grammar forced
+        (:meth:`specjax.generate.grammar.GrammarRows.forced_extension`).
     """
 
     tokens_t: torch.Tensor

@@ -147,7 +147,7 @@ class SpeculativeStats:
       forced_tokens_proposed / forced_tokens_accepted: the part of
         ``draft_tokens_proposed`` / ``draft_tokens_accepted`` that the grammar
         forced (``json_schema`` / ``regex``: keys, punctuation, EOS after a
-        complete output), proposed after the drafter's tokens at no draft cost
+        complete output), merged into point-mass proposals at no draft cost
         (:meth:`specjax.generate.grammar.GrammarRows.forced_extension`).
     """
 
