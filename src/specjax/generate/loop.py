@@ -143,7 +143,7 @@ class SpeculativeStats:
         step beside the two models.
       processor_time_s: the part of draft and loop time spent in the logits
         processors (``logits_processor`` and the options built into processors;
-        0 without them).
+        a grammar's cut and merge of the proposals included; 0 without them).
       forced_tokens_proposed / forced_tokens_accepted: the part of
         ``draft_tokens_proposed`` / ``draft_tokens_accepted`` that the grammar
         forced (``json_schema`` / ``regex``: keys, punctuation, EOS after a
@@ -291,6 +291,7 @@ class _Run:
     ) -> None:
         self.drafter, self.sampling, self.config = drafter, sampling, config
         self.processors, self.grammar = processors, grammar
+        self.grammar_s = 0.0  # the grammar's cut and merge of proposals (its masks are the processors')
         num_draft_tokens = config.num_draft_tokens
         self.device = input_ids.device
         batch, prompt_len = input_ids.shape
@@ -433,7 +434,9 @@ class _Run:
             # (kept once seen: a hybrid drafter's steps where only lookups answer have none)
             self.schedule.confident |= self.use_confidence and proposal.confidence is not None
             if self.grammar is not None:
+                t_cut = time.perf_counter()
                 proposal = self.grammar_cut(proposal)
+                self.grammar_s += time.perf_counter() - t_cut
         else:
             proposal = no_proposal(b_now)
         confidence = proposal.confidence if self.use_confidence else None
@@ -447,7 +450,9 @@ class _Run:
         )
         own = k
         if self.grammar is not None and self.first_scored is None:
+            t_merge = time.perf_counter()
             proposal, k, own = self.grammar_extend(proposal, k, caps, active)
+            self.grammar_s += time.perf_counter() - t_merge
             confidence = proposal.confidence if self.use_confidence else None
         g = int(k.max(initial=0))
         self.stats.draft_steps += int(g > 0)
@@ -709,7 +714,7 @@ def run_loop(
     d_cache = getattr(drafter, "cache", None)
     stats.draft_forwards = d_cache.forwards if isinstance(d_cache, SlotCache) else 0
     stats.adapter_copies = copies.copies
-    stats.processor_time_s = processors.seconds if processors is not None else 0.0
+    stats.processor_time_s = (processors.seconds if processors is not None else 0.0) + run.grammar_s
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained_total, run.row_steps, run.rows, t_start)
     out = _build_output(input_ids, run.rows, config.pad_token_id, stats)
