@@ -10,10 +10,14 @@ something independent of the loop:
   random outcomes): every mask equals a fresh xgrammar matcher's after that
   position's prefix, and every cut is where a fresh matcher refuses the
   proposal (random drafts, many steps);
+* the tokens the grammar forces, merged into a row's draft tokens, are a
+  fresh matcher's forced continuation (its jump-forward string, or the one
+  token its mask allows), on both tokenisations;
 * greedy output equals ``target.generate`` with xgrammar's own transformers
   logits processor (plain constrained decoding), at B = 1 and on a ragged
-  batch, for the ``model``, ``ngram`` and ``hybrid`` drafters, with drafts
-  accepted and rejected (asserted); also after a repetition penalty and a
+  batch, for the ``model``, ``ngram``, ``hybrid`` and ``eagle`` drafters (and
+  a model and a head drafting one token a step), with drafts accepted and
+  rejected and forced tokens proposed where a row has room (asserted); also after a repetition penalty and a
   bad-words ban; point-mass proposals (without draft logits, or rows marked
   ``point_mass_rows`` beside them) are cut at their first refused token;
 * at T = 0.7, every output over many seeds parses under its schema (or matches
@@ -26,6 +30,7 @@ something independent of the loop:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -35,7 +40,8 @@ import pytest
 import torch
 
 import specjax
-from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
+from specjax.drafters import EagleDrafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
+from specjax.drafters.eagle_head import EagleConfig, EagleHead, init_weights
 from specjax.generate.grammar import GrammarRows, compile_grammar, grammar_spec
 from specjax.generate.row_processors import Prefixes
 
@@ -118,11 +124,41 @@ def prompts(tok, kind: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+class FewerTokens:
+    """``inner`` asked for at most ``most`` tokens a step: room for the tokens the grammar forces after them."""
+
+    def __init__(self, inner: Any, most: int) -> None:
+        self.inner, self.most = inner, most
+        self.name = f"{inner.name}-{most}"
+        self.needs_target_hidden = inner.needs_target_hidden
+        self.target_hidden_layers = getattr(inner, "target_hidden_layers", (-1,))
+        self.cost_per_token_hint = inner.cost_per_token_hint
+
+    def start(self, setup) -> None:
+        self.inner.start(setup)
+
+    def propose(self, request):
+        fewer = np.minimum(request.max_tokens, self.most)
+        return self.inner.propose(dataclasses.replace(request, max_tokens=fewer, limit=fewer))
+
+    def commit(self, info) -> None:
+        self.inner.commit(info)
+
+    def select_rows(self, rows) -> None:
+        self.inner.select_rows(rows)
+
+
 def drafter(kind: str, models) -> Any:
+    if kind.endswith("-short"):  # one token a step, G - 1 of room
+        return FewerTokens(drafter(kind.removesuffix("-short"), models), 1)
     if kind == "model":
         return ModelDrafter(models["draft"])
     if kind == "ngram":
         return NgramDrafter(min_n=1)
+    if kind == "eagle":  # an untrained head (its near-identity start: it drafts, often wrongly)
+        head = EagleHead(EagleConfig(models["target"].config.hidden_size, 4, 2, 64, V, 512))
+        init_weights(head, 0)
+        return EagleDrafter(head.eval())
     return HybridDrafter(NgramDrafter(min_n=1), ModelDrafter(models["draft"]))
 
 
@@ -238,6 +274,70 @@ def test_masks_cuts_and_rollbacks_equal_fresh_matchers(tok, kind):
     assert cut_seen and rolled_back  # both paths ran
 
 
+@pytest.mark.parametrize("encode", [True, False], ids=["tokenizer", "xgrammar-tokens"])
+@pytest.mark.parametrize("kind", ["json_schema", "regex"])
+def test_forced_tokens_merge_as_a_fresh_matcher_forces(kind, encode, tok):
+    """After random valid prefixes, random valid proposals merged with the grammar's forced tokens: a fresh
+    matcher fed the committed tokens accepts each new proposal; where it forces text (its jump-forward
+    string) or allows one token, the proposal's token spells the start of that text or is that token;
+    elsewhere it is the drafter's own; the ``own`` leading tokens are the drafter's and the first token
+    after them (if any) is not; at most ``caps`` tokens; rows not asked keep their proposal. The schema's
+    fixed keys are forced: forced tokens are proposed."""
+    import xgrammar as xgr
+
+    grammar = compiled(tok, kind)
+    rng = np.random.default_rng(2)
+    batch = 3
+    rows = GrammarRows(grammar, batch, [EOS], V, encode=(lambda t: tok.encode(t)) if encode else None)
+    rows.start(batch, 0)
+    committed: list[list[int]] = [[] for _ in range(batch)]
+    forced_seen = 0
+    for _ in range(10):
+        drafts = []
+        for b in range(batch):
+            d: list[int] = []
+            for _ in range(int(rng.integers(0, 4))):
+                mask = fresh_mask(grammar, committed[b] + d)
+                if mask is None:
+                    break
+                d.append(int(rng.choice(allowed_ids(mask))))
+            drafts.append(d)
+        k = np.array([len(d) for d in drafts], np.int64)
+        tokens = np.zeros((batch, max(int(k.max()), 1)), np.int64)
+        for b, d in enumerate(drafts):
+            tokens[b, : len(d)] = d
+        caps = np.maximum(rng.integers(0, 8, batch), k)
+        take = np.array([True, True, False])
+        rows.begin_step(list(range(batch)), committed)
+        out, k2, own = rows.forced_extension(tokens, k, take, caps)
+        for b in range(batch):
+            new, o = out[b, : k2[b]].tolist(), int(own[b])
+            if not take[b]:
+                assert (new, o) == (drafts[b], len(drafts[b]))
+                continue
+            assert len(new) <= caps[b] and new[:o] == drafts[b][:o]
+            assert o in (len(new), len(drafts[b])) or new[o] != drafts[b][o]
+            forced_seen += len(new) - o
+            m = fresh_matcher(grammar, committed[b])
+            for i, t in enumerate(new):
+                mask = xgr.allocate_token_bitmask(1, V).numpy()
+                m.fill_next_token_bitmask(mask)
+                forced, only = m.find_jump_forward_string(), allowed_ids(mask[0]).tolist()
+                piece = tok.decode([t])
+                if forced or len(only) == 1:
+                    assert (piece and forced.startswith(piece)) or only == [t], (forced, piece)
+                else:
+                    assert i < o, "a token the grammar does not force must be the drafter's"
+                assert m.accept_token(t)
+        for b in range(batch):  # commit some drafts, then a token the grammar allows
+            committed[b] += drafts[b][: int(rng.integers(0, len(drafts[b]) + 1))]
+            last = fresh_mask(grammar, committed[b])
+            if last is not None:
+                choices = allowed_ids(last)
+                committed[b].append(int(rng.choice(choices[choices != EOS] if len(choices) > 1 else choices)))
+    assert forced_seen > 0
+
+
 @pytest.mark.parametrize("vocab", [64, 49152 + 7])
 def test_bitmasks_unpack_to_the_bit_rule_on_both_paths(vocab):
     """Token t is allowed iff bit t % 32 of word t // 32 is set: NumPy's path (CPU) and torch's (accelerators)."""
@@ -291,7 +391,7 @@ def plain_constrained(target, ids, mask, grammar, max_new_tokens: int) -> torch.
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("kind", ["json_schema", "regex"])
-@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid", "eagle", "model-short", "eagle-short"])
 def test_greedy_matches_plain_constrained_decoding(draft_kind, kind, batch, tok, models):
     ids, mask = prompts(tok, kind, batch)
     target = models["target"]
@@ -314,10 +414,19 @@ def test_greedy_matches_plain_constrained_decoding(draft_kind, kind, batch, tok,
     length = max(new.shape[1], expect.shape[1])
     assert torch.equal(pad_to(new, length), pad_to(expect, length))
     assert all(CONSTRAINTS[kind][1](text) for text in outputs(out, ids, tok))
-    # drafts were tested and some rejected (the rollback ran), and some accepted (n-gram lookups on the
-    # regex prompts find the random target's choices too rarely for that)
-    assert out.stats.draft_tokens_accepted < out.stats.draft_tokens_proposed
-    assert out.stats.draft_tokens_accepted > 0 or (draft_kind, kind) == ("ngram", "regex")
+    # the drafter's own drafts (not the grammar's forced tokens) were tested and some rejected (the
+    # rollback ran), and some accepted (n-gram lookups on the regex prompts find the random target's
+    # choices too rarely for that)
+    s = out.stats
+    own_proposed = s.draft_tokens_proposed - s.forced_tokens_proposed
+    own_accepted = s.draft_tokens_accepted - s.forced_tokens_accepted
+    assert own_accepted < own_proposed or (draft_kind, kind) == ("ngram", "regex")
+    assert own_accepted > 0 or (draft_kind, kind) in (("ngram", "regex"), ("eagle", "regex"))
+    # the tokens the grammar forces (keys, punctuation; "@", "." in the regex) were proposed besides
+    # wherever a row had room (a model or head asked for G tokens a step drafts them all), and the
+    # schema's accepted (the regex's short outputs see them rejected after a rejected draft token)
+    if draft_kind not in ("model", "eagle"):
+        assert s.forced_tokens_proposed > 0 and (s.forced_tokens_accepted > 0 or kind == "regex")
 
 
 @pytest.mark.parametrize("draft_kind", ["model", "hybrid"])
@@ -424,9 +533,12 @@ def test_point_mass_proposals_are_cut_at_their_first_refused_token(temperature, 
     )
     if temperature == 0:
         assert out.sequences[0, ids.shape[1] :].tolist() == ref
-    # only the two valid tokens of each proposal were tested (and, greedy, all accepted)
-    assert 0 < out.stats.draft_tokens_proposed <= 2 * out.stats.draft_steps
-    assert temperature or out.stats.draft_tokens_accepted == out.stats.draft_tokens_proposed
+    # only the two valid tokens of each proposal were tested (and, greedy, all accepted), besides the
+    # tokens the grammar forced after them
+    s = out.stats
+    own_proposed = s.draft_tokens_proposed - s.forced_tokens_proposed
+    assert 0 < own_proposed <= 2 * s.draft_steps
+    assert temperature or s.draft_tokens_accepted - s.forced_tokens_accepted == own_proposed
 
 
 def test_output_scores_carry_the_mask_and_output_logits_do_not(tok, models):
@@ -480,7 +592,7 @@ def sampled_texts(models, tok, kind: str, draft_kind: str, seeds: range, constra
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "regex"])
-@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("draft_kind", ["model", "ngram", "hybrid", "model-short"])
 def test_every_sampled_output_is_valid(draft_kind, kind, tok, models):
     texts = sampled_texts(models, tok, kind, draft_kind, range(8))
     bad = [t for t in texts if not CONSTRAINTS[kind][1](t)]

@@ -250,7 +250,11 @@ class CommitInfo:
         proposals, then the correction or bonus token; cut after EOS; empty for
         rows that had finished).
       num_accepted: i64[B'], accepted proposals per row.
-      num_proposed: i64[B'], ``k_b`` the loop tested per row.
+      num_proposed: i64[B'], ``k_b`` the loop tested per row. Under a grammar
+        the loop may test tokens the grammar forces besides (or instead of)
+        the drafter's (:meth:`specjax.generate.grammar.GrammarRows.forced_extension`):
+        both counts then cover the drafter's own leading tokens only, and
+        ``emitted`` says what was committed.
       target_hidden: for drafters with ``needs_target_hidden``: f[B', W, k·d], the
         target's hidden states (as in :class:`DraftSetup`) at the slots of this step's verification
         forward (``[last, x_0, …]``); slot ``j`` of row b is the state after

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -489,7 +490,15 @@ def _grammar_rows(
             f"eos_token_id: {spec.kind} needs an EOS token id to end a complete output; pass eos_token_id=... "
             "(or set the target's generation_config.eos_token_id)"
         )
-    return GrammarRows(compile_grammar(spec, tokenizer, vocab), batch, sorted(eos_ids), vocab, spec.kind)
+    encode = getattr(tokenizer, "encode", None)
+    return GrammarRows(
+        compile_grammar(spec, tokenizer, vocab),
+        batch,
+        sorted(eos_ids),
+        vocab,
+        spec.kind,
+        None if encode is None else functools.partial(encode, add_special_tokens=False),
+    )
 
 
 def _draft_models(drafter: Any) -> list[Any]:

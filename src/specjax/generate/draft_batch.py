@@ -41,6 +41,10 @@ class DraftBatch:
         ``logits`` is None.
       free_rows, confidence: the proposal's (:class:`specjax.drafters.Proposal`),
         for the schedule.
+      own: None (the drafter proposed all ``k``), or i64[B'] host array: how
+        many of row b's ``k[b]`` tokens lead as the drafter proposed them; the
+        rest, after them, the grammar forced
+        (:meth:`specjax.generate.grammar.GrammarRows.forced_extension`).
     """
 
     tokens_t: torch.Tensor
@@ -51,6 +55,12 @@ class DraftBatch:
     point_mass_rows: np.ndarray
     free_rows: np.ndarray | None = None
     confidence: np.ndarray | None = None
+    own: np.ndarray | None = None
+
+    @property
+    def own_k(self) -> np.ndarray:
+        """i64[B']: the drafter's own tokens among each row's ``k`` (``own``, or ``k``)."""
+        return self.k if self.own is None else self.own
 
     @property
     def width(self) -> int:

@@ -25,6 +25,10 @@ token of the cut proposal is drawn from. Sampled proposals are not cut (a count
 chosen from the drawn tokens would bias the output; the masked target rejects
 an invalid token instead).
 
+:meth:`GrammarRows.forced_extension` merges the tokens the grammar forces
+(keys, punctuation, EOS after a complete output) into those proposals and into
+rows that propose nothing: free drafts, exact as point masses (docs/grammar.md).
+
 The library is xgrammar (what vLLM uses), chosen by measurement on the SmolLM2
 tokenizer (docs/grammar.md): its token bitmask costs microseconds per position
 and its rollback is O(1) per token. It is an optional dependency (``pip install
@@ -36,6 +40,7 @@ from __future__ import annotations
 import json
 import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,11 +194,24 @@ class GrammarRows:
         allows them, and only them, once the output is complete.
       vocab: V, the width of the logits the masks apply to.
       name: the argument the grammar came from, for messages (``json_schema`` or ``regex``).
+      encode: None, or the tokenizer's ``text -> ids`` (no special tokens), to tokenise the strings the
+        grammar forces (:meth:`forced_extension`).
     """
 
-    def __init__(self, compiled: Any, batch: int, stop_ids: list[int], vocab: int, name: str = "grammar") -> None:
+    def __init__(
+        self,
+        compiled: Any,
+        batch: int,
+        stop_ids: list[int],
+        vocab: int,
+        name: str = "grammar",
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:
         self.vocab, self.name, self.compiled, self.stop_ids = vocab, name, compiled, list(stop_ids)
         self.words = (vocab + 31) // 32
+        self.encode = encode
+        self._encoded: dict[str, list[int]] = {}
+        self._mask1 = np.zeros((1, self.words), np.int32)
         self.start(batch, 0)
 
     def start(self, batch: int, prompt_length: int) -> None:
@@ -225,6 +243,94 @@ class GrammarRows:
             self._follow(rows[j], gen, tokens[j, : out[j]].tolist(), len(gen))
             out[j] = max(len(self.fed[rows[j]]) - len(gen), 0)
         return out
+
+    def forced_extension(
+        self, tokens: np.ndarray, k: np.ndarray, rows: np.ndarray, caps: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The proposals of ``rows`` (bool[B']) with the tokens the grammar forces, up to ``caps`` (i64[B']) each.
+
+        ``tokens``: i64[B', g] host array, row j's first ``k[j]`` (i64[B'])
+        used and valid under the grammar (:meth:`valid_prefix`). Row j's new
+        proposal follows its own while the grammar forces nothing; where it
+        forces text (:meth:`_forced_here`), the forced tokens come, and the
+        row's own tokens go on only while they are those tokens (after the
+        first one that differs they continued another prefix). After the own
+        tokens, forced ones while any are. Returns ``(tokens', k', own)``:
+        i64[B', g'], i64[B'] the new counts, i64[B'] how many of them are the
+        row's own proposal (a common prefix; the rest the grammar forced).
+        Rows not in ``rows`` keep their proposal.
+        """
+        steps, generated = self._step
+        k = np.asarray(k, np.int64)
+        new: dict[int, tuple[list[int], int]] = {}
+        for j in np.nonzero(np.asarray(rows) & (np.asarray(caps) > 0))[0].tolist():
+            gen = generated[j]
+            if self._follow(steps[j], gen, (), len(gen)):
+                new[j] = self._merged(steps[j], tokens[j, : k[j]].tolist(), int(caps[j]))
+        k2, own = k.copy(), k.copy()
+        for j, (props, mine) in new.items():
+            k2[j], own[j] = len(props), mine
+        out = np.zeros((len(k), int(k2.max(initial=0))), np.int64)
+        width = min(tokens.shape[1], out.shape[1])
+        out[:, :width] = tokens[:, :width]
+        for j, (props, _) in new.items():
+            out[j, : len(props)] = props
+        return out, k2, own
+
+    def _merged(self, row: int, drafted: list[int], cap: int) -> tuple[list[int], int]:
+        """Row ``row``'s proposal from its matcher's state (the committed tokens): ``drafted`` merged with the
+        forced tokens (see :meth:`forced_extension`), fed to the matcher; and how many lead it as drafted."""
+        m, fed, out, own = self.matchers[row], self.fed[row], list[int](), 0
+        synced = True
+        while len(out) < cap and not m.is_terminated():
+            forced = self._forced_here(m)[: cap - len(out)]
+            taken = 0
+            for t in forced:
+                if not m.accept_token(t):
+                    break
+                fed.append(t)
+                out.append(t)
+                taken += 1
+                synced = synced and own < len(drafted) and drafted[own] == t
+                own += synced
+            if taken:
+                if taken < len(forced):
+                    break
+                continue
+            if not synced or own >= len(drafted) or not m.accept_token(drafted[own]):
+                break
+            fed.append(drafted[own])
+            out.append(drafted[own])
+            own += 1
+        return out, own
+
+    def _forced_here(self, m: Any) -> list[int]:
+        """The tokens the grammar forces from matcher ``m``'s state (not fed): its jump-forward string (keys,
+        ``": "``, closing brackets) as the tokenizer encodes it (``encode``; without one, xgrammar's own
+        longest-match tokens); where nothing is forced but the mask allows one token (EOS once the output is
+        complete), that token. Any tokenisation is exact as a point-mass proposal; the tokenizer's is the one
+        a model trained on it tends to choose."""
+        text = m.find_jump_forward_string()
+        cand = self._encode(text) if text and self.encode is not None else m.find_jump_forward_tokens()
+        return cand or self._only_token(m)
+
+    def _encode(self, text: str) -> list[int]:
+        """The tokenizer's ids for ``text`` (cached: a schema's forced strings recur)."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            assert self.encode is not None
+            ids = self._encoded[text] = [int(t) for t in self.encode(text)]
+        return ids
+
+    def _only_token(self, m: Any) -> list[int]:
+        """``[t]`` when ``m``'s mask allows the one token t, else ``[]``."""
+        m.fill_next_token_bitmask(self._mask1, 0)
+        words = np.flatnonzero(self._mask1[0])
+        if words.size != 1:
+            return []
+        w = int(self._mask1[0, words[0]]) & 0xFFFFFFFF
+        t = int(words[0]) * 32 + w.bit_length() - 1
+        return [t] if w & (w - 1) == 0 and t < self.vocab else []
 
     def mask_logits(self, logits: torch.Tensor, masks: np.ndarray) -> torch.Tensor:
         """``logits`` (f[..., V'], torch) with ``-inf`` where ``masks`` (i32[..., ceil(V/32)]) refuse a token.

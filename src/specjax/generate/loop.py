@@ -143,11 +143,16 @@ class SpeculativeStats:
         step beside the two models.
       processor_time_s: the part of draft and loop time spent in the logits
         processors (``logits_processor`` and the options built into processors;
-        0 without them).
+        a grammar's cut and merge of the proposals included; 0 without them).
       processor_calls: how many times a logits processor was called (0 without
         them): transformers' built-in processors once each per draft position
         and once each for the target's positions of a step; a callable of the
         caller's once per distinct prefix length among those positions.
+      forced_tokens_proposed / forced_tokens_accepted: the part of
+        ``draft_tokens_proposed`` / ``draft_tokens_accepted`` that the grammar
+        forced (``json_schema`` / ``regex``: keys, punctuation, EOS after a
+        complete output), merged into point-mass proposals at no draft cost
+        (:meth:`specjax.generate.grammar.GrammarRows.forced_extension`).
     """
 
     steps: int = 0
@@ -172,6 +177,8 @@ class SpeculativeStats:
     loop_time_s: float = 0.0
     processor_time_s: float = 0.0
     processor_calls: int = 0
+    forced_tokens_proposed: int = 0
+    forced_tokens_accepted: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -289,6 +296,7 @@ class _Run:
     ) -> None:
         self.drafter, self.sampling, self.config = drafter, sampling, config
         self.processors, self.grammar = processors, grammar
+        self.grammar_s = 0.0  # the grammar's cut and merge of proposals (its masks are the processors')
         num_draft_tokens = config.num_draft_tokens
         self.device = input_ids.device
         batch, prompt_len = input_ids.shape
@@ -431,7 +439,9 @@ class _Run:
             # (kept once seen: a hybrid drafter's steps where only lookups answer have none)
             self.schedule.confident |= self.use_confidence and proposal.confidence is not None
             if self.grammar is not None:
+                t_cut = time.perf_counter()
                 proposal = self.grammar_cut(proposal)
+                self.grammar_s += time.perf_counter() - t_cut
         else:
             proposal = no_proposal(b_now)
         confidence = proposal.confidence if self.use_confidence else None
@@ -443,10 +453,17 @@ class _Run:
             ),
             caps,
         )
+        own = k
+        if self.grammar is not None and self.first_scored is None:
+            t_merge = time.perf_counter()
+            proposal, k, own = self.grammar_extend(proposal, k, caps, active)
+            self.grammar_s += time.perf_counter() - t_merge
+            confidence = proposal.confidence if self.use_confidence else None
         g = int(k.max(initial=0))
         self.stats.draft_steps += int(g > 0)
         width = self.schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
-        return draft_batch(proposal, k, width, self.last, self.device, confidence), draft_s
+        batch = draft_batch(proposal, k, width, self.last, self.device, confidence)
+        return dataclasses.replace(batch, own=own), draft_s
 
     def grammar_cut(self, proposal: Proposal) -> Proposal:
         """The proposal with its point-mass rows cut at their first grammar-refused token (see
@@ -463,6 +480,49 @@ class _Run:
             return proposal
         cut = self.grammar.valid_prefix(to_host(proposal.tokens), k, point)
         return dataclasses.replace(proposal, num_tokens=cut)
+
+    def grammar_extend(
+        self, proposal: Proposal, k: np.ndarray, caps: np.ndarray, active: np.ndarray
+    ) -> tuple[Proposal, np.ndarray, np.ndarray]:
+        """The proposal with the tokens the grammar forces merged into its point-mass rows
+        (:meth:`GrammarRows.forced_extension`), up to each row's cap: ``(proposal, k, own)``, the new
+        counts and how many of them lead as the drafter proposed them (i64[B'] each).
+
+        Rows verified as point masses (every row of a greedy call or of a proposal without draft
+        logits; rows marked ``point_mass_rows``) and rows that test nothing are merged; a row with
+        tokens drawn from draft logits is not (it draws the forced tokens anyway: its logits are
+        masked too). Exact: a point-mass proposal may be any tokens fixed by the committed prefix
+        (a row that tests nothing becomes one), and a forced token has masked target probability 1
+        where the grammar forces it alone.
+        """
+        assert self.grammar is not None
+        if self.greedy or proposal.logits is None:
+            point = np.ones(len(k), bool)
+        else:
+            marked = proposal.point_mass_rows
+            point = (np.zeros(len(k), bool) if marked is None else np.asarray(marked, bool)) | (k == 0)
+        rows = point & active & (caps > 0)
+        if not rows.any():
+            return proposal, k, k
+        g = int(k.max(initial=0))
+        host = np.asarray(to_host(proposal.tokens), np.int64)[:, :g] if g else np.zeros((len(k), 0), np.int64)
+        tokens, k2, own = self.grammar.forced_extension(host, k, rows, caps)
+        if ((k2 == k) & (own == k)).all():
+            return proposal, k, k
+        g2, logits, conf = int(k2.max(initial=0)), proposal.logits, proposal.confidence
+        masses = proposal.point_mass_rows
+        if logits is not None:
+            masses = (np.zeros(len(k), bool) if masses is None else np.asarray(masses, bool)) | (k2 > own)
+            if masses[k2 > 0].all():  # no row tests a drawn token: every row a point mass
+                logits, masses = None, None
+            elif len(logits) < g2:  # positions only point-mass rows reach: never read
+                logits = tuple(logits) + (logits[-1],) * (g2 - len(logits))
+        if conf is not None:  # the drafter's confidence holds for its own tokens only
+            wide = np.full((len(k), max(g2, conf.shape[1])), np.nan)
+            wide[:, : conf.shape[1]] = conf
+            conf = np.where(np.arange(wide.shape[1])[None, :] < own[:, None], wide, np.nan)
+        extended = dataclasses.replace(proposal, tokens=tokens, logits=logits, point_mass_rows=masses, confidence=conf)
+        return extended, k2, own
 
     # 3. Score -----------------------------------------------------------------------------------
 
@@ -516,9 +576,11 @@ class _Run:
             if row.done:
                 emitted_rows.append([])
                 continue
-            n_j, k_j = int(n[j]), int(batch.k[j])
+            n_j, k_j, own_j = int(n[j]), int(batch.k[j]), int(batch.own_k[j])
             stats.draft_tokens_proposed += k_j
             stats.draft_tokens_accepted += n_j
+            stats.forced_tokens_proposed += k_j - own_j
+            stats.forced_tokens_accepted += max(n_j - own_j, 0)
             self.tested[: min(n_j + 1, k_j)] += 1
             self.passed[:n_j] += 1
             emitted, at = runs[j], stops[j]
@@ -544,8 +606,10 @@ class _Run:
         scored.logits = scored.raw_logits = None  # type: ignore[assignment]  # the torch buffers are free again
         # the target fed [last, x_0 .. x_{width-1}]: last and the kept draft tokens stay
         self.t_cache.invalidate(scored.start_slot, 1 + kept)
-        self.drafter.commit(CommitInfo(emitted_rows, n, batch.k, scored.hidden))
-        self.schedule.record_outcome(batch.k, n, batch.free_rows, batch.confidence)
+        # the drafter and the schedule learn from the drafter's own tokens (the forced ones follow them)
+        own_n = np.minimum(n, batch.own_k)
+        self.drafter.commit(CommitInfo(emitted_rows, own_n, batch.own_k, scored.hidden))
+        self.schedule.record_outcome(batch.own_k, own_n, batch.free_rows, batch.confidence)
         self.step += 1
 
     # 6. Shrink ----------------------------------------------------------------------------------
@@ -655,7 +719,7 @@ def run_loop(
     d_cache = getattr(drafter, "cache", None)
     stats.draft_forwards = d_cache.forwards if isinstance(d_cache, SlotCache) else 0
     stats.adapter_copies = copies.copies
-    stats.processor_time_s = processors.seconds if processors is not None else 0.0
+    stats.processor_time_s = (processors.seconds if processors is not None else 0.0) + run.grammar_s
     stats.processor_calls = processors.calls if processors is not None else 0
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained_total, run.row_steps, run.rows, t_start)
