@@ -123,6 +123,8 @@ def prompts(tokenizer: Any, batch: int, vocab: int, seed: int = 0) -> tuple[torc
             for i in range(batch)
         ]
         tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:  # a GGUF tokenizer read by some transformers releases has none
+            tokenizer.pad_token = tokenizer.eos_token
         enc = tokenizer(texts, return_tensors="pt", padding=True)
         return enc["input_ids"], enc["attention_mask"]
     gen = torch.Generator().manual_seed(seed)
