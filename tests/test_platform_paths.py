@@ -56,30 +56,7 @@ def test_masked_take_gives_the_bits_of_a_plain_gather(dtype, shape):
     assert float(got[0, 0]) == float(tiny) or dtype != "float32"  # the subnormal survived
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 256), (16, 9, 128), (1, 1, 128), (9, 4, 384)], ids=str)
-def test_row_dma_gives_the_bits_of_a_plain_gather(shape):
-    """tpu_pallas.rows_at (Pallas interpreted): row index[b] of x[b], bit for bit, B not a multiple of 8 too."""
-    b, p, v = shape
-    rng = np.random.default_rng(sum(shape))
-    x = jnp.asarray(rng.random(shape), jnp.float32)
-    x = x.at[0, :, 3].set(jnp.finfo(jnp.float32).smallest_subnormal).at[0, :, 4].set(jnp.nan).at[-1, :, 5].set(-0.0)
-    index = jnp.asarray(rng.integers(0, p, b), jnp.int32).at[-1].set(p - 1)
-    assert tpu_pallas.rows_at_fit(x.shape, x.dtype)
-    got = jax.jit(lambda x, i: tpu_pallas.rows_at(x, i, interpret=True))(x, index)
-    want = jnp.take_along_axis(x, index[:, None, None], axis=1)[:, 0]
-    assert got.shape == (b, v) and got.dtype == x.dtype
-    np.testing.assert_array_equal(_bits(got), _bits(want))
-
-
-def test_row_dma_takes_only_what_it_can_copy():
-    """rows_at_fit: 32-bit rows a multiple of 128 long; 16-bit tiles pack two rows per sublane."""
-    assert tpu_pallas.rows_at_fit((4, 5, 128256), jnp.float32)
-    assert not tpu_pallas.rows_at_fit((4, 5, 128256), jnp.bfloat16)
-    assert not tpu_pallas.rows_at_fit((4, 5, 1000), jnp.float32)
-    assert not tpu_pallas.rows_at_fit((0, 5, 128), jnp.float32)
-
-
-@pytest.mark.parametrize("v", [700, 768])  # 768: rows a multiple of 128, read by the row DMA
+@pytest.mark.parametrize("v", [700, 768])  # 768: rows a multiple of 128 (a whole number of tiles)
 @pytest.mark.parametrize("point_masses", [False, True])
 def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, v, monkeypatch):
     """The whole kernel with the off-CPU picks, on the CPU, against the CPU's gathers."""
@@ -93,10 +70,8 @@ def test_kernel_with_the_masked_take_gives_the_same_tokens(point_masses, v, monk
     u = jnp.asarray(rng.random((b, g)) * 0.02, jnp.float32)  # small: point-mass tests pass too
     s = jnp.asarray(rng.random(b), jnp.float32)
     want = jax.jit(rejection.rejection_body)(x, q, p, u, s)
-    # Every off-CPU branch (the TPU's where there is one: its row DMA, in Pallas'
-    # interpreter; else the default: the masked picks, the block sums), traced on the CPU:
+    # Every off-CPU branch (the default: the masked picks, the block sums), traced on the CPU:
     monkeypatch.setattr(rejection.lax, "platform_dependent", _tpu_branch)
-    monkeypatch.setattr(tpu_pallas, "rows_at", partial(tpu_pallas.rows_at, interpret=True))
     got = jax.jit(lambda *a: rejection.rejection_body(*a, impl="xla"))(x, q, p, u, s)
     np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -296,7 +271,6 @@ def test_verify_with_the_tpu_cutoff_gives_the_same_tokens(dtype, monkeypatch):
         return _tpu_branch(*args, default=default, **platforms)
 
     monkeypatch.setattr(core.lax, "platform_dependent", choose)
-    monkeypatch.setattr(tpu_pallas, "rows_at", partial(tpu_pallas.rows_at, interpret=True))
     monkeypatch.setattr(core, "cutoff_by_lanes", partial(core.cutoff_by_lanes, interpret=True))
     got = jax.jit(lambda *a: frontend.verify_core(*a))(x, d, t, u, s, params, k)
     assert ["tpu"] in seen  # the cutoff took its TPU branch
@@ -345,7 +319,6 @@ def test_an_all_greedy_batch_off_cpu_gives_the_cpu_tokens(case, monkeypatch):
 
     want = jax.jit(verify)(x, draft, t, u, s, params, k)
     monkeypatch.setattr(core.lax, "platform_dependent", _tpu_branch)
-    monkeypatch.setattr(tpu_pallas, "rows_at", partial(tpu_pallas.rows_at, interpret=True))
     monkeypatch.setattr(core, "cutoff_by_lanes", partial(core.cutoff_by_lanes, interpret=True))
     got = jax.jit(lambda *a: verify(*a))(x, draft, t, u, s, params, k)  # a new function: traced again
     np.testing.assert_array_equal(np.asarray(got.num_accepted), np.asarray(want.num_accepted))

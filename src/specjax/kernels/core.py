@@ -251,21 +251,13 @@ def take(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:
 
 
 def take_rows(x: jax.Array, index: jax.Array, axis_name: AxisName = None) -> jax.Array:
-    """f[B, P, L], i32[B] in [0, P) -> f[B, L]: row ``index[b]`` of ``x[b]``, bit for bit.
+    """f[B, P, L], i32[B] in [0, P) -> f[B, L]: row ``index[b]`` of ``x[b]``, bit for bit
+    (:func:`take` along axis 1; ``axis_name`` is accepted for the mesh callers and changes nothing).
 
-    :func:`take` along axis 1, except on one TPU for 32-bit rows a multiple of
-    128 long: there :func:`specjax.kernels.tpu_pallas.rows_at` copies each row
-    alone by one DMA (a sublane of each tile: an eighth of what the masked
-    pass over every position's tiles reads). On a mesh (``axis_name``, inside
-    ``shard_map``) always :func:`take`: the DMA is not tried there.
+    A Pallas DMA of each row alone was measured on a TPU v5e and not kept (docs/tpu.md, section 4).
     """
-
-    def other(x: jax.Array, index: jax.Array) -> jax.Array:
-        return take(x, index[:, None], 1)
-
-    if axis_name or not tpu_pallas.rows_at_fit(x.shape, x.dtype):
-        return other(x, index)
-    return lax.platform_dependent(x, index, tpu=lambda x, i: tpu_pallas.rows_at(x, i), default=other)
+    del axis_name
+    return take(x, index[:, None], 1)
 
 
 def take_masked(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:

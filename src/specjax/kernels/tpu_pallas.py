@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LANES", "lane_candidates", "lane_candidates_fit", "rows_at", "rows_at_fit"]
+__all__ = ["LANES", "lane_candidates", "lane_candidates_fit"]
 
 #: The minor-axis width of a TPU tile: the kernels work on 128-wide chunks.
 LANES = 128
@@ -112,72 +112,3 @@ def lane_candidates(x: jax.Array, depth: int, *, interpret: bool = False) -> jax
         interpret=interpret,
     )(x.reshape(n, p, padded))
     return out.reshape(*shape[:-1], depth * LANES)
-
-
-def rows_at_fit(shape: tuple[int, ...], dtype: jnp.dtype) -> bool:
-    """Whether :func:`rows_at` takes an operand of ``shape`` and ``dtype`` (static).
-
-    32-bit values only (a 16-bit tile packs two rows into each sublane), a
-    row a multiple of 128 long, and eight output rows within VMEM.
-    """
-    if len(shape) != 3 or jnp.dtype(dtype).itemsize != 4 or shape[-1] % LANES or 0 in shape:
-        return False
-    return _rows_vmem_bytes(shape[-1]) <= _VMEM_LIMIT
-
-
-def _rows_vmem_bytes(length: int) -> int:
-    return 2 * 8 * length * 4 + (1 << 20)  # the double-buffered (8, L) output block
-
-
-def rows_at(x: jax.Array, index: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """f[B, P, L], i32[B] in [0, P) -> f[B, L]: row ``index[b]`` of ``x[b]``, bit for bit.
-
-    One DMA per batch row copies that row alone from HBM: a sublane of each of
-    its (8, 128) tiles, an eighth of the bytes a pass over the tiles reads.
-    Eight batch rows per grid step (the output's tile); the indices are
-    prefetched into scalar memory. ``index`` must be in range: the DMA does
-    not check it (callers clamp). See :func:`rows_at_fit` for the operands it takes.
-    """
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import tpu as pltpu
-
-    b, _, length = x.shape
-    padded = -(-b // 8) * 8
-    index = jnp.pad(index.astype(jnp.int32), (0, padded - b))
-
-    def kernel(idx_ref: Any, x_hbm: Any, o_ref: Any, sems: Any) -> None:
-        first = pl.program_id(0) * 8
-
-        def copy(j: int) -> Any:
-            row = first + j
-            return pltpu.make_async_copy(x_hbm.at[row, pl.ds(idx_ref[row], 1), :], o_ref.at[pl.ds(j, 1), :], sems.at[j])
-
-        for j in range(8):  # all eight in flight, then all waited for
-
-            @pl.when(first + j < b)
-            def _start(j: int = j) -> None:
-                copy(j).start()
-
-        for j in range(8):
-
-            @pl.when(first + j < b)
-            def _wait(j: int = j) -> None:
-                copy(j).wait()
-
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((padded, length), x.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(padded // 8,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((8, length), lambda i, idx: (i, 0)),
-            scratch_shapes=[pltpu.SemaphoreType.DMA((8,))],
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",),
-            vmem_limit_bytes=min(_VMEM_LIMIT, max(_rows_vmem_bytes(length), 32 << 20)),
-        ),
-        interpret=interpret,
-    )(index, x)
-    return out if padded == b else out[:b]
