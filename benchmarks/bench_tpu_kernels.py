@@ -236,7 +236,8 @@ def bench_verify(batches, drafts, dtypes, reps, device, trivial_s, sink, budget,
                 for mode in modes:
                     args = (x, d, t, key, _params(b, mode), k)
                     if mode == "sampled-topk":
-                        fresh = jax.jit(frontend._verify_jit.__wrapped__)  # traced inside the context
+                        # a new function, traced inside the context (jit reuses a trace per function)
+                        fresh = jax.jit(lambda *a: frontend._verify_jit.__wrapped__(*a))
                         with topk_cutoff():
                             kernel = timed(lambda a=args, f=fresh: f(*a), reps)
                     else:
