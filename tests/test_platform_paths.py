@@ -146,8 +146,6 @@ LANE_SHAPES = [(16, 1024), (3, 5, 2048), (2, 9, 1024), (1024,), (3, 1000)]
 @pytest.mark.parametrize("shape", LANE_SHAPES, ids=str)
 def test_lane_candidates_are_the_largest_of_each_lane(shape, dtype):
     """tpu_pallas.lane_candidates against a sort of each strided lane, with ties, -inf and a short lane."""
-    from specjax.kernels import tpu_pallas
-
     rng = np.random.default_rng(sum(shape))
     x = rng.integers(-6, 6, shape).astype(np.float32)  # many ties
     x[..., 5::11] = -np.inf
