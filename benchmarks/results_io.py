@@ -26,7 +26,8 @@ _LOAD_AT_START = os.getloadavg()
 
 @cache
 def run_info() -> dict[str, Any]:
-    """What produced this process's rows: commit (``+dirty`` with local changes), command, time, loads."""
+    """What produced this process's rows: commit (``+dirty`` with local changes; ``SPECJAX_COMMIT`` overrides it,
+    for a copy of the tree on another host), command, time, loads."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*args: str) -> str | None:
@@ -36,9 +37,12 @@ def run_info() -> dict[str, Any]:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    commit = git("rev-parse", "--short", "HEAD")
-    if commit and git("status", "--porcelain", "--untracked-files=no", "src", "benchmarks", ":!benchmarks/results"):
-        commit += "+dirty"
+    commit = os.environ.get("SPECJAX_COMMIT")  # set where the tree is a copy without its own history
+    if commit is None:
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "src", "benchmarks", ":!benchmarks/results")
+        if commit and changed:
+            commit += "+dirty"
     return {
         "commit": commit,
         "command": " ".join(["python", os.path.relpath(sys.argv[0], root), *sys.argv[1:]]),

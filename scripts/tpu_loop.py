@@ -60,7 +60,11 @@ import numpy as np
 import torch
 from torchax_models import on_jax, perturbed  # tests/ (PYTHONPATH=src:tests), as the torchax tests use them
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+from results_io import append_jsonl  # benchmarks/: rows as the benchmarks write them
+
 T0 = time.perf_counter()
+DEVICE = f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"
 
 
 def log(msg: str) -> None:
@@ -112,12 +116,17 @@ def load_pair(kind: str) -> tuple[Any, Any, Any, Any]:
     return target, perturbed(target, 0.002), random_head(64, 256, 64), None
 
 
-def prompts(tokenizer: Any, batch: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch`` left-padded prompts: the project's chat prompts (tokenizer), else random ids of ragged lengths."""
+def prompts(
+    tokenizer: Any, batch: int, vocab: int, seed: int = 0, category: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` left-padded prompts: the project's chat prompts (tokenizer; ``category`` one of
+    :func:`specjax.prompts.all_prompts`' groups, else all of them in turn), else random ids of ragged lengths."""
     if tokenizer is not None:
         from specjax.prompts import all_prompts
 
-        chats = [m for group in all_prompts().values() for m in group.values()]
+        groups = all_prompts()
+        chosen = [groups[category]] if category is not None else list(groups.values())
+        chats = [m for group in chosen for m in group.values()]
         texts = [
             tokenizer.apply_chat_template(chats[i % len(chats)], tokenize=False, add_generation_prompt=True)
             for i in range(batch)
@@ -125,7 +134,14 @@ def prompts(tokenizer: Any, batch: int, vocab: int, seed: int = 0) -> tuple[torc
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:  # a GGUF tokenizer read by some transformers releases has none
             tokenizer.pad_token = tokenizer.eos_token
-        enc = tokenizer(texts, return_tensors="pt", padding=True)
+        # every batch padded to the longest of all the prompts: one width, so that each program (per B and
+        # mode) compiles once for every prompt group (and the compilation cache serves later runs)
+        every = [m for group in groups.values() for m in group.values()]
+        width = max(
+            len(tokenizer(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True))["input_ids"])
+            for m in every
+        )
+        enc = tokenizer(texts, return_tensors="pt", padding="max_length", max_length=width)
         return enc["input_ids"], enc["attention_mask"]
     gen = torch.Generator().manual_seed(seed)
     width = 24
@@ -172,37 +188,20 @@ def section_logits(target: Any, target_j: Any, ids: torch.Tensor, mask: torch.Te
     return {"rows": rows}
 
 
-def section_greedy(pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_rows: int) -> dict[str, Any]:
-    from specjax.drafters import NgramDrafter
+def section_greedy(
+    pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_rows: int, precisions: list[str]
+) -> dict[str, Any]:
+    """Per matmul precision: each drafter's greedy output against the target alone on the device, and the
+    target alone against torch's ``generate`` on the CPU (the first ``cpu_rows`` rows). The identity on the
+    device must hold at ``highest`` (float32 passes); at ``default`` (bf16 passes) the rows that differ are
+    counted, not failed: a forward over G + 1 positions rounds differently from one over a single position."""
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
     from specjax.drafters.eagle import EagleDrafter
     from specjax.generate import speculative_generate
     from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
     ok = True
     result: dict[str, Any] = {}
-    ref = greedy_decode(pair["target_j"], ids, mask, max_new)
-    runs = (
-        ("model", pair["draft_j"], False),
-        ("model-per-step", pair["draft_j"], True),
-        ("ngram", NgramDrafter(), False),
-        ("eagle", EagleDrafter(pair["head"]), False),
-    )
-    for name, drafter, per_step in runs:
-        with per_step_loop() if per_step else contextlib.nullcontext():
-            out = speculative_generate(pair["target_j"], drafter, ids, mask, max_new_tokens=max_new, num_draft_tokens=g)
-        got = out.sequences[:, ids.shape[1] :].numpy()
-        same = int((got == ref).all(axis=1).sum())
-        ok &= same == ids.shape[0]
-        result[name] = {
-            "rows_identical": same,
-            "rows": int(ids.shape[0]),
-            "acceptance": out.stats.acceptance_rate,
-            "adapter_copies": out.stats.adapter_copies,
-        }
-        log(
-            f"greedy {name} drafter vs target-only on the device: {same}/{ids.shape[0]} rows identical, "
-            f"acceptance {out.stats.acceptance_rate:.3f}, adapter copies {out.stats.adapter_copies}"
-        )
     cpu = []
     with torch.no_grad():
         for b in range(min(cpu_rows, ids.shape[0])):
@@ -211,10 +210,37 @@ def section_greedy(pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_ro
                 row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False
             )
             cpu.append(out[0, row.shape[1] :].numpy())
-    for precision in ("default", "highest"):
+    runs = (
+        ("model", lambda: pair["draft_j"], False),
+        ("model-per-step", lambda: pair["draft_j"], True),
+        ("ngram", NgramDrafter, False),
+        ("hybrid", lambda: HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"])), False),
+        ("eagle", lambda: EagleDrafter(pair["head"]), False),
+    )
+    for precision in precisions:
         with jax.default_matmul_precision(precision):
-            dev = greedy_decode(pair["target_j"], ids[: len(cpu)], mask[: len(cpu)], max_new)
-        first = [int(np.argmax(dev[b] != cpu[b])) if (dev[b] != cpu[b]).any() else None for b in range(len(cpu))]
+            ref = greedy_decode(pair["target_j"], ids, mask, max_new)
+            for name, make, per_step in runs:
+                with per_step_loop() if per_step else contextlib.nullcontext():
+                    out = speculative_generate(
+                        pair["target_j"], make(), ids, mask, max_new_tokens=max_new, num_draft_tokens=g
+                    )
+                got = out.sequences[:, ids.shape[1] :].numpy()
+                same = int((got == ref).all(axis=1).sum())
+                if precision == "highest":
+                    ok &= same == ids.shape[0]
+                result[f"{name}_{precision}"] = {
+                    "rows_identical": same,
+                    "rows": int(ids.shape[0]),
+                    "acceptance": out.stats.acceptance_rate,
+                    "adapter_copies": out.stats.adapter_copies,
+                }
+                log(
+                    f"greedy (precision={precision}) {name} drafter vs target-only on the device: "
+                    f"{same}/{ids.shape[0]} rows identical, acceptance {out.stats.acceptance_rate:.3f}, "
+                    f"adapter copies {out.stats.adapter_copies}"
+                )
+        first = [int(np.argmax(ref[b] != cpu[b])) if (ref[b] != cpu[b]).any() else None for b in range(len(cpu))]
         same = sum(f is None for f in first)
         result[f"cpu_{precision}"] = {"rows_identical": same, "rows": len(cpu), "first_difference": first}
         log(
@@ -280,7 +306,7 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
     from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
     from specjax.drafters.eagle import EagleDrafter
     from specjax.generate import speculative_generate
-    from specjax.generate.jax_loop import greedy_decode, per_step_loop
+    from specjax.generate.jax_loop import per_step_loop, target_decode
 
     def drafter(name: str) -> Any:
         if name == "model":
@@ -291,22 +317,27 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
             return EagleDrafter(pair["head"])
         return HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"]))
 
-    rows = []
-    for batch in args.batches:
-        ids, mask = prompts(tokenizer, batch, vocab, seed=batch)
+    rows: list[dict[str, Any]] = []
+    categories = args.categories if tokenizer is not None else [None]
+    for category, batch in ((c, b) for c in categories for b in args.batches):
+        ids, mask = prompts(tokenizer, batch, vocab, seed=batch, category=category)
 
-        def base(ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> None:
-            greedy_decode(pair["target_j"], ids, mask, args.max_new)
+        base_s: dict[float, float] = {}
+        for temp in args.temperatures:  # the reference: the target alone, greedy or sampled at T
 
-        base()  # compile
-        base_s = _median_time(base, args.reps)
+            def base(ids: torch.Tensor = ids, mask: torch.Tensor = mask, temp: float = temp) -> None:
+                target_decode(pair["target_j"], ids, mask, args.max_new, temperature=temp, seed=1)
+
+            base()  # compile
+            base_s[temp] = _median_time(base, args.reps)
         # the model drafter on both paths side by side: the device-resident loop (its default) and one program
         # per step with the host reading each step (per_step_loop); the host drafters run per step only
         cases = [
             (name, path, temp)
             for name in args.drafters
-            for temp in (0.0, 0.7)
+            for temp in args.temperatures
             for path in {"model": ("device", "per-step"), "eagle": ("device",)}.get(name, ("per-step",))
+            if path in args.paths or name not in ("model", "eagle")
         ]
         for name, path, temp in cases:
             stats: list[Any] = []
@@ -331,38 +362,44 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
             spec_s = _median_time(spec, args.reps)
             new = batch * args.max_new
             row = {
+                "section": "loop",
+                "pair": args.pair,
+                "category": category,
+                "device": DEVICE,
+                "max_new_tokens": args.max_new,
+                "draft_tokens": args.draft_tokens,
+                "reps": args.reps,
                 "drafter": name,
                 "path": path,
                 "batch": batch,
                 "temperature": temp,
                 "loop_tok_s": new / spec_s,
-                "target_only_tok_s": new / base_s,
-                "ratio": base_s / spec_s,
+                "target_only_tok_s": new / base_s[temp],
+                "ratio": base_s[temp] / spec_s,
                 "acceptance": stats[-1].acceptance_rate,
                 "mean_accepted_length": stats[-1].mean_accepted_length,
                 "steps": stats[-1].steps,
                 "ms_per_step": 1e3 * spec_s / max(stats[-1].steps, 1),
-                "target_only_ms_per_token": 1e3 * base_s / args.max_new,
+                "target_only_ms_per_token": 1e3 * base_s[temp] / args.max_new,
                 "adapter_copies": stats[-1].adapter_copies,
                 "loop_s": spec_s,
-                "target_only_s": base_s,
+                "target_only_s": base_s[temp],
             }
             rows.append(row)
+            if args.rows:
+                append_jsonl(args.rows, [row])  # rows land as they come (a run may be cut short)
             log(
-                f"{name:6s} {path:8s} B={batch:3d} T={temp}: loop {row['loop_tok_s']:9.1f} tok/s, "
+                f"{category or '-'} {name:6s} {path:8s} B={batch:3d} T={temp}: loop {row['loop_tok_s']:9.1f} tok/s, "
                 f"target-only {row['target_only_tok_s']:9.1f} tok/s, ratio {row['ratio']:.2f}x, "
                 f"acceptance {row['acceptance']:.3f}, tau {row['mean_accepted_length']:.2f}, "
                 f"{row['ms_per_step']:.2f} ms/step (target-only {row['target_only_ms_per_token']:.2f} ms/token)"
             )
-        for name, temp in sorted({(r["drafter"], r["temperature"]) for r in rows if r["batch"] == batch}):
-            by_path = {
-                r["path"]: r["ratio"]
-                for r in rows
-                if (r["drafter"], r["batch"], r["temperature"]) == (name, batch, temp)
-            }
+        here = [r for r in rows if (r["category"], r["batch"]) == (category, batch)]
+        for name, temp in sorted({(r["drafter"], r["temperature"]) for r in here}):
+            by_path = {r["path"]: r["ratio"] for r in here if (r["drafter"], r["temperature"]) == (name, temp)}
             if len(by_path) > 1:
                 log(
-                    f"side by side {name} B={batch} T={temp}: "
+                    f"side by side {category or '-'} {name} B={batch} T={temp}: "
                     + ", ".join(f"{p} {ratio:.2f}x" for p, ratio in by_path.items())
                     + " target-only"
                 )
@@ -382,9 +419,33 @@ def main(argv: list[str] | None = None) -> int:
         default=["model"],
         help="timed drafters, comma-separated: model, ngram, hybrid (ngram, else the model), eagle (the head)",
     )
+    parser.add_argument(
+        "--categories",
+        type=lambda s: s.split(","),
+        default=["open", "grounded"],
+        help="timed prompt groups of specjax.prompts (the default pair only), comma-separated",
+    )
+    parser.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.7])
+    parser.add_argument(
+        "--paths",
+        type=lambda s: s.split(","),
+        default=["device", "per-step"],
+        help="the model drafter's timed paths: device (resident loop), per-step",
+    )
+    parser.add_argument("--rows", default=None, help="append each timing row to this JSONL file as it comes")
+    parser.add_argument(
+        "--precisions",
+        type=lambda s: s.split(","),
+        default=["default", "highest"],
+        help="JAX matmul precisions of the greedy identity section",
+    )
+    parser.add_argument("--greedy-batch", type=int, default=None, help="rows of the greedy section (default: max B)")
     parser.add_argument("--law-rows", type=int, default=8192)
     parser.add_argument("--cpu-rows", type=int, default=2, help="rows compared with torch generate on the CPU")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: logits,greedy,law,timings")
+    parser.add_argument(
+        "--order", default="logits,greedy,law,timings", help="the sections' order (comma-separated names)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -413,14 +474,20 @@ def main(argv: list[str] | None = None) -> int:
         f"pair {args.pair}: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M parameters, "
         f"draft {sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M, V = {vocab}"
     )
-    ids, mask = prompts(tokenizer, max(args.batches), vocab)
+    ids, mask = prompts(tokenizer, args.greedy_batch or max(args.batches), vocab)
     sections = {
         "logits": lambda: section_logits(target, pair["target_j"], ids, mask),
-        "greedy": lambda: section_greedy(pair, ids, mask, args.max_new, args.draft_tokens, args.cpu_rows),
+        "greedy": lambda: section_greedy(
+            pair, ids, mask, args.max_new, args.draft_tokens, args.cpu_rows, args.precisions
+        ),
         "law": lambda: section_law(args.law_rows),
         "timings": lambda: section_timings(pair, tokenizer, vocab, args),
     }
-    for name, run in sections.items():
+    order = [name for name in args.order.split(",") if name]
+    if sorted(order) != sorted(sections):
+        parser.error(f"--order: expected each of {','.join(sections)} once, got {args.order!r}")
+    for name in order:
+        run = sections[name]
         if name in skip:
             continue
         log(f"--- {name}")

@@ -23,7 +23,9 @@ from torchax_law import (
     DRAFT_TOKENS,
     LENGTH,
     POWER,
+    PROMPT,
     TEMPERATURE,
+    VOCAB,
     chi_square_p,
     exact_law,
     law_pair,
@@ -63,6 +65,26 @@ def test_a_misstated_draft_q_is_caught(pair):
     p_wrong = chi_square_p(misstated_first_tokens(target_j, draft_j, ROWS, drawn_at=1.0), first)
     assert p_true > ALPHA, f"the step told the truth: p = {p_true:.2e}"
     assert p_wrong < POWER, f"the mis-stated q was not caught: p = {p_wrong:.2e}"
+
+
+def test_the_target_only_reference_samples_the_targets_law(pair):
+    """``jax_loop.target_decode`` at T = 0.7 (the reference of scripts/tpu_loop.py's sampled timings): two
+    tokens of N copies of the prompt follow the target's law; negative control: the same counts against the
+    target's law at T = 1 (a reference sampling at the wrong temperature would pass that one instead)."""
+    import torch
+
+    from specjax.generate.jax_loop import target_decode
+
+    target, _, target_j, _ = pair
+    ids = torch.tensor([PROMPT] * ROWS)
+    new = target_decode(target_j, ids, None, 2, temperature=TEMPERATURE, seed=3)
+    counts = np.bincount(np.ravel_multi_index(tuple(new.T), (VOCAB, VOCAB)), minlength=VOCAB**2)
+    p_target = chi_square_p(counts, exact_law(target, 2))
+    p_hot = chi_square_p(counts, exact_law(target, 2, temperature=1.0))
+    assert p_target > ALPHA, f"against the target's law: p = {p_target:.2e}"
+    assert p_hot < POWER, f"the negative control (T = 1) was not rejected: p = {p_hot:.2e}"
+    with pytest.raises(ValueError, match="temperature"):
+        target_decode(target_j, ids[:1], None, 1, temperature=float("nan"))
 
 
 def test_chi_square_p_agrees_with_scipy():

@@ -809,9 +809,16 @@ def _head_prefilled(
 
 # Recompiles when the target, B or the cache's length change.
 @functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("cache",))
-def _greedy_step(target: JaxModel, weights: dict[str, jax.Array], cache: KVCache, last: jax.Array, start: jax.Array):
+def _decode_step(
+    target: JaxModel, weights: dict[str, jax.Array], cache: KVCache, last: jax.Array, start: jax.Array, key: Any
+):
+    """One token per row: the argmax (``key`` None) or a draw from softmax(logits / T) (``key``: (key, T))."""
     logits, cache = target.forward(weights, cache, last[:, None], start, 1)
-    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+    scores = logits[:, -1].astype(jnp.float32)
+    if key is None:
+        return jnp.argmax(scores, axis=-1).astype(jnp.int32), cache
+    k, temperature = key
+    return jax.random.categorical(k, scores / temperature, axis=-1).astype(jnp.int32), cache
 
 
 def greedy_decode(
@@ -829,13 +836,35 @@ def greedy_decode(
     Returns:
       i64[B, max_new_tokens] host array, the argmax tokens (the first maximum on ties).
     """
+    return target_decode(target, input_ids, attention_mask, max_new_tokens)
+
+
+def target_decode(
+    target: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> np.ndarray:
+    """The target alone on JAX's device, greedy (``temperature`` 0, :func:`greedy_decode`) or sampled from
+    softmax(logits / ``temperature``) with keys from ``seed``: the reference speculative timings compare with.
+
+    Arguments and result as :func:`greedy_decode`'s; sampled tokens follow the target's law but are not the
+    speculative loop's draws (its keys are per row and step).
+    """
+    if not temperature >= 0:
+        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     contexts = _contexts(input_ids, mask)
     t = jax_model("target", target)
     cache, start_h, last_h, _ = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
     last, start, out = jnp.asarray(last_h), jnp.asarray(start_h), []
-    for _ in range(max_new_tokens):
-        last, cache = _greedy_step(t, t.weights, cache, last, start)
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens) if temperature > 0 else None
+    t_j = jnp.asarray(temperature, jnp.float32)
+    for i in range(max_new_tokens):
+        last, cache = _decode_step(t, t.weights, cache, last, start, None if keys is None else (keys[i], t_j))
         start = start + 1
         out.append(last)
     return np.asarray(jax.device_get(jnp.stack(out, axis=1))).astype(np.int64)
