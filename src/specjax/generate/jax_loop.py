@@ -807,18 +807,35 @@ def _head_prefilled(
     return EagleState(cache, feature, jnp.asarray(pairs), jnp.zeros(batch, bool))
 
 
-# Recompiles when the target, B or the cache's length change.
-@functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("cache",))
-def _decode_step(
-    target: JaxModel, weights: dict[str, jax.Array], cache: KVCache, last: jax.Array, start: jax.Array, key: Any
-):
-    """One token per row: the argmax (``key`` None) or a draw from softmax(logits / T) (``key``: (key, T))."""
-    logits, cache = target.forward(weights, cache, last[:, None], start, 1)
-    scores = logits[:, -1].astype(jnp.float32)
-    if key is None:
-        return jnp.argmax(scores, axis=-1).astype(jnp.int32), cache
-    k, temperature = key
-    return jax.random.categorical(k, scores / temperature, axis=-1).astype(jnp.int32), cache
+# Recompiles when the target, B, the cache's length, the number of steps or the mode change.
+@functools.partial(jax.jit, static_argnames=("target", "steps", "sample"), donate_argnames=("cache",))
+def _decode_steps(
+    target: JaxModel,
+    weights: dict[str, jax.Array],
+    cache: KVCache,
+    last: jax.Array,
+    start: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    *,
+    steps: int,
+    sample: bool,
+) -> jax.Array:
+    """``steps`` tokens per row in one program (a ``fori_loop``): each the argmax of the target's logits, or
+    (``sample``) a draw from softmax(logits / ``temperature``) with ``keys[i]`` at step i. i32[B, steps]."""
+
+    def one(i: Any, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        cache, last, start, out = carry
+        logits, cache = target.forward(weights, cache, last[:, None], start, 1)
+        scores = logits[:, -1].astype(jnp.float32)
+        if sample:
+            token = jax.random.categorical(keys[i], scores / temperature, axis=-1).astype(jnp.int32)
+        else:
+            token = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+        return cache, token, start + 1, out.at[:, i].set(token)
+
+    out = jnp.zeros((last.shape[0], steps), jnp.int32)
+    return jax.lax.fori_loop(0, steps, one, (cache, last, start, out))[3]
 
 
 def greedy_decode(
@@ -826,8 +843,8 @@ def greedy_decode(
 ) -> np.ndarray:
     """The target alone, greedy, on JAX's device: the reference the speculative loop must equal.
 
-    The same jitted forward and cache as :func:`run_jax_loop`, one token per step (dispatched without
-    waiting; the tokens are read once at the end), no EOS.
+    The same forward and cache as :func:`run_jax_loop`, one token per step, every step in one program
+    (as the loop's device-resident steps; the tokens are read once at the end), no EOS.
 
     Args:
       target: a transformers causal LM (on the CPU or torchax's jax device).
@@ -860,11 +877,10 @@ def target_decode(
     contexts = _contexts(input_ids, mask)
     t = jax_model("target", target)
     cache, start_h, last_h, _ = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
-    last, start, out = jnp.asarray(last_h), jnp.asarray(start_h), []
-    keys = jax.random.split(jax.random.key(seed), max_new_tokens) if temperature > 0 else None
-    t_j = jnp.asarray(temperature, jnp.float32)
-    for i in range(max_new_tokens):
-        last, cache = _decode_step(t, t.weights, cache, last, start, None if keys is None else (keys[i], t_j))
-        start = start + 1
-        out.append(last)
-    return np.asarray(jax.device_get(jnp.stack(out, axis=1))).astype(np.int64)
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    out = _decode_steps(
+        t, t.weights, cache, jnp.asarray(last_h), jnp.asarray(start_h), keys,
+        jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32), steps=max_new_tokens,
+        sample=temperature > 0,
+    )  # fmt: skip
+    return np.asarray(jax.device_get(out)).astype(np.int64)

@@ -217,9 +217,17 @@ def _row_layer_class() -> Any:
             pass
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            index = self.slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[3])
-            self.keys = self.keys.scatter(2, index, key_states.to(self.keys.dtype))
-            self.values = self.values.scatter(2, index, value_states.to(self.values.dtype))
+            # a row's W slots are consecutive (slots[b, 0] ..): one dynamic_update_slice per row, not an
+            # element-wise scatter (XLA's scatter over B·H·W·D indices is slow on a TPU)
+            from torchax.interop import jax_view, torch_view
+
+            first = jax_view(self.slots)[:, 0]
+
+            def put(cache: Any, new: Any) -> Any:
+                row = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, s, 0))  # noqa: E731
+                return torch_view(jax.vmap(row)(jax_view(cache), jax_view(new), first))
+
+            self.keys, self.values = put(self.keys, key_states), put(self.values, value_states)
             return self.keys, self.values
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
