@@ -399,7 +399,8 @@ class Result:
     steps: int = 0
     draft_steps: int = 0
     compile_seconds: float = 0.0  # JAX compilation inside the call (specjax's stats)
-    step_ms: tuple[float, float, float] | None = None  # per step: drafting, target forwards, the loop's own work
+    # per step: drafting, target forwards, the loop's own work (without compilation, as ``seconds``)
+    step_ms: tuple[float, float, float] | None = None
     processor_ms: float | None = None  # per step: the logits processors (part of drafting and the loop's work)
     processor_calls: float | None = None  # per step: the logits processors' calls
 

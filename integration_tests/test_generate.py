@@ -13,7 +13,8 @@ What is checked, each against something independent of the loop:
   row's whole sequence;
 * bad input raises ``ValueError`` with a plain message;
 * vocabularies that differ by padding only (136 vs 128, both ways);
-* the statistics agree with counts rebuilt from the streamed tokens.
+* the statistics agree with counts rebuilt from the streamed tokens; the
+  steps' times leave JAX compilation out (it is in ``compile_time_s``).
 
 The sampling distribution is tested in ``test_generate_stats.py``. Every model
 here has vocabulary 96 (except the padding tests), so the runs share the loop's
@@ -23,6 +24,7 @@ JAX compilations; set ``JAX_COMPILATION_CACHE_DIR`` to keep them across runs.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,7 @@ import pytest
 import torch
 
 import specjax
+from specjax.drafters import NgramDrafter
 
 ARCHS = ("llama", "gpt2", "qwen2", "mistral")
 VOCAB = 96
@@ -661,6 +664,43 @@ def test_stats_are_consistent(draft_kind, batch, max_new_tokens, g, temperature,
     if draft_kind == "same":
         assert s.steps == math.ceil(max_new_tokens / (g + 1))
         assert s.mean_accepted_length == pytest.approx(max_new_tokens / s.steps)
+
+
+class CompilingLookup(NgramDrafter):
+    """Prompt lookup that also runs a newly defined jitted function at each proposal (traced and compiled
+    anew, as a drafter's JAX code meeting a new shape is), timing its proposals and their compilation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = self.compiling = 0.0
+
+    def propose(self, request: Any) -> Any:
+        import jax
+
+        from specjax.generate.compile_time import measure_compiles
+
+        start = time.perf_counter()
+        with measure_compiles() as clock:
+            jax.block_until_ready(jax.jit(lambda x: x * 2 + 1)(np.arange(3, dtype=np.float32)))
+        proposal = super().propose(request)
+        self.compiling += clock.seconds
+        self.seconds += time.perf_counter() - start
+        return proposal
+
+
+def test_step_times_leave_compilation_out(pairs, left_padded):
+    """``draft_time_s`` (and the target's and the loop's times) count a step's work without the JAX
+    compilation in it, which ``compile_time_s`` holds (one-time work, left out of ``tokens_per_s`` too):
+    the drafting time is the drafter's proposals' own time less their compilation, give or take the
+    loop's call around them."""
+    models = pairs("llama")
+    ids, mask = left_padded((4,), vocab_size=VOCAB, seed=9)
+    drafter = CompilingLookup()
+    s = generate(models["target"], drafter, ids, mask, max_new_tokens=8, num_draft_tokens=G).stats
+    assert drafter.compiling > 0  # the premise: the steps compiled
+    assert drafter.seconds - drafter.compiling <= s.draft_time_s < drafter.seconds
+    assert s.compile_time_s >= drafter.compiling
+    assert s.draft_time_s + s.target_time_s + s.loop_time_s + s.compile_time_s <= s.wall_time_s
 
 
 def test_sampler_callable_matches_the_fused_path(pairs, left_padded):

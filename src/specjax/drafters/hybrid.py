@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 import torch
 
 from specjax.drafters.base import DRAFTER_METHODS, CommitInfo, DraftRequest, DraftSetup, Proposal, is_drafter
+from specjax.slots import to_host
 
 __all__ = ["HybridDrafter"]
 
@@ -103,18 +103,13 @@ class HybridDrafter:
             confidence = np.full((len(use), g), np.nan)
             fb_conf = np.asarray(fb.confidence, np.float64)[:, :g]
             confidence[:, : fb_conf.shape[1]] = np.where(use[:, None], np.nan, fb_conf)
-        tokens: Any
+        # Each row takes its drafter's tokens, merged on the host: the loop reads drawn draft tokens there
+        # anyway (check_proposal), and JAX ops here would compile anew for each width and batch size.
+        fb_host = np.zeros((len(use), g), np.int32)  # positions past fb.width: only n-gram rows test them
+        fb_host[:, : fb.width] = to_host(fb.tokens)[:, : fb.width]
+        tokens = np.where(use[:, None], ng_tokens, fb_host)
         logits: tuple[Any, ...] | None = None
-        if fb.logits is None:  # point masses from both: each row takes its drafter's tokens
-            fb_host = np.zeros((len(use), g), np.int32)
-            fb_host[:, : fb.width] = np.asarray(fb.tokens)[:, : fb.width]
-            tokens = np.where(use[:, None], ng_tokens, fb_host)
-        else:
-            fb_tokens = jnp.asarray(fb.tokens).astype(jnp.int32)
-            if g > fb.width:  # positions only n-gram rows reach: the fallback's rows never test them
-                fb_tokens = jnp.pad(fb_tokens, ((0, 0), (0, g - fb.width)))
-            tokens = jnp.where(jnp.asarray(use)[:, None], jnp.asarray(ng_tokens), fb_tokens)
-            # one logits array per position; the n-gram rows' (point masses) are never read
+        if fb.logits is not None:  # one logits array per position; the n-gram rows' (point masses) are never read
             logits = tuple(fb.logits) + (fb.logits[-1],) * (g - fb.width)
         return Proposal(
             tokens,

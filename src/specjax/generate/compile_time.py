@@ -6,17 +6,19 @@ compiler than about decoding. :func:`measure_compiles` sums the durations JAX
 reports for tracing, lowering and compiling (or loading from the persistent
 compilation cache) in the calling thread while the block runs, and counts
 backend compilations, so callers can report compile time separately and
-detect recompilations (``benchmarks/soak.py``).
+detect recompilations (``benchmarks/soak.py``). :func:`timed_block` times a
+block of code with the compilation inside it apart (the loop's phases).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["CompileClock", "measure_compiles"]
+__all__ = ["CompileClock", "Spent", "measure_compiles", "timed_block"]
 
 _BACKEND = "/jax/core/compile/backend_compile_duration"
 _EVENTS = frozenset(
@@ -76,3 +78,40 @@ def measure_compiles() -> Iterator[CompileClock]:
         yield clock
     finally:
         clocks.remove(clock)
+
+
+@dataclass
+class Spent:
+    """A block's wall-clock time and the part of it spent compiling (filled in by :func:`timed_block`).
+
+    Attributes:
+      seconds: the block's wall-clock time (``time.perf_counter``).
+      compiling: the JAX compilation its clock saw meanwhile (part of ``seconds``).
+    """
+
+    seconds: float = 0.0
+    compiling: float = 0.0
+
+    @property
+    def net(self) -> float:
+        """The block's time without compilation (one-time work per shape and process)."""
+        return self.seconds - self.compiling
+
+    def minus(self, *parts: Spent) -> Spent:
+        """This block's time outside ``parts`` (blocks that ran inside it)."""
+        return Spent(self.seconds - sum(p.seconds for p in parts), self.compiling - sum(p.compiling for p in parts))
+
+
+@contextlib.contextmanager
+def timed_block(clock: CompileClock) -> Iterator[Spent]:
+    """Yield a :class:`Spent` that holds, once the block ends, its time and the compilation ``clock`` saw in it.
+
+    ``clock``: a :func:`measure_compiles` clock open around the block.
+    """
+    spent = Spent()
+    compiled, start = clock.seconds, time.perf_counter()
+    try:
+        yield spent
+    finally:
+        spent.seconds = time.perf_counter() - start
+        spent.compiling = clock.seconds - compiled

@@ -56,7 +56,7 @@ import torch
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal, SamplingState
 from specjax.generate import checks
 from specjax.generate.checks import check_step_output
-from specjax.generate.compile_time import measure_compiles
+from specjax.generate.compile_time import CompileClock, Spent, measure_compiles, timed_block
 from specjax.generate.draft_batch import DraftBatch, check_proposal, draft_batch, no_proposal
 from specjax.generate.grammar import GrammarRows
 from specjax.generate.outputs import OutputRecorder, Outputs
@@ -139,8 +139,9 @@ class SpeculativeStats:
       draft_time_s / target_time_s / loop_time_s: where the steps' time went:
         the drafter's proposals, the target's forwards, and the rest (the
         loop's own work: verification, bookkeeping, the drafter's commit);
-        compilation included. ``loop_time_s / steps`` is the loop's cost per
-        step beside the two models.
+        JAX compilation left out (it is in ``compile_time_s``: one-time work
+        per shape, left out of ``tokens_per_s`` too). ``loop_time_s / steps``
+        is the loop's cost per step beside the two models.
       processor_time_s: the part of draft and loop time spent in the logits
         processors (``logits_processor`` and the options built into processors;
         a grammar's cut and merge of the proposals included; 0 without them).
@@ -260,7 +261,8 @@ class _Row:
 @dataclass
 class _Scored:
     """A step's target forward: logits f[B', W+1, V] at ``[last, x_0 .. x_{W-1}]`` (torch), the hidden
-    states the drafter reads (or None), where the scored positions start in the target cache, its time.
+    states the drafter reads (or None), where the scored positions start in the target cache, the forward's
+    time (none for the plain step the prompt's forward scored).
 
     ``logits`` are what the verifier reads; ``raw_logits`` the target's before any logits
     processor (None: the same tensor as ``logits``).
@@ -269,7 +271,7 @@ class _Scored:
     logits: torch.Tensor
     hidden: torch.Tensor | None
     start_slot: int
-    seconds: float
+    forward: Spent
     raw_logits: torch.Tensor | None = None
 
 
@@ -277,7 +279,8 @@ class _Run:
     """One call's state and its steps (see the module docstring); arguments as :func:`run_loop`'s.
 
     ``greedy``: every row greedy with the built-in sampler (the greedy verifier's case);
-    ``all_greedy``: every row greedy (what the schedule prices).
+    ``all_greedy``: every row greedy (what the schedule prices); ``compiles``: the call's
+    :func:`~specjax.generate.compile_time.measure_compiles` clock (the steps' parts are timed without it).
     """
 
     def __init__(
@@ -291,10 +294,12 @@ class _Run:
         *,
         greedy: bool,
         all_greedy: bool,
+        compiles: CompileClock,
         processors: LoopProcessors | None = None,
         grammar: GrammarRows | None = None,
     ) -> None:
         self.drafter, self.sampling, self.config = drafter, sampling, config
+        self.compiles = compiles
         self.processors, self.grammar = processors, grammar
         self.grammar_s = 0.0  # the grammar's cut and merge of proposals (its masks are the processors')
         num_draft_tokens = config.num_draft_tokens
@@ -397,31 +402,30 @@ class _Run:
 
     def draft(
         self, remaining: np.ndarray, active: np.ndarray, caps: np.ndarray, want: np.ndarray, timed: Any
-    ) -> tuple[DraftBatch, float]:
+    ) -> tuple[DraftBatch, Spent]:
         """Ask the drafter (unless nothing is to be drafted), check its proposal, trim it to what is
-        tested: the step's :class:`DraftBatch` and the drafting time. ``timed()``: whether the step has
+        tested: the step's :class:`DraftBatch` and the drafter's time. ``timed()``: whether the step has
         compiled nothing so far (only such times are recorded)."""
         b_now = len(caps)
         if self.grammar is not None:  # the rows' committed tokens, for the grammar's cut of this step
             self.grammar.begin_step(self.cache_rows, [self.rows[i].generated for i in self.cache_rows])
         ask = self.first_scored is None and caps.max(initial=0) > 0 and (want.max(initial=0) > 0 or self.free_proposals)
-        draft_s = 0.0
+        drafting = Spent()
         proposal: Proposal
         if ask:
-            t_draft = time.perf_counter()
-            proposal = self.drafter.propose(
-                DraftRequest(
-                    self.step,
-                    [self.contexts[i] for i in self.cache_rows],
-                    want,
-                    active,
-                    self.sampling,
-                    caps,
-                    self.schedule.worth_drafting if self.use_confidence else None,
-                    None if self.processors is None else self.processors.draft_hook(self.cache_rows, active),
+            with timed_block(self.compiles) as drafting:
+                proposal = self.drafter.propose(
+                    DraftRequest(
+                        self.step,
+                        [self.contexts[i] for i in self.cache_rows],
+                        want,
+                        active,
+                        self.sampling,
+                        caps,
+                        self.schedule.worth_drafting if self.use_confidence else None,
+                        None if self.processors is None else self.processors.draft_hook(self.cache_rows, active),
+                    )
                 )
-            )
-            draft_s = time.perf_counter() - t_draft
             check_proposal(
                 self.who,
                 proposal,
@@ -433,7 +437,7 @@ class _Run:
             )
             paid = int(want.max()) if proposal.paid_tokens is None else int(proposal.paid_tokens)
             if timed():
-                self.schedule.record_draft(paid, draft_s)
+                self.schedule.record_draft(paid, drafting.seconds)
             if proposal.hindsight is not None:
                 self.schedule.record_hindsight(*proposal.hindsight)
             # (kept once seen: a hybrid drafter's steps where only lookups answer have none)
@@ -463,7 +467,7 @@ class _Run:
         self.stats.draft_steps += int(g > 0)
         width = self.schedule.padded_width(g + 1) - 1 if g else 0  # >= g: filler columns are never tested
         batch = draft_batch(proposal, k, width, self.last, self.device, confidence)
-        return dataclasses.replace(batch, own=own), draft_s
+        return dataclasses.replace(batch, own=own), drafting
 
     def grammar_cut(self, proposal: Proposal) -> Proposal:
         """The proposal with its point-mass rows cut at their first grammar-refused token (see
@@ -538,7 +542,7 @@ class _Run:
     def _forward(self, batch: DraftBatch, active: np.ndarray) -> _Scored:
         if self.first_scored is not None:  # the prompt's forward scored this plain step
             first, self.first_scored = self.first_scored, None
-            return _Scored(first[0], first[1], self.t_cache.length - 1, 0.0)
+            return _Scored(first[0], first[1], self.t_cache.length - 1, Spent())
         width = batch.width
         t_in = torch.cat([torch.as_tensor(self.last, device=self.device)[:, None], batch.tokens_t], dim=1)
         t_valid, all_valid = np.broadcast_to(active[:, None], t_in.shape), bool(active.all())
@@ -547,15 +551,16 @@ class _Run:
             t_valid = np.concatenate([self.prefix[1], t_valid], axis=1)
             all_valid = all_valid and self.prefix[2]
         start_slot = self.t_cache.length + t_in.shape[1] - (width + 1)
-        t_fwd = time.perf_counter()
-        out = self.t_cache.forward(t_in, t_valid, keep_last=width + 1, all_valid=all_valid, hidden=self.hidden_layers)
+        with timed_block(self.compiles) as forward:
+            out = self.t_cache.forward(
+                t_in, t_valid, keep_last=width + 1, all_valid=all_valid, hidden=self.hidden_layers
+            )
         hidden: torch.Tensor | None
         logits, hidden = out if self.needs_hidden else (out, None)
-        seconds = time.perf_counter() - t_fwd
         if self.prefix is None:  # a merged prefill would price verification far too high
-            self.schedule.record_verify(width + 1, seconds)
+            self.schedule.record_verify(width + 1, forward.seconds)
         self.prefix = None
-        return _Scored(logits, hidden, start_slot, seconds)
+        return _Scored(logits, hidden, start_slot, forward)
 
     # 5. Commit ----------------------------------------------------------------------------------
 
@@ -692,26 +697,28 @@ def run_loop(
             config,
             greedy=greedy,
             all_greedy=all_greedy,
+            compiles=compiles,
             processors=processors,
             grammar=grammar,
         )
         while run.active():
-            t_step = time.perf_counter()
-            timed = functools.partial(_compiled_nothing, compiles, compiles.seconds)
-            remaining, active, caps, want = run.plan()  # 1.
-            batch, draft_s = run.draft(remaining, active, caps, want, timed)  # 2.
-            scored = run.score(batch, active)  # 3.
-            n, tokens = verify(batch, scored.logits, run.sampling, run.step)  # 4.
-            check_step_output("the verification step", n, tokens, batch.k, config.target_vocab)
-            run.commit(batch, scored, n, tokens)  # 5.
+            with timed_block(compiles) as step:
+                timed = functools.partial(_compiled_nothing, compiles, compiles.seconds)
+                remaining, active, caps, want = run.plan()  # 1.
+                batch, drafting = run.draft(remaining, active, caps, want, timed)  # 2.
+                scored = run.score(batch, active)  # 3.
+                n, tokens = verify(batch, scored.logits, run.sampling, run.step)  # 4.
+                check_step_output("the verification step", n, tokens, batch.k, config.target_vocab)
+                run.commit(batch, scored, n, tokens)  # 5.
             # the step's time besides drafting and the target forward (verification, bookkeeping,
-            # the drafter's commit), apart for steps that verified drafts and plain ones
-            rest_s = time.perf_counter() - t_step - draft_s - scored.seconds
-            run.stats.draft_time_s += draft_s
-            run.stats.target_time_s += scored.seconds
-            run.stats.loop_time_s += rest_s
+            # the drafter's commit), apart for steps that verified drafts and plain ones; each part
+            # counts in the stats without its compilation (one-time work, in compile_time_s)
+            rest = step.minus(drafting, scored.forward)
+            run.stats.draft_time_s += drafting.net
+            run.stats.target_time_s += scored.forward.net
+            run.stats.loop_time_s += rest.net
             if timed():
-                run.schedule.record_overhead(rest_s, drafted=batch.g > 0)
+                run.schedule.record_overhead(rest.seconds, drafted=batch.g > 0)
             run.shrink()  # 6.
 
     stats = run.stats
