@@ -6,25 +6,28 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
 2. **Logits**: the target's jitted JAX forward (:mod:`specjax.generate.jax_model`)
    against torch's eager forward on the CPU, at JAX's default matmul precision and
    at ``highest``: max |difference| and argmax agreement per position.
-3. **Greedy identity**: ``speculative_generate`` with the model drafter (both paths), with
-   ``ngram`` and with the eagle head against the target alone on the same device
-   (:func:`specjax.generate.jax_loop.greedy_decode`), every row; and the first rows
-   against torch's ``generate`` on the CPU, at both precisions (how many rows differ).
+3. **Greedy identity**, per matmul precision (``--precisions``): ``speculative_generate`` with the
+   model drafter (both paths), ``ngram``, ``hybrid`` and the eagle head against the target alone on
+   the same device (:func:`specjax.generate.jax_loop.greedy_decode`), every row, no EOS on either side;
+   and the first rows against torch's ``generate`` on the CPU (how many rows differ). The identity on
+   the device must hold at ``highest``; at ``default`` (bf16 passes) differing rows are counted.
 4. **Law** at T = 0.7 (tests/torchax_law.py, the same check as
    tests/test_torchax_law.py): N copies of one prompt, three new tokens each, from a
    tiny random pair (V = 8): chi-square of the joint counts against the target's
    exact law computed on the CPU; negative controls (must be rejected): the same
    counts against the draft's law, and one step with the draft's q mis-stated.
-5. **Timings**: for each drafter (``--drafters``), B and mode (greedy, T = 0.7), the loop against the
-   target alone (``greedy_decode``: the same jitted forward, one token a step,
-   read once at the end), both warmed up first (compilation excluded): tokens/s,
-   the ratio, the acceptance rate, ms per step; median of ``--reps`` runs. The
-   model drafter runs on both JAX paths side by side (``path``): ``device``, the
-   device-resident loop (every step in one program, its default), and
-   ``per-step``, one program per step with the host reading each step
-   (``jax_loop.per_step_loop``); ``eagle`` (``--drafters model,eagle``) runs
-   device-resident only.
+5. **Timings**: for each prompt group (``--categories``), B, drafter (``--drafters``) and mode
+   (``--temperatures``), the loop against the target alone (:func:`specjax.generate.jax_loop.target_decode`:
+   the same forward, one token a step, every step in one program; greedy, or sampled at the same T),
+   both warmed up first (compilation excluded), both making exactly ``--max-new`` tokens a row (no EOS):
+   tokens/s, the ratio, the acceptance rate, ms per step; median of ``--reps`` runs. Every batch is
+   padded to the longest prompt of all groups (one compilation per program for every group). The
+   model drafter runs on both JAX paths side by side (``--paths``): ``device``, the device-resident
+   loop (every step in one program, its default), and ``per-step``, one program per step with the host
+   reading each step (``jax_loop.per_step_loop``); ``eagle`` runs device-resident only, the lookup
+   drafters per step. ``--rows FILE`` appends each row as it comes (benchmarks/results_io.py).
 
+Sections run in ``--order`` (``--skip`` leaves some out).
 A JSON summary of every section is the last line printed (and ``--out FILE``).
 Exit status 1 if a greedy identity on the device fails, or the law test rejects the
 target's law or a negative control passes.
@@ -223,8 +226,9 @@ def section_greedy(
             for name, make, per_step in runs:
                 with per_step_loop() if per_step else contextlib.nullcontext():
                     out = speculative_generate(
-                        pair["target_j"], make(), ids, mask, max_new_tokens=max_new, num_draft_tokens=g
-                    )
+                        pair["target_j"], make(), ids, mask, max_new_tokens=max_new, num_draft_tokens=g,
+                        eos_token_id=[],  # as the reference: every row runs to max_new tokens
+                    )  # fmt: skip
                 got = out.sequences[:, ids.shape[1] :].numpy()
                 same = int((got == ref).all(axis=1).sum())
                 if precision == "highest":
@@ -355,7 +359,10 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                         num_draft_tokens=args.draft_tokens,
                         temperature=temp,
                         seed=1,
+                        eos_token_id=[],  # as the reference (no EOS): both sides make batch * max_new tokens
                     )
+                if out.num_new_tokens.sum() != ids.shape[0] * args.max_new:
+                    raise SystemExit(f"{name}: {out.num_new_tokens.tolist()} new tokens, expected {args.max_new} a row")
                 stats.append(out.stats)
 
             spec()  # compile
