@@ -808,7 +808,7 @@ def _head_prefilled(
 
 
 # Recompiles when the target, B, the cache's length, the number of steps or the mode change.
-@functools.partial(jax.jit, static_argnames=("target", "steps", "sample"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("target", "steps", "sample"))
 def _decode_steps(
     target: JaxModel,
     weights: dict[str, jax.Array],
