@@ -95,6 +95,7 @@ __all__ = [
     "greedy_decode",
     "host_ids",
     "lookup_and_verify",
+    "lookup_inputs",
     "next_positions",
     "per_step_loop",
     "prefill",
@@ -321,6 +322,26 @@ def next_positions(xp: Any, tokens: Any, n: Any, active: Any, prev: Any, last: A
     )
 
 
+def lookup_inputs(xp: Any, found_x: Any, found: Any, last: Any, caps: Any, fused: bool) -> tuple[Any, Any, Any]:
+    """A step's inputs from its lookups: the rule of both loops (``xp``: numpy on the host, jax.numpy in the
+    device-resident loop).
+
+    Args:
+      found_x: i[B, G], each row's lookup (any ids past ``found``); found: i[B], its length (0: no match),
+        at most ``caps``; last: i[B], each row's last committed token; caps: i[B], the most tokens each
+        row may test; fused: whether a draft model drafts the rows without a match (the hybrid).
+
+    Returns:
+      ``(x i[B, G], k i[B], use bool[B])``: the proposals, the lookups' tokens with ``last`` as filler (a
+      valid id, never tested); the tokens each row tests, ``found`` (the hybrid's model rows: ``caps``);
+      the rows that propose their lookup.
+    """
+    tested = xp.arange(found_x.shape[1])[None, :] < found[:, None]
+    use = found > 0
+    x = xp.where(tested, found_x, last[:, None]).astype(last.dtype)
+    return x, (xp.where(use, found, caps) if fused else found), use
+
+
 class Resident(NamedTuple):
     """The device-resident loop's carry (:func:`resident_steps`); M = ``max_new_tokens``.
 
@@ -410,11 +431,9 @@ def resident_steps(
         active = ~s.done
         k = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
         x = use = None
-        if lookup is not None:  # the per-step path's propose(): lookups, the last token as filler
+        if lookup is not None:  # the per-step path's propose() on the device
             found_x, found = jax_lookup(s.context, s.context_len, k, min_n=lookup[0], max_n=lookup[1], g=g)
-            tested = jnp.arange(g, dtype=jnp.int32)[None, :] < found[:, None]
-            x, use = jnp.where(tested, found_x, s.last[:, None]), found > 0
-            k = found if draft is None else jnp.where(use, found, k)  # the hybrid's model rows test G (capped)
+            x, k, use = lookup_inputs(jnp, found_x, found, s.last, k, draft is not None)
         if draft is None:
             n, tokens, t_cache = lookup_and_verify(
                 target, t_weights, s.t_cache, x, s.last, s.start, row_keys, s.step, params, k
@@ -628,12 +647,10 @@ class _JaxRun:
                 "(logits=None) from drafters other than the model drafter"
             )
         found = np.minimum(np.asarray(proposal.num_tokens, np.int64), caps)
-        cols = min(self.g, int(found.max(initial=0)))
-        if cols:
-            tested = np.arange(cols)[None, :] < found[:, None]
-            x[:, :cols] = np.where(tested, np.asarray(proposal.tokens)[:, :cols], x[:, :cols])
-        use = found > 0
-        return x, np.where(use, found, caps) if self.fused else found, use
+        found_x = np.zeros((self.batch, self.g), np.int32)
+        cols = min(self.g, np.asarray(proposal.tokens).shape[1])
+        found_x[:, :cols] = np.asarray(proposal.tokens)[:, :cols]
+        return lookup_inputs(np, found_x, found, self.last, caps, self.fused)
 
     def verify(self, x: np.ndarray, k: np.ndarray, use: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The step's program (draft, the target's forward, the acceptance step); the host reads its int32
