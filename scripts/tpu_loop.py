@@ -7,7 +7,7 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
    against torch's eager forward on the CPU, at JAX's default matmul precision and
    at ``highest``: max |difference| and argmax agreement per position.
 3. **Greedy identity**, per matmul precision (``--precisions``): ``speculative_generate`` with the
-   model drafter (both paths), ``ngram``, ``hybrid`` and the eagle head against the target alone on
+   model drafter, ``ngram`` and ``hybrid`` (each on both paths) and the eagle head against the target alone on
    the same device (:func:`specjax.generate.jax_loop.greedy_decode`), every row, no EOS on either side;
    and the first rows against torch's ``generate`` on the CPU (how many rows differ). The identity on
    the device must hold at ``highest``; at ``default`` (bf16 passes) differing rows are counted.
@@ -22,10 +22,11 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
    both warmed up first (compilation excluded), both making exactly ``--max-new`` tokens a row (no EOS):
    tokens/s, the ratio, the acceptance rate, ms per step; median of ``--reps`` runs. Every batch is
    padded to the longest prompt of all groups (one compilation per program for every group). The
-   model drafter runs on both JAX paths side by side (``--paths``): ``device``, the device-resident
-   loop (every step in one program, its default), and ``per-step``, one program per step with the host
-   reading each step (``jax_loop.per_step_loop``); ``eagle`` runs device-resident only, the lookup
-   drafters per step. ``--rows FILE`` appends each row as it comes (benchmarks/results_io.py).
+   model, ``ngram`` and ``hybrid`` drafters run on both JAX paths side by side (``--paths``): ``device``,
+   the device-resident loop (every step in one program, n-gram lookups on the device; their default), and
+   ``per-step``, one program per step with the host reading each step and looking up n-grams
+   (``jax_loop.per_step_loop``); ``eagle`` runs device-resident only. ``--rows FILE`` appends each row as
+   it comes (benchmarks/results_io.py).
 
 Sections run in ``--order`` (``--skip`` leaves some out).
 A JSON summary of every section is the last line printed (and ``--out FILE``).
@@ -213,13 +214,17 @@ def section_greedy(
                 row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False
             )
             cpu.append(out[0, row.shape[1] :].numpy())
-    runs = (
-        ("model", lambda: pair["draft_j"], False),
-        ("model-per-step", lambda: pair["draft_j"], True),
-        ("ngram", NgramDrafter, False),
-        ("hybrid", lambda: HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"])), False),
-        ("eagle", lambda: EagleDrafter(pair["head"]), False),
-    )
+    makers = {
+        "model": lambda: pair["draft_j"],
+        "ngram": NgramDrafter,
+        "hybrid": lambda: HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"])),
+    }
+    runs = [
+        (name + suffix, make, per_step)
+        for name, make in makers.items()
+        for suffix, per_step in (("", False), ("-per-step", True))
+    ]
+    runs.append(("eagle", lambda: EagleDrafter(pair["head"]), False))
     for precision in precisions:
         with jax.default_matmul_precision(precision):
             ref = greedy_decode(pair["target_j"], ids, mask, max_new)
@@ -334,14 +339,14 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
 
             base()  # compile
             base_s[temp] = _median_time(base, args.reps)
-        # the model drafter on both paths side by side: the device-resident loop (its default) and one program
-        # per step with the host reading each step (per_step_loop); the host drafters run per step only
+        # the drafters on both paths side by side: the device-resident loop (their default) and one program
+        # per step with the host reading each step (per_step_loop); the eagle head is device-resident only
         cases = [
             (name, path, temp)
             for name in args.drafters
             for temp in args.temperatures
-            for path in {"model": ("device", "per-step"), "eagle": ("device",)}.get(name, ("per-step",))
-            if path in args.paths or name not in ("model", "eagle")
+            for path in (("device",) if name == "eagle" else ("device", "per-step"))
+            if path in args.paths
         ]
         for name, path, temp in cases:
             stats: list[Any] = []
@@ -437,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         "--paths",
         type=lambda s: s.split(","),
         default=["device", "per-step"],
-        help="the model drafter's timed paths: device (resident loop), per-step",
+        help="the timed paths of the model, ngram and hybrid drafters: device (resident loop), per-step",
     )
     parser.add_argument("--rows", default=None, help="append each timing row to this JSONL file as it comes")
     parser.add_argument(

@@ -171,30 +171,35 @@ def test_ids_are_read_once_from_a_torchax_tensor(models, prompts):
     np.testing.assert_array_equal(got.sequences.numpy(), want.sequences.numpy())
 
 
-# The device-resident loop (``jax_loop.resident_steps``): the model drafter's steps in one program, the
-# host reading only the int32 tokens and per-step counts. Reference: the per-step path of the same call
-# (``per_step_loop``), whose steps it must repeat exactly: the same tokens, stats and streamed chunks.
+# The device-resident loop (``jax_loop.resident_steps``): the model, ngram and hybrid drafters' steps in
+# one program, the host reading only the int32 tokens and per-step counts. Reference: the per-step path of
+# the same call (``per_step_loop``; for ngram and hybrid, the host's n-gram index), whose steps it must
+# repeat exactly: the same tokens, stats and streamed chunks. The prompts' third row (11 12 11 12) has an
+# n-gram match from the first step, the other two have none there: the hybrid's first step proposes from
+# both of its drafters.
 
 _TIMINGS = {"wall_time_s", "compile_time_s", "tokens_per_s", "draft_time_s", "target_time_s", "loop_time_s"}
 _SAMPLED = dict(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+_SAMPLED_07 = dict(temperature=0.7, seed=5)
+
+
+def _counting_programs(monkeypatch) -> list[int]:
+    """A list that gets an entry each time the device-resident program is called."""
+    programs: list[int] = []
+    real = jax_loop.resident_steps
+    monkeypatch.setattr(jax_loop, "resident_steps", lambda *a, **k: programs.append(1) or real(*a, **k))
+    return programs
 
 
 def _both_paths(jx, draft, ids, mask, monkeypatch, **kw):
     """``(device-resident, per-step)`` results of one call, each as (output, stats without timings, the
     ``on_tokens`` calls), and how many programs the device-resident one ran."""
-    programs = []
-    real = jax_loop.resident_steps
-
-    def counted(*args, **kwargs):
-        programs.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(jax_loop, "resident_steps", counted)
+    programs = _counting_programs(monkeypatch)
 
     def run():
         calls = []
         out = speculative_generate(
-            jx["target"], jx[draft], ids, mask, on_tokens=lambda b, t: calls.append((b, list(t))), **kw
+            jx["target"], make_drafter(draft, jx), ids, mask, on_tokens=lambda b, t: calls.append((b, list(t))), **kw
         )
         return out, {k: v for k, v in out.stats.as_dict().items() if k not in _TIMINGS}, calls
 
@@ -216,6 +221,16 @@ def _both_paths(jx, draft, ids, mask, monkeypatch, **kw):
         ("close", {}, 1, None),  # no draft token fits: k = 0 every step
         ("close", {}, 2, 0),
         ("close", _SAMPLED, 5, None),
+        ("ngram", {}, MAX_NEW, None),
+        ("ngram", _SAMPLED_07, MAX_NEW, None),
+        ("ngram", {}, 13, 4),
+        ("ngram", _SAMPLED_07, 7, 1),
+        ("ngram", {}, 1, None),
+        ("hybrid", {}, MAX_NEW, None),
+        ("hybrid", _SAMPLED_07, MAX_NEW, None),
+        ("hybrid", _SAMPLED, 13, None),
+        ("hybrid", {}, 11, 3),
+        ("hybrid", _SAMPLED_07, 7, 2),
     ],
     ids=[
         "greedy",
@@ -227,6 +242,16 @@ def _both_paths(jx, draft, ids, mask, monkeypatch, **kw):
         "max1",
         "max2-eos",
         "max5",
+        "ngram-greedy",
+        "ngram-t0.7",
+        "ngram-greedy-eos-max13",
+        "ngram-t0.7-eos-max7",
+        "ngram-max1",
+        "hybrid-greedy",
+        "hybrid-t0.7",
+        "hybrid-sampled-max13",
+        "hybrid-greedy-eos-max11",
+        "hybrid-t0.7-eos-max7",
     ],
 )
 def test_device_loop_repeats_the_per_step_path_exactly(models, prompts, monkeypatch, draft, sampling, max_new, eos_at):
@@ -234,7 +259,7 @@ def test_device_loop_repeats_the_per_step_path_exactly(models, prompts, monkeypa
     ids, mask = prompts
     kw = dict(max_new_tokens=max_new, num_draft_tokens=G, pad_token_id=0, **sampling)
     if eos_at is not None:  # an EOS id from row 0's own output (None: the model's own EOS, id 2)
-        first = speculative_generate(jx["target"], jx[draft], ids, mask, **kw)
+        first = speculative_generate(jx["target"], make_drafter(draft, jx), ids, mask, **kw)
         kw["eos_token_id"] = int(first.sequences[0, ids.shape[1] + eos_at])
     (got, got_stats, got_calls), (want, want_stats, want_calls), programs = _both_paths(
         jx, draft, ids, mask, monkeypatch, **kw
@@ -247,16 +272,36 @@ def test_device_loop_repeats_the_per_step_path_exactly(models, prompts, monkeypa
     assert programs == -(-want.stats.steps // jax_loop.STREAM_STEPS)  # on_tokens: one program per chunk
     if eos_at is not None:
         assert got.num_new_tokens[0] == eos_at + 1 < max_new
+    if draft == "ngram" and max_new > 1:  # not vacuous: the lookups proposed
+        assert got.stats.draft_tokens_proposed > 0
 
 
-def test_device_loop_without_a_callback_is_one_program(models, prompts, monkeypatch):
+class _OwnNgram(NgramDrafter):
+    """The built-in rule under another type: the loop cannot know it still is the rule, so it asks the host."""
+
+
+@pytest.mark.parametrize("kind", ["alone", "hybrid"])
+def test_other_lookup_drafters_keep_the_per_step_path(models, prompts, monkeypatch, kind):
+    _, jx = models
+    ids, mask = prompts
+    wrap = (lambda d: d) if kind == "alone" else (lambda d: HybridDrafter(d, ModelDrafter(jx["close"])))
+    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=G)
+    want = speculative_generate(jx["target"], wrap(NgramDrafter()), ids, mask, **kw)
+    programs = _counting_programs(monkeypatch)
+    got = speculative_generate(jx["target"], wrap(_OwnNgram()), ids, mask, **kw)
+    assert programs == []
+    assert got.sequences.tolist() == want.sequences.tolist()
+    assert got.stats.draft_tokens_accepted == want.stats.draft_tokens_accepted
+
+
+@pytest.mark.parametrize("draft", ["far", "ngram", "hybrid"])
+def test_device_loop_without_a_callback_is_one_program(models, prompts, monkeypatch, draft):
     """Nothing needs the host between steps: every step of the call in one program, the host reading once."""
     cpu, jx = models
     ids, mask = prompts
-    programs = []
-    real = jax_loop.resident_steps
-    monkeypatch.setattr(jax_loop, "resident_steps", lambda *a, **k: programs.append(1) or real(*a, **k))
-    out = speculative_generate(jx["target"], jx["far"], ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=G)
+    programs = _counting_programs(monkeypatch)
+    drafter = make_drafter(draft, jx)
+    out = speculative_generate(jx["target"], drafter, ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=G)
     assert out.sequences[:, ids.shape[1] :].tolist() == target_greedy(cpu["target"], ids, mask, MAX_NEW)
     assert out.stats.steps > jax_loop.STREAM_STEPS  # many steps ...
     assert programs == [1]  # ... one program

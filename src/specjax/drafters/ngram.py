@@ -18,15 +18,21 @@ costs at most a missed proposal, never a wrong token (the target verifies
 every proposal). ``max_n`` is at most :data:`MAX_NGRAM`. Single tokens are
 not matched by default: on a CPU each wasted verification costs about half a
 decoding step, and one-token matches are mostly wrong.
+
+:func:`jax_lookup` is the same rule in JAX over a static-size token buffer
+(every row and candidate end position at once), for the device-resident loop
+(:mod:`specjax.generate.jax_loop`); tests/test_ngram_lookup.py ties the two.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, Proposal
 
-__all__ = ["MAX_NGRAM", "NgramDrafter", "NgramIndex"]
+__all__ = ["MAX_NGRAM", "NgramDrafter", "NgramIndex", "jax_lookup"]
 
 # The longest n-gram matched: the index's size and the time to index a token grow with
 # max_n - min_n + 1 (prompt lookup pays off at n of 2 to 5; longer matches are found by the
@@ -69,6 +75,49 @@ class NgramIndex:
             if end is not None and ctx[end - n + 1 : end + 1] == suffix:
                 return ctx[end + 1 : end + 1 + k]
         return []
+
+
+def jax_lookup(
+    ctx: jax.Array, length: jax.Array, k: jax.Array, *, min_n: int, max_n: int, g: int
+) -> tuple[jax.Array, jax.Array]:
+    """:meth:`NgramIndex.lookup` for every row at once, in JAX (traceable; no host read).
+
+    Row b's context is ``ctx[b, :length[b]]`` (L = its length). For n from min(``max_n``, L) down to
+    ``min_n``: the suffix is the last n tokens; the match is the latest earlier end e, n - 1 <= e <= L - 2
+    (the n-gram has a continuation), with ``ctx[b, e-n+1 .. e]`` equal to the suffix; the row proposes
+    ``ctx[b, e+1 : e+1+k[b]]``. The longest n with a match wins; none: nothing. The host index finds the
+    same match unless two n-grams' hashes collide (then it misses it).
+
+    Costs (max_n) compares of the whole buffer: n-grams are matched incrementally, the n-gram ending at e
+    matching when the (n-1)-gram does and ``ctx[e-n+1]`` equals the suffix's n-th token from the end.
+
+    Args:
+      ctx: i32[B, W], each row's tokens (positions from ``length[b]`` on are not read).
+      length: i32[B], the rows' context lengths L (0 <= L <= W).
+      k: i32[B], the most tokens each row proposes (0 or less: none; at most G are returned).
+      min_n, max_n: the n-gram lengths matched (static; 1 <= min_n <= max_n).
+      g: G, the width of the proposals (static).
+
+    Returns:
+      ``(tokens i32[B, G], found i32[B])``: row b proposes ``tokens[b, :found[b]]``, found = min(k, G,
+      L - 1 - e) at its match, 0 without one; ``tokens`` is 0 past ``found``.
+    """
+    batch, width = ctx.shape
+    pos = jnp.arange(width, dtype=jnp.int32)[None, :]
+    length = length.astype(jnp.int32)[:, None]
+    matched = jnp.ones((batch, width), bool)  # matched[b, e]: the n-gram ending at e equals the suffix
+    best = jnp.full((batch,), -1, jnp.int32)  # the latest match's end for the longest n so far
+    for n in range(1, max_n + 1):
+        tail = jnp.take_along_axis(ctx, jnp.maximum(length - n, 0), axis=1)  # the suffix's n-th token from the end
+        before = jnp.pad(ctx, ((0, 0), (n - 1, 0)))[:, :width]  # before[b, e] = ctx[b, e - n + 1]
+        matched &= before == tail
+        if n >= min_n:  # e >= n - 1 (a whole n-gram) and e <= L - 2 (a continuation) imply n < L
+            ends = jnp.where(matched & (pos >= n - 1) & (pos <= length - 2), pos, -1).max(axis=1)
+            best = jnp.where(ends >= 0, ends, best)  # a longer n with a match replaces a shorter one
+    found = jnp.where(best >= 0, jnp.clip(jnp.minimum(k, length[:, 0] - 1 - best), 0, g), 0).astype(jnp.int32)
+    j = jnp.arange(g, dtype=jnp.int32)[None, :]
+    picked = jnp.take_along_axis(ctx, jnp.clip(best[:, None] + 1 + j, 0, width - 1), axis=1)
+    return jnp.where(j < found[:, None], picked, 0).astype(jnp.int32), found
 
 
 class NgramDrafter:

@@ -10,28 +10,31 @@ static-shape KV caches, and one step is one ``jax.jit`` program:
    ``lax.scan``), each through :func:`specjax.kernels.steps.draft_draw`, so
    ``q`` is exactly what the acceptance step recomputes. A lookup drafter
    (``ngram``, or any drafter proposing point masses without the target's
-   hidden states) proposes on the host instead, from the committed tokens, and
-   its tokens are the program's input. The ``hybrid`` drafter does both: rows
+   hidden states) proposes from the committed tokens (``ngram`` on the device,
+   :func:`~specjax.drafters.ngram.jax_lookup`; others on the host), and its
+   tokens are the program's input. The ``hybrid`` drafter does both: rows
    with an n-gram match propose their lookups (point masses, fed to the draft
    model too), the draft model draws for the others, in the same program.
 2. **Score**: the target's forward over ``[last, x_0 .. x_{G-1}]``.
 3. **Verify**: :func:`specjax.kernels.steps.verify_step` on the target's
    logits as they are (the same ``jax.Array``, never leaving the device).
 
-With a host drafter (``ngram``, ``hybrid``) the host reads the int32
-``(num_accepted, tokens)`` of each step, nothing else, and does the
-bookkeeping: EOS, ``max_new_tokens``, each row's position (the next step
-starts right after its last committed token, overwriting the slots of rejected
-drafts: :mod:`specjax.generate.jax_model`). With the ``model`` drafter nothing
+With a host drafter (a lookup drafter other than the built-in ``ngram``, alone
+or in a hybrid) the host reads the int32 ``(num_accepted, tokens)`` of each
+step, nothing else, and does the bookkeeping: EOS, ``max_new_tokens``, each
+row's position (the next step starts right after its last committed token,
+overwriting the slots of rejected drafts: :mod:`specjax.generate.jax_model`).
+With the ``model``, ``ngram`` and ``hybrid(ngram, model)`` drafters nothing
 needs the host between steps, so the steps run **device-resident**
 (:func:`resident_steps`): a ``lax.while_loop`` over the same step program with
 the same bookkeeping on the device (per-row positions, emitted lengths, EOS,
-``max_new_tokens``, an i32[B, max_new_tokens] output buffer and per-step counts)
-until every row is done; the host then reads the int32 tokens and per-step
-counts once and replays each step's stats and ``on_tokens`` calls (with
-``on_tokens``, every :data:`STREAM_STEPS` steps, so the callback streams). The
-two paths give the same outputs and stats; :func:`per_step_loop` selects the
-per-step path for the model drafter. The eagle head runs device-resident only
+``max_new_tokens``, an i32[B, max_new_tokens] output buffer, per-step counts,
+and for the n-gram lookups each row's prompt and emitted tokens) until every
+row is done; the host then reads the int32 tokens and per-step counts once and
+replays each step's stats and ``on_tokens`` calls (with ``on_tokens``, every
+:data:`STREAM_STEPS` steps, so the callback streams). The two paths give the
+same outputs and stats; :func:`per_step_loop` selects the per-step path for
+those drafters. The eagle head runs device-resident only
 (:func:`eagle_and_verify`, :func:`eagle_commit`; docs/torchax.md says how it
 differs from the CPU drafter). The rules both use are written once:
 :func:`emitted_lengths`, :func:`next_positions` (numpy or jax.numpy).
@@ -60,9 +63,10 @@ import torch
 from jax import lax
 
 from specjax.adapters.jax_view import torchax_array
-from specjax.drafters import HybridDrafter, ModelDrafter
+from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from specjax.drafters.base import CommitInfo, DraftRequest, DraftSetup, SamplingState
 from specjax.drafters.eagle import EagleDrafter, check_head
+from specjax.drafters.ngram import jax_lookup
 from specjax.generate import checks
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.draft_batch import check_proposal
@@ -91,6 +95,7 @@ __all__ = [
     "greedy_decode",
     "host_ids",
     "lookup_and_verify",
+    "lookup_inputs",
     "next_positions",
     "per_step_loop",
     "prefill",
@@ -317,6 +322,26 @@ def next_positions(xp: Any, tokens: Any, n: Any, active: Any, prev: Any, last: A
     )
 
 
+def lookup_inputs(xp: Any, found_x: Any, found: Any, last: Any, caps: Any, fused: bool) -> tuple[Any, Any, Any]:
+    """A step's inputs from its lookups: the rule of both loops (``xp``: numpy on the host, jax.numpy in the
+    device-resident loop).
+
+    Args:
+      found_x: i[B, G], each row's lookup (any ids past ``found``); found: i[B], its length (0: no match),
+        at most ``caps``; last: i[B], each row's last committed token; caps: i[B], the most tokens each
+        row may test; fused: whether a draft model drafts the rows without a match (the hybrid).
+
+    Returns:
+      ``(x i[B, G], k i[B], use bool[B])``: the proposals, the lookups' tokens with ``last`` as filler (a
+      valid id, never tested); the tokens each row tests, ``found`` (the hybrid's model rows: ``caps``);
+      the rows that propose their lookup.
+    """
+    tested = xp.arange(found_x.shape[1])[None, :] < found[:, None]
+    use = found > 0
+    x = xp.where(tested, found_x, last[:, None]).astype(last.dtype)
+    return x, (xp.where(use, found, caps) if fused else found), use
+
+
 class Resident(NamedTuple):
     """The device-resident loop's carry (:func:`resident_steps`); M = ``max_new_tokens``.
 
@@ -327,6 +352,9 @@ class Resident(NamedTuple):
       length: i32[B], tokens each row has emitted; done: bool[B], rows that ended (EOS or M tokens).
       out: i32[B, M'], each row's tokens (``out[b, :length[b]]``; the rest is not read), M' >= M rounded up
         to a block of positions.
+      context, context_len: with a lookup drafter (``ngram``, ``hybrid``), i32[B, W] and i32[B]: each row's
+        prompt and emitted tokens (``context[b, :context_len[b]]``, what the host's n-gram index holds), W >=
+        the longest prompt + M rounded up to a block; None otherwise.
       rec_n, rec_k, rec_e: i32[M', B], per step s (a call runs at most M steps: every active row emits at
         least one token a step): the accepted, tested and emitted counts of each row (all 0 for a row
         inactive at that step).
@@ -341,20 +369,31 @@ class Resident(NamedTuple):
     length: jax.Array
     done: jax.Array
     out: jax.Array
+    context: Any
+    context_len: Any
     rec_n: jax.Array
     rec_k: jax.Array
     rec_e: jax.Array
     step: jax.Array
 
 
-# Recompiles when a model, B, G, E, the cache's length, M' (M in blocks) or params' static fields change;
-# never per chunk (``limit`` is an argument) nor per max_new_tokens within a block.
-@functools.partial(jax.jit, static_argnames=("target", "draft", "g", "vocab"), donate_argnames=("state",))
+def _append(buffer: jax.Array, length: jax.Array, tokens: jax.Array, e: jax.Array) -> jax.Array:
+    """``buffer`` (i32[B, W]) with each row's first ``e[b]`` of ``tokens`` (i32[B, G+1]) written from
+    ``length[b]`` on (slots past W dropped)."""
+    j = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    slot = jnp.where(j < e[:, None], length[:, None] + j, buffer.shape[1])
+    return buffer.at[jnp.arange(tokens.shape[0])[:, None], slot].set(tokens, mode="drop")
+
+
+# Recompiles when a model, B, G, E, the cache's length, M' (M in blocks), the context buffer's width, the
+# lookup's n-gram lengths or params' static fields change; never per chunk (``limit`` is an argument) nor
+# per max_new_tokens within a block.
+@functools.partial(jax.jit, static_argnames=("target", "draft", "g", "vocab", "lookup"), donate_argnames=("state",))
 def resident_steps(
     target: JaxModel,
-    draft: JaxModel | JaxHead,
+    draft: JaxModel | JaxHead | None,
     t_weights: dict[str, jax.Array],
-    d_weights: dict[str, jax.Array],
+    d_weights: dict[str, jax.Array] | None,
     state: Resident,
     row_keys: jax.Array,
     params: SamplingParams,
@@ -364,9 +403,10 @@ def resident_steps(
     *,
     g: int,
     vocab: int,
+    lookup: tuple[int, int] | None = None,
 ) -> Resident:
-    """The ``model`` drafter's steps in one program: a ``lax.while_loop`` of :func:`draft_and_verify` with
-    the host's bookkeeping (:func:`emitted_lengths`, :func:`next_positions`) on the device.
+    """The drafter's steps in one program: a ``lax.while_loop`` of the step program with the host's
+    bookkeeping (:func:`emitted_lengths`, :func:`next_positions`) on the device.
 
     Runs steps ``state.step ..`` until every row is done or the step number reaches ``limit`` (i32[]);
     ``max_new`` (i32[]): ``max_new_tokens``, an argument (the buffers are sized in blocks: nearby values
@@ -374,11 +414,15 @@ def resident_steps(
     Each step is exactly the per-step path's (the same program, keys, draft lengths and rules), so the
     outputs and stats are identical to it. ``eos``: i32[E]. Returns the carry after the last step.
 
-    ``draft``: the draft model (:func:`draft_and_verify`) or the eagle head (:func:`eagle_and_verify`, then
-    :func:`eagle_commit` of the emitted pairs). A drafter that needs the host between steps (a lookup,
-    processors) cannot run here.
+    ``draft``: the draft model (:func:`draft_and_verify`), the eagle head (:func:`eagle_and_verify`, then
+    :func:`eagle_commit` of the emitted pairs) or None (``lookup`` alone: :func:`lookup_and_verify`).
+    ``lookup``: ``(min_n, max_n)`` of an :class:`~specjax.drafters.NgramDrafter` (alone, or the hybrid's
+    with the draft model): each step looks up every row's context (``state.context``, appended as ``out``
+    is) with :func:`~specjax.drafters.ngram.jax_lookup` and feeds what the per-step path feeds
+    (:meth:`_JaxRun.propose`): the n-gram alone tests what it found; the hybrid's rows with a match propose
+    it as point masses, the others the draft model's draws. Other drafters that need the host between
+    steps (custom lookups, processors) cannot run here.
     """
-    width = state.out.shape[1]
 
     def go_on(s: Resident) -> jax.Array:
         return (s.step < limit) & ~jnp.all(s.done)
@@ -386,7 +430,17 @@ def resident_steps(
     def one(s: Resident) -> Resident:
         active = ~s.done
         k = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
-        if isinstance(draft, JaxHead):
+        x = use = None
+        if lookup is not None:  # the per-step path's propose() on the device
+            found_x, found = jax_lookup(s.context, s.context_len, k, min_n=lookup[0], max_n=lookup[1], g=g)
+            x, k, use = lookup_inputs(jnp, found_x, found, s.last, k, draft is not None)
+        if draft is None:
+            n, tokens, t_cache = lookup_and_verify(
+                target, t_weights, s.t_cache, x, s.last, s.start, row_keys, s.step, params, k
+            )
+            d_state = s.draft
+        elif isinstance(draft, JaxHead):
+            assert d_weights is not None
             k = jnp.where(s.draft.has_feature, k, 0)  # a row drafts once the head has a feature (a pair)
             n, tokens, t_cache, d_state, hidden = eagle_and_verify(
                 target, draft, t_weights, d_weights, s.t_cache, s.draft, s.last, s.start, row_keys, s.step, params,
@@ -395,23 +449,27 @@ def resident_steps(
         else:
             n, tokens, t_cache, d_state = draft_and_verify(
                 target, draft, t_weights, d_weights, s.t_cache, s.draft, s.prev, s.last, s.start, row_keys,
-                s.step, params, k, None, None, g=g, vocab=vocab,
+                s.step, params, k, x, use, g=g, vocab=vocab,
             )  # fmt: skip
         e, ends = emitted_lengths(jnp, tokens, n, active, s.length, max_new, eos)
+        e = e.astype(jnp.int32)
         if isinstance(draft, JaxHead):
+            assert d_weights is not None
             d_state = eagle_commit(draft, d_weights, d_state, hidden, tokens, e)
-        j = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        slot = jnp.where(j < e[:, None], s.length[:, None] + j, width)  # past the buffer: dropped
-        rows = jnp.arange(tokens.shape[0])[:, None]
+        context, context_len = s.context, s.context_len
+        if lookup is not None:
+            context, context_len = _append(s.context, s.context_len, tokens, e), s.context_len + e
         prev, last, start = next_positions(jnp, tokens, n, active, s.prev, s.last, s.start)
         return Resident(
             t_cache, d_state, prev, last, start,
-            length=(s.length + e).astype(jnp.int32),
+            length=s.length + e,
             done=s.done | ends,
-            out=s.out.at[rows, slot].set(tokens, mode="drop"),
+            out=_append(s.out, s.length, tokens, e),
+            context=context,
+            context_len=context_len,
             rec_n=s.rec_n.at[s.step].set(jnp.where(active, n, 0)),
             rec_k=s.rec_k.at[s.step].set(k),
-            rec_e=s.rec_e.at[s.step].set(e.astype(jnp.int32)),
+            rec_e=s.rec_e.at[s.step].set(e),
             step=s.step + 1,
         )  # fmt: skip
 
@@ -447,8 +505,9 @@ _PER_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("specjax_jax_pe
 
 @contextlib.contextmanager
 def per_step_loop() -> Iterator[None]:
-    """Within it, the JAX path runs the ``model`` drafter step by step (one program per step, the host
-    reading each step's tokens) instead of the device-resident loop: the same outputs and stats; for
+    """Within it, the JAX path runs the ``model``, ``ngram`` and ``hybrid`` drafters step by step (one program
+    per step, the host reading each step's tokens and looking up n-grams in its index) instead of the
+    device-resident loop: the same outputs and stats; for
     comparing the two (scripts/tpu_loop.py) and debugging. The eagle head has no per-step path: it stays
     device-resident."""
     token = _PER_STEP.set(True)
@@ -537,6 +596,10 @@ class _JaxRun:
         self.fused = draft_model is not None or eagle  # the step program drafts itself
         # the host's proposals: a lookup drafter's, or the hybrid's lookups (its model drafts the other rows)
         self.asked = drafter.ngram if isinstance(drafter, HybridDrafter) else (None if self.fused else drafter)
+        # the built-in n-gram rule has a device twin (jax_lookup); other lookup drafters run on the host
+        self.lookup = (self.asked.min_n, self.asked.max_n) if type(self.asked) is NgramDrafter else None
+        # every step in one program when nothing needs the host between steps
+        self.resident = eagle or (not _PER_STEP.get() and (self.asked is None or self.lookup is not None))
         positions = _positions(self.contexts, self.max_new_tokens + self.g + 1)
         self.t = jax_model("target", target)
         self.d: JaxModel | JaxHead | None = jax_model("draft", draft_model) if draft_model is not None else None
@@ -554,7 +617,7 @@ class _JaxRun:
             self.d_weights = self.d.weights
             self.d_cache = _prefilled(self.d, self.contexts, positions)[0]
         self.prev = np.array([c[-2] if len(c) > 1 else 0 for c in self.contexts], np.int32)
-        if self.asked is not None:
+        if self.asked is not None and not self.resident:
             contexts = [list(c) for c in self.contexts]
             self.asked.start(DraftSetup(target, input_ids, attention_mask, contexts, self.vocab, self.g, sampling))
 
@@ -584,12 +647,10 @@ class _JaxRun:
                 "(logits=None) from drafters other than the model drafter"
             )
         found = np.minimum(np.asarray(proposal.num_tokens, np.int64), caps)
-        cols = min(self.g, int(found.max(initial=0)))
-        if cols:
-            tested = np.arange(cols)[None, :] < found[:, None]
-            x[:, :cols] = np.where(tested, np.asarray(proposal.tokens)[:, :cols], x[:, :cols])
-        use = found > 0
-        return x, np.where(use, found, caps) if self.fused else found, use
+        found_x = np.zeros((self.batch, self.g), np.int32)
+        cols = min(self.g, np.asarray(proposal.tokens).shape[1])
+        found_x[:, :cols] = np.asarray(proposal.tokens)[:, :cols]
+        return lookup_inputs(np, found_x, found, self.last, caps, self.fused)
 
     def verify(self, x: np.ndarray, k: np.ndarray, use: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The step's program (draft, the target's forward, the acceptance step); the host reads its int32
@@ -653,11 +714,17 @@ class _JaxRun:
     def resident_state(self) -> Resident:
         """The call's state as the device-resident loop's carry (:func:`resident_steps`), before step 0."""
         m, b = _blocks(self.max_new_tokens), self.batch
-        assert self.d_cache is not None
+        context = context_len = None
+        if self.lookup is not None:  # the prompts, then the emitted tokens as they come
+            held = np.zeros((b, _positions(self.contexts, self.max_new_tokens)), np.int32)
+            for row, c in enumerate(self.contexts):
+                held[row, : len(c)] = c
+            context, context_len = jnp.asarray(held), jnp.asarray([len(c) for c in self.contexts], jnp.int32)
         return Resident(
             t_cache=self.t_cache, draft=self.d_cache, prev=jnp.asarray(self.prev), last=jnp.asarray(self.last),
             start=jnp.asarray(self.start), length=jnp.zeros(b, jnp.int32), done=jnp.zeros(b, bool),
-            out=jnp.zeros((b, m), jnp.int32), rec_n=jnp.zeros((m, b), jnp.int32), rec_k=jnp.zeros((m, b), jnp.int32),
+            out=jnp.zeros((b, m), jnp.int32), context=context, context_len=context_len,
+            rec_n=jnp.zeros((m, b), jnp.int32), rec_k=jnp.zeros((m, b), jnp.int32),
             rec_e=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32),
         )  # fmt: skip
 
@@ -665,14 +732,16 @@ class _JaxRun:
         """Steps on the device until every row is done or step ``limit`` (one program, no host read inside);
         then the host reads the int32 tokens and per-step counts and replays each step's bookkeeping (stats,
         ``on_tokens``), exactly as :meth:`commit` would have done it."""
-        assert self.d is not None and self.d_weights is not None
         state = resident_steps(
             self.t, self.d, self.t.weights, self.d_weights, state, self.sampling.keys, self.sampling.params,
             jnp.asarray(self.eos, jnp.int32), jnp.asarray(self.max_new_tokens, jnp.int32),
-            jnp.asarray(limit, jnp.int32), g=self.g, vocab=self.vocab,
+            jnp.asarray(limit, jnp.int32), g=self.g, vocab=self.vocab, lookup=self.lookup,
         )  # fmt: skip
         out, count, done, rec_n, rec_k, rec_e, step = (
-            np.asarray(a) for a in jax.device_get((state.out, state.length, state.done, *state[-4:]))
+            np.asarray(a)
+            for a in jax.device_get(
+                (state.out, state.length, state.done, state.rec_n, state.rec_k, state.rec_e, state.step)
+            )
         )
         _check_resident(out, count, rec_n, rec_k, self.vocab)
         offset = np.array([len(r.generated) for r in self.rows])
@@ -702,8 +771,8 @@ def run_jax_loop(
     ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded. Of ``config`` this
     path reads G, ``max_new_tokens``, the EOS and pad ids, V and ``on_tokens``: it drafts G every step
     (``adaptive`` has no effect), and :func:`check_jax_call` has refused the settings it does not run.
-    The model drafter's steps run device-resident (:func:`resident_steps`) unless :func:`per_step_loop`
-    is active; other drafters step by step.
+    The model, ``ngram`` and ``hybrid(ngram, model)`` drafters' steps run device-resident
+    (:func:`resident_steps`) unless :func:`per_step_loop` is active; other lookup drafters step by step.
     """
     from specjax.adapters import count_copies
 
@@ -711,8 +780,7 @@ def run_jax_loop(
     t_start, setup_compile_s = started if started is not None else (time.perf_counter(), 0.0)
     with count_copies() as copies, measure_compiles() as compiles:
         run = _JaxRun(target, drafter, input_ids, attention_mask, sampling, config)
-        # nothing needs the host between steps (the eagle head runs device-resident only)
-        if run.fused and run.asked is None and (isinstance(run.d, JaxHead) or not _PER_STEP.get()):
+        if run.resident:
             state = run.resident_state()
             chunk = config.max_new_tokens if config.on_tokens is None else STREAM_STEPS
             while run.active():
