@@ -28,6 +28,9 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
    (``jax_loop.per_step_loop``); ``eagle`` runs device-resident only. ``--rows FILE`` appends each row as
    it comes (benchmarks/results_io.py).
 
+6. **Anatomy**: per B, where a step's time goes: the target's forward over 1 and G + 1 positions, one
+   draft-model token, the acceptance step alone (greedy, T = 0.7), each repeated in one jitted loop.
+
 Sections run in ``--order`` (``--skip`` leaves some out).
 A JSON summary of every section is the last line printed (and ``--out FILE``).
 Exit status 1 if a greedy identity on the device fails, or the law test rejects the
@@ -302,6 +305,86 @@ def section_law(rows: int) -> dict[str, Any]:
     }
 
 
+def _anatomy_pieces(t: Any, d: Any, batch: int, g: int, vocab: int, iters: int) -> dict[str, Any]:
+    """The pieces :func:`section_anatomy` times at batch size ``batch``: name -> a blocking call running the
+    piece ``iters`` times in one jitted ``fori_loop``."""
+    import jax.numpy as jnp
+
+    from specjax.kernels import steps
+    from specjax.kernels.types import SamplingParams
+
+    start = jnp.full(batch, 8, jnp.int32)
+
+    def forward_loop(model: Any, width: int) -> Any:
+        @jax.jit
+        def run(weights: Any, cache: Any) -> jax.Array:
+            def body(i: Any, carry: Any) -> Any:  # the next tokens depend on the last logits: no hoisting
+                cache, acc = carry
+                tokens = jnp.full((batch, width), 1, jnp.int32) + (acc % 7)[:, None]
+                logits, cache = model.forward(weights, cache, tokens, start, 1)
+                return cache, acc + jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+
+            return jax.lax.fori_loop(0, iters, body, (cache, jnp.zeros(batch, jnp.int32)))[1]
+
+        return lambda: run(model.weights, model.init_cache(batch, 64)).block_until_ready()
+
+    key = jax.random.key(0)
+    tl = jax.random.normal(key, (batch, g + 1, vocab), jnp.float32)
+    dl = tuple(jax.random.normal(jax.random.fold_in(key, i), (batch, vocab), jnp.float32) for i in range(g))
+    x = jax.random.randint(key, (batch, g), 0, vocab, jnp.int32)
+    row_keys = jax.random.split(key, batch)
+    k = jnp.full(batch, g, jnp.int32)
+
+    def verify_loop(temperature: float) -> Any:
+        params = SamplingParams(jnp.full(batch, temperature, jnp.float32))
+
+        @jax.jit
+        def run(tl: jax.Array, dl: Any) -> jax.Array:
+            def body(i: Any, carry: Any) -> Any:
+                # a fresh step (keys) each iteration, its logits depending on the last result (one element
+                # rewritten in place), so that no part of the step is hoisted out of the loop
+                tl, acc = carry
+                tl = tl.at[:, 0, 0].add((acc * 0).astype(tl.dtype))
+                return tl, acc + steps.verify_step(x, dl, tl, row_keys, i, params, k).num_accepted
+
+            return jax.lax.fori_loop(0, iters, body, (tl, jnp.zeros(batch, jnp.int32)))[1]
+
+        return lambda: run(tl, dl).block_until_ready()
+
+    return {
+        "target forward, 1 position": forward_loop(t, 1),
+        f"target forward, {g + 1} positions": forward_loop(t, g + 1),
+        "draft forward, 1 position": forward_loop(d, 1),
+        "acceptance step, greedy": verify_loop(0.0),
+        "acceptance step, T = 0.7": verify_loop(0.7),
+    }
+
+
+def section_anatomy(pair: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Where a step's time goes, per B: each piece repeated 32 times inside one jitted ``fori_loop``
+    (dispatch amortised; compilation excluded), ms per iteration: the target's forward over 1 and over G + 1
+    positions, the draft model's forward over 1 position (each with an argmax), and the acceptance step
+    alone (:func:`specjax.kernels.steps.verify_step` on the target's G + 1 rows and G draft rows of random
+    logits, greedy and T = 0.7)."""
+    from specjax.generate.jax_model import jax_model
+
+    iters, g = 32, args.draft_tokens
+    t, d = jax_model("target", pair["target_j"]), jax_model("draft", pair["draft_j"])
+    vocab = int(pair["target"].config.vocab_size)
+    rows = []
+    for batch in args.batches:
+        for name, fn in _anatomy_pieces(t, d, batch, g, vocab, iters).items():
+            fn()  # compile
+            ms = 1e3 * _median_time(fn, args.reps) / iters
+            row = {"section": "anatomy", "pair": args.pair, "device": DEVICE, "batch": batch, "G": g, "piece": name,
+                   "ms": ms}  # fmt: skip
+            rows.append(row)
+            if args.rows:
+                append_jsonl(args.rows, [row])
+            log(f"anatomy B={batch:3d}: {name:32s} {ms:7.3f} ms")
+    return rows
+
+
 def _median_time(fn: Any, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -454,9 +537,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy-batch", type=int, default=None, help="rows of the greedy section (default: max B)")
     parser.add_argument("--law-rows", type=int, default=8192)
     parser.add_argument("--cpu-rows", type=int, default=2, help="rows compared with torch generate on the CPU")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: logits,greedy,law,timings")
     parser.add_argument(
-        "--order", default="logits,greedy,law,timings", help="the sections' order (comma-separated names)"
+        "--skip", default="", help="comma-separated sections to skip: logits,greedy,law,timings,anatomy"
+    )
+    parser.add_argument(
+        "--order",
+        default="logits,greedy,law,timings,anatomy",
+        help="the sections' order (comma-separated names)",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -494,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "law": lambda: section_law(args.law_rows),
         "timings": lambda: section_timings(pair, tokenizer, vocab, args),
+        "anatomy": lambda: section_anatomy(pair, args),
     }
     order = [name for name in args.order.split(",") if name]
     if sorted(order) != sorted(sections):
