@@ -196,10 +196,11 @@ def section_logits(target: Any, target_j: Any, ids: torch.Tensor, mask: torch.Te
 
 
 def section_greedy(
-    pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_rows: int, precisions: list[str]
+    pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_rows: int, precisions: list[str], paths: list[str]
 ) -> dict[str, Any]:
-    """Per matmul precision: each drafter's greedy output against the target alone on the device, and the
-    target alone against torch's ``generate`` on the CPU (the first ``cpu_rows`` rows). The identity on the
+    """Per matmul precision: each drafter's greedy output on each of ``paths`` (``device``, ``per-step``)
+    against the target alone on the device, and the target alone against torch's ``generate`` on the CPU (the
+    first ``cpu_rows`` rows). The identity on the
     device must hold at ``highest`` (float32 passes); at ``default`` (bf16 passes) the rows that differ are
     counted, not failed: a forward over G + 1 positions rounds differently from one over a single position."""
     from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
@@ -226,8 +227,10 @@ def section_greedy(
         (name + suffix, make, per_step)
         for name, make in makers.items()
         for suffix, per_step in (("", False), ("-per-step", True))
+        if ("per-step" if per_step else "device") in paths
     ]
-    runs.append(("eagle", lambda: EagleDrafter(pair["head"]), False))
+    if "device" in paths:
+        runs.append(("eagle", lambda: EagleDrafter(pair["head"]), False))
     for precision in precisions:
         with jax.default_matmul_precision(precision):
             ref = greedy_decode(pair["target_j"], ids, mask, max_new)
@@ -525,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         "--paths",
         type=lambda s: s.split(","),
         default=["device", "per-step"],
-        help="the timed paths of the model, ngram and hybrid drafters: device (resident loop), per-step",
+        help="the paths of the model, ngram and hybrid drafters (timings and greedy identity): device (resident "
+        "loop), per-step",
     )
     parser.add_argument("--rows", default=None, help="append each timing row to this JSONL file as it comes")
     parser.add_argument(
@@ -577,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "logits": lambda: section_logits(target, pair["target_j"], ids, mask),
         "greedy": lambda: section_greedy(
-            pair, ids, mask, args.max_new, args.draft_tokens, args.cpu_rows, args.precisions
+            pair, ids, mask, args.max_new, args.draft_tokens, args.cpu_rows, args.precisions, args.paths
         ),
         "law": lambda: section_law(args.law_rows),
         "timings": lambda: section_timings(pair, tokenizer, vocab, args),
