@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--order",
         default="logits,greedy,law,timings,anatomy",
-        help="the sections' order (comma-separated names)",
+        help="the sections' order (comma-separated names; the ones left out follow in the default order)",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -588,8 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         "anatomy": lambda: section_anatomy(pair, args),
     }
     order = [name for name in args.order.split(",") if name]
-    if sorted(order) != sorted(sections):
-        parser.error(f"--order: expected each of {','.join(sections)} once, got {args.order!r}")
+    if len(set(order)) != len(order) or not set(order) <= set(sections):
+        parser.error(f"--order: expected names among {','.join(sections)}, each at most once, got {args.order!r}")
+    order += [name for name in sections if name not in order]  # the others after them, in the default order
     for name in order:
         run = sections[name]
         if name in skip:
