@@ -301,6 +301,13 @@ def make_prompts(pair: Pair, count: int, seed: int = 0) -> list[Any]:
     return out
 
 
+def batches_of_eight(prompts: list[Any], batches: int) -> list[list[Any]]:
+    """The B = 8 calls' prompts: ``batches`` batches of 8, batch i the prompts from the i-th on, cyclically
+    (batch 0 is the first 8, the list repeated as needed). More batches: more paired calls per row, at B = 8
+    a call's time varies by several percent on a shared machine."""
+    return [[prompts[(i + j) % len(prompts)] for j in range(8)] for i in range(batches)]
+
+
 def left_pad(prompts: list[Any], pad: int) -> tuple[Any, Any]:
     import torch
 
@@ -623,6 +630,7 @@ def bench_generate(
     variants: Sequence[Variant] = (Variant(),),
     packed_target: bool = False,
     options: str = "none",
+    batches: int = 1,
 ) -> list[dict]:
     """Run every method; one row per method (see the module docstring). ``options``: a key of :data:`OPTIONS`.
 
@@ -690,7 +698,7 @@ def bench_generate(
         prompts = category_prompts(pair, category)
         singles = [(p, None) for p in prompts[:n_single]]
         schemas = category_schemas(category)[:n_single] if opts.json else None  # per unit of singles
-        batch8 = [left_pad((prompts * 8)[:8], pair.pad)]
+        batch8 = [left_pad(rows, pair.pad) for rows in batches_of_eight(prompts, batches)]
 
         def hf(temp: float, assistant: Any = None, units_schemas: list | None = schemas) -> Callable:
             return _hf_call(pair, max_new, temp, assistant, options=opts, schemas=units_schemas)
@@ -764,7 +772,7 @@ def bench_generate(
 
     say(
         f"pair: {pair.name}; options {opts.name}; G={g}, max_new_tokens={max_new}, {n_single} prompts at B=1, "
-        "8 at B=8, "
+        f"8 at B=8 ({batches} batch{'es' if batches > 1 else ''}), "
         f"{reps} repetitions; load average {os.getloadavg()[0]:.1f}"
     )
     t0 = time.perf_counter()
@@ -850,6 +858,7 @@ def bench_generate(
                 "new_tokens": tokens // reps,
                 "max_new_tokens": max_new,
                 "reps": reps,
+                "calls": len(runs),
             }
             if m.name.startswith("specjax") and assisted is not None:
                 row["speedup_vs_assisted"] = _paired_ratio(runs, assisted.results)
@@ -953,6 +962,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--temperatures", help="comma-separated temperatures (default: 0 and 0.7; --quick: 0)")
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes among 1 and 8")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=1,
+        metavar="N",
+        help="B = 8 calls per repetition: N batches, batch i the category's prompts from its i-th on (default 1)",
+    )
     parser.add_argument("--fixed", action="store_true", help="draft G tokens every step (no adaptive length)")
     parser.add_argument(
         "--impls", default="auto", help="comma-separated kernel code for specjax: auto, xla, cpu (each a method)"
@@ -1011,6 +1027,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--temperatures / --batch-sizes: expected comma-separated numbers")
     if any(b not in (1, 8) for b in sizes):
         parser.error(f"--batch-sizes: expected 1 and/or 8, got {args.batch_sizes!r}")
+    if args.batches < 1:
+        parser.error(f"--batches: expected an integer >= 1, got {args.batches}")
     problem = options_problem(OPTIONS[args.options], categories, sizes)
     if problem:
         parser.error(problem)
@@ -1058,6 +1076,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants=[Variant(h, c, m) for h in heads for c in contexts for m in packings],
         packed_target=args.packed_target,
         options=args.options,
+        batches=args.batches,
     )
     print(f"model pair: {rows[0]['model_pair']}")
     print(format_table(rows))

@@ -79,3 +79,18 @@ def test_each_extraction_prompt_asks_for_its_schema_keys(bench: Any) -> None:
         assert keys.split(", ") == list(schema["properties"]) == schema["required"], name
         assert schema["additionalProperties"] is False
         json.dumps(schema)  # plain JSON: what json_schema= and xgrammar compile
+
+
+def test_b8_batches_rotate_the_prompts(bench: Any, capsys: Any) -> None:
+    """``--batches N``: N different batches of 8 (batch 0 the first 8, as with one batch), each prompt in each."""
+    prompts = [f"p{i}" for i in range(6)]
+    one = bench.batches_of_eight(prompts, 1)
+    assert one == [(prompts * 2)[:8]]
+    three = bench.batches_of_eight(prompts, 3)
+    assert three[0] == one[0] and len(three) == 3
+    assert [b[0] for b in three] == ["p0", "p1", "p2"]
+    assert all(len(b) == 8 and set(b) == set(prompts) for b in three)
+    assert len({tuple(b) for b in three}) == 3
+    with pytest.raises(SystemExit):
+        bench.main(["--batches", "0"])
+    assert "--batches: expected an integer >= 1, got 0" in capsys.readouterr().err

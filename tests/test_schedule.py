@@ -304,37 +304,64 @@ def test_rows_without_proposals_count_in_the_batch():
     assert every.trim(np.full(8, 4), active).max() > 0
 
 
+def simulated_call_gain(probs: np.ndarray, k: np.ndarray, remaining: np.ndarray, calls: int = 4000) -> float:
+    """R / E[steps until every row has its tokens], drafting ``k`` at every step (as the loop does, never past
+    what a row still needs), over ``calls`` simulated calls."""
+    rng = np.random.default_rng(1)
+    n, g = probs.shape
+    left = np.tile(np.asarray(remaining, np.int64), (calls, 1))
+    steps = np.zeros(calls)
+    while (left > 0).any():
+        live = left > 0
+        tested = np.minimum(k[None, :], np.maximum(left - 1, 0))
+        passed = rng.random((calls, n, g)) < probs
+        gained = 1 + np.where(np.arange(g) < tested[..., None], np.cumprod(passed, axis=2), 0).sum(axis=2)
+        left = np.where(live, np.maximum(left - gained, 0), 0)
+        steps += live.any(axis=1)
+    return float(np.max(remaining) / steps.mean())
+
+
 def test_the_call_gain_is_the_last_rows_not_the_largest_expectation():
-    """The step's worth to the call is E[R − max_b (r_b − X_b)], checked against a simulation."""
+    """A step's worth to a batch is R / E[steps of the call's last row] drafting so at every step, checked
+    against simulated calls; not the one step's E[R − max_b (r_b − X_b)], which stays near 1 for rows that are
+    level (and, drafting never, they stay level)."""
     rng = np.random.default_rng(0)
     probs, k = rng.uniform(0.3, 0.9, (3, 4)), np.array([4, 2, 3])
-    for remaining in ([20.0, 20.0, 20.0], [20.0, 19.0, 20.0], [17.0, 20.0, 18.0]):
+    for remaining in ([20.0, 20.0, 20.0], [20.0, 19.0, 20.0], [17.0, 20.0, 18.0], [40.0, 6.0, 25.0]):
         r = np.array(remaining)
-        passed = rng.random((100_000, 3, 4)) < probs
-        gained = 1 + np.where(np.arange(4) < k[:, None], np.cumprod(passed, axis=2), 0).sum(axis=2)
-        simulated = (r.max() - (r - gained).max(axis=1)).mean()
-        assert expected_call_gain(probs, k, r) == pytest.approx(simulated, abs=0.01)
-    # one row (its own short path): 1 + Σ_{i<k} Π_{j≤i} p_j, also checked against the simulation
+        assert expected_call_gain(probs, k, r) == pytest.approx(simulated_call_gain(probs, k, r), rel=0.03)
+    # one row: 1 + Σ_{i<k} Π_{j≤i} p_j, exactly (Leviathan et al.'s expectation)
     for kk in range(5):
         passed = rng.random((100_000, 4)) < probs[0]
         simulated = 1 + np.where(np.arange(4) < kk, np.cumprod(passed, axis=1), 0).sum(axis=1).mean()
         assert expected_call_gain(probs[:1], np.array([kk]), np.array([20.0])) == pytest.approx(simulated, abs=0.01)
-    # eight rows alike, each passing half its tokens: a one-token draft gains the call 1 + 0.5^8,
-    # though each row expects 1.5
-    assert expected_call_gain(np.full((8, 4), 0.5), np.ones(8, np.int64), np.full(8, 20.0)) == pytest.approx(1 + 0.5**8)
+    # eight level rows, each passing half its tokens, 64 tokens to go: a one-token draft at every step takes
+    # about 46 steps (1.39 tokens a step; each row expects 1.5), where the one step's view says 1 + 0.5^8
+    half, one = np.full((8, 4), 0.5), np.ones(8, np.int64)
+    gain = expected_call_gain(half, one, np.full(8, 64.0))
+    assert gain == pytest.approx(simulated_call_gain(half, one, np.full(8, 64)), rel=0.03)
+    assert gain > 1.3 > 1 + 0.5**8
+    # rows far ahead gain the call nothing: the lagging row's own rate (negative control: level rows gain more)
+    lagging = expected_call_gain(np.full((2, 4), 0.5), np.array([0, 1]), np.array([64.0, 64.0]))
+    assert lagging == pytest.approx(1.0)
+    assert expected_call_gain(np.full((2, 4), 0.5), np.array([1, 0]), np.array([10.0, 64.0])) == pytest.approx(1.0)
+    assert expected_call_gain(np.full((2, 4), 0.5), np.array([0, 1]), np.array([10.0, 64.0])) > 1.4
 
 
-def test_a_batch_of_middling_rows_decodes_plainly():
-    """Eight rows that each pass 3 of 4 draft tokens: drafting would pay for each row alone
-    (negative control), not for the batch, whose last row then gains ~1 token per step."""
+def test_a_batch_of_middling_rows_drafts_and_one_of_poor_rows_does_not():
+    """Eight level rows that each pass 3 of 4 draft tokens: drafting pays for the batch (its rows spread and the
+    lagging ones gain in turn), as for a row alone; rows that pass 1 of 4 decode plainly (negative control)."""
     costs = {1: 40.0, 2: 60.0, 3: 66.0, 4: 70.0, 5: 72.0}
-    batch = schedule(costs, batch=8, g=4)
+    batch, poor = schedule(costs, batch=8, g=4), schedule(costs, batch=8, g=4)
     alone = schedule(costs, batch=1, g=4)
+    left = np.full(8, 64)
     for _ in range(6):
         batch.record_outcome(np.full(8, 4), np.full(8, 3))
+        poor.record_outcome(np.full(8, 4), np.full(8, 1))
         alone.record_outcome(np.array([4]), np.array([3]))
-    assert batch.trim(np.full(8, 4), np.ones(8, bool)).max() == 0
-    assert alone.trim(np.array([4]), np.array([True])).max() > 0
+    assert batch.trim(np.full(8, 4), np.ones(8, bool), remaining=left).max() > 0
+    assert alone.trim(np.array([4]), np.array([True]), remaining=np.array([64])).max() > 0
+    assert poor.trim(np.full(8, 4), np.ones(8, bool), remaining=left).max() == 0
 
 
 def test_acceptance_is_carried_into_later_calls_on_the_same_model_and_drafter():

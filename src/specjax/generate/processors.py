@@ -38,7 +38,8 @@ A processor is one of two kinds; a chain mixes them and applies them in order.
 * **A row processor**: an object with ``process_rows(prefixes, scores)``,
   ``prefixes`` a :class:`~specjax.generate.row_processors.Prefixes` (shared by
   the chain's row processors: read it, never write to it) and ``scores``
-  f32[N, V], returning f32[N, V]; optionally ``start(batch, prompt_length)``,
+  f32[N, V] (the loop's own tensor: it may be written in place and returned),
+  returning f32[N, V]; optionally ``start(batch, prompt_length)``,
   called once before a call's first step. Per step it is called once per draft
   position of a model drafter (``i = 0, 1, ..``, the rows that draft, each
   prefix = committed + ``x_0 .. x_{i-1}``), then once for the target with every
@@ -435,8 +436,11 @@ class LoopProcessors:
                 if i:
                     self._write(orig, np.asarray(drafted, np.int64)[rows_c])
                 committed = self.prompt_len + self.t[orig]
-                rows_t = torch.as_tensor(rows_c, device=scores.device)
-                scores[rows_t] = self._apply(scores[rows_t], orig, committed + i, committed)
+                if rows_c.size == scores.shape[0]:  # every row: no gather and write-back
+                    scores = self._apply(scores, orig, committed + i, committed)
+                else:
+                    rows_t = torch.as_tensor(rows_c, device=scores.device)
+                    scores[rows_t] = self._apply(scores[rows_t], orig, committed + i, committed)
             self.seconds += time.perf_counter() - t0
             return scores
 
@@ -465,8 +469,12 @@ class LoopProcessors:
                     self._write(orig_c, draft[:, :g].cpu().numpy()[rows_c])
                 orig = np.asarray(cache_rows, np.int64)[pair_row]
                 committed = self.prompt_len + self.t[orig]
-                idx = (torch.as_tensor(pair_row, device=out.device), torch.as_tensor(pair_pos, device=out.device))
-                out[idx] = self._apply(out[idx], orig, committed + pair_pos, committed)
+                if pair_row.size == out.shape[0] * out.shape[1]:  # every (row, position): the pairs in order
+                    flat = out.view(pair_row.size, out.shape[2])
+                    out = self._apply(flat, orig, committed + pair_pos, committed).view(out.shape)
+                else:
+                    idx = (torch.as_tensor(pair_row, device=out.device), torch.as_tensor(pair_pos, device=out.device))
+                    out[idx] = self._apply(out[idx], orig, committed + pair_pos, committed)
         self.seconds += time.perf_counter() - t0
         return out
 
