@@ -616,3 +616,18 @@ def test_sampled_free_rows_are_chosen_from_their_proposals():
     w = rows[-1][1]
     assert w > 0 and [r[1] for r in rows] == [min(p, w) for p in range(7)]
     assert len({r[0] for r in rows}) == 1 and rows[0][0] > 0  # the lookup's tested count: its own
+
+
+def test_a_drafters_catch_up_after_plain_steps_is_not_its_cost_per_token():
+    """A proposal after plain steps includes the drafter's catch-up on the tokens they committed: its time is
+    left out of the cost per token; after a drafting step the same time counts (negative control)."""
+    s = schedule(CPU_LIKE, draft_ms=3.0)
+    assert s._draft_cost() == pytest.approx(0.003)
+    s.record_outcome(np.array([0]), np.array([0]))  # a plain step
+    for _ in range(4):
+        s.record_draft(1, 0.050)
+    assert s._draft_cost() == pytest.approx(0.003)
+    s.record_outcome(np.array([1]), np.array([1]))  # a drafting step
+    for _ in range(4):
+        s.record_draft(1, 0.050)
+    assert s._draft_cost() == pytest.approx(0.050)

@@ -172,7 +172,7 @@ class _RepetitionPenalty(_Vectorised):
         # A token met at counted and uncounted columns gets both values written: the penalised one is the
         # smaller for a penalty above 1 (larger below), so the reduction keeps it; one met only at uncounted
         # columns keeps its score. Same values as transformers' scatter, written in place (the loop's own
-        # tensor): no (N, V + 1) copy, 1.2 ms -> 0.07 ms for 8 rows of V = 49152.
+        # tensor): no (N, V + 1) copy of the scores.
         return scores.scatter_reduce_(1, ids, score, "amin" if penalty > 1 else "amax")
 
 
