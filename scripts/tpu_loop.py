@@ -55,11 +55,14 @@ the EAGLE head is an untrained one (``init_weights``).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import functools
 import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -196,7 +199,15 @@ def section_logits(target: Any, target_j: Any, ids: torch.Tensor, mask: torch.Te
 
 
 def section_greedy(
-    pair: dict[str, Any], ids, mask, max_new: int, g: int, cpu_rows: int, precisions: list[str], paths: list[str]
+    pair: dict[str, Any],
+    ids,
+    mask,
+    max_new: int,
+    g: int,
+    cpu_rows: int,
+    precisions: list[str],
+    paths: list[str],
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Per matmul precision: each drafter's greedy output on each of ``paths`` (``device``, ``per-step``)
     against the target alone on the device, and the target alone against torch's ``generate`` on the CPU (the
@@ -231,30 +242,41 @@ def section_greedy(
     ]
     if "device" in paths:
         runs.append(("eagle", lambda: EagleDrafter(pair["head"]), False))
+
+    def reference(precision: str) -> Any:
+        with jax.default_matmul_precision(precision):  # a thread's own setting (JAX's config is per thread)
+            return greedy_decode(pair["target_j"], ids, mask, max_new)
+
+    def loop(precision: str, make: Callable[[], Any], per_step: bool) -> Any:
+        with jax.default_matmul_precision(precision), per_step_loop() if per_step else contextlib.nullcontext():
+            return speculative_generate(
+                pair["target_j"], make(), ids, mask, max_new_tokens=max_new, num_draft_tokens=g,
+                eos_token_id=[],  # as the reference: every row runs to max_new tokens
+            )  # fmt: skip
+
     for precision in precisions:
-        with jax.default_matmul_precision(precision):
-            ref = greedy_decode(pair["target_j"], ids, mask, max_new)
-            for name, make, per_step in runs:
-                with per_step_loop() if per_step else contextlib.nullcontext():
-                    out = speculative_generate(
-                        pair["target_j"], make(), ids, mask, max_new_tokens=max_new, num_draft_tokens=g,
-                        eos_token_id=[],  # as the reference: every row runs to max_new tokens
-                    )  # fmt: skip
-                got = out.sequences[:, ids.shape[1] :].numpy()
-                same = int((got == ref).all(axis=1).sum())
-                if precision == "highest":
-                    ok &= same == ids.shape[0]
-                result[f"{name}_{precision}"] = {
-                    "rows_identical": same,
-                    "rows": int(ids.shape[0]),
-                    "acceptance": out.stats.acceptance_rate,
-                    "adapter_copies": out.stats.adapter_copies,
-                }
-                log(
-                    f"greedy (precision={precision}) {name} drafter vs target-only on the device: "
-                    f"{same}/{ids.shape[0]} rows identical, acceptance {out.stats.acceptance_rate:.3f}, "
-                    f"adapter copies {out.stats.adapter_copies}"
-                )
+        # every run of this precision at once, ``threads`` at a time: their compilations overlap
+        with concurrent.futures.ThreadPoolExecutor(max(threads, 1)) as pool:
+            ref_f = pool.submit(reference, precision)
+            outs = [pool.submit(loop, precision, make, per_step) for _, make, per_step in runs]
+            ref = ref_f.result()
+        for (name, _, _), fut in zip(runs, outs, strict=True):
+            out = fut.result()
+            got = out.sequences[:, ids.shape[1] :].numpy()
+            same = int((got == ref).all(axis=1).sum())
+            if precision == "highest":
+                ok &= same == ids.shape[0]
+            result[f"{name}_{precision}"] = {
+                "rows_identical": same,
+                "rows": int(ids.shape[0]),
+                "acceptance": out.stats.acceptance_rate,
+                "adapter_copies": out.stats.adapter_copies,
+            }
+            log(
+                f"greedy (precision={precision}) {name} drafter vs target-only on the device: "
+                f"{same}/{ids.shape[0]} rows identical, acceptance {out.stats.acceptance_rate:.3f}, "
+                f"adapter copies {out.stats.adapter_copies}"
+            )
         first = [int(np.argmax(ref[b] != cpu[b])) if (ref[b] != cpu[b]).any() else None for b in range(len(cpu))]
         same = sum(f is None for f in first)
         result[f"cpu_{precision}"] = {"rows_identical": same, "rows": len(cpu), "first_difference": first}
@@ -375,9 +397,12 @@ def section_anatomy(pair: dict[str, Any], args: argparse.Namespace) -> list[dict
     t, d = jax_model("target", pair["target_j"]), jax_model("draft", pair["draft_j"])
     vocab = int(pair["target"].config.vocab_size)
     rows = []
+    pieces = {batch: _anatomy_pieces(t, d, batch, g, vocab, iters) for batch in args.batches}
+    if args.threads > 1:
+        prewarm([(f"{name} B={b}", fn) for b, by in pieces.items() for name, fn in by.items()], args.threads)
     for batch in args.batches:
-        for name, fn in _anatomy_pieces(t, d, batch, g, vocab, iters).items():
-            fn()  # compile
+        for name, fn in pieces[batch].items():
+            fn()  # compile (or, after the warm-up, a first run)
             ms = 1e3 * _median_time(fn, args.reps) / iters
             row = {"section": "anatomy", "pair": args.pair, "device": DEVICE, "batch": batch, "G": g, "piece": name,
                    "ms": ms}  # fmt: skip
@@ -397,6 +422,19 @@ def _median_time(fn: Any, reps: int) -> float:
     return float(np.median(times))
 
 
+def prewarm(thunks: list[tuple[str, Callable[[], Any]]], threads: int) -> None:
+    """Run each thunk once, ``threads`` at a time, so that their compilations overlap (XLA compiles with
+    the GIL released; a program of the default pair takes tens of seconds to compile for the chip). A thunk
+    that fails is logged and left to the timed loop, which compiles what is missing."""
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        futures = {pool.submit(fn): name for name, fn in thunks}
+        for fut in concurrent.futures.as_completed(futures):
+            if fut.exception() is not None:
+                log(f"warm-up {futures[fut]}: {fut.exception()!r}")
+    log(f"warm-up: {len(thunks)} programs run once in {time.perf_counter() - t0:.1f} s, {threads} at a time")
+
+
 def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argparse.Namespace) -> list[dict]:
     from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
     from specjax.drafters.eagle import EagleDrafter
@@ -412,49 +450,62 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
             return EagleDrafter(pair["head"])
         return HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"]))
 
+    def run_spec(name: str, path: str, temp: float, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+        with per_step_loop() if path == "per-step" else contextlib.nullcontext():
+            out = speculative_generate(
+                pair["target_j"],
+                drafter(name),
+                ids,
+                mask,
+                max_new_tokens=args.max_new,
+                num_draft_tokens=args.draft_tokens,
+                temperature=temp,
+                seed=1,
+                eos_token_id=[],  # as the reference (no EOS): both sides make batch * max_new tokens
+            )
+        if out.num_new_tokens.sum() != ids.shape[0] * args.max_new:
+            raise SystemExit(f"{name}: {out.num_new_tokens.tolist()} new tokens, expected {args.max_new} a row")
+        return out
+
+    def run_base(temp: float, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        target_decode(pair["target_j"], ids, mask, args.max_new, temperature=temp, seed=1)
+
     rows: list[dict[str, Any]] = []
     categories = args.categories if tokenizer is not None else [None]
+    # the drafters on both paths side by side: the device-resident loop (their default) and one program
+    # per step with the host reading each step (per_step_loop); the eagle head is device-resident only
+    cases = [
+        (name, path, temp)
+        for name in args.drafters
+        for temp in args.temperatures
+        for path in (("device",) if name == "eagle" else ("device", "per-step"))
+        if path in args.paths
+    ]
+    if args.threads > 1:  # every program compiled up front, its compilations overlapping (one width for all groups)
+        warm: list[tuple[str, Callable[[], Any]]] = []
+        for batch in args.batches:
+            ids, mask = prompts(tokenizer, batch, vocab, seed=batch, category=categories[0])
+            warm += [
+                (f"target-only B={batch} T={t}", functools.partial(run_base, t, ids, mask)) for t in args.temperatures
+            ]
+            warm += [
+                (f"{name} {path} B={batch} T={t}", functools.partial(run_spec, name, path, t, ids, mask))
+                for name, path, t in cases
+            ]
+        prewarm(warm, args.threads)
     for category, batch in ((c, b) for c in categories for b in args.batches):
         ids, mask = prompts(tokenizer, batch, vocab, seed=batch, category=category)
 
         base_s: dict[float, float] = {}
         for temp in args.temperatures:  # the reference: the target alone, greedy or sampled at T
-
-            def base(ids: torch.Tensor = ids, mask: torch.Tensor = mask, temp: float = temp) -> None:
-                target_decode(pair["target_j"], ids, mask, args.max_new, temperature=temp, seed=1)
-
-            base()  # compile
+            base = functools.partial(run_base, temp, ids, mask)
+            base()  # compile (or, after the warm-up, a first run)
             base_s[temp] = _median_time(base, args.reps)
-        # the drafters on both paths side by side: the device-resident loop (their default) and one program
-        # per step with the host reading each step (per_step_loop); the eagle head is device-resident only
-        cases = [
-            (name, path, temp)
-            for name in args.drafters
-            for temp in args.temperatures
-            for path in (("device",) if name == "eagle" else ("device", "per-step"))
-            if path in args.paths
-        ]
         for name, path, temp in cases:
             stats: list[Any] = []
 
-            def spec(
-                temp: float = temp, stats: list[Any] = stats, ids=ids, mask=mask, name: str = name, path: str = path
-            ) -> None:
-                with per_step_loop() if path == "per-step" else contextlib.nullcontext():
-                    out = speculative_generate(
-                        pair["target_j"],
-                        drafter(name),
-                        ids,
-                        mask,
-                        max_new_tokens=args.max_new,
-                        num_draft_tokens=args.draft_tokens,
-                        temperature=temp,
-                        seed=1,
-                        eos_token_id=[],  # as the reference (no EOS): both sides make batch * max_new tokens
-                    )
-                if out.num_new_tokens.sum() != ids.shape[0] * args.max_new:
-                    raise SystemExit(f"{name}: {out.num_new_tokens.tolist()} new tokens, expected {args.max_new} a row")
-                stats.append(out.stats)
+            def spec(temp: float = temp, stats: list[Any] = stats, ids=ids, mask=mask, name=name, path=path) -> None:
+                stats.append(run_spec(name, path, temp, ids, mask).stats)
 
             spec()  # compile
             spec_s = _median_time(spec, args.reps)
@@ -549,6 +600,12 @@ def main(argv: list[str] | None = None) -> int:
         default="logits,greedy,law,timings,anatomy",
         help="the sections' order (comma-separated names; the ones left out follow in the default order)",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="compile the timings' programs (and run the greedy section's) this many at a time (threads)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -581,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "logits": lambda: section_logits(target, pair["target_j"], ids, mask),
         "greedy": lambda: section_greedy(
-            pair, ids, mask, args.max_new, args.draft_tokens, args.cpu_rows, args.precisions, args.paths
+            pair, ids, mask, args.max_new, args.draft_tokens, args.cpu_rows, args.precisions, args.paths, args.threads
         ),
         "law": lambda: section_law(args.law_rows),
         "timings": lambda: section_timings(pair, tokenizer, vocab, args),

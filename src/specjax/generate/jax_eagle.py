@@ -165,6 +165,13 @@ def jax_head(head: Any, target: Any, vocab: int) -> JaxHead:
     embedding and LM head (a transformers model on the CPU or torchax's ``jax`` device; read without a
     copy there). The same object while the head, the target and their weights are the same (so the
     jitted steps, which take it as a static argument, compile once per pair, not once per call)."""
+    from specjax.generate.jax_model import _TRACE_LOCK
+
+    with _TRACE_LOCK:  # one JaxHead per (head, target), also when threads ask for it at once
+        return _jax_head(head, target, vocab)
+
+
+def _jax_head(head: Any, target: Any, vocab: int) -> JaxHead:
     from specjax.generate.jax_model import _as_device_array, _fingerprint
 
     embed, lm = target.get_input_embeddings().weight, target.get_output_embeddings().weight

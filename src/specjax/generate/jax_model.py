@@ -34,6 +34,7 @@ are refused (:func:`check_supported`): the mask here is the full causal one.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,7 +180,10 @@ class JaxModel:
             kwargs["logits_to_keep"] = keep
         if layers is not None:
             kwargs["output_hidden_states"] = True
-        with torchax.default_env():
+        # functional_call swaps the module's parameters in and out: two threads tracing the same module
+        # at once would see each other's tracers. One trace at a time (tracing is Python work under the
+        # GIL anyway; the programs' compilations, after their traces, still overlap).
+        with _TRACE_LOCK, torchax.default_env():
             slot_t = torch_view(slots)
             cache_layers = [self._layer_class(torch_view(k), torch_view(v), slot_t) for k, v in cache]
             out = torch.func.functional_call(
@@ -252,6 +256,8 @@ def _as_device_array(t: torch.Tensor) -> jax.Array:
     return a if a.devices() == {device} else jax.device_put(a, device)
 
 
+_TRACE_LOCK = threading.RLock()  # held while a module runs under functional_call (:meth:`JaxModel._run`)
+
 _MODELS: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], JaxModel]] = weakref.WeakKeyDictionary()
 
 
@@ -269,6 +275,11 @@ def jax_model(name: str, model: Any) -> JaxModel:
     Raises:
       ValueError: a model whose layers are not all full attention (:func:`check_supported`).
     """
+    with _TRACE_LOCK:  # one JaxModel per module, also when threads ask for it at once
+        return _jax_model(name, model)
+
+
+def _jax_model(name: str, model: Any) -> JaxModel:
     check_supported(name, model)
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # tied weights appear once
     fingerprint = _fingerprint(named)
