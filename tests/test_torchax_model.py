@@ -146,3 +146,30 @@ def test_hidden_states_through_the_cache_match_the_eager_forward(layers):
         mine = np.concatenate([np.asarray(first[b, :n]), np.asarray(second[b])])
         np.testing.assert_allclose(mine, ref, atol=TOL, rtol=0)
         np.testing.assert_allclose(np.asarray(logits[b, 0]), out.logits[0, -1].numpy(), atol=TOL, rtol=0)
+
+
+def test_threads_tracing_one_model_at_once_get_the_sequential_results():
+    """``functional_call`` swaps the module's weights while a forward is traced: threads tracing the same model at
+    once (a server's requests, tpu_loop's overlapping compilations) must neither see each other's tracers
+    (UnexpectedTracerError) nor each other's weights. Each thread traces a program of its own width."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    m = jax_model("target", on_jax(tiny_llama()))
+    widths = [1, 2, 3, 4, 5, 6]
+
+    def run(width: int) -> np.ndarray:  # a fresh jit: every call traces
+        fwd = jax.jit(lambda w, c, t: m.forward(w, c, t, jnp.zeros(2, jnp.int32), None)[0])
+        tokens = (jnp.arange(2 * width, dtype=jnp.int32).reshape(2, width) * 37) % 256
+        return np.asarray(fwd(m.weights, m.init_cache(2, 16), tokens))
+
+    barrier = threading.Barrier(len(widths))
+
+    def together(width: int) -> np.ndarray:
+        barrier.wait()
+        return run(width)
+
+    with ThreadPoolExecutor(len(widths)) as pool:
+        got = list(pool.map(together, widths))
+    for width, logits in zip(widths, got, strict=True):
+        np.testing.assert_allclose(logits, run(width), rtol=0, atol=TOL)
