@@ -397,6 +397,27 @@ def table_vllm_plugin(rows: list[Row]) -> str:
     )
 
 
+def table_tpu_loop_grid(rows: list[Row]) -> str:
+    """The loop on the chip: one line per prompt group, B and T (the target alone's ms a token), one column per
+    drafter: the ratio to the target alone, (tokens a step, ms a step)."""
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows))
+    lines = list(dict.fromkeys((r["category"], r["batch"], r["temperature"]) for r in rows))
+    by = {(r["category"], r["batch"], r["temperature"], r["drafter"]): r for r in rows}
+
+    def cell(r: Row | None) -> str:
+        return "" if r is None else f"{r['ratio']:.2f}× ({r['mean_accepted_length']:.2f}, {r['ms_per_step']:.2f} ms)"
+
+    def base(line: tuple) -> str:
+        r = next(r for r in rows if (r["category"], r["batch"], r["temperature"]) == line)
+        return f"{r['target_only_ms_per_token']:.2f} ms"
+
+    return _table(
+        ["prompts", "B", "T", "target alone, a token", *(f"`{d}`" for d in drafters)],
+        list("lrrr" + "r" * len(drafters)),
+        [[c, str(b), f"{t:g}", base((c, b, t)), *(cell(by.get((c, b, t, d))) for d in drafters)] for c, b, t in lines],
+    )
+
+
 TABLES: dict[str, Callable[[list[Row]], str]] = {
     "kernel": table_kernel,
     "logits": table_logits,
@@ -410,6 +431,8 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "vllm-plugin": table_vllm_plugin,
     "generate-penalty-minp": table_generate_processors,
     "generate-json": table_generate_processors,
+    "tpu-loop-grid": table_tpu_loop_grid,
+    "tpu-loop-grid-grounded": table_tpu_loop_grid,
 }
 
 
@@ -661,6 +684,33 @@ def verdict_vllm_plugin(rows: list[Row]) -> str:
     )
 
 
+def verdict_tpu_loop_grid(rows: list[Row]) -> str:
+    """Issue 55's speed targets over both runs of the grid (the later run's row where both measured a cell)."""
+    later = load("tpu-loop-grid-grounded")
+    every = list({(r["category"], r["batch"], r["temperature"], r["drafter"]): r for r in rows + later}.values())
+
+    def greedy(batch: int) -> list[Row]:
+        return [r for r in every if r["batch"] == batch and r["temperature"] == 0.0]
+
+    def best(batch: int) -> str:
+        groups = dict.fromkeys(r["category"] for r in greedy(batch))
+        tops = [max((r for r in greedy(batch) if r["category"] == c), key=lambda r: r["ratio"]) for c in groups]
+        return ", ".join(f"{r['category']} `{r['drafter']}` {r['ratio']:.2f}×" for r in tops)
+
+    def where(r: Row) -> str:
+        return f"{r['category']} B = {r['batch']} T = {r['temperature']:g} `{r['drafter']}` {r['ratio']:.2f}×"
+
+    low = sorted((r for r in every if r["ratio"] < 0.95), key=lambda r: r["ratio"])
+    b1 = max(r["ratio"] for r in greedy(1))
+    b32 = max(r["ratio"] for r in greedy(32))
+    return (
+        f"* B = 1 greedy ≥ 1.5× the target alone: {_met(b1 >= 1.5)} (best per prompt group: {best(1)}).\n"
+        f"* every row ≥ 0.95×: {_met(not low)} ({len(low)} of {len(every)} cells below; the lowest: "
+        f"{', '.join(where(r) for r in low[:3])}).\n"
+        f"* B = 32 greedy ≥ 1.2×: {_met(b32 >= 1.2)} (best per prompt group: {best(32)})."
+    )
+
+
 VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "kernel": verdict_kernel,
     "logits": verdict_logits,
@@ -672,6 +722,7 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "vllm-plugin": verdict_vllm_plugin,
     "generate-penalty-minp": verdict_generate_penalty_minp,
     "generate-json": verdict_generate_json,
+    "tpu-loop-grid": verdict_tpu_loop_grid,
 }
 
 

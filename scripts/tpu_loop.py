@@ -39,7 +39,10 @@ target's law or a negative control passes.
 Usage::
 
     PYTHONPATH=src:tests python3 scripts/tpu_loop.py [--pair default|random|tiny] [--batches 1,8,32] \\
-        [--max-new 64] [--draft-tokens 4] [--reps 3] [--out results.json]
+        [--max-new 64] [--draft-tokens 4] [--reps 3] [--threads 8] [--out results.json]
+
+``--threads N`` compiles the timing and anatomy grids' programs (and runs the greedy section's calls) N at a
+time before timing: a program of the default pair takes tens of seconds to compile for a TPU.
 
 Dry run on JAX's CPU backend (small and quick)::
 
