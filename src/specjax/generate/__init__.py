@@ -6,6 +6,7 @@ import functools
 import time
 from typing import Any
 
+import jax
 import numpy as np
 import torch
 
@@ -127,6 +128,10 @@ def check_seed(seed: Any) -> int:
     ):
         raise ValueError(f"seed: expected an integer in [-2**63, 2**63 - 1], got {seed!r}")
     return int(seed)
+
+
+# key[B]: one key per row, ``fold_in(base, b)``; jitted, so that a call makes them in one dispatch
+_row_keys = jax.jit(jax.vmap(jax.random.fold_in, in_axes=(None, 0)))
 
 
 def speculative_generate(
@@ -292,7 +297,6 @@ def speculative_generate(
         checks.check_model("draft", m)
     if _device(target).type == "cuda":
         _share_gpu_with_torch()
-    import jax
 
     from specjax.boundary.validation import prepare_params
 
@@ -415,7 +419,7 @@ def speculative_generate(
         base = jax.random.key(seed)
         sampling = SamplingState(  # on the device once, for every step's jitted calls
             jax.device_put(params),
-            jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jax.numpy.arange(batch)),
+            _row_keys(base, np.arange(batch, dtype=np.int32)),
         )
     if not isinstance(adaptive, bool):
         raise TypeError(f"adaptive: expected True or False, got {type(adaptive).__name__}")

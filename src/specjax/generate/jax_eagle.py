@@ -62,8 +62,8 @@ class JaxHead:
     def with_scored(self, ids: np.ndarray) -> dict[str, jax.Array]:
         """:attr:`weights` with ``"scored_ids"`` (i32[M], :func:`scored_ids`) and ``"scored"`` (their rows
         of the LM head, f[M, d]: gathered once per call, not at every draft token)."""
-        ids_j = jnp.asarray(np.asarray(ids, np.int32))
-        return {**self.weights, "scored_ids": ids_j, "scored": self.weights["lm"][ids_j]}
+        ids_j = jax.device_put(np.asarray(ids, np.int32))
+        return {**self.weights, "scored_ids": ids_j, "scored": _rows(self.weights["lm"], ids_j)}
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -75,7 +75,10 @@ class JaxHead:
         cfg = self.config
         dtype = self.weights["fc.weight"].dtype
         shape = (batch, cfg.num_key_value_heads, positions + 1, cfg.head_dim)
-        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+        from specjax.generate.jax_model import zeros
+
+        arrays = zeros(2 * cfg.num_layers, shape, dtype, next(iter(self.weights["fc.weight"].devices())))
+        return tuple((arrays[2 * i], arrays[2 * i + 1]) for i in range(cfg.num_layers))
 
     def fuse(self, w: dict[str, jax.Array], hidden: jax.Array) -> jax.Array:
         """f[..., d]: the input feature from the target's states (f[..., (k+1)d]), as
@@ -200,3 +203,9 @@ def scored_ids(drafter: Any, contexts: list[list[int]], vocab: int) -> np.ndarra
     ids = np.concatenate([ids, context_ids(scored, tokens, drafter.context_tokens)])
     size = min(len(drafter.head.token_ids) + drafter.context_tokens, vocab)
     return np.concatenate([ids, np.full(size - len(ids), ids[0])]).astype(np.int32)
+
+
+@jax.jit
+def _rows(matrix: jax.Array, ids: jax.Array) -> jax.Array:
+    """``matrix[ids]`` (f[M, d] of f[V, d] and i32[M]) in one dispatch (an eager gather is several)."""
+    return matrix[ids]

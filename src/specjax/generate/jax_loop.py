@@ -655,19 +655,20 @@ class _JaxRun:
     def verify(self, x: np.ndarray, k: np.ndarray, use: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The step's program (draft, the target's forward, the acceptance step); the host reads its int32
         ``(n i32[B], tokens i32[B, G+1])``, nothing else."""
-        step, keys, params = jnp.asarray(self.step, jnp.int32), self.sampling.keys, self.sampling.params
-        last, start, k_j = jnp.asarray(self.last), jnp.asarray(self.start), jnp.asarray(k, jnp.int32)
+        # host arrays go into the jitted step as they are (transferred with the call, no eager op each)
+        step, keys, params = np.int32(self.step), self.sampling.keys, self.sampling.params
+        last, start, k_j = self.last.astype(np.int32), self.start.astype(np.int32), np.asarray(k, np.int32)
         if self.d is not None:
             assert isinstance(self.d, JaxModel) and self.d_cache is not None
             # the hybrid's lookups and its point-mass rows; None for the model drafter
-            forced = (jnp.asarray(x), jnp.asarray(use)) if self.asked is not None else (None, None)
+            forced = (np.asarray(x, np.int32), np.asarray(use, bool)) if self.asked is not None else (None, None)
             n, tokens, self.t_cache, self.d_cache = draft_and_verify(
-                self.t, self.d, self.t.weights, self.d.weights, self.t_cache, self.d_cache, jnp.asarray(self.prev),
-                last, start, keys, step, params, k_j, *forced, g=self.g, vocab=self.vocab,
+                self.t, self.d, self.t.weights, self.d.weights, self.t_cache, self.d_cache,
+                self.prev.astype(np.int32), last, start, keys, step, params, k_j, *forced, g=self.g, vocab=self.vocab,
             )  # fmt: skip
         else:
             n, tokens, self.t_cache = lookup_and_verify(
-                self.t, self.t.weights, self.t_cache, jnp.asarray(x), last, start, keys, step, params, k_j
+                self.t, self.t.weights, self.t_cache, np.asarray(x, np.int32), last, start, keys, step, params, k_j
             )
         n_h, tokens_h = jax.device_get((n, tokens))
         checks.check_step_output("the verification step", n_h, tokens_h, k, self.vocab)
@@ -716,17 +717,19 @@ class _JaxRun:
         m, b = _blocks(self.max_new_tokens), self.batch
         context = context_len = None
         if self.lookup is not None:  # the prompts, then the emitted tokens as they come
-            held = np.zeros((b, _positions(self.contexts, self.max_new_tokens)), np.int32)
+            context = np.zeros((b, _positions(self.contexts, self.max_new_tokens)), np.int32)
             for row, c in enumerate(self.contexts):
-                held[row, : len(c)] = c
-            context, context_len = jnp.asarray(held), jnp.asarray([len(c) for c in self.contexts], jnp.int32)
-        return Resident(
-            t_cache=self.t_cache, draft=self.d_cache, prev=jnp.asarray(self.prev), last=jnp.asarray(self.last),
-            start=jnp.asarray(self.start), length=jnp.zeros(b, jnp.int32), done=jnp.zeros(b, bool),
-            out=jnp.zeros((b, m), jnp.int32), context=context, context_len=context_len,
-            rec_n=jnp.zeros((m, b), jnp.int32), rec_k=jnp.zeros((m, b), jnp.int32),
-            rec_e=jnp.zeros((m, b), jnp.int32), step=jnp.zeros((), jnp.int32),
+                context[row, : len(c)] = c
+            context_len = np.array([len(c) for c in self.contexts], np.int32)
+        i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
+        host = Resident(
+            t_cache=None, draft=None, prev=i32(self.prev), last=i32(self.last), start=i32(self.start),
+            length=np.zeros(b, np.int32), done=np.zeros(b, bool), out=np.zeros((b, m), np.int32), context=context,
+            context_len=context_len, rec_n=np.zeros((m, b), np.int32), rec_k=np.zeros((m, b), np.int32),
+            rec_e=np.zeros((m, b), np.int32), step=np.zeros((), np.int32),
         )  # fmt: skip
+        # the host's part in one transfer (each array made eagerly would be a dispatch of its own)
+        return jax.device_put(host)._replace(t_cache=self.t_cache, draft=self.d_cache)
 
     def run_resident(self, state: Resident, limit: int) -> Resident:
         """Steps on the device until every row is done or step ``limit`` (one program, no host read inside);
@@ -734,8 +737,8 @@ class _JaxRun:
         ``on_tokens``), exactly as :meth:`commit` would have done it."""
         state = resident_steps(
             self.t, self.d, self.t.weights, self.d_weights, state, self.sampling.keys, self.sampling.params,
-            jnp.asarray(self.eos, jnp.int32), jnp.asarray(self.max_new_tokens, jnp.int32),
-            jnp.asarray(limit, jnp.int32), g=self.g, vocab=self.vocab, lookup=self.lookup,
+            np.asarray(self.eos, np.int32), np.int32(self.max_new_tokens), np.int32(limit), g=self.g,
+            vocab=self.vocab, lookup=self.lookup,
         )  # fmt: skip
         out, count, done, rec_n, rec_k, rec_e, step = (
             np.asarray(a)
@@ -833,9 +836,9 @@ def _prefilled(
         for b, c in enumerate(contexts):
             pre[b, : len(c) - 1] = c[:-1]
         if layers is None:
-            cache = prefill(model, model.weights, cache, jnp.asarray(pre))
+            cache = prefill(model, model.weights, cache, pre)
         else:
-            cache, hidden = _prefill_hidden(model, model.weights, cache, jnp.asarray(pre), layers=layers)
+            cache, hidden = _prefill_hidden(model, model.weights, cache, pre, layers=layers)
     start = np.array([len(c) - 1 for c in contexts], np.int32)
     return cache, start, np.array([c[-1] for c in contexts], np.int32), hidden
 
@@ -862,17 +865,24 @@ def _head_prefilled(
     batch, d = len(contexts), head.config.hidden_size
     cache = head.init_cache(batch, positions)
     pairs = np.array([len(c) - 1 for c in contexts], np.int32)
-    feature = jnp.zeros((batch, d), head.weights["fc.weight"].dtype)
+    dtype = np.dtype(head.weights["fc.weight"].dtype)
+    feature: Any = np.zeros((batch, d), dtype)
     if hidden is not None:
         nxt = np.zeros((batch, hidden.shape[1]), np.int32)
         for b, c in enumerate(contexts):
             nxt[b, : len(c) - 1] = c[1:]
-        out, cache = _head_over_prompts(head, weights, cache, hidden, jnp.asarray(nxt))
-        at = jnp.asarray(np.maximum(pairs - 1, 0))
-        feature = jnp.take_along_axis(out, at[:, None, None], axis=1)[:, 0]
+        out, cache = _head_over_prompts(head, weights, cache, hidden, nxt)
+        feature = _at_pairs(out, np.maximum(pairs - 1, 0))
     # no row drafts in the first step: a plain step, as on the CPU path (whose forward over the prompts
     # scores it), so that the same keys meet the same distributions there and here
-    return EagleState(cache, feature, jnp.asarray(pairs), jnp.zeros(batch, bool))
+    feature, pairs_j, has_feature = jax.device_put((feature, pairs, np.zeros(batch, bool)))
+    return EagleState(cache, feature, pairs_j, has_feature)
+
+
+@jax.jit
+def _at_pairs(out: jax.Array, at: jax.Array) -> jax.Array:
+    """f[B, d]: each row's ``out[b, at[b]]`` (``out`` f[B, P, d], ``at`` i32[B]), in one dispatch."""
+    return jnp.take_along_axis(out, at[:, None, None], axis=1)[:, 0]
 
 
 # Recompiles when the target, B, the cache's length, the number of steps or the mode change.
@@ -947,8 +957,8 @@ def target_decode(
     cache, start_h, last_h, _ = _prefilled(t, contexts, _positions(contexts, max_new_tokens + 1))
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     out = _decode_steps(
-        t, t.weights, cache, jnp.asarray(last_h), jnp.asarray(start_h), keys,
-        jnp.asarray(temperature if temperature > 0 else 1.0, jnp.float32), steps=max_new_tokens,
+        t, t.weights, cache, np.asarray(last_h, np.int32), np.asarray(start_h, np.int32), keys,
+        np.float32(temperature if temperature > 0 else 1.0), steps=max_new_tokens,
         sample=temperature > 0,
     )  # fmt: skip
     return np.asarray(jax.device_get(out)).astype(np.int64)
