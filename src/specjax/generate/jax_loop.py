@@ -722,14 +722,16 @@ class _JaxRun:
                 context[row, : len(c)] = c
             context_len = np.array([len(c) for c in self.contexts], np.int32)
         i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
-        host = Resident(
-            t_cache=None, draft=None, prev=i32(self.prev), last=i32(self.last), start=i32(self.start),
-            length=np.zeros(b, np.int32), done=np.zeros(b, bool), out=np.zeros((b, m), np.int32), context=context,
-            context_len=context_len, rec_n=np.zeros((m, b), np.int32), rec_k=np.zeros((m, b), np.int32),
-            rec_e=np.zeros((m, b), np.int32), step=np.zeros((), np.int32),
-        )  # fmt: skip
+        zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         # the host's part in one transfer (each array made eagerly would be a dispatch of its own)
-        return jax.device_put(host)._replace(t_cache=self.t_cache, draft=self.d_cache)
+        prev, last, start, length, done, out, context, context_len, rec_n, rec_k, rec_e, step = jax.device_put(
+            (i32(self.prev), i32(self.last), i32(self.start), zeros(b), np.zeros(b, bool), zeros(b, m), context,
+             context_len, zeros(m, b), zeros(m, b), zeros(m, b), zeros())
+        )  # fmt: skip
+        return Resident(
+            t_cache=self.t_cache, draft=self.d_cache, prev=prev, last=last, start=start, length=length, done=done,
+            out=out, context=context, context_len=context_len, rec_n=rec_n, rec_k=rec_k, rec_e=rec_e, step=step,
+        )  # fmt: skip
 
     def run_resident(self, state: Resident, limit: int) -> Resident:
         """Steps on the device until every row is done or step ``limit`` (one program, no host read inside);
