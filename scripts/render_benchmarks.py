@@ -700,6 +700,16 @@ def verdict_tpu_loop_grid(rows: list[Row]) -> str:
     def where(r: Row) -> str:
         return f"{r['category']} B = {r['batch']} T = {r['temperature']:g} `{r['drafter']}` {r['ratio']:.2f}×"
 
+    def fits() -> str:  # B = 1: loop_s = F + steps * c, from a drafter's open and grounded rows (two points)
+        out = []
+        for d in dict.fromkeys(r["drafter"] for r in every):
+            pair = [r for r in every if (r["batch"], r["temperature"], r["drafter"]) == (1, 0.0, d)]
+            if len(pair) == 2 and pair[0]["steps"] != pair[1]["steps"]:
+                (s0, t0), (s1, t1) = ((r["steps"], 1e3 * r["loop_s"]) for r in pair)
+                c = (t1 - t0) / (s1 - s0)
+                out.append(f"`{d}` F = {t0 - s0 * c:.0f} ms, c = {c:.2f} ms")
+        return "; ".join(out)
+
     low = sorted((r for r in every if r["ratio"] < 0.95), key=lambda r: r["ratio"])
     b1 = max(r["ratio"] for r in greedy(1))
     b32 = max(r["ratio"] for r in greedy(32))
@@ -707,7 +717,8 @@ def verdict_tpu_loop_grid(rows: list[Row]) -> str:
         f"* B = 1 greedy ≥ 1.5× the target alone: {_met(b1 >= 1.5)} (best per prompt group: {best(1)}).\n"
         f"* every row ≥ 0.95×: {_met(not low)} ({len(low)} of {len(every)} cells below; the lowest: "
         f"{', '.join(where(r) for r in low[:3])}).\n"
-        f"* B = 32 greedy ≥ 1.2×: {_met(b32 >= 1.2)} (best per prompt group: {best(32)})."
+        f"* B = 32 greedy ≥ 1.2×: {_met(b32 >= 1.2)} (best per prompt group: {best(32)}).\n\n"
+        f"A B = 1 greedy call's time, fitted as F + steps × c through each drafter's open and grounded rows: {fits()}."
     )
 
 
