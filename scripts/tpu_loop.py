@@ -147,8 +147,8 @@ def prompts(
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:  # a GGUF tokenizer read by some transformers releases has none
             tokenizer.pad_token = tokenizer.eos_token
-        # every batch padded to the longest of all the prompts: one width, so that each program (per B and
-        # mode) compiles once for every prompt group (and the compilation cache serves later runs)
+        # every batch padded to one width (the loop strips the padding: its programs are sized by the batch's
+        # longest prompt, so each prompt group compiles its own; the timings' warm-up compiles them all)
         every = [m for group in groups.values() for m in group.values()]
         width = max(
             len(tokenizer(tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True))["input_ids"])
@@ -484,15 +484,18 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
         for path in (("device",) if name == "eagle" else ("device", "per-step"))
         if path in args.paths
     ]
-    if args.threads > 1:  # every program compiled up front, its compilations overlapping (one width for all groups)
+    if args.threads > 1:  # every program compiled up front, its compilations overlapping
+        # per prompt group too: the caches are sized by the longest prompt (in blocks of 128 positions), so the
+        # grounded prompts' programs are not the open ones'
         warm: list[tuple[str, Callable[[], Any]]] = []
-        for batch in args.batches:
-            ids, mask = prompts(tokenizer, batch, vocab, seed=batch, category=categories[0])
+        for category, batch in ((c, b) for c in categories for b in args.batches):
+            ids, mask = prompts(tokenizer, batch, vocab, seed=batch, category=category)
             warm += [
-                (f"target-only B={batch} T={t}", functools.partial(run_base, t, ids, mask)) for t in args.temperatures
+                (f"{category} target-only B={batch} T={t}", functools.partial(run_base, t, ids, mask))
+                for t in args.temperatures
             ]
             warm += [
-                (f"{name} {path} B={batch} T={t}", functools.partial(run_spec, name, path, t, ids, mask))
+                (f"{category} {name} {path} B={batch} T={t}", functools.partial(run_spec, name, path, t, ids, mask))
                 for name, path, t in cases
             ]
         prewarm(warm, args.threads)
