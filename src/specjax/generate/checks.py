@@ -24,6 +24,7 @@ import torch
 
 from specjax.adapters.jax_view import is_torchax
 from specjax.drafters.base import logit_row_max
+from specjax.generate.module_tensors import named_tensors
 from specjax.kernels.results import AcceptanceResult
 from specjax.slots import attention_layout
 
@@ -76,7 +77,7 @@ def check_weights_loaded(name: str, model: torch.nn.Module) -> None:
     keeps them on ``meta`` between forwards, and a model built without weights
     (``init_empty_weights``) has nothing to compute with.
     """
-    named = (*model.named_parameters(), *model.named_buffers())
+    named = named_tensors(model).items()  # a cached walk: this runs every call
     meta = next((n for n, t in named if t.is_meta and not is_torchax(t)), None)  # torchax tensors say meta too
     if meta is None:
         return

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from specjax.adapters.jax_view import torchax_array
+from specjax.generate.module_tensors import named_tensors
 from specjax.slots import attention_layout, cache_argument
 
 __all__ = ["JaxModel", "KVCache", "check_supported", "is_jax_model", "jax_model", "to_jax_device"]
@@ -293,7 +294,7 @@ def jax_model(name: str, model: Any) -> JaxModel:
 
 def _jax_model(name: str, model: Any) -> JaxModel:
     check_supported(name, model)
-    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # tied weights appear once
+    named = named_tensors(model)  # tied weights appear once
     fingerprint = _fingerprint(named)
     known = _MODELS.get(model)
     if known is not None and known[0] == fingerprint:
