@@ -465,6 +465,7 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 temperature=temp,
                 seed=1,
                 eos_token_id=[],  # as the reference (no EOS): both sides make batch * max_new tokens
+                adaptive=args.adaptive == "on",
             )
         if out.num_new_tokens.sum() != ids.shape[0] * args.max_new:
             raise SystemExit(f"{name}: {out.num_new_tokens.tolist()} new tokens, expected {args.max_new} a row")
@@ -526,6 +527,8 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 "reps": args.reps,
                 "drafter": name,
                 "path": path,
+                "adaptive": args.adaptive == "on",
+                "draft_steps": stats[-1].draft_steps,
                 "batch": batch,
                 "temperature": temp,
                 "loop_tok_s": new / spec_s,
@@ -605,6 +608,13 @@ def main(argv: list[str] | None = None) -> int:
         "--order",
         default="logits,greedy,law,timings,anatomy",
         help="the sections' order (comma-separated names; the ones left out follow in the default order)",
+    )
+    parser.add_argument(
+        "--adaptive",
+        choices=("on", "off"),
+        default="on",
+        help="the timed loop's schedule: on (plain or drafted steps, the cost measured once per program: the "
+        "call after the warm-up measures it), off (every step drafts)",
     )
     parser.add_argument(
         "--threads",

@@ -16,7 +16,7 @@ from torchax_models import on_jax, ragged_prompts, target_greedy, tiny_llama
 
 from specjax.drafters.eagle import CONTEXT_TOKENS, EagleDrafter
 from specjax.drafters.eagle_head import EagleConfig, EagleHead, FeatureCache, init_weights
-from specjax.generate import speculative_generate
+from specjax.generate import jax_loop, speculative_generate
 from specjax.generate.jax_eagle import jax_head, scored_ids
 
 pytestmark = pytest.mark.torchax
@@ -98,11 +98,26 @@ def test_eagle_greedy_equals_the_targets_own_greedy_decoding(pair, prompts, head
     ids, mask = prompts
     want = target_greedy(target, ids, mask, MAX_NEW)
     out = speculative_generate(
-        target_j, EagleDrafter(heads[head], context), ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=g
-    )
+        target_j, EagleDrafter(heads[head], context), ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=g,
+        adaptive=False,  # every step drafts (the schedule's plain steps: below)
+    )  # fmt: skip
     assert out.sequences[:, ids.shape[1] :].tolist() == want
     assert out.stats.adapter_copies == 0
     assert out.stats.draft_tokens_proposed > 0
+
+
+@pytest.mark.parametrize("ratio", [float("inf"), 1.6], ids=["plain", "mixed"])
+def test_eagle_greedy_holds_whatever_the_schedule_chooses(pair, prompts, ratio):
+    """Plain steps commit their pair to the head (the target's states at the row's last token): greedy output
+    is the target's with plain steps alone (a drafted one after 15) and mixed with drafted ones."""
+    target, target_j, heads = pair
+    ids, mask = prompts
+    with jax_loop.draft_cost_ratio(ratio):
+        out = speculative_generate(
+            target_j, EagleDrafter(heads["eagle3"], 0), ids, mask, max_new_tokens=40, num_draft_tokens=3
+        )
+    assert out.sequences[:, ids.shape[1] :].tolist() == target_greedy(target, ids, mask, 40)
+    assert 0 < out.stats.draft_steps < out.stats.steps
 
 
 @pytest.mark.parametrize(
@@ -113,11 +128,11 @@ def test_eagle_greedy_equals_the_targets_own_greedy_decoding(pair, prompts, head
 def test_eagle_outputs_equal_the_cpu_paths_draw_for_draw(pair, prompts, head, sampling, eos_at):
     target, target_j, heads = pair
     ids, mask = prompts
-    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=3, pad_token_id=0, **sampling)
+    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=3, pad_token_id=0, adaptive=False, **sampling)
     if eos_at is not None:  # an EOS id from row 0's own output (None: the model's own EOS, id 2)
         first = speculative_generate(target_j, EagleDrafter(heads[head], 0), ids, mask, **kw)
         kw["eos_token_id"] = int(first.sequences[0, ids.shape[1] + eos_at])
-    want = speculative_generate(target, EagleDrafter(heads[head], 0), ids, mask, adaptive=False, **kw)
+    want = speculative_generate(target, EagleDrafter(heads[head], 0), ids, mask, **kw)
     got = speculative_generate(target_j, EagleDrafter(heads[head], 0), ids, mask, **kw)
     assert got.sequences.tolist() == want.sequences.tolist()
     assert got.num_new_tokens.tolist() == want.num_new_tokens.tolist()

@@ -49,9 +49,24 @@ def pair():
 
 def test_three_tokens_follow_the_targets_law_and_not_the_drafts(pair):
     target, draft, target_j, draft_j = pair
-    counts, stats = sample_law(target_j, draft_j, ROWS, LENGTH, DRAFT_TOKENS)
+    counts, stats = sample_law(target_j, draft_j, ROWS, LENGTH, DRAFT_TOKENS, adaptive=False)  # drafted steps
     assert stats.adapter_copies == 0
     assert 0.05 < stats.acceptance_rate < 0.95, stats  # both the acceptance and the residual branch carry weight
+    p_target = chi_square_p(counts, exact_law(target, LENGTH))
+    p_draft = chi_square_p(counts, exact_law(draft, LENGTH))
+    assert p_target > ALPHA, f"against the target's law: p = {p_target:.2e}"
+    assert p_draft < POWER, f"the negative control (the draft's law) was not rejected: p = {p_draft:.2e}"
+
+
+def test_plain_steps_follow_the_targets_law(pair):
+    """The device-resident schedule's plain steps (``draft_cost_ratio(inf)``: the three tokens from three plain
+    steps) sample the target's law; negative control: the draft's law."""
+    from specjax.generate.jax_loop import draft_cost_ratio
+
+    target, draft, target_j, draft_j = pair
+    with draft_cost_ratio(float("inf")):
+        counts, stats = sample_law(target_j, draft_j, ROWS, LENGTH, DRAFT_TOKENS, seed=6)
+    assert stats.draft_steps == 0
     p_target = chi_square_p(counts, exact_law(target, LENGTH))
     p_draft = chi_square_p(counts, exact_law(draft, LENGTH))
     assert p_target > ALPHA, f"against the target's law: p = {p_target:.2e}"

@@ -67,7 +67,8 @@ def test_greedy_equals_the_targets_own_greedy_decoding(models, prompts, draft, g
     ids, mask = prompts
     want = target_greedy(cpu["target"], ids, mask, MAX_NEW)
     drafter = make_drafter(draft, jx)
-    out = speculative_generate(jx["target"], drafter, ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=g)
+    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=g, adaptive=False)  # every step drafts: the schedule's own
+    out = speculative_generate(jx["target"], drafter, ids, mask, **kw)  # steps are tested below
     assert out.sequences[:, ids.shape[1] :].tolist() == want
     assert out.stats.adapter_copies == 0
     assert out.stats.draft_tokens_proposed > 0
@@ -83,7 +84,7 @@ def test_sampled_outputs_equal_the_cpu_paths_draw_for_draw(models, prompts, draf
     kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=G, temperature=1.0, top_k=20, top_p=0.9, seed=11)
     d_cpu, d_jax = make_drafter(draft, cpu), make_drafter(draft, jx)
     want = speculative_generate(cpu["target"], d_cpu, ids, mask, adaptive=False, **kw)
-    got = speculative_generate(jx["target"], d_jax, ids, mask, **kw)
+    got = speculative_generate(jx["target"], d_jax, ids, mask, adaptive=False, **kw)
     assert got.sequences.tolist() == want.sequences.tolist()
     assert got.stats.draft_tokens_accepted == want.stats.draft_tokens_accepted
     assert got.stats.adapter_copies == 0
@@ -257,7 +258,8 @@ def _both_paths(jx, draft, ids, mask, monkeypatch, **kw):
 def test_device_loop_repeats_the_per_step_path_exactly(models, prompts, monkeypatch, draft, sampling, max_new, eos_at):
     _, jx = models
     ids, mask = prompts
-    kw = dict(max_new_tokens=max_new, num_draft_tokens=G, pad_token_id=0, **sampling)
+    # adaptive=False: the per-step path drafts every step, so the resident loop's schedule must too
+    kw = dict(max_new_tokens=max_new, num_draft_tokens=G, pad_token_id=0, adaptive=False, **sampling)
     if eos_at is not None:  # an EOS id from row 0's own output (None: the model's own EOS, id 2)
         first = speculative_generate(jx["target"], make_drafter(draft, jx), ids, mask, **kw)
         kw["eos_token_id"] = int(first.sequences[0, ids.shape[1] + eos_at])
@@ -285,7 +287,7 @@ def test_other_lookup_drafters_keep_the_per_step_path(models, prompts, monkeypat
     _, jx = models
     ids, mask = prompts
     wrap = (lambda d: d) if kind == "alone" else (lambda d: HybridDrafter(d, ModelDrafter(jx["close"])))
-    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=G)
+    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=G, adaptive=False)  # the per-step path drafts every step
     want = speculative_generate(jx["target"], wrap(NgramDrafter()), ids, mask, **kw)
     programs = _counting_programs(monkeypatch)
     got = speculative_generate(jx["target"], wrap(_OwnNgram()), ids, mask, **kw)
@@ -301,7 +303,8 @@ def test_device_loop_without_a_callback_is_one_program(models, prompts, monkeypa
     ids, mask = prompts
     programs = _counting_programs(monkeypatch)
     drafter = make_drafter(draft, jx)
-    out = speculative_generate(jx["target"], drafter, ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=G)
+    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=G, adaptive=False)  # a schedule measures in chunks, once
+    out = speculative_generate(jx["target"], drafter, ids, mask, **kw)
     assert out.sequences[:, ids.shape[1] :].tolist() == target_greedy(cpu["target"], ids, mask, MAX_NEW)
     assert out.stats.steps > jax_loop.STREAM_STEPS  # many steps ...
     assert programs == [1]  # ... one program
@@ -317,3 +320,70 @@ def test_nearby_max_new_tokens_share_the_device_loops_compilation(models, prompt
         out = speculative_generate(jx["target"], jx["close"], ids, mask, max_new_tokens=11, num_draft_tokens=G)
     assert out.num_new_tokens.max() == 11
     assert clock.compiles == 0
+
+
+@pytest.mark.parametrize("ratio", [float("inf"), 1.6], ids=["plain", "mixed"])
+@pytest.mark.parametrize("draft", ["close", "far", "ngram", "hybrid"])
+def test_greedy_holds_whatever_the_schedule_chooses(models, prompts, draft, ratio):
+    """The device-resident schedule's plain steps (the target over the last token, the acceptance step with
+    no draft tokens; the draft model still fed) give the target's greedy tokens, alone (``inf``: a drafted
+    step only after 15 plain ones) and mixed with drafted steps."""
+    cpu, jx = models
+    ids, mask = prompts
+    max_new = 40  # past 15 plain steps: the exploring drafted step too
+    with jax_loop.draft_cost_ratio(ratio):
+        out = speculative_generate(
+            jx["target"], make_drafter(draft, jx), ids, mask, max_new_tokens=max_new, num_draft_tokens=G
+        )
+    assert out.sequences[:, ids.shape[1] :].tolist() == target_greedy(cpu["target"], ids, mask, max_new)
+    assert 0 < out.stats.draft_steps < out.stats.steps  # both kinds of step ran
+    if ratio == float("inf"):
+        assert out.stats.draft_steps <= -(-out.stats.steps // (jax_loop._EXPLORE + 1))
+
+
+def test_a_plain_step_draws_what_a_step_testing_no_draft_token_draws(models, prompts):
+    """Sampled: with every step plain the tokens are those of the per-step path with G = 0 draft tokens tested
+    (the same keys, step numbers and emitted-token draw): the plain step is the acceptance step's k = 0 case."""
+    _, jx = models
+    ids, mask = prompts
+    kw = dict(max_new_tokens=12, num_draft_tokens=G, temperature=1.0, top_k=20, seed=4, pad_token_id=0)
+    with jax_loop.draft_cost_ratio(float("inf")):
+        plain = speculative_generate(jx["target"], jx["close"], ids, mask, **kw)
+    assert plain.stats.draft_steps == 0
+    with per_step_loop():
+        want = speculative_generate(jx["target"], NgramDrafter(min_n=5, max_n=5), ids, mask, adaptive=False, **kw)
+    assert want.stats.draft_tokens_proposed == 0  # no 5-gram repeats here: k = 0 every step
+    assert plain.sequences.tolist() == want.sequences.tolist()
+
+
+def test_the_schedule_drafts_while_it_pays():
+    """drafts_next: a drafted step makes (1 - a^(G+1)) / (1 - a) tokens a row (a from the counts, a uniform
+    prior); it drafts when that beats the cost ratio, always at a ratio of 0, and after 15 plain steps."""
+    from specjax.generate.jax_loop import drafts_next
+
+    def e(tested, passed, g=4):
+        a = (passed + 1) / (tested + 2)
+        return (1 - a ** (g + 1)) / (1 - a)
+
+    assert bool(drafts_next(0.0, 0.0, 0, 0.0, 4))
+    assert bool(drafts_next(100.0, 0.0, 0, 0.0, 4))  # nothing accepted, yet a free draft is taken
+    assert bool(drafts_next(10.0, 8.0, 0, e(10, 8) - 0.01, 4))
+    assert not bool(drafts_next(10.0, 8.0, 0, e(10, 8) + 0.01, 4))
+    assert not bool(drafts_next(10.0, 1.0, 14, 3.0, 4))
+    assert bool(drafts_next(10.0, 1.0, 15, 3.0, 4))  # exploring
+
+
+def test_the_schedule_measures_its_costs_once_per_program(models, prompts):
+    """adaptive=True (the default): the first call that does not compile times drafted and plain steps and
+    keeps their ratio for the program; later calls use it. Greedy output is the target's throughout."""
+    cpu, jx = models
+    ids, mask = prompts
+    want = target_greedy(cpu["target"], ids, mask, 30)
+    drafter = jx["far"]
+    for _ in range(3):
+        out = speculative_generate(jx["target"], drafter, ids, mask, max_new_tokens=30, num_draft_tokens=2)
+        assert out.sequences[:, ids.shape[1] :].tolist() == want
+    from specjax.generate.jax_model import jax_model
+
+    ratios = [r for key, r in jax_loop._RATIOS[jax_model("target", jx["target"])].items() if key[3] == 2]
+    assert len(ratios) == 1 and 0 < ratios[0] < float("inf")

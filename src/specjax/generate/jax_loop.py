@@ -39,12 +39,18 @@ those drafters. The eagle head runs device-resident only
 differs from the CPU drafter). The rules both use are written once:
 :func:`emitted_lengths`, :func:`next_positions` (numpy or jax.numpy).
 
-Shapes are fixed for a call: every step drafts G tokens for every row (a row
-tests only its ``k_b = min(G, tokens left - 1)``; finished rows ride along,
-their outputs ignored), so a call compiles its step once. The draft length is
-not adapted (``adaptive`` has no effect here) and rows are not dropped.
-Randomness is the CPU path's: row keys folded with the step number and the
-draft position (:mod:`specjax.kernels.steps`).
+Shapes are fixed for a call: a drafted step drafts G tokens for every row (a
+row tests only its ``k_b = min(G, tokens left - 1)``; finished rows ride along,
+their outputs ignored), so a call compiles its step once, and rows are not
+dropped. With ``adaptive`` (the default) the device-resident loop chooses, step
+by step and for the whole batch, between a drafted step and a plain one (the
+target over each row's last token: :func:`drafts_next`, both in the one
+program), from the acceptance so far and a drafted step's measured cost in
+plain steps (:func:`_calibrated`, once per program); ``adaptive=False``, the
+per-step path and the first call of a program draft every step. Randomness is
+the CPU path's: row keys folded with the step number and the draft position
+(:mod:`specjax.kernels.steps`); a plain step draws the emitted token as a
+drafted step with ``k_b = 0`` would.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import contextlib
 import contextvars
 import functools
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -359,6 +366,9 @@ class Resident(NamedTuple):
         least one token a step): the accepted, tested and emitted counts of each row (all 0 for a row
         inactive at that step).
       step: i32[], the next step's number (the keys' step).
+      tested, passed: f32[], the draft tokens tested and accepted in the drafted steps so far (each drafted
+        step decays the earlier counts by :data:`_DECAY`): the schedule's acceptance estimate.
+      idle: i32[], plain steps since the last drafted step.
     """
 
     t_cache: KVCache
@@ -375,6 +385,26 @@ class Resident(NamedTuple):
     rec_k: jax.Array
     rec_e: jax.Array
     step: jax.Array
+    tested: jax.Array
+    passed: jax.Array
+    idle: jax.Array
+
+
+_EXPLORE = 15  # plain steps after which a step drafts again whatever the estimate (it refreshes the estimate)
+_DECAY = 0.9  # each drafted step weighs the earlier counts of tested and accepted tokens by this
+
+
+def drafts_next(tested: Any, passed: Any, idle: Any, ratio: Any, g: int) -> Any:
+    """Whether the next step drafts: the schedule of the device-resident loop (bool[]).
+
+    A drafted step costs ``ratio`` plain steps (measured: :func:`_calibrate`; 0 or less: every step drafts).
+    With acceptance a = (passed + 1) / (tested + 2) (the counts of :class:`Resident`; a uniform prior), a
+    drafted step makes (1 - a^(G+1)) / (1 - a) tokens a row where a plain step makes one (Leviathan et al.'s
+    expectation), so it drafts when that is more than ``ratio``, and after :data:`_EXPLORE` plain steps in a
+    row. Any schedule that looks only at past steps keeps the output's law (each step is exact).
+    """
+    a = (passed + 1.0) / (tested + 2.0)
+    return ((1.0 - a ** (g + 1)) / (1.0 - a) > ratio) | (idle >= _EXPLORE)
 
 
 def _append(buffer: jax.Array, length: jax.Array, tokens: jax.Array, e: jax.Array) -> jax.Array:
@@ -400,6 +430,7 @@ def resident_steps(
     eos: jax.Array,
     max_new: jax.Array,
     limit: jax.Array,
+    ratio: jax.Array,
     *,
     g: int,
     vocab: int,
@@ -422,15 +453,20 @@ def resident_steps(
     (:meth:`_JaxRun.propose`): the n-gram alone tests what it found; the hybrid's rows with a match propose
     it as point masses, the others the draft model's draws. Other drafters that need the host between
     steps (custom lookups, processors) cannot run here.
+
+    ``ratio`` (f32[]): a drafted step's cost in plain steps; each step drafts or not by :func:`drafts_next`.
+    A plain step is the target's forward over each row's last token and the acceptance step with no draft
+    tokens (the emitted token as a drafted step with ``k_b = 0`` would give it); the draft model still takes
+    the row's last two tokens (its cache stays whole), the eagle head the step's pair.
     """
 
     def go_on(s: Resident) -> jax.Array:
         return (s.step < limit) & ~jnp.all(s.done)
 
-    def one(s: Resident) -> Resident:
-        active = ~s.done
-        k = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
-        x = use = None
+    eagle = isinstance(draft, JaxHead)
+
+    def drafted(s: Resident, caps: jax.Array) -> tuple[Any, ...]:
+        k, x, use, hidden = caps, None, None, None
         if lookup is not None:  # the per-step path's propose() on the device
             found_x, found = jax_lookup(s.context, s.context_len, k, min_n=lookup[0], max_n=lookup[1], g=g)
             x, k, use = lookup_inputs(jnp, found_x, found, s.last, k, draft is not None)
@@ -451,15 +487,42 @@ def resident_steps(
                 target, draft, t_weights, d_weights, s.t_cache, s.draft, s.prev, s.last, s.start, row_keys,
                 s.step, params, k, x, use, g=g, vocab=vocab,
             )  # fmt: skip
+        return n, tokens, t_cache, d_state, hidden, k.astype(jnp.int32)
+
+    def plain(s: Resident, caps: jax.Array) -> tuple[Any, ...]:
+        b = s.last.shape[0]
+        none = jnp.zeros(b, jnp.int32)
+        hidden = None
+        if isinstance(draft, JaxHead):
+            last = s.last[:, None]
+            logits, t_cache, h = target.forward_hidden(t_weights, s.t_cache, last, s.start, None, draft.layers)
+            hidden = jnp.pad(h, ((0, 0), (0, g), (0, 0)))  # the drafted step's shape; pair 0 is committed
+        else:
+            logits, t_cache = target.forward(t_weights, s.t_cache, s.last[:, None], s.start, None)
+        out = steps.verify_step(jnp.zeros((b, 0), jnp.int32), None, logits, row_keys, s.step, params, none)
+        tokens = jnp.concatenate([out.tokens, jnp.full((b, g), -1, out.tokens.dtype)], axis=1)
+        d_state = s.draft
+        if isinstance(draft, JaxModel):  # as _draft's first forward: the cache holds every committed token
+            assert d_weights is not None
+            _, d_state = draft.forward(d_weights, s.draft, jnp.stack([s.prev, s.last], axis=1), s.start - 1, 1)
+        return out.num_accepted, tokens, t_cache, d_state, hidden, none
+
+    def one(s: Resident) -> Resident:
+        active = ~s.done
+        caps = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
+        now = drafts_next(s.tested, s.passed, s.idle, ratio, g)
+        n, tokens, t_cache, d_state, hidden, k = lax.cond(now, drafted, plain, s, caps)
         e, ends = emitted_lengths(jnp, tokens, n, active, s.length, max_new, eos)
         e = e.astype(jnp.int32)
-        if isinstance(draft, JaxHead):
-            assert d_weights is not None
+        if eagle:
+            assert d_weights is not None and isinstance(draft, JaxHead)
             d_state = eagle_commit(draft, d_weights, d_state, hidden, tokens, e)
         context, context_len = s.context, s.context_len
         if lookup is not None:
             context, context_len = _append(s.context, s.context_len, tokens, e), s.context_len + e
         prev, last, start = next_positions(jnp, tokens, n, active, s.prev, s.last, s.start)
+        n_active = jnp.where(active, n, 0)
+        tested = jnp.sum(jnp.where(active, jnp.minimum(n + 1, k), 0)).astype(jnp.float32)
         return Resident(
             t_cache, d_state, prev, last, start,
             length=s.length + e,
@@ -467,10 +530,13 @@ def resident_steps(
             out=_append(s.out, s.length, tokens, e),
             context=context,
             context_len=context_len,
-            rec_n=s.rec_n.at[s.step].set(jnp.where(active, n, 0)),
+            rec_n=s.rec_n.at[s.step].set(n_active),
             rec_k=s.rec_k.at[s.step].set(k),
             rec_e=s.rec_e.at[s.step].set(e),
             step=s.step + 1,
+            tested=jnp.where(now, _DECAY * s.tested + tested, s.tested),
+            passed=jnp.where(now, _DECAY * s.passed + jnp.sum(n_active).astype(jnp.float32), s.passed),
+            idle=jnp.where(now, 0, s.idle + 1).astype(jnp.int32),
         )  # fmt: skip
 
     return lax.while_loop(go_on, one, state)
@@ -515,6 +581,50 @@ def per_step_loop() -> Iterator[None]:
         yield
     finally:
         _PER_STEP.reset(token)
+
+
+_RATIO: contextvars.ContextVar[float | None] = contextvars.ContextVar("specjax_jax_draft_ratio", default=None)
+
+
+@contextlib.contextmanager
+def draft_cost_ratio(ratio: float) -> Iterator[None]:
+    """Within it, the device-resident loop's schedule (:func:`drafts_next`) takes ``ratio`` as a drafted step's
+    cost in plain steps instead of measuring it: 0 or less, every step drafts; ``float("inf")``, plain steps
+    with a drafted one after every :data:`_EXPLORE`. For tests and comparisons (scripts/tpu_loop.py)."""
+    token = _RATIO.set(float(ratio))
+    try:
+        yield
+    finally:
+        _RATIO.reset(token)
+
+
+_CALIBRATE_STEPS = 8  # steps a timed chunk of a program's first measured call runs (two of each kind)
+# per target: (drafter, lookup, B, G, cache and output sizes) -> a drafted step's cost in plain steps
+_RATIOS: weakref.WeakKeyDictionary[JaxModel, dict[tuple[Any, ...], float]] = weakref.WeakKeyDictionary()
+
+
+def _calibrated(run: _JaxRun, state: Resident) -> tuple[Resident, float | None]:
+    """The ratio of a drafted step's cost to a plain step's for ``run``'s program: measured once (the first
+    call that neither traces nor compiles it: twice :data:`_CALIBRATE_STEPS` drafted steps then as many plain
+    ones, each chunk timed to its host read, the faster of each kind's two), then served from a cache.
+    Returns the state after the steps it ran, and the ratio (None when this call could not measure it)."""
+    key = (run.d, run.lookup, run.batch, run.g, state.t_cache[0][0].shape, state.out.shape)
+    known = _RATIOS.setdefault(run.t, {})
+    if key in known:
+        return state, known[key]
+    per_step: dict[float, list[float]] = {0.0: [], float("inf"): []}  # ratio 0: drafted steps; inf: plain ones
+    with measure_compiles() as compiles:
+        for ratio in (0.0, float("inf")) * 2:
+            if not run.active():
+                break
+            first, t0 = run.step, time.perf_counter()
+            state = run.run_resident(state, run.step + _CALIBRATE_STEPS, ratio)
+            if run.step > first:
+                per_step[ratio].append((time.perf_counter() - t0) / (run.step - first))
+    if compiles.seconds > 0 or not all(per_step.values()):
+        return state, None  # the times include tracing or compilation (or too few steps): measure on a later call
+    known[key] = ratio = min(per_step[0.0]) / min(per_step[float("inf")])
+    return state, ratio
 
 
 def host_ids(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -724,23 +834,28 @@ class _JaxRun:
         i32 = lambda a: np.asarray(a, np.int32)  # noqa: E731
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         # the host's part in one transfer (each array made eagerly would be a dispatch of its own)
-        prev, last, start, length, done, out, context, context_len, rec_n, rec_k, rec_e, step = jax.device_put(
-            (i32(self.prev), i32(self.last), i32(self.start), zeros(b), np.zeros(b, bool), zeros(b, m), context,
-             context_len, zeros(m, b), zeros(m, b), zeros(m, b), zeros())
+        f32 = np.float32(0.0)
+        prev, last, start, length, done, out, context, context_len, rec_n, rec_k, rec_e, step, tested, passed, idle = (
+            jax.device_put(
+                (i32(self.prev), i32(self.last), i32(self.start), zeros(b), np.zeros(b, bool), zeros(b, m), context,
+                 context_len, zeros(m, b), zeros(m, b), zeros(m, b), zeros(), f32, f32, zeros())
+            )
         )  # fmt: skip
         return Resident(
             t_cache=self.t_cache, draft=self.d_cache, prev=prev, last=last, start=start, length=length, done=done,
             out=out, context=context, context_len=context_len, rec_n=rec_n, rec_k=rec_k, rec_e=rec_e, step=step,
+            tested=tested, passed=passed, idle=idle,
         )  # fmt: skip
 
-    def run_resident(self, state: Resident, limit: int) -> Resident:
-        """Steps on the device until every row is done or step ``limit`` (one program, no host read inside);
-        then the host reads the int32 tokens and per-step counts and replays each step's bookkeeping (stats,
-        ``on_tokens``), exactly as :meth:`commit` would have done it."""
+    def run_resident(self, state: Resident, limit: int, ratio: float) -> Resident:
+        """Steps on the device until every row is done or step ``limit`` (one program, no host read inside), each
+        drafting or not as ``ratio`` says (:func:`drafts_next`); then the host reads the int32 tokens and per-step
+        counts and replays each step's bookkeeping (stats, ``on_tokens``), exactly as :meth:`commit` would have
+        done it."""
         state = resident_steps(
             self.t, self.d, self.t.weights, self.d_weights, state, self.sampling.keys, self.sampling.params,
-            np.asarray(self.eos, np.int32), np.int32(self.max_new_tokens), np.int32(limit), g=self.g,
-            vocab=self.vocab, lookup=self.lookup,
+            np.asarray(self.eos, np.int32), np.int32(self.max_new_tokens), np.int32(limit), np.float32(ratio),
+            g=self.g, vocab=self.vocab, lookup=self.lookup,
         )  # fmt: skip
         out, count, done, rec_n, rec_k, rec_e, step = (
             np.asarray(a)
@@ -774,8 +889,9 @@ def run_jax_loop(
     """The loop on JAX's devices; arguments as :func:`specjax.generate.loop.run_loop`'s, already validated.
 
     ``input_ids`` / ``attention_mask``: i64[B, P] host (CPU) tensors, left-padded. Of ``config`` this
-    path reads G, ``max_new_tokens``, the EOS and pad ids, V and ``on_tokens``: it drafts G every step
-    (``adaptive`` has no effect), and :func:`check_jax_call` has refused the settings it does not run.
+    path reads G, ``max_new_tokens``, the EOS and pad ids, V, ``on_tokens`` and ``adaptive`` (the
+    device-resident steps' schedule, :func:`drafts_next`; False: every step drafts G), and
+    :func:`check_jax_call` has refused the settings it does not run.
     The model, ``ngram`` and ``hybrid(ngram, model)`` drafters' steps run device-resident
     (:func:`resident_steps`) unless :func:`per_step_loop` is active; other lookup drafters step by step.
     """
@@ -788,8 +904,14 @@ def run_jax_loop(
         if run.resident:
             state = run.resident_state()
             chunk = config.max_new_tokens if config.on_tokens is None else STREAM_STEPS
+            ratio = _RATIO.get()
+            if ratio is None:
+                ratio = 0.0  # every step drafts: adaptive=False, and until the costs are measured
+                if config.adaptive:
+                    state, measured = _calibrated(run, state)
+                    ratio = measured if measured is not None else 0.0
             while run.active():
-                state = run.run_resident(state, run.step + chunk)
+                state = run.run_resident(state, run.step + chunk, ratio)
         while run.active():
             active, caps = run.plan()  # 1.
             x, k, use = run.propose(active, caps)  # 2. (host lookups; the draft model runs in 3.)
@@ -798,7 +920,7 @@ def run_jax_loop(
 
     stats = run.stats
     stats.target_forwards = stats.steps + run.prefilled
-    stats.draft_forwards = (stats.steps * run.g + run.prefilled) if run.fused else 0
+    stats.draft_forwards = (stats.draft_steps * run.g + run.prefilled) if run.fused else 0
     stats.adapter_copies = copies.copies
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained, run.row_steps, run.rows, t_start)
