@@ -121,12 +121,30 @@ def prefill(model: JaxModel, weights: dict[str, jax.Array], cache: KVCache, toke
     return cache
 
 
-def _draft(draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab):
+def _chain(one: Any, carry: Any, g: int, go: jax.Array | None) -> tuple[Any, Any]:
+    """``lax.scan(one, carry, [1 .. G-1])``: a drafter's tokens after its first. With ``go`` (bool[]) False it
+    is skipped: the carry as it was, the outputs zeros. The skip is a loop of 0 or 1 trips, not a ``lax.cond``:
+    XLA updates a loop's carry in place, where a cond copied the caches it carries (three copies a step)."""
+    idx = jnp.arange(1, g, dtype=jnp.int32)
+    if go is None:
+        return lax.scan(one, carry, idx)
+    outs = jax.tree.map(
+        lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(lambda c: lax.scan(one, c, idx)[1], carry)
+    )
+    trips = go.astype(jnp.int32)
+    return lax.fori_loop(0, trips, lambda _, state: lax.scan(one, state[0], idx), (carry, outs))
+
+
+def _draft(
+    draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab, go=None
+):
     """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V]); the draft cache after.
 
     Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing and feed those tokens, so the
     draft's cache holds what the row proposed either way; their logits are the draft model's, never read
-    (the acceptance step verifies those rows as point masses: ``point_mass_rows``).
+    (the acceptance step verifies those rows as point masses: ``point_mass_rows``). ``go`` False (bool[]; the
+    schedule's plain step): the first token alone (the draft still takes the row's last two tokens, so its
+    cache holds every committed one), the others 0 with zero logits (no row tests them).
     """
 
     def pick(q, i):  # the drawn token, or the row's forced one; purpose i + 1
@@ -142,7 +160,7 @@ def _draft(draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, ste
         nxt, q = pick(out[:, -1], i)
         return (cache, nxt), (nxt, q)
 
-    (d_cache, _), (xs, qs) = lax.scan(one, (d_cache, x0), jnp.arange(1, g, dtype=jnp.int32))
+    (d_cache, _), (xs, qs) = _chain(one, (d_cache, x0), g, go)
     tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)
     return tokens, (q0, *(qs[i] for i in range(g - 1))), d_cache
 
@@ -165,6 +183,7 @@ def draft_and_verify(
     k: jax.Array,
     forced: jax.Array | None,
     use: jax.Array | None,
+    go: jax.Array | None = None,
     *,
     g: int,
     vocab: int,
@@ -182,13 +201,17 @@ def draft_and_verify(
         as point masses instead of the draft model's draws; the acceptance step takes ``use`` as its
         ``point_mass_rows``, the CPU hybrid's rule. Both None for the model drafter (every row drawn; a
         separate compilation, and the acceptance step's paths for draft logits alone).
+      go: bool[] or None: False drafts one token only (the schedule's plain step; ``k`` is then 0 for
+        every row). None: always drafts (the per-step path).
       g: G; vocab: the target's vocabulary size V.
 
     Returns:
       ``(num_accepted i32[B], tokens i32[B, G+1], t_cache, d_cache)`` (tokens as the kernel's:
       accepted draft tokens, the emitted one, then -1).
     """
-    x, q, d_cache = _draft(draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab)
+    x, q, d_cache = _draft(
+        draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab, go
+    )
     logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
     out = steps.verify_step(x, q, logits, row_keys, step, params, k, use)
     return out.num_accepted, out.tokens, t_cache, d_cache
@@ -244,6 +267,7 @@ def eagle_and_verify(
     step: jax.Array,
     params: SamplingParams,
     k: jax.Array,
+    go: jax.Array | None = None,
     *,
     g: int,
     vocab: int,
@@ -270,7 +294,7 @@ def eagle_and_verify(
         nxt = pick(q, i)
         return (cache, out[:, 0], nxt), (nxt, q)
 
-    (cache, _, _), (xs, qs) = lax.scan(one, (state.cache, state.feature, x0), jnp.arange(1, g, dtype=jnp.int32))
+    (cache, _, _), (xs, qs) = _chain(one, (state.cache, state.feature, x0), g, go)  # go False: x0 alone
     x = jnp.concatenate([x0[:, None], xs.T], axis=1)
     tokens_in = jnp.concatenate([last[:, None], x], axis=1)
     logits, t_cache, hidden = target.forward_hidden(t_weights, t_cache, tokens_in, start, None, head.layers)
@@ -455,18 +479,21 @@ def resident_steps(
     steps (custom lookups, processors) cannot run here.
 
     ``ratio`` (f32[]): a drafted step's cost in plain steps; each step drafts or not by :func:`drafts_next`.
-    A plain step is the target's forward over each row's last token and the acceptance step with no draft
-    tokens (the emitted token as a drafted step with ``k_b = 0`` would give it); the draft model still takes
-    the row's last two tokens (its cache stays whole), the eagle head the step's pair.
+    A plain step is a drafted step with ``k_b = 0`` for every row and its drafting cut to the first token
+    (the draft model still takes the row's last two tokens, so its cache stays whole; the eagle head commits
+    the step's pair as ever): the target's forward over the same G + 1 positions (on an accelerator a
+    forward over G + 1 positions costs what one costs), the token emitted is the one a plain decoding step
+    draws.
     """
 
     def go_on(s: Resident) -> jax.Array:
         return (s.step < limit) & ~jnp.all(s.done)
 
-    eagle = isinstance(draft, JaxHead)
-
-    def drafted(s: Resident, caps: jax.Array) -> tuple[Any, ...]:
-        k, x, use, hidden = caps, None, None, None
+    def one(s: Resident) -> Resident:
+        active = ~s.done
+        caps = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
+        now = drafts_next(s.tested, s.passed, s.idle, ratio, g)  # a drafted step, or a plain one (k = 0)
+        k, x, use, hidden = jnp.where(now, caps, 0), None, None, None
         if lookup is not None:  # the per-step path's propose() on the device
             found_x, found = jax_lookup(s.context, s.context_len, k, min_n=lookup[0], max_n=lookup[1], g=g)
             x, k, use = lookup_inputs(jnp, found_x, found, s.last, k, draft is not None)
@@ -480,42 +507,18 @@ def resident_steps(
             k = jnp.where(s.draft.has_feature, k, 0)  # a row drafts once the head has a feature (a pair)
             n, tokens, t_cache, d_state, hidden = eagle_and_verify(
                 target, draft, t_weights, d_weights, s.t_cache, s.draft, s.last, s.start, row_keys, s.step, params,
-                k, g=g, vocab=vocab,
+                k, now, g=g, vocab=vocab,
             )  # fmt: skip
         else:
             n, tokens, t_cache, d_state = draft_and_verify(
                 target, draft, t_weights, d_weights, s.t_cache, s.draft, s.prev, s.last, s.start, row_keys,
-                s.step, params, k, x, use, g=g, vocab=vocab,
+                s.step, params, k, x, use, now, g=g, vocab=vocab,
             )  # fmt: skip
-        return n, tokens, t_cache, d_state, hidden, k.astype(jnp.int32)
-
-    def plain(s: Resident, caps: jax.Array) -> tuple[Any, ...]:
-        b = s.last.shape[0]
-        none = jnp.zeros(b, jnp.int32)
-        hidden = None
-        if isinstance(draft, JaxHead):
-            last = s.last[:, None]
-            logits, t_cache, h = target.forward_hidden(t_weights, s.t_cache, last, s.start, None, draft.layers)
-            hidden = jnp.pad(h, ((0, 0), (0, g), (0, 0)))  # the drafted step's shape; pair 0 is committed
-        else:
-            logits, t_cache = target.forward(t_weights, s.t_cache, s.last[:, None], s.start, None)
-        out = steps.verify_step(jnp.zeros((b, 0), jnp.int32), None, logits, row_keys, s.step, params, none)
-        tokens = jnp.concatenate([out.tokens, jnp.full((b, g), -1, out.tokens.dtype)], axis=1)
-        d_state = s.draft
-        if isinstance(draft, JaxModel):  # as _draft's first forward: the cache holds every committed token
-            assert d_weights is not None
-            _, d_state = draft.forward(d_weights, s.draft, jnp.stack([s.prev, s.last], axis=1), s.start - 1, 1)
-        return out.num_accepted, tokens, t_cache, d_state, hidden, none
-
-    def one(s: Resident) -> Resident:
-        active = ~s.done
-        caps = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
-        now = drafts_next(s.tested, s.passed, s.idle, ratio, g)
-        n, tokens, t_cache, d_state, hidden, k = lax.cond(now, drafted, plain, s, caps)
+        k = k.astype(jnp.int32)
         e, ends = emitted_lengths(jnp, tokens, n, active, s.length, max_new, eos)
         e = e.astype(jnp.int32)
-        if eagle:
-            assert d_weights is not None and isinstance(draft, JaxHead)
+        if isinstance(draft, JaxHead):
+            assert d_weights is not None and hidden is not None
             d_state = eagle_commit(draft, d_weights, d_state, hidden, tokens, e)
         context, context_len = s.context, s.context_len
         if lookup is not None:
