@@ -325,9 +325,9 @@ def test_nearby_max_new_tokens_share_the_device_loops_compilation(models, prompt
 @pytest.mark.parametrize("ratio", [float("inf"), 1.6], ids=["plain", "mixed"])
 @pytest.mark.parametrize("draft", ["close", "far", "ngram", "hybrid"])
 def test_greedy_holds_whatever_the_schedule_chooses(models, prompts, draft, ratio):
-    """The device-resident schedule's plain steps (the target over the last token, the acceptance step with
-    no draft tokens; the draft model still fed) give the target's greedy tokens, alone (``inf``: a drafted
-    step only after 15 plain ones) and mixed with drafted steps."""
+    """The device-resident schedule's plain steps (testing no draft token, their drafting cut to the first
+    token; the draft model still fed) give the target's greedy tokens, alone (``inf``: a drafted step only
+    after 15 plain ones) and mixed with drafted steps."""
     cpu, jx = models
     ids, mask = prompts
     max_new = 40  # past 15 plain steps: the exploring drafted step too

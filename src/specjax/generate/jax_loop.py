@@ -43,14 +43,13 @@ Shapes are fixed for a call: a drafted step drafts G tokens for every row (a
 row tests only its ``k_b = min(G, tokens left - 1)``; finished rows ride along,
 their outputs ignored), so a call compiles its step once, and rows are not
 dropped. With ``adaptive`` (the default) the device-resident loop chooses, step
-by step and for the whole batch, between a drafted step and a plain one (the
-target over each row's last token: :func:`drafts_next`, both in the one
-program), from the acceptance so far and a drafted step's measured cost in
-plain steps (:func:`_calibrated`, once per program); ``adaptive=False``, the
-per-step path and the first call of a program draft every step. Randomness is
-the CPU path's: row keys folded with the step number and the draft position
-(:mod:`specjax.kernels.steps`); a plain step draws the emitted token as a
-drafted step with ``k_b = 0`` would.
+by step and for the whole batch, between a drafted step and a plain one (a step
+testing no draft token, its drafting cut to the first token: :func:`drafts_next`,
+in the one program), from the acceptance so far and a drafted step's measured
+cost in plain steps (:func:`_calibrated`, once per program); ``adaptive=False``,
+the per-step path and the first call of a program draft every step. Randomness
+is the CPU path's: row keys folded with the step number and the draft position
+(:mod:`specjax.kernels.steps`).
 """
 
 from __future__ import annotations
@@ -421,7 +420,7 @@ _DECAY = 0.9  # each drafted step weighs the earlier counts of tested and accept
 def drafts_next(tested: Any, passed: Any, idle: Any, ratio: Any, g: int) -> Any:
     """Whether the next step drafts: the schedule of the device-resident loop (bool[]).
 
-    A drafted step costs ``ratio`` plain steps (measured: :func:`_calibrate`; 0 or less: every step drafts).
+    A drafted step costs ``ratio`` plain steps (measured: :func:`_calibrated`; 0 or less: every step drafts).
     With acceptance a = (passed + 1) / (tested + 2) (the counts of :class:`Resident`; a uniform prior), a
     drafted step makes (1 - a^(G+1)) / (1 - a) tokens a row where a plain step makes one (Leviathan et al.'s
     expectation), so it drafts when that is more than ``ratio``, and after :data:`_EXPLORE` plain steps in a
