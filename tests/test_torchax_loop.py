@@ -357,18 +357,20 @@ def test_a_plain_step_draws_what_a_step_testing_no_draft_token_draws(models, pro
 
 
 def test_the_schedule_drafts_while_it_pays():
-    """drafts_next: a drafted step makes (1 - a^(G+1)) / (1 - a) tokens a row (a from the counts, a uniform
-    prior); it drafts when that beats the cost ratio, always at a ratio of 0, and after 15 plain steps."""
+    """drafts_next: a drafted step makes the CPU schedule's expected tokens at B = 1 (schedule.expected_call_gain,
+    Leviathan et al.'s expectation) with every position passing with a = (passed + 1) / (tested + 2); it drafts
+    when that beats the cost ratio, always at a ratio of 0, and after 15 plain steps."""
     from specjax.generate.jax_loop import drafts_next
+    from specjax.generate.schedule import expected_call_gain
 
     def e(tested, passed, g=4):
-        a = (passed + 1) / (tested + 2)
-        return (1 - a ** (g + 1)) / (1 - a)
+        return expected_call_gain(np.full((1, g), (passed + 1) / (tested + 2)), np.array([g]), None)
 
     assert bool(drafts_next(0.0, 0.0, 0, 0.0, 4))
     assert bool(drafts_next(100.0, 0.0, 0, 0.0, 4))  # nothing accepted, yet a free draft is taken
-    assert bool(drafts_next(10.0, 8.0, 0, e(10, 8) - 0.01, 4))
-    assert not bool(drafts_next(10.0, 8.0, 0, e(10, 8) + 0.01, 4))
+    for tested, passed in ((10.0, 8.0), (3.0, 1.0), (40.0, 5.0)):
+        assert bool(drafts_next(tested, passed, 0, e(tested, passed) - 1e-3, 4))
+        assert not bool(drafts_next(tested, passed, 0, e(tested, passed) + 1e-3, 4))
     assert not bool(drafts_next(10.0, 1.0, 14, 3.0, 4))
     assert bool(drafts_next(10.0, 1.0, 15, 3.0, 4))  # exploring
 
@@ -387,3 +389,16 @@ def test_the_schedule_measures_its_costs_once_per_program(models, prompts):
 
     ratios = [r for key, r in jax_loop._RATIOS[jax_model("target", jx["target"])].items() if key[3] == 2]
     assert len(ratios) == 1 and 0 < ratios[0] < float("inf")
+
+
+def test_draft_forwards_count_the_steps_that_drafted(models, prompts):
+    """A drafted step runs the draft model G times, a plain step once (the row's last two tokens)."""
+    _, jx = models
+    ids, mask = prompts
+    kw = dict(max_new_tokens=12, num_draft_tokens=G)
+    with jax_loop.draft_cost_ratio(0.0):
+        every = speculative_generate(jx["target"], jx["far"], ids, mask, **kw)
+    with jax_loop.draft_cost_ratio(float("inf")):  # 12 tokens: fewer than 15 plain steps, none drafts
+        plain = speculative_generate(jx["target"], jx["far"], ids, mask, **kw)
+    assert every.stats.draft_forwards == G * every.stats.steps + 1  # + the prefill
+    assert plain.stats.draft_forwards == plain.stats.steps + 1

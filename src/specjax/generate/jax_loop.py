@@ -391,7 +391,7 @@ class Resident(NamedTuple):
       step: i32[], the next step's number (the keys' step).
       tested, passed: f32[], the draft tokens tested and accepted in the drafted steps so far (each drafted
         step decays the earlier counts by :data:`_DECAY`): the schedule's acceptance estimate.
-      idle: i32[], plain steps since the last drafted step.
+      idle: i32[], plain steps since the last drafted step; drafted: i32[], the drafted steps so far.
     """
 
     t_cache: KVCache
@@ -411,6 +411,7 @@ class Resident(NamedTuple):
     tested: jax.Array
     passed: jax.Array
     idle: jax.Array
+    drafted: jax.Array
 
 
 _EXPLORE = 15  # plain steps after which a step drafts again whatever the estimate (it refreshes the estimate)
@@ -539,6 +540,7 @@ def resident_steps(
             tested=jnp.where(now, _DECAY * s.tested + tested, s.tested),
             passed=jnp.where(now, _DECAY * s.passed + jnp.sum(n_active).astype(jnp.float32), s.passed),
             idle=jnp.where(now, 0, s.idle + 1).astype(jnp.int32),
+            drafted=s.drafted + now.astype(jnp.int32),
         )  # fmt: skip
 
     return lax.while_loop(go_on, one, state)
@@ -703,6 +705,7 @@ class _JaxRun:
         self.who = checks.plugin_name("drafter", drafter, getattr(drafter, "name", None))
         self.tested, self.passed = np.zeros(self.g, np.int64), np.zeros(self.g, np.int64)
         self.gained = self.row_steps = self.step = 0
+        self.drafted = 0  # steps that drafted G tokens (the others: the schedule's plain steps)
         draft_model = _draft_model(drafter)
         eagle = isinstance(drafter, EagleDrafter)
         self.fused = draft_model is not None or eagle  # the step program drafts itself
@@ -783,6 +786,7 @@ class _JaxRun:
                 self.t, self.t.weights, self.t_cache, np.asarray(x, np.int32), last, start, keys, step, params, k_j
             )
         n_h, tokens_h = jax.device_get((n, tokens))
+        self.drafted += 1  # the per-step path drafts every step
         checks.check_step_output("the verification step", n_h, tokens_h, k, self.vocab)
         return n_h, tokens_h
 
@@ -837,16 +841,15 @@ class _JaxRun:
         zeros = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         # the host's part in one transfer (each array made eagerly would be a dispatch of its own)
         f32 = np.float32(0.0)
-        prev, last, start, length, done, out, context, context_len, rec_n, rec_k, rec_e, step, tested, passed, idle = (
-            jax.device_put(
-                (i32(self.prev), i32(self.last), i32(self.start), zeros(b), np.zeros(b, bool), zeros(b, m), context,
-                 context_len, zeros(m, b), zeros(m, b), zeros(m, b), zeros(), f32, f32, zeros())
-            )
+        (prev, last, start, length, done, out, context, context_len, rec_n, rec_k, rec_e, step, tested, passed, idle,
+         drafted) = jax.device_put(
+            (i32(self.prev), i32(self.last), i32(self.start), zeros(b), np.zeros(b, bool), zeros(b, m), context,
+             context_len, zeros(m, b), zeros(m, b), zeros(m, b), zeros(), f32, f32, zeros(), zeros())
         )  # fmt: skip
         return Resident(
             t_cache=self.t_cache, draft=self.d_cache, prev=prev, last=last, start=start, length=length, done=done,
             out=out, context=context, context_len=context_len, rec_n=rec_n, rec_k=rec_k, rec_e=rec_e, step=step,
-            tested=tested, passed=passed, idle=idle,
+            tested=tested, passed=passed, idle=idle, drafted=drafted,
         )  # fmt: skip
 
     def run_resident(self, state: Resident, limit: int, ratio: float) -> Resident:
@@ -859,13 +862,14 @@ class _JaxRun:
             np.asarray(self.eos, np.int32), np.int32(self.max_new_tokens), np.int32(limit), np.float32(ratio),
             g=self.g, vocab=self.vocab, lookup=self.lookup,
         )  # fmt: skip
-        out, count, done, rec_n, rec_k, rec_e, step = (
+        out, count, done, rec_n, rec_k, rec_e, step, drafted = (
             np.asarray(a)
             for a in jax.device_get(
-                (state.out, state.length, state.done, state.rec_n, state.rec_k, state.rec_e, state.step)
+                (state.out, state.length, state.done, state.rec_n, state.rec_k, state.rec_e, state.step, state.drafted)
             )
         )
         _check_resident(out, count, rec_n, rec_k, self.vocab)
+        self.drafted = int(drafted)
         offset = np.array([len(r.generated) for r in self.rows])
         for s in range(self.step, int(step)):
             for b in (int(i) for i in np.nonzero(rec_e[s] > 0)[0]):  # the step's active rows (each emits)
@@ -922,7 +926,9 @@ def run_jax_loop(
 
     stats = run.stats
     stats.target_forwards = stats.steps + run.prefilled
-    stats.draft_forwards = (stats.draft_steps * run.g + run.prefilled) if run.fused else 0
+    # a drafted step runs the drafter G times, a plain step once (the draft model takes the row's last two
+    # tokens; the eagle head commits the step's pair)
+    stats.draft_forwards = (stats.steps + (run.g - 1) * run.drafted + run.prefilled) if run.fused else 0
     stats.adapter_copies = copies.copies
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained, run.row_steps, run.rows, t_start)
