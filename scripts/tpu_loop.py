@@ -30,6 +30,9 @@ Run where JAX's default backend is the accelerator; every section logs as it goe
 
 6. **Anatomy**: per B, where a step's time goes: the target's forward over 1 and G + 1 positions, one
    draft-model token, the acceptance step alone (greedy, T = 0.7), each repeated in one jitted loop.
+7. **Profile** (only when ``--order`` names it): for each ``--profile`` case ``category:drafter:B:T``, one
+   loop call and one call of the target alone traced by ``jax.profiler``: device time by program, op and
+   op category, the largest ops with their HLO (rows with ``--rows``).
 
 Sections run in ``--order`` (``--skip`` leaves some out).
 A JSON summary of every section is the last line printed (and ``--out FILE``).
@@ -416,6 +419,112 @@ def section_anatomy(pair: dict[str, Any], args: argparse.Namespace) -> list[dict
     return rows
 
 
+def _profile_summary(trace_dir: str, top: int) -> dict[str, Any]:
+    """Device time by program and op in the trace under ``trace_dir`` (``jax.profiler.trace``'s xplane).
+
+    On an accelerator: every line of its device planes (XLA Modules, XLA Ops, ...), events summed by name, the
+    ``top`` largest with their count and their first event's ``hlo_category`` / ``long_name`` stats. On a CPU:
+    the host's events that carry an ``hlo_op`` stat, by module and op.
+    """
+    import glob
+    from collections import defaultdict
+
+    from jax.profiler import ProfileData
+
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    if not files:
+        return {"error": f"no xplane.pb under {trace_dir}"}
+    data = ProfileData.from_file(files[0])
+    lines: dict[str, Any] = {}
+    for plane in data.planes:
+        device = any(tag in plane.name for tag in ("TPU", "GPU"))
+        for line in plane.lines:
+            total: dict[str, list[Any]] = defaultdict(lambda: [0.0, 0, None])
+            for ev in line.events:
+                stats = dict(ev.stats)
+                if not device and "hlo_op" not in stats:
+                    continue
+                name = ev.name if device else f"{stats.get('hlo_module')}/{stats['hlo_op']}"
+                entry = total[name]
+                entry[0] += ev.duration_ns / 1e3
+                entry[1] += 1
+                if entry[2] is None:
+                    entry[2] = {k: str(stats[k])[:240] for k in ("hlo_category", "long_name") if k in stats}
+            if not total:
+                continue
+            by_category: dict[str, float] = defaultdict(float)
+            for entry in total.values():
+                by_category[(entry[2] or {}).get("hlo_category", "-")] += entry[0]
+            ranked = sorted(total.items(), key=lambda kv: -kv[1][0])
+            lines[f"{plane.name} | {line.name}"] = {
+                "total_us": sum(e[0] for e in total.values()),
+                "by_category_us": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+                "top": [{"name": n, "us": e[0], "count": e[1], **(e[2] or {})} for n, e in ranked[:top]],
+            }
+    return lines
+
+
+def section_profile(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argparse.Namespace) -> list[dict]:
+    """Where a call's device time goes: for each ``--profile`` case ``category:drafter:B:T``, one loop call
+    (``speculative_generate`` on the device-resident path, as the timings run it) and one call of the target
+    alone, each warmed up first and then traced once (``jax.profiler.trace``); device time by program, op
+    and op category (:func:`_profile_summary`), with the call's wall time."""
+    import tempfile
+
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+    from specjax.drafters.eagle import EagleDrafter
+    from specjax.generate import speculative_generate
+    from specjax.generate.jax_loop import target_decode
+
+    drafters = {
+        "model": lambda: pair["draft_j"],
+        "ngram": NgramDrafter,
+        "eagle": lambda: EagleDrafter(pair["head"]),
+        "hybrid": lambda: HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"])),
+    }
+    rows = []
+    for case in args.profile:
+        category, name, batch_s, temp_s = case.split(":")
+        batch, temp = int(batch_s), float(temp_s)
+        ids, mask = prompts(tokenizer, batch, vocab, seed=batch, category=category if tokenizer else None)
+
+        def spec(name: str = name, temp: float = temp, ids=ids, mask=mask) -> Any:
+            return speculative_generate(
+                pair["target_j"], drafters[name](), ids, mask, max_new_tokens=args.max_new,
+                num_draft_tokens=args.draft_tokens, temperature=temp, seed=1, eos_token_id=[],
+                adaptive=args.adaptive == "on",
+            ).stats  # fmt: skip
+
+        def base(temp: float = temp, ids=ids, mask=mask) -> Any:
+            return target_decode(pair["target_j"], ids, mask, args.max_new, temperature=temp, seed=1)
+
+        for kind, fn in (("loop", spec), ("target-only", base)):
+            fn(), fn()  # compile, then the schedule's calibration (the loop's second call)
+            with tempfile.TemporaryDirectory() as trace_dir:
+                t0 = time.perf_counter()
+                with jax.profiler.trace(trace_dir):
+                    result = fn()
+                wall = time.perf_counter() - t0
+                summary = _profile_summary(trace_dir, args.profile_top)
+            row = {"section": "profile", "pair": args.pair, "device": DEVICE, "category": category,
+                   "drafter": name, "batch": batch, "temperature": temp, "call": kind, "wall_s": wall,
+                   "steps": getattr(result, "steps", args.max_new),
+                   "draft_steps": getattr(result, "draft_steps", 0), "lines": summary}  # fmt: skip
+            rows.append(row)
+            if args.rows:
+                append_jsonl(args.rows, [row])
+            log(f"profile {case} {kind}: wall {1e3 * wall:.1f} ms, steps {row['steps']}, drafted {row['draft_steps']}")
+            for line_name, line in summary.items():
+                if not isinstance(line, dict):
+                    continue
+                log(f"  {line_name}: {line['total_us']:.0f} us; by category " + ", ".join(
+                    f"{c} {us:.0f}" for c, us in list(line["by_category_us"].items())[:8]))  # fmt: skip
+                for op in line["top"][: min(12, args.profile_top)]:
+                    name, category = op["name"][:60], op.get("hlo_category", "")
+                    log(f"    {op['us']:9.0f} us  x{op['count']:<5d} {name:60s} {category}")
+    return rows
+
+
 def _median_time(fn: Any, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -622,6 +731,14 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="compile the timings' programs (and run the greedy section's) this many at a time (threads)",
     )
+    parser.add_argument(
+        "--profile",
+        type=lambda s: s.split(","),
+        default=["grounded:model:8:0.0"],
+        help="the profile section's cases, comma-separated category:drafter:B:T (category ignored without a "
+        "tokenizer)",
+    )
+    parser.add_argument("--profile-top", type=int, default=40, help="ops kept per trace line in the profile rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -659,11 +776,13 @@ def main(argv: list[str] | None = None) -> int:
         "law": lambda: section_law(args.law_rows),
         "timings": lambda: section_timings(pair, tokenizer, vocab, args),
         "anatomy": lambda: section_anatomy(pair, args),
+        "profile": lambda: section_profile(pair, tokenizer, vocab, args),
     }
     order = [name for name in args.order.split(",") if name]
     if len(set(order)) != len(order) or not set(order) <= set(sections):
         parser.error(f"--order: expected names among {','.join(sections)}, each at most once, got {args.order!r}")
-    order += [name for name in sections if name not in order]  # the others after them, in the default order
+    # the others after them, in the default order (the profile only when asked for)
+    order += [name for name in sections if name not in order and name != "profile"]
     for name in order:
         run = sections[name]
         if name in skip:

@@ -325,8 +325,8 @@ def test_nearby_max_new_tokens_share_the_device_loops_compilation(models, prompt
 @pytest.mark.parametrize("ratio", [float("inf"), 1.6], ids=["plain", "mixed"])
 @pytest.mark.parametrize("draft", ["close", "far", "ngram", "hybrid"])
 def test_greedy_holds_whatever_the_schedule_chooses(models, prompts, draft, ratio):
-    """The device-resident schedule's plain steps (testing no draft token, their drafting cut to the first
-    token; the draft model still fed) give the target's greedy tokens, alone (``inf``: a drafted step only
+    """The device-resident schedule's plain steps (testing no draft token, the draft model not run; the next
+    drafted step catches its cache up) give the target's greedy tokens, alone (``inf``: a drafted step only
     after 15 plain ones) and mixed with drafted steps."""
     cpu, jx = models
     ids, mask = prompts
@@ -354,6 +354,40 @@ def test_a_plain_step_draws_what_a_step_testing_no_draft_token_draws(models, pro
         want = speculative_generate(jx["target"], NgramDrafter(min_n=5, max_n=5), ids, mask, adaptive=False, **kw)
     assert want.stats.draft_tokens_proposed == 0  # no 5-gram repeats here: k = 0 every step
     assert plain.sequences.tolist() == want.sequences.tolist()
+
+
+def test_a_catch_up_leaves_the_draft_cache_as_feeding_every_step_would():
+    """Plain steps do not run the draft model; the next drafted step first rewrites each row's last C
+    positions from its committed tokens (jax_loop._catch_up). The draft's logits after that step's usual
+    forward (the row's last two tokens) equal those from a cache fed every token, for a row 12 plain steps
+    behind and one with fewer than C tokens in all; the stale positions held other tokens. Without the
+    catch-up they differ."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.generate.jax_model import jax_model
+
+    d = jax_model("draft", tiny_llama(seed=7, layers=1, hidden=32))
+    rng = np.random.default_rng(5)
+    seqs = [rng.integers(0, 256, 30), rng.integers(0, 256, 6)]
+    behind = [12, 3]  # plain steps since the row's draft cache was last fed
+    start = np.array([len(q) - 1 for q in seqs], np.int32)  # each row's last token's position
+    context = np.zeros((2, 64), np.int32)
+    full, stale = np.zeros((2, 29), np.int32), rng.integers(0, 256, (2, 29)).astype(np.int32)
+    for b, q in enumerate(seqs):
+        context[b, : len(q)] = q
+        full[b, : len(q) - 1] = q[:-1]
+        fed = len(q) - 2 - behind[b]  # the positions the cache got before the plain steps
+        stale[b, :fed] = q[:fed]
+    fwd = jax.jit(lambda c, t, s: d.forward(d.weights, c, t, s, 1))
+    caches = [jax_loop.prefill(d, d.weights, d.init_cache(2, 64), jnp.asarray(a)) for a in (full, stale, stale)]
+    caches[1] = jax.jit(lambda c: jax_loop._catch_up(d, d.weights, c, jnp.asarray(context), jnp.asarray(start)))(
+        caches[1]
+    )
+    pair = np.stack([[q[-2], q[-1]] for q in seqs]).astype(np.int32)
+    want, caught, left = (np.asarray(fwd(c, jnp.asarray(pair), jnp.asarray(start - 1))[0][:, -1]) for c in caches)
+    np.testing.assert_allclose(caught, want, atol=1e-5, rtol=0)
+    assert np.abs(left - want).max(axis=-1).min() > 1e-3  # each row's logits wrong without it
 
 
 def test_the_schedule_drafts_while_it_pays():
@@ -392,7 +426,7 @@ def test_the_schedule_measures_its_costs_once_per_program(models, prompts):
 
 
 def test_draft_forwards_count_the_steps_that_drafted(models, prompts):
-    """A drafted step runs the draft model G times, a plain step once (the row's last two tokens)."""
+    """A drafted step runs the draft model G times, a plain step not at all."""
     _, jx = models
     ids, mask = prompts
     kw = dict(max_new_tokens=12, num_draft_tokens=G)
@@ -401,4 +435,4 @@ def test_draft_forwards_count_the_steps_that_drafted(models, prompts):
     with jax_loop.draft_cost_ratio(float("inf")):  # 12 tokens: fewer than 15 plain steps, none drafts
         plain = speculative_generate(jx["target"], jx["far"], ids, mask, **kw)
     assert every.stats.draft_forwards == G * every.stats.steps + 1  # + the prefill
-    assert plain.stats.draft_forwards == plain.stats.steps + 1
+    assert plain.stats.draft_forwards == 1  # the prefill alone

@@ -97,6 +97,23 @@ def test_the_cache_is_written_without_an_element_wise_scatter(forward):
         assert "update_window_dims = [1, 2, 3]" in line and "inserted_window_dims" not in line, line
 
 
+@pytest.mark.parametrize("width", [1, 3])
+def test_grouped_query_heads_read_the_cache_without_repeating_it(forward, width):
+    """4 query heads over 2 key/value heads: transformers' sdpa repeats each key/value head for a forward of
+    more than one token (a copy of the whole cache per layer and forward, which a TPU pays at every
+    verification); here no array of the repeated shape (B, H, S, D) is made at any width, the shared
+    heads are read as they lie (the pieces test above checks the values), and the model's config names
+    its own attention again after the trace."""
+    model = tiny_llama(seed=4)
+    m = jax_model("target", model)
+    cache = m.init_cache(2, 16)  # 17 slots
+    text = forward.lower(m, m.weights, cache, jnp.zeros((2, width), jnp.int32), jnp.array([4, 0], jnp.int32), None)
+    text = text.as_text()
+    assert "tensor<2x2x17x16xf32>" in text  # the cache itself (B, H_kv, S, D)
+    assert "tensor<2x4x17x16xf32>" not in text and "tensor<2x2x2x17x16xf32>" not in text
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_a_torchax_model_is_read_without_copies():
     """A model moved to torchax's jax device: its weights are its own arrays (the same buffers)."""
     model = on_jax(tiny_llama(seed=2))

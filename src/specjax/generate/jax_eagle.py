@@ -148,11 +148,12 @@ class JaxHead:
             keys = keys.at[rows, :, slots].set(k.transpose(0, 2, 1, 3).astype(keys.dtype))
             values = values.at[rows, :, slots].set(v.transpose(0, 2, 1, 3).astype(values.dtype))
             new_cache.append((keys, values))
-            rep = nh // nkv
-            kk, vv = jnp.repeat(keys, rep, axis=1), jnp.repeat(values, rep, axis=1)
-            att = jnp.einsum("bhwd,bhsd->bhws", q, kk) / np.sqrt(hd)
-            att = jnp.where(visible[:, None], att, -jnp.inf)
-            out = jnp.einsum("bhws,bhsd->bhwd", jax.nn.softmax(att, axis=-1), vv)
+            # query head h = g·rep + j reads key/value head g: the groups' queries as rows over the cache as
+            # it lies (repeating the heads, jnp.repeat, would copy the head's whole cache every forward)
+            qg = q.reshape(b, nkv, nh // nkv, width, hd)
+            att = jnp.einsum("bgrwd,bgsd->bgrws", qg, keys) / np.sqrt(hd)
+            att = jnp.where(visible[:, None, None], att, -jnp.inf)
+            out = jnp.einsum("bgrws,bgsd->bgrwd", jax.nn.softmax(att, axis=-1), values).reshape(b, nh, width, hd)
             x = x + out.transpose(0, 2, 1, 3).reshape(b, width, nh * hd) @ w[p + "o_proj.weight"].T
             h = norm(x, w[p + "post_norm.weight"])
             mlp = jax.nn.silu(h @ w[p + "gate_proj.weight"].T) * (h @ w[p + "up_proj.weight"].T)

@@ -120,38 +120,51 @@ def prefill(model: JaxModel, weights: dict[str, jax.Array], cache: KVCache, toke
     return cache
 
 
-def _chain(one: Any, carry: Any, g: int, go: jax.Array | None) -> tuple[Any, Any]:
-    """``lax.scan(one, carry, [1 .. G-1])``: a drafter's tokens after its first. With ``go`` (bool[]) False it
-    is skipped: the carry as it was, the outputs zeros. The skip is a loop of 0 or 1 trips, not a ``lax.cond``:
-    XLA updates a loop's carry in place, where a cond copied the caches it carries (three copies a step)."""
-    idx = jnp.arange(1, g, dtype=jnp.int32)
+def _unless_plain(go: jax.Array | None, drafted: Any, cache: Any, last: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
+    """``drafted(cache)`` -> ``(cache, tokens i32[B, G], logits f[G, B, V])``: a drafter's G tokens. With ``go``
+    False (bool[]; the schedule's plain step) none of it runs: the cache as it was, the tokens ``last``
+    (i32[B]; filler, no row tests them), the logits zeros. The skip is a loop of 0 or 1 trips, not a
+    ``lax.cond``: XLA updates a loop's carry in place, where a cond copied the caches it carries (three
+    copies a step)."""
     if go is None:
-        return lax.scan(one, carry, idx)
-    outs = jax.tree.map(
-        lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(lambda c: lax.scan(one, c, idx)[1], carry)
-    )
-    trips = go.astype(jnp.int32)
-    return lax.fori_loop(0, trips, lambda _, state: lax.scan(one, state[0], idx), (carry, outs))
+        return drafted(cache)
+    shapes = jax.eval_shape(drafted, cache)
+    init = (cache, jnp.broadcast_to(last[:, None], shapes[1].shape).astype(shapes[1].dtype),
+            jnp.zeros(shapes[2].shape, shapes[2].dtype))  # fmt: skip
+    return lax.fori_loop(0, go.astype(jnp.int32), lambda _, c: drafted(c[0]), init)
+
+
+def _catch_up(draft: JaxModel, d_weights, d_cache, context: jax.Array, start: jax.Array) -> KVCache:
+    """The draft cache with each row's committed tokens at positions ``start - C + 1 .. start`` (C =
+    :data:`_CATCH_UP`; from 0 for a row with fewer), read from ``context`` (i32[B, W], the row's prompt and
+    emitted tokens, token p at position p): one forward of C positions, its logits unused. What the plain
+    steps since the last drafted one did not write (a plain step does not run the draft model); positions
+    past ``start`` get filler, which the next forward overwrites before any query sees it."""
+    first = jnp.maximum(start - (_CATCH_UP - 1), 0)
+    pos = first[:, None] + jnp.arange(_CATCH_UP, dtype=jnp.int32)[None, :]
+    tokens = jnp.take_along_axis(context, jnp.minimum(pos, context.shape[1] - 1), axis=1)
+    tokens = jnp.where(pos <= start[:, None], tokens, 0).astype(jnp.int32)
+    _, d_cache = draft.forward(d_weights, d_cache, tokens, first, 1)
+    return d_cache
 
 
 def _draft(
-    draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab, go=None
-):
+    draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab, go=None,
+    context=None, behind=None,
+):  # fmt: skip
     """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V]); the draft cache after.
 
     Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing and feed those tokens, so the
     draft's cache holds what the row proposed either way; their logits are the draft model's, never read
     (the acceptance step verifies those rows as point masses: ``point_mass_rows``). ``go`` False (bool[]; the
-    schedule's plain step): the first token alone (the draft still takes the row's last two tokens, so its
-    cache holds every committed one), the others 0 with zero logits (no row tests them).
+    schedule's plain step): the draft model does not run; the tokens are ``last`` (filler: no row tests
+    them), the logits zeros. ``behind`` (bool[], with ``context``, see :func:`_catch_up`): plain steps came
+    before this one, so the draft cache first catches up on the tokens they committed.
     """
 
     def pick(q, i):  # the drawn token, or the row's forced one; purpose i + 1
         drawn = steps.draft_draw(q, row_keys, step, i + 1, params, vocab=vocab)
         return (drawn if use is None else jnp.where(use, forced[:, i], drawn)), q
-
-    logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
-    x0, q0 = pick(logits[:, -1], 0)
 
     def one(carry, i):  # feed x_{i-1} at position start + i, then x_i
         cache, x = carry
@@ -159,9 +172,18 @@ def _draft(
         nxt, q = pick(out[:, -1], i)
         return (cache, nxt), (nxt, q)
 
-    (d_cache, _), (xs, qs) = _chain(one, (d_cache, x0), g, go)
-    tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)
-    return tokens, (q0, *(qs[i] for i in range(g - 1))), d_cache
+    def drafted(cache: Any) -> tuple[Any, jax.Array, jax.Array]:
+        if behind is not None:  # a loop of 0 or 1 trips (XLA updates a loop's carry in place; a cond copies)
+            cache = lax.fori_loop(
+                0, behind.astype(jnp.int32), lambda _, c: _catch_up(draft, d_weights, c, context, start), cache
+            )
+        logits, cache = draft.forward(d_weights, cache, jnp.stack([prev, last], axis=1), start - 1, 1)
+        x0, q0 = pick(logits[:, -1], 0)
+        (cache, _), (xs, qs) = lax.scan(one, (cache, x0), jnp.arange(1, g, dtype=jnp.int32))
+        return cache, jnp.concatenate([x0[:, None], xs.T], axis=1), jnp.concatenate([q0[None], qs], axis=0)
+
+    d_cache, tokens, q = _unless_plain(go, drafted, d_cache, last)
+    return tokens, tuple(q[i] for i in range(g)), d_cache
 
 
 # Recompiles when a model, B, G, the cache's length or params' static fields change; never per step.
@@ -183,6 +205,8 @@ def draft_and_verify(
     forced: jax.Array | None,
     use: jax.Array | None,
     go: jax.Array | None = None,
+    context: jax.Array | None = None,
+    behind: jax.Array | None = None,
     *,
     g: int,
     vocab: int,
@@ -200,8 +224,10 @@ def draft_and_verify(
         as point masses instead of the draft model's draws; the acceptance step takes ``use`` as its
         ``point_mass_rows``, the CPU hybrid's rule. Both None for the model drafter (every row drawn; a
         separate compilation, and the acceptance step's paths for draft logits alone).
-      go: bool[] or None: False drafts one token only (the schedule's plain step; ``k`` is then 0 for
-        every row). None: always drafts (the per-step path).
+      go: bool[] or None: False runs no draft (the schedule's plain step; ``k`` is then 0 for every row).
+        None: always drafts (the per-step path).
+      context, behind: i32[B, W] and bool[] (the device-resident loop): each row's committed tokens, and
+        whether plain steps came before this one (the draft cache then catches up first: :func:`_catch_up`).
       g: G; vocab: the target's vocabulary size V.
 
     Returns:
@@ -209,7 +235,22 @@ def draft_and_verify(
       accepted draft tokens, the emitted one, then -1).
     """
     x, q, d_cache = _draft(
-        draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab, go
+        draft,
+        d_weights,
+        d_cache,
+        prev,
+        last,
+        start,
+        row_keys,
+        step,
+        params,
+        forced,
+        use,
+        g,
+        vocab,
+        go,
+        context,
+        behind,
     )
     logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
     out = steps.verify_step(x, q, logits, row_keys, step, params, k, use)
@@ -276,15 +317,14 @@ def eagle_and_verify(
     drafter's; greedy: their argmax), the drafted pairs ``(predicted feature, E x_i)`` at the row's next pair
     numbers; the target's forward with its hidden states; the acceptance step.
 
+    ``go`` (bool[] or None) as :func:`draft_and_verify`'s: False (a plain step) drafts nothing.
+
     Returns ``(num_accepted i32[B], tokens i32[B, G+1], t_cache, state, hidden f[B, G+1, k·d])``, hidden the
     target's states at ``[last, x_0 .. x_{G-1}]`` (for :func:`eagle_commit`).
     """
 
     def pick(logits: jax.Array, i: Any) -> jax.Array:
         return steps.draft_draw(logits, row_keys, step, i + 1, params, vocab=vocab)
-
-    q0 = head.logits(h_weights, state.feature)
-    x0 = pick(q0, 0)
 
     def one(carry, i):  # the head on (feature_{i-1}, E x_{i-1}) at pair pairs + i - 1, then x_i
         cache, f, x = carry
@@ -293,11 +333,16 @@ def eagle_and_verify(
         nxt = pick(q, i)
         return (cache, out[:, 0], nxt), (nxt, q)
 
-    (cache, _, _), (xs, qs) = _chain(one, (state.cache, state.feature, x0), g, go)  # go False: x0 alone
-    x = jnp.concatenate([x0[:, None], xs.T], axis=1)
+    def drafted(cache):
+        q0 = head.logits(h_weights, state.feature)
+        x0 = pick(q0, 0)
+        (cache, _, _), (xs, qs) = lax.scan(one, (cache, state.feature, x0), jnp.arange(1, g, dtype=jnp.int32))
+        return cache, jnp.concatenate([x0[:, None], xs.T], axis=1), jnp.concatenate([q0[None], qs], axis=0)
+
+    cache, x, q = _unless_plain(go, drafted, state.cache, last)  # a plain step drafts nothing
     tokens_in = jnp.concatenate([last[:, None], x], axis=1)
     logits, t_cache, hidden = target.forward_hidden(t_weights, t_cache, tokens_in, start, None, head.layers)
-    out = steps.verify_step(x, (q0, *(qs[i] for i in range(g - 1))), logits, row_keys, step, params, k)
+    out = steps.verify_step(x, tuple(q[i] for i in range(g)), logits, row_keys, step, params, k)
     return out.num_accepted, out.tokens, t_cache, state._replace(cache=cache), hidden
 
 
@@ -382,16 +427,18 @@ class Resident(NamedTuple):
       length: i32[B], tokens each row has emitted; done: bool[B], rows that ended (EOS or M tokens).
       out: i32[B, M'], each row's tokens (``out[b, :length[b]]``; the rest is not read), M' >= M rounded up
         to a block of positions.
-      context, context_len: with a lookup drafter (``ngram``, ``hybrid``), i32[B, W] and i32[B]: each row's
-        prompt and emitted tokens (``context[b, :context_len[b]]``, what the host's n-gram index holds), W >=
-        the longest prompt + M rounded up to a block; None otherwise.
+      context, context_len: with a lookup drafter (``ngram``, ``hybrid``) or a draft model, i32[B, W] and
+        i32[B]: each row's prompt and emitted tokens (``context[b, :context_len[b]]``, what the host's n-gram
+        index holds; token p at position p, what a draft model catches up from), W >= the longest prompt + M
+        rounded up to a block; None otherwise.
       rec_n, rec_k, rec_e: i32[M', B], per step s (a call runs at most M steps: every active row emits at
         least one token a step): the accepted, tested and emitted counts of each row (all 0 for a row
         inactive at that step).
       step: i32[], the next step's number (the keys' step).
       tested, passed: f32[], the draft tokens tested and accepted in the drafted steps so far (each drafted
         step decays the earlier counts by :data:`_DECAY`): the schedule's acceptance estimate.
-      idle: i32[], plain steps since the last drafted step; drafted: i32[], the drafted steps so far.
+      idle: i32[], plain steps since the last drafted step; drafted: i32[], the drafted steps so far;
+      caught: i32[], the drafted steps whose draft model first caught up on plain steps (:func:`_catch_up`).
     """
 
     t_cache: KVCache
@@ -412,10 +459,13 @@ class Resident(NamedTuple):
     passed: jax.Array
     idle: jax.Array
     drafted: jax.Array
+    caught: jax.Array
 
 
 _EXPLORE = 15  # plain steps after which a step drafts again whatever the estimate (it refreshes the estimate)
 _DECAY = 0.9  # each drafted step weighs the earlier counts of tested and accepted tokens by this
+# positions a catch-up forward rewrites (:func:`_catch_up`): the plain steps' (at most _EXPLORE) and two more
+_CATCH_UP = _EXPLORE + 2
 
 
 def drafts_next(tested: Any, passed: Any, idle: Any, ratio: Any, g: int) -> Any:
@@ -479,11 +529,11 @@ def resident_steps(
     steps (custom lookups, processors) cannot run here.
 
     ``ratio`` (f32[]): a drafted step's cost in plain steps; each step drafts or not by :func:`drafts_next`.
-    A plain step is a drafted step with ``k_b = 0`` for every row and its drafting cut to the first token
-    (the draft model still takes the row's last two tokens, so its cache stays whole; the eagle head commits
-    the step's pair as ever): the target's forward over the same G + 1 positions (on an accelerator a
-    forward over G + 1 positions costs what one costs), the token emitted is the one a plain decoding step
-    draws.
+    A plain step is a drafted step with ``k_b = 0`` for every row and no drafting: the draft model does not
+    run (the next drafted step first catches its cache up on the tokens the plain steps committed, one
+    forward: :func:`_catch_up`); the eagle head drafts nothing and commits the step's pair as ever. The
+    target's forward covers the same G + 1 positions (on an accelerator a forward over G + 1 positions costs
+    what one costs), and the token emitted is the one a plain decoding step draws.
     """
 
     def go_on(s: Resident) -> jax.Array:
@@ -512,7 +562,7 @@ def resident_steps(
         else:
             n, tokens, t_cache, d_state = draft_and_verify(
                 target, draft, t_weights, d_weights, s.t_cache, s.draft, s.prev, s.last, s.start, row_keys,
-                s.step, params, k, x, use, now, g=g, vocab=vocab,
+                s.step, params, k, x, use, now, s.context, s.idle > 0, g=g, vocab=vocab,
             )  # fmt: skip
         k = k.astype(jnp.int32)
         e, ends = emitted_lengths(jnp, tokens, n, active, s.length, max_new, eos)
@@ -521,7 +571,7 @@ def resident_steps(
             assert d_weights is not None and hidden is not None
             d_state = eagle_commit(draft, d_weights, d_state, hidden, tokens, e)
         context, context_len = s.context, s.context_len
-        if lookup is not None:
+        if context is not None:
             context, context_len = _append(s.context, s.context_len, tokens, e), s.context_len + e
         prev, last, start = next_positions(jnp, tokens, n, active, s.prev, s.last, s.start)
         n_active = jnp.where(active, n, 0)
@@ -541,6 +591,7 @@ def resident_steps(
             passed=jnp.where(now, _DECAY * s.passed + jnp.sum(n_active).astype(jnp.float32), s.passed),
             idle=jnp.where(now, 0, s.idle + 1).astype(jnp.int32),
             drafted=s.drafted + now.astype(jnp.int32),
+            caught=s.caught + (now & (s.idle > 0) & isinstance(draft, JaxModel)).astype(jnp.int32),
         )  # fmt: skip
 
     return lax.while_loop(go_on, one, state)
@@ -706,6 +757,7 @@ class _JaxRun:
         self.tested, self.passed = np.zeros(self.g, np.int64), np.zeros(self.g, np.int64)
         self.gained = self.row_steps = self.step = 0
         self.drafted = 0  # steps that drafted G tokens (the others: the schedule's plain steps)
+        self.caught = 0  # drafted steps whose draft model first caught up on plain steps (one forward each)
         draft_model = _draft_model(drafter)
         eagle = isinstance(drafter, EagleDrafter)
         self.fused = draft_model is not None or eagle  # the step program drafts itself
@@ -832,7 +884,7 @@ class _JaxRun:
         """The call's state as the device-resident loop's carry (:func:`resident_steps`), before step 0."""
         m, b = _blocks(self.max_new_tokens), self.batch
         context = context_len = None
-        if self.lookup is not None:  # the prompts, then the emitted tokens as they come
+        if self.lookup is not None or isinstance(self.d, JaxModel):  # the prompts, then the emitted tokens
             context = np.zeros((b, _positions(self.contexts, self.max_new_tokens)), np.int32)
             for row, c in enumerate(self.contexts):
                 context[row, : len(c)] = c
@@ -842,14 +894,14 @@ class _JaxRun:
         # the host's part in one transfer (each array made eagerly would be a dispatch of its own)
         f32 = np.float32(0.0)
         (prev, last, start, length, done, out, context, context_len, rec_n, rec_k, rec_e, step, tested, passed, idle,
-         drafted) = jax.device_put(
+         drafted, caught) = jax.device_put(
             (i32(self.prev), i32(self.last), i32(self.start), zeros(b), np.zeros(b, bool), zeros(b, m), context,
-             context_len, zeros(m, b), zeros(m, b), zeros(m, b), zeros(), f32, f32, zeros(), zeros())
+             context_len, zeros(m, b), zeros(m, b), zeros(m, b), zeros(), f32, f32, zeros(), zeros(), zeros())
         )  # fmt: skip
         return Resident(
             t_cache=self.t_cache, draft=self.d_cache, prev=prev, last=last, start=start, length=length, done=done,
             out=out, context=context, context_len=context_len, rec_n=rec_n, rec_k=rec_k, rec_e=rec_e, step=step,
-            tested=tested, passed=passed, idle=idle, drafted=drafted,
+            tested=tested, passed=passed, idle=idle, drafted=drafted, caught=caught,
         )  # fmt: skip
 
     def run_resident(self, state: Resident, limit: int, ratio: float) -> Resident:
@@ -862,14 +914,15 @@ class _JaxRun:
             np.asarray(self.eos, np.int32), np.int32(self.max_new_tokens), np.int32(limit), np.float32(ratio),
             g=self.g, vocab=self.vocab, lookup=self.lookup,
         )  # fmt: skip
-        out, count, done, rec_n, rec_k, rec_e, step, drafted = (
+        out, count, done, rec_n, rec_k, rec_e, step, drafted, caught = (
             np.asarray(a)
             for a in jax.device_get(
-                (state.out, state.length, state.done, state.rec_n, state.rec_k, state.rec_e, state.step, state.drafted)
+                (state.out, state.length, state.done, state.rec_n, state.rec_k, state.rec_e, state.step,
+                 state.drafted, state.caught)
             )
-        )
+        )  # fmt: skip
         _check_resident(out, count, rec_n, rec_k, self.vocab)
-        self.drafted = int(drafted)
+        self.drafted, self.caught = int(drafted), int(caught)
         offset = np.array([len(r.generated) for r in self.rows])
         for s in range(self.step, int(step)):
             for b in (int(i) for i in np.nonzero(rec_e[s] > 0)[0]):  # the step's active rows (each emits)
@@ -926,9 +979,12 @@ def run_jax_loop(
 
     stats = run.stats
     stats.target_forwards = stats.steps + run.prefilled
-    # a drafted step runs the drafter G times, a plain step once (the draft model takes the row's last two
-    # tokens; the eagle head commits the step's pair)
-    stats.draft_forwards = (stats.steps + (run.g - 1) * run.drafted + run.prefilled) if run.fused else 0
+    # a drafted step runs the drafter G times (and once more when the draft model catches up on plain steps);
+    # a plain step runs the draft model not at all, the eagle head once (it commits the step's pair)
+    if isinstance(run.d, JaxModel):
+        stats.draft_forwards = run.g * run.drafted + run.caught + run.prefilled
+    else:
+        stats.draft_forwards = (stats.steps + (run.g - 1) * run.drafted + run.prefilled) if run.fused else 0
     stats.adapter_copies = copies.copies
     stats.compile_time_s = setup_compile_s + compiles.seconds
     _finish_stats(stats, run.tested, run.passed, run.gained, run.row_steps, run.rows, t_start)

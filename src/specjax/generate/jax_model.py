@@ -34,9 +34,11 @@ are refused (:func:`check_supported`): the mask here is the full causal one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,7 +185,7 @@ class JaxModel:
         # functional_call swaps the module's parameters in and out: two threads tracing the same module
         # at once would see each other's tracers. One trace at a time (tracing is Python work under the
         # GIL anyway; the programs' compilations, after their traces, still overlap).
-        with _TRACE_LOCK, torchax.default_env():
+        with _TRACE_LOCK, torchax.default_env(), _grouped_attention(self.module):
             slot_t = torch_view(slots)
             cache_layers = [self._layer_class(torch_view(k), torch_view(v), slot_t) for k, v in cache]
             out = torch.func.functional_call(
@@ -202,6 +204,72 @@ class JaxModel:
             new_cache = tuple((jax_view(layer.keys), jax_view(layer.values)) for layer in cache_layers)
             hidden = None if layers is None else jnp.concatenate([jax_view(out.hidden_states[i]) for i in layers], -1)
         return logits, new_cache, hidden
+
+
+_GROUPED = "specjax_grouped"  # the attention function :func:`_grouped_attention` installs while tracing
+_STANDARD = ("sdpa", "eager")  # the implementations it stands in for (same arithmetic, no key/value copy)
+
+
+def grouped_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Softmax attention of H query heads over H_kv key/value heads without repeating the keys and values.
+
+    transformers' ``sdpa`` and ``eager`` attention repeat each key/value head H / H_kv times (``repeat_kv``)
+    whenever more than one query comes at once: under JAX that is a copy of the whole cache, per layer and
+    per forward, which a loop's G + 1-wide verification (and a draft model's 2-wide catch-up) pays at every
+    step while one-token decoding does not (transformers packs a single query instead). Here the queries of
+    each group go to their shared head as rows: q (B, H, T, D) read as (B, H_kv, r·T, D) with r = H / H_kv
+    (head h = g·r + j is group g), the additive mask (B, 1, T, S) tiled r times along its rows; one
+    attention over the cache as it lies, then the output back to (B, T, H, D), as transformers'
+    implementations return it. Anything else (a per-head mask, soft-capping, sinks, a window) goes to
+    transformers' ``sdpa``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, t, d = query.shape
+    kv = key.shape[1]
+    extras = any(
+        kwargs.get(name) is not None for name in ("softcap", "s_aux", "sinks", "position_bias", "sliding_window")
+    )
+    if attention_mask is None or attention_mask.ndim != 4 or attention_mask.shape[1] != 1 or h % kv or extras:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    r = h // kv
+    q = query.reshape(b, kv, r * t, d)
+    mask = attention_mask.repeat(1, 1, r, 1) if r > 1 else attention_mask
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(b, h, t, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _grouped_attention(module: Any) -> Iterator[None]:
+    """While tracing: every config of ``module`` that names ``sdpa`` or ``eager`` names
+    :func:`grouped_attention` instead (registered with transformers' ``AttentionInterface``); restored after.
+    Other implementations (flash, flex, a user's own) are left as they are."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_GROUPED, grouped_attention)
+    configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None}
+    changed = [c for c in configs.values() if getattr(c, "_attn_implementation_internal", None) in _STANDARD]
+    before = [c._attn_implementation_internal for c in changed]
+    try:
+        for c in changed:
+            c._attn_implementation_internal = _GROUPED
+        yield
+    finally:
+        for c, name in zip(changed, before, strict=True):
+            c._attn_implementation_internal = name
 
 
 def _row_layer_class() -> Any:
