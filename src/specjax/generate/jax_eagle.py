@@ -60,13 +60,10 @@ class JaxHead:
     vocab: int
 
     def with_scored(self, ids: np.ndarray) -> dict[str, jax.Array]:
-        """:attr:`weights` with ``"scored_ids"`` (i32[M], :func:`scored_ids`), ``"scored"`` (their rows of
-        the LM head, f[M, d]: gathered once per call, not at every draft token) and ``"scored_at"`` (i32[V],
-        each token's column among them, M for the others)."""
-        at = np.full(self.vocab, len(ids), np.int32)
-        at[np.asarray(ids)] = np.arange(len(ids), dtype=np.int32)  # a repeated id: its last column, the same row
-        ids_j, at_j = jax.device_put((np.asarray(ids, np.int32), at))
-        return {**self.weights, "scored_ids": ids_j, "scored": _rows(self.weights["lm"], ids_j), "scored_at": at_j}
+        """:attr:`weights` with ``"scored_ids"`` (i32[M], :func:`scored_ids`) and ``"scored"`` (their rows
+        of the LM head, f[M, d]: gathered once per call, not at every draft token)."""
+        ids_j = jax.device_put(np.asarray(ids, np.int32))
+        return {**self.weights, "scored_ids": ids_j, "scored": _rows(self.weights["lm"], ids_j)}
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -104,11 +101,8 @@ class JaxHead:
         """f[B, V]: the target's LM head on ``feature`` (f[B, d]) for the scored tokens, -inf elsewhere (the
         CPU drafter's sampled proposals; their argmax is its greedy pick up to ties)."""
         scores = feature @ w["scored"].T
-        # each token's column, the unscored ones the -inf column M: a gather with one index vector for every
-        # row, not a scatter of the B·M scores into a (B, V) array (an element-wise scatter into the KV cache
-        # made a forward 3x slower on a TPU v5e: docs/tpu.md)
-        padded = jnp.concatenate([scores, jnp.full((feature.shape[0], 1), -jnp.inf, scores.dtype)], axis=1)
-        return jnp.take(padded, w["scored_at"], axis=1)
+        full = jnp.full((feature.shape[0], self.vocab), -jnp.inf, scores.dtype)
+        return full.at[:, w["scored_ids"]].set(scores)
 
     def forward(
         self, w: dict[str, jax.Array], cache: HeadCache, features: jax.Array, embeds: jax.Array, start: jax.Array
