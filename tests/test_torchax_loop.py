@@ -409,6 +409,30 @@ def test_the_schedule_drafts_while_it_pays():
     assert bool(drafts_next(10.0, 1.0, 15, 3.0, 4))  # exploring
 
 
+def test_in_a_batch_the_schedule_prices_a_draft_by_the_calls_last_row():
+    """B > 1: drafts_next prices a drafted step as the CPU schedule does (schedule.expected_call_gain: how much
+    sooner the call's last row ends, R / E[max_b N_b], from the rows' draft lengths and remaining tokens), in
+    float32 on the device: the same decision either side of the host's value; and 32 level rows that each
+    make 1.7 tokens a drafted step are worth fewer to the call (their slowest row sets its length), so at a
+    cost of 1.5 plain steps one row drafts and 32 do not."""
+    import jax.numpy as jnp
+
+    from specjax.generate.jax_loop import drafts_next
+    from specjax.generate.schedule import expected_call_gain
+
+    caps = np.array([4, 4, 3, 4, 0, 4, 2, 4])
+    remaining = np.array([60, 12, 3, 64, 0, 40, 2, 30])
+    for tested, passed in ((10.0, 8.0), (30.0, 12.0), (40.0, 5.0)):
+        a = (passed + 1) / (tested + 2)
+        e = expected_call_gain(np.full((8, 4), a), caps, remaining)
+        for ratio, want in ((e * 0.99, True), (e * 1.01, False)):
+            got = drafts_next(tested, passed, 0, ratio, 4, jnp.asarray(caps), jnp.asarray(remaining))
+            assert bool(got) == want, (tested, passed, e, ratio)
+    one = drafts_next(10.0, 4.0, 0, 1.5, 4, jnp.full(1, 4), jnp.full(1, 64))  # a = 5/12: 1.70 tokens a step
+    many = drafts_next(10.0, 4.0, 0, 1.5, 4, jnp.full(32, 4), jnp.full(32, 64))
+    assert bool(one) and not bool(many)
+
+
 def test_the_schedule_measures_its_costs_once_per_program(models, prompts):
     """adaptive=True (the default): the first call that does not compile times drafted and plain steps and
     keeps their ratio for the program; later calls use it. Greedy output is the target's throughout."""

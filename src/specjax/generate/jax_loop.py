@@ -86,6 +86,7 @@ from specjax.generate.loop import (
     _finish_stats,
     _Row,
 )
+from specjax.generate.schedule import call_gains
 from specjax.kernels import steps
 from specjax.kernels.types import SamplingParams
 
@@ -468,17 +469,28 @@ _DECAY = 0.9  # each drafted step weighs the earlier counts of tested and accept
 _CATCH_UP = _EXPLORE + 2
 
 
-def drafts_next(tested: Any, passed: Any, idle: Any, ratio: Any, g: int) -> Any:
+def drafts_next(
+    tested: Any, passed: Any, idle: Any, ratio: Any, g: int, caps: Any = None, remaining: Any = None
+) -> Any:
     """Whether the next step drafts: the schedule of the device-resident loop (bool[]).
 
     A drafted step costs ``ratio`` plain steps (measured: :func:`_calibrated`; 0 or less: every step drafts).
-    With acceptance a = (passed + 1) / (tested + 2) (the counts of :class:`Resident`; a uniform prior), a
-    drafted step makes (1 - a^(G+1)) / (1 - a) tokens a row where a plain step makes one (Leviathan et al.'s
-    expectation), so it drafts when that is more than ``ratio``, and after :data:`_EXPLORE` plain steps in a
-    row. Any schedule that looks only at past steps keeps the output's law (each step is exact).
+    With acceptance a = (passed + 1) / (tested + 2) (the counts of :class:`Resident`; a uniform prior) for
+    every draft token, a drafted step is worth what the CPU schedule prices it at
+    (:func:`specjax.generate.schedule.expected_call_gain`, the one rule): at B = 1 the tokens it makes,
+    (1 - a^(G+1)) / (1 - a) (Leviathan et al.'s expectation), where a plain step makes one; in a batch
+    (``caps``, i[B]: the tokens each row would test, 0 for a finished row; ``remaining``, i[B]: the tokens each
+    still needs) how much sooner the call's last row ends, R / E[max_b N_b]. It drafts when that is more than
+    ``ratio``, and after :data:`_EXPLORE` plain steps in a row. Any schedule that looks only at past steps
+    keeps the output's law (each step is exact).
     """
     a = (passed + 1.0) / (tested + 2.0)
-    return ((1.0 - a ** (g + 1)) / (1.0 - a) > ratio) | (idle >= _EXPLORE)
+    if caps is None or caps.shape[0] == 1:
+        worth = (1.0 - a ** (g + 1)) / (1.0 - a)
+    else:
+        probs = jnp.broadcast_to(jnp.asarray(a, jnp.float32), (caps.shape[0], g))
+        worth = call_gains(probs, caps[None, :], remaining, xp=jnp)[0]
+    return (worth > ratio) | (idle >= _EXPLORE)
 
 
 def _append(buffer: jax.Array, length: jax.Array, tokens: jax.Array, e: jax.Array) -> jax.Array:
@@ -542,7 +554,8 @@ def resident_steps(
     def one(s: Resident) -> Resident:
         active = ~s.done
         caps = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
-        now = drafts_next(s.tested, s.passed, s.idle, ratio, g)  # a drafted step, or a plain one (k = 0)
+        # a drafted step, or a plain one (k = 0)
+        now = drafts_next(s.tested, s.passed, s.idle, ratio, g, caps, jnp.where(active, max_new - s.length, 0))
         k, x, use, hidden = jnp.where(now, caps, 0), None, None, None
         if lookup is not None:  # the per-step path's propose() on the device
             found_x, found = jax_lookup(s.context, s.context_len, k, min_n=lookup[0], max_n=lookup[1], g=g)

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DraftSchedule", "expected_call_gain"]
+__all__ = ["DraftSchedule", "call_gains", "expected_call_gain"]
 
 _PRIOR_PASS, _PRIOR_FAIL = 1.2, 0.8  # α = 0.6 before any test
 _DECAY = 0.85  # per step, for the pass/fail counts
@@ -148,49 +148,49 @@ def expected_call_gain(probs: np.ndarray, k: np.ndarray, remaining: np.ndarray |
             reach *= p
             gain += reach
         return gain
-    return float(_call_gains(probs, k[None, :], remaining)[0])
+    return float(call_gains(probs, k[None, :], remaining)[0])
 
 
-def _call_gains(probs: np.ndarray, ks: np.ndarray, remaining: np.ndarray | None) -> np.ndarray:
-    """f64[W]: :func:`expected_call_gain` of a batch of B >= 2 rows at each of W sets of draft lengths
-    ``ks`` (i64[W, B]), in one pass."""
-    probs = np.asarray(probs, np.float64)
-    ks = np.asarray(ks, np.int64)
+def call_gains(probs: Any, ks: Any, remaining: Any | None, xp: Any = np) -> Any:
+    """f[W]: :func:`expected_call_gain` of a batch of B >= 2 rows at each of W sets of draft lengths
+    ``ks`` (i[W, B]), in one pass. ``xp``: numpy (float64, the host's schedule) or jax.numpy (float32, traced
+    into the device-resident loop's step: :func:`specjax.generate.jax_loop.drafts_next`)."""
+    f = np.float64 if xp is np else np.float32
+    probs = xp.asarray(probs, f)
+    ks = xp.asarray(ks)
     n, g = probs.shape
     # surv[w, b, j] = P(X_b ≥ j + 1), j = 0 .. g: 1, then the running product while j ≤ k_b, then 0
-    surv = np.concatenate([np.ones((n, 1)), np.cumprod(probs, axis=1)], axis=1)
-    surv = np.where(np.arange(g + 1)[None, None, :] <= ks[:, :, None], surv[None], 0.0)
+    surv = xp.concatenate([xp.ones((n, 1), f), xp.cumprod(probs, axis=1)], axis=1)
+    surv = xp.where(xp.arange(g + 1)[None, None, :] <= ks[:, :, None], surv[None], f(0))
     mean = surv.sum(axis=2)  # μ_b = Σ_j P(X_b ≥ j + 1)
-    second = (surv * (2 * np.arange(g + 1) + 1)).sum(axis=2)  # E[X_b²] = Σ_j (2j + 1) P(X_b ≥ j + 1)
-    var = np.maximum(second - mean**2, 0.0)
-    r = np.zeros(n) if remaining is None else np.asarray(remaining, np.float64)
-    if not (r > 0).any():
-        r = np.full(n, float(NOMINAL_REMAINING))
-    r = np.maximum(r, 0.0)
-    total = float(r.max())
+    second = (surv * (2 * xp.arange(g + 1, dtype=f) + 1)).sum(axis=2)  # E[X_b²] = Σ_j (2j + 1) P(X_b ≥ j + 1)
+    var = xp.maximum(second - mean**2, f(0))
+    r = xp.zeros(n, f) if remaining is None else xp.maximum(xp.asarray(remaining, f), f(0))
+    r = xp.where(xp.any(r > 0), r, f(NOMINAL_REMAINING))  # no counts given: rows alike
+    total = r.max()
     # [W, B]: the renewal count's mean with its end correction E[X(X − 1)] / 2μ² (a row stops at its last token;
     # tests/test_schedule.py holds the gain within 3 % of simulated calls down to 6 tokens left), at most r_b steps
-    steps_mean = np.minimum(r / mean + (second - mean) / (2 * mean**2), r)
-    steps_sd = np.sqrt(r * var / mean**3)
+    steps_mean = xp.minimum(r / mean + (second - mean) / (2 * mean**2), r)
+    steps_sd = xp.sqrt(r * var / mean**3)
     # E[max_b N_b] = ∫_0^R P(max_b N_b > t) dt (N_b <= r_b <= R: a row gains a token a step at least)
-    t = (np.arange(_GRID) + 0.5) * (total / _GRID)
-    z = (t - steps_mean[..., None]) / np.maximum(steps_sd, 1e-9)[..., None]
-    below = np.where(steps_sd[..., None] > 0, _normal_cdf(z), t >= steps_mean[..., None])
-    last = (1.0 - np.prod(below, axis=1)).sum(axis=1) * (total / _GRID)
-    return np.clip(total / np.maximum(last, 1e-9), 1.0, ks.max(axis=1, initial=0) + 1)
+    t = (xp.arange(_GRID, dtype=f) + f(0.5)) * (total / _GRID)
+    z = (t - steps_mean[..., None]) / xp.maximum(steps_sd, f(1e-9))[..., None]
+    below = xp.where(steps_sd[..., None] > 0, _normal_cdf(z, xp), t >= steps_mean[..., None])
+    last = (1 - xp.prod(below, axis=1)).sum(axis=1) * (total / _GRID)
+    return xp.clip(total / xp.maximum(last, f(1e-9)), 1, ks.max(axis=1, initial=0) + 1)
 
 
 NOMINAL_REMAINING = 64  # tokens each row needs, for a batch whose remaining counts are not given
 _GRID = 128  # points of the integral over the call's steps
 
 
-def _normal_cdf(z: np.ndarray) -> np.ndarray:
+def _normal_cdf(z: Any, xp: Any = np) -> Any:
     """Φ(z), vectorised (Abramowitz and Stegun 7.1.26 for erf: absolute error below 1.5e-7)."""
-    x = np.abs(z) / np.sqrt(2.0)
-    t = 1.0 / (1.0 + 0.3275911 * x)
+    x = xp.abs(z) / np.sqrt(2.0)
+    t = 1 / (1 + 0.3275911 * x)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    erf = 1.0 - poly * np.exp(-x * x)
-    return 0.5 * (1.0 + np.sign(z) * erf)
+    erf = 1 - poly * xp.exp(-x * x)
+    return 0.5 * (1 + xp.sign(z) * erf)
 
 
 class _Times(dict[Any, deque[float]]):
@@ -491,7 +491,7 @@ class DraftSchedule:
         best_w, best_rate = 0, margin * plain
         widths = np.arange(1, top + 1)
         if len(lim) > 1:  # every width at once (the one-row gain is a short loop of its own)
-            gains = _call_gains(probs, np.minimum(widths[:, None], lim[None, :]), left).tolist()
+            gains = call_gains(probs, np.minimum(widths[:, None], lim[None, :]), left).tolist()
         else:
             gains = [expected_call_gain(probs, np.minimum(w, lim), left) for w in widths.tolist()]
         for w, gain in zip(widths.tolist(), gains, strict=True):
