@@ -433,6 +433,8 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "generate-json": table_generate_processors,
     "tpu-loop-grid": table_tpu_loop_grid,
     "tpu-loop-grid-grounded": table_tpu_loop_grid,
+    "tpu-loop-grid-setup": table_tpu_loop_grid,
+    "tpu-loop-grid-copies": table_tpu_loop_grid,
 }
 
 
@@ -687,7 +689,20 @@ def verdict_vllm_plugin(rows: list[Row]) -> str:
 def verdict_tpu_loop_grid(rows: list[Row]) -> str:
     """Issue 55's speed targets over both runs of the grid (the later run's row where both measured a cell)."""
     later = load("tpu-loop-grid-grounded")
-    every = list({(r["category"], r["batch"], r["temperature"], r["drafter"]): r for r in rows + later}.values())
+    return _loop_verdict(
+        list({(r["category"], r["batch"], r["temperature"], r["drafter"]): r for r in rows + later}.values())
+    )
+
+
+def verdict_tpu_loop_run(rows: list[Row]) -> str:
+    """Issue 55's speed targets over one run of the grid (the prompt groups and cells it measured)."""
+    groups = ", ".join(dict.fromkeys(r["category"] for r in rows))
+    return f"Prompts: {groups}; {len(rows)} cells.\n\n" + _loop_verdict(rows)
+
+
+def _loop_verdict(every: list[Row], fit: bool = False) -> str:
+    """The targets' lines over the cells ``every`` (one row a cell); ``fit``: and the B = 1 fit of a call's time as
+    F + steps × c (meaningful while every step costs the same: every step drafted)."""
 
     def greedy(batch: int) -> list[Row]:
         return [r for r in every if r["batch"] == batch and r["temperature"] == 0.0]
@@ -713,12 +728,18 @@ def verdict_tpu_loop_grid(rows: list[Row]) -> str:
     low = sorted((r for r in every if r["ratio"] < 0.95), key=lambda r: r["ratio"])
     b1 = max(r["ratio"] for r in greedy(1))
     b32 = max(r["ratio"] for r in greedy(32))
+    fitted = fits() if fit else ""
     return (
         f"* B = 1 greedy ≥ 1.5× the target alone: {_met(b1 >= 1.5)} (best per prompt group: {best(1)}).\n"
         f"* every row ≥ 0.95×: {_met(not low)} ({len(low)} of {len(every)} cells below; the lowest: "
         f"{', '.join(where(r) for r in low[:3])}).\n"
-        f"* B = 32 greedy ≥ 1.2×: {_met(b32 >= 1.2)} (best per prompt group: {best(32)}).\n\n"
-        f"A B = 1 greedy call's time, fitted as F + steps × c through each drafter's open and grounded rows: {fits()}."
+        f"* B = 32 greedy ≥ 1.2×: {_met(b32 >= 1.2)} (best per prompt group: {best(32)})."
+        + (
+            f"\n\nA B = 1 greedy call's time, fitted as F + steps × c through each drafter's open and grounded rows: "
+            f"{fitted}."
+            if fitted
+            else ""
+        )
     )
 
 
@@ -734,6 +755,8 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "generate-penalty-minp": verdict_generate_penalty_minp,
     "generate-json": verdict_generate_json,
     "tpu-loop-grid": verdict_tpu_loop_grid,
+    "tpu-loop-grid-setup": verdict_tpu_loop_run,
+    "tpu-loop-grid-copies": verdict_tpu_loop_run,
 }
 
 
