@@ -735,8 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         "--profile",
         type=lambda s: s.split(","),
         default=["grounded:model:8:0.0"],
-        help="the profile section's cases, comma-separated category:drafter:B:T (category ignored without a "
-        "tokenizer)",
+        help="the profile section's cases, comma-separated category:drafter:B:T (category ignored without a tokenizer)",
     )
     parser.add_argument("--profile-top", type=int, default=40, help="ops kept per trace line in the profile rows")
     parser.add_argument("--out", default=None)

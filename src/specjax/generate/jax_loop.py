@@ -158,18 +158,15 @@ def _draft(
         nxt, q = pick(out[:, -1], i)
         return (cache, nxt), (nxt, q)
 
-    def drafted(cache: Any) -> tuple[Any, jax.Array, jax.Array]:
-        if behind is not None:  # a loop of 0 or 1 trips (XLA updates a loop's carry in place; a cond copies)
-            cache = lax.fori_loop(
-                0, behind.astype(jnp.int32), lambda _, c: _catch_up(draft, d_weights, c, context, start), cache
-            )
-        logits, cache = draft.forward(d_weights, cache, jnp.stack([prev, last], axis=1), start - 1, 1)
-        x0, q0 = pick(logits[:, -1], 0)
-        (cache, _), (xs, qs) = lax.scan(one, (cache, x0), jnp.arange(1, g, dtype=jnp.int32))
-        return cache, jnp.concatenate([x0[:, None], xs.T], axis=1), jnp.concatenate([q0[None], qs], axis=0)
-
-    d_cache, tokens, q = drafted(d_cache)
-    return tokens, tuple(q[i] for i in range(g)), d_cache
+    if behind is not None:  # a loop of 0 or 1 trips (XLA updates a loop's carry in place; a cond copies)
+        d_cache = lax.fori_loop(
+            0, behind.astype(jnp.int32), lambda _, c: _catch_up(draft, d_weights, c, context, start), d_cache
+        )
+    logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
+    x0, q0 = pick(logits[:, -1], 0)
+    (d_cache, _), (xs, qs) = lax.scan(one, (d_cache, x0), jnp.arange(1, g, dtype=jnp.int32))
+    tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)
+    return tokens, (q0, *(qs[i] for i in range(g - 1))), d_cache
 
 
 # Recompiles when a model, B, G, the cache's length or params' static fields change; never per step.
@@ -218,21 +215,7 @@ def draft_and_verify(
       accepted draft tokens, the emitted one, then -1).
     """
     x, q, d_cache = _draft(
-        draft,
-        d_weights,
-        d_cache,
-        prev,
-        last,
-        start,
-        row_keys,
-        step,
-        params,
-        forced,
-        use,
-        g,
-        vocab,
-        context,
-        behind,
+        draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab, context, behind
     )
     logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
     out = steps.verify_step(x, q, logits, row_keys, step, params, k, use)
@@ -312,16 +295,13 @@ def eagle_and_verify(
         nxt = pick(q, i)
         return (cache, out[:, 0], nxt), (nxt, q)
 
-    def drafted(cache):
-        q0 = head.logits(h_weights, state.feature)
-        x0 = pick(q0, 0)
-        (cache, _, _), (xs, qs) = lax.scan(one, (cache, state.feature, x0), jnp.arange(1, g, dtype=jnp.int32))
-        return cache, jnp.concatenate([x0[:, None], xs.T], axis=1), jnp.concatenate([q0[None], qs], axis=0)
-
-    cache, x, q = drafted(state.cache)
+    q0 = head.logits(h_weights, state.feature)
+    x0 = pick(q0, 0)
+    (cache, _, _), (xs, qs) = lax.scan(one, (state.cache, state.feature, x0), jnp.arange(1, g, dtype=jnp.int32))
+    x = jnp.concatenate([x0[:, None], xs.T], axis=1)
     tokens_in = jnp.concatenate([last[:, None], x], axis=1)
     logits, t_cache, hidden = target.forward_hidden(t_weights, t_cache, tokens_in, start, None, head.layers)
-    out = steps.verify_step(x, tuple(q[i] for i in range(g)), logits, row_keys, step, params, k)
+    out = steps.verify_step(x, (q0, *(qs[i] for i in range(g - 1))), logits, row_keys, step, params, k)
     return out.num_accepted, out.tokens, t_cache, state._replace(cache=cache), hidden
 
 
