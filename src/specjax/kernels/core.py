@@ -598,6 +598,7 @@ def _cutoff_from_candidates(
     cand: jax.Array,
     k: jax.Array | None,
     one_minus_top_p: jax.Array | None,
+    top: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`cutoff` on one device from ``cand`` (f32[..., kc], the ``kc`` largest of each row, ascending).
 
@@ -606,6 +607,11 @@ def _cutoff_from_candidates(
     computed there from the logits rather than copied into it. Rows the
     candidates cannot decide take :func:`_bisection_cutoff` (only when some row
     needs it: one ``lax.cond`` for the batch). ``k`` is clipped to [0, V].
+    ``top``: the rows' max (f32[...]) where the caller has it for free (the
+    TPU's candidates: ``cand[..., -1]``, the same value); else a reduction of
+    ``read()``. The mass outside the candidates (a pass over the row) is
+    computed only when some row has top-p without top-k, the only rows that
+    read it.
     """
     rows = cand.shape[:-1]
     kc = cand.shape[-1]
@@ -623,12 +629,17 @@ def _cutoff_from_candidates(
         # The row max, as its own reduction: reading it off the candidates
         # (cand[..., -1]) makes XLA:CPU lower lax.top_k to a sort of the whole
         # row (~13 ms per row of 49152, against ~0.3 ms).
-        top = jnp.max(read(), axis=-1)
+        if top is None:
+            top = jnp.max(read(), axis=-1)
         e = jnp.exp(jnp.where(cand >= cut[..., None], cand, _NEG_INF) - top[..., None])
         cand_mass = jnp.sum(e, axis=-1)
         if kc < vocab:
-            full = row_sums(jnp.exp(read() - top[..., None]))
-            rest = jnp.where(k_active, 0, jnp.maximum(full - cand_mass, 0))
+
+            def outside() -> jax.Array:
+                return jnp.maximum(row_sums(jnp.exp(read() - top[..., None])) - cand_mass, 0)
+
+            none = jnp.zeros(rows, jnp.float32)
+            rest = jnp.where(k_active, 0, lax.cond(jnp.all(k_active), lambda: none, outside))
         else:
             rest = jnp.zeros(rows, jnp.float32)
         z = cand_mass + rest
@@ -712,8 +723,11 @@ def cutoff_by_lanes(
     def read() -> jax.Array:  # from the logits inside each branch: no copy of size V into them
         return scaled if source is None else source[1](source[0])
 
+    # Decided: the row max is the largest candidate (no row that reads it holds a NaN: such a row is never
+    # decided). The fallback reduces the row itself, as the CPU path does (a NaN's place in lax.top_k's order is
+    # not max's NaN).
     return lax.cond(
         jnp.all(decided),
-        lambda: _cutoff_from_candidates(read, vocab, cand, k, one_minus_top_p),
+        lambda: _cutoff_from_candidates(read, vocab, cand, k, one_minus_top_p, cand[..., -1]),
         lambda: _cutoff_from_candidates(read, vocab, _largest(read(), kc), k, one_minus_top_p),
     )
