@@ -220,8 +220,6 @@ def section_greedy(
     first ``cpu_rows`` rows). The identity on the
     device must hold at ``highest`` (float32 passes); at ``default`` (bf16 passes) the rows that differ are
     counted, not failed: a forward over G + 1 positions rounds differently from one over a single position."""
-    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-    from specjax.drafters.eagle import EagleDrafter
     from specjax.generate import speculative_generate
     from specjax.generate.jax_loop import greedy_decode, per_step_loop
 
@@ -235,19 +233,14 @@ def section_greedy(
                 row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False
             )
             cpu.append(out[0, row.shape[1] :].numpy())
-    makers = {
-        "model": lambda: pair["draft_j"],
-        "ngram": NgramDrafter,
-        "hybrid": lambda: HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"])),
-    }
     runs = [
-        (name + suffix, make, per_step)
-        for name, make in makers.items()
+        (name + suffix, functools.partial(make_drafter, pair, name), per_step)
+        for name in ("model", "ngram", "hybrid")
         for suffix, per_step in (("", False), ("-per-step", True))
         if ("per-step" if per_step else "device") in paths
     ]
     if "device" in paths:
-        runs.append(("eagle", lambda: EagleDrafter(pair["head"]), False))
+        runs.append(("eagle", functools.partial(make_drafter, pair, "eagle"), False))
 
     def reference(precision: str) -> Any:
         with jax.default_matmul_precision(precision):  # a thread's own setting (JAX's config is per thread)
@@ -419,6 +412,46 @@ def section_anatomy(pair: dict[str, Any], args: argparse.Namespace) -> list[dict
     return rows
 
 
+def make_drafter(pair: dict[str, Any], name: str) -> Any:
+    """The drafter ``name`` of the timed grid (model, ngram, eagle, hybrid) for ``pair``."""
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+    from specjax.drafters.eagle import EagleDrafter
+
+    if name == "model":
+        return pair["draft_j"]
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "eagle":
+        return EagleDrafter(pair["head"])
+    return HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"]))
+
+
+def loop_call(
+    pair: dict[str, Any], args: argparse.Namespace, name: str, path: str, temp: float, ids: Any, mask: Any
+) -> Any:
+    """One timed loop call: ``speculative_generate`` with drafter ``name`` on ``path`` (device, per-step),
+    ``--max-new`` tokens a row and no EOS (as the reference: both sides make B · max_new tokens)."""
+    from specjax.generate import speculative_generate
+    from specjax.generate.jax_loop import per_step_loop
+
+    with per_step_loop() if path == "per-step" else contextlib.nullcontext():
+        out = speculative_generate(
+            pair["target_j"], make_drafter(pair, name), ids, mask, max_new_tokens=args.max_new,
+            num_draft_tokens=args.draft_tokens, temperature=temp, seed=1, eos_token_id=[],
+            adaptive=args.adaptive == "on",
+        )  # fmt: skip
+    if out.num_new_tokens.sum() != ids.shape[0] * args.max_new:
+        raise SystemExit(f"{name}: {out.num_new_tokens.tolist()} new tokens, expected {args.max_new} a row")
+    return out
+
+
+def target_call(pair: dict[str, Any], args: argparse.Namespace, temp: float, ids: Any, mask: Any) -> Any:
+    """One call of the reference: the target alone on the device, ``--max-new`` tokens a row."""
+    from specjax.generate.jax_loop import target_decode
+
+    return target_decode(pair["target_j"], ids, mask, args.max_new, temperature=temp, seed=1)
+
+
 def _profile_summary(trace_dir: str, top: int) -> dict[str, Any]:
     """Device time by program and op in the trace under ``trace_dir`` (``jax.profiler.trace``'s xplane).
 
@@ -471,33 +504,14 @@ def section_profile(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
     and op category (:func:`_profile_summary`), with the call's wall time."""
     import tempfile
 
-    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-    from specjax.drafters.eagle import EagleDrafter
-    from specjax.generate import speculative_generate
-    from specjax.generate.jax_loop import target_decode
-
-    drafters = {
-        "model": lambda: pair["draft_j"],
-        "ngram": NgramDrafter,
-        "eagle": lambda: EagleDrafter(pair["head"]),
-        "hybrid": lambda: HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"])),
-    }
     rows = []
     for case in args.profile:
         category, name, batch_s, temp_s = case.split(":")
         batch, temp = int(batch_s), float(temp_s)
         ids, mask = prompts(tokenizer, batch, vocab, seed=batch, category=category if tokenizer else None)
 
-        def spec(name: str = name, temp: float = temp, ids=ids, mask=mask) -> Any:
-            return speculative_generate(
-                pair["target_j"], drafters[name](), ids, mask, max_new_tokens=args.max_new,
-                num_draft_tokens=args.draft_tokens, temperature=temp, seed=1, eos_token_id=[],
-                adaptive=args.adaptive == "on",
-            ).stats  # fmt: skip
-
-        def base(temp: float = temp, ids=ids, mask=mask) -> Any:
-            return target_decode(pair["target_j"], ids, mask, args.max_new, temperature=temp, seed=1)
-
+        spec = functools.partial(loop_call, pair, args, name, "device", temp, ids, mask)
+        base = functools.partial(target_call, pair, args, temp, ids, mask)
         for kind, fn in (("loop", spec), ("target-only", base)):
             fn(), fn()  # compile, then the schedule's calibration (the loop's second call)
             with tempfile.TemporaryDirectory() as trace_dir:
@@ -508,8 +522,8 @@ def section_profile(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 summary = _profile_summary(trace_dir, args.profile_top)
             row = {"section": "profile", "pair": args.pair, "device": DEVICE, "category": category,
                    "drafter": name, "batch": batch, "temperature": temp, "call": kind, "wall_s": wall,
-                   "steps": getattr(result, "steps", args.max_new),
-                   "draft_steps": getattr(result, "draft_steps", 0), "lines": summary}  # fmt: skip
+                   "steps": result.stats.steps if kind == "loop" else args.max_new,
+                   "draft_steps": result.stats.draft_steps if kind == "loop" else 0, "lines": summary}  # fmt: skip
             rows.append(row)
             if args.rows:
                 append_jsonl(args.rows, [row])
@@ -548,41 +562,8 @@ def prewarm(thunks: list[tuple[str, Callable[[], Any]]], threads: int) -> None:
 
 
 def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argparse.Namespace) -> list[dict]:
-    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
-    from specjax.drafters.eagle import EagleDrafter
-    from specjax.generate import speculative_generate
-    from specjax.generate.jax_loop import per_step_loop, target_decode
-
-    def drafter(name: str) -> Any:
-        if name == "model":
-            return pair["draft_j"]
-        if name == "ngram":
-            return NgramDrafter()
-        if name == "eagle":
-            return EagleDrafter(pair["head"])
-        return HybridDrafter(NgramDrafter(), ModelDrafter(pair["draft_j"]))
-
-    def run_spec(name: str, path: str, temp: float, ids: torch.Tensor, mask: torch.Tensor) -> Any:
-        with per_step_loop() if path == "per-step" else contextlib.nullcontext():
-            out = speculative_generate(
-                pair["target_j"],
-                drafter(name),
-                ids,
-                mask,
-                max_new_tokens=args.max_new,
-                num_draft_tokens=args.draft_tokens,
-                temperature=temp,
-                seed=1,
-                eos_token_id=[],  # as the reference (no EOS): both sides make batch * max_new tokens
-                adaptive=args.adaptive == "on",
-            )
-        if out.num_new_tokens.sum() != ids.shape[0] * args.max_new:
-            raise SystemExit(f"{name}: {out.num_new_tokens.tolist()} new tokens, expected {args.max_new} a row")
-        return out
-
-    def run_base(temp: float, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        target_decode(pair["target_j"], ids, mask, args.max_new, temperature=temp, seed=1)
-
+    run_spec = functools.partial(loop_call, pair, args)
+    run_base = functools.partial(target_call, pair, args)
     rows: list[dict[str, Any]] = []
     categories = args.categories if tokenizer is not None else [None]
     # the drafters on both paths side by side: the device-resident loop (their default) and one program

@@ -559,8 +559,13 @@ def resident_steps(
 
         # one of the two runs: loops of 0 or 1 trips (XLA updates a loop's carry, the caches, in place; a
         # lax.cond copied them)
-        shapes = jax.eval_shape(drafted, s.t_cache, s.draft)
-        carry = (s.t_cache, s.draft, *(jnp.zeros(a.shape, a.dtype) for a in shapes[2:]))
+        b = s.last.shape[0]
+        if isinstance(draft, JaxHead):  # the target's states at the G + 1 positions, the layers the head reads
+            width = len(draft.layers) * draft.config.hidden_size
+            hidden0 = jnp.zeros((b, g + 1, width), np.dtype(target.dtype))
+        else:
+            hidden0 = none
+        carry = (s.t_cache, s.draft, jnp.zeros(b, jnp.int32), jnp.zeros((b, g + 1), jnp.int32), hidden0)
         drafts = now.astype(jnp.int32)
         carry = lax.fori_loop(0, drafts, lambda _, c: drafted(c[0], c[1]), carry)
         t_cache, d_state, n, tokens, hidden = lax.fori_loop(0, 1 - drafts, lambda _, c: plain(c[0], c[1]), carry)
