@@ -121,6 +121,20 @@ def prefill(model: JaxModel, weights: dict[str, jax.Array], cache: KVCache, toke
     return cache
 
 
+def _unless_plain(go: jax.Array | None, drafted: Any, cache: Any, last: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
+    """``drafted(cache)`` -> ``(cache, tokens i32[B, G], logits f[G, B, V])``: a drafter's G tokens. With ``go``
+    False (bool[]; the schedule's plain step) none of it runs: the cache as it was, the tokens ``last``
+    (i32[B]; filler, no row tests them), the logits zeros. The skip is a loop of 0 or 1 trips, not a
+    ``lax.cond``: XLA updates a loop's carry in place, where a cond copied the caches it carries (three
+    copies a step)."""
+    if go is None:
+        return drafted(cache)
+    shapes = jax.eval_shape(drafted, cache)
+    init = (cache, jnp.broadcast_to(last[:, None], shapes[1].shape).astype(shapes[1].dtype),
+            jnp.zeros(shapes[2].shape, shapes[2].dtype))  # fmt: skip
+    return lax.fori_loop(0, go.astype(jnp.int32), lambda _, c: drafted(c[0]), init)
+
+
 def _catch_up(draft: JaxModel, d_weights, d_cache, context: jax.Array, start: jax.Array) -> KVCache:
     """The draft cache with each row's committed tokens at positions ``start - C + 1 .. start`` (C =
     :data:`_CATCH_UP`; from 0 for a row with fewer), read from ``context`` (i32[B, W], the row's prompt and
@@ -136,16 +150,17 @@ def _catch_up(draft: JaxModel, d_weights, d_cache, context: jax.Array, start: ja
 
 
 def _draft(
-    draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab,
+    draft: JaxModel, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab, go=None,
     context=None, behind=None,
 ):  # fmt: skip
     """G draft tokens i32[B, G] and their logits (a tuple of G f[B, V]); the draft cache after.
 
     Rows with ``use[b]`` take ``forced[b]`` (lookups) instead of drawing and feed those tokens, so the
     draft's cache holds what the row proposed either way; their logits are the draft model's, never read
-    (the acceptance step verifies those rows as point masses: ``point_mass_rows``). ``behind`` (bool[], with
-    ``context``, see :func:`_catch_up`): plain steps came before this one (they do not run the draft model),
-    so the draft cache first catches up on the tokens they committed.
+    (the acceptance step verifies those rows as point masses: ``point_mass_rows``). ``go`` False (bool[]; the
+    schedule's plain step): the draft model does not run; the tokens are ``last`` (filler: no row tests
+    them), the logits zeros. ``behind`` (bool[], with ``context``, see :func:`_catch_up`): plain steps came
+    before this one, so the draft cache first catches up on the tokens they committed.
     """
 
     def pick(q, i):  # the drawn token, or the row's forced one; purpose i + 1
@@ -158,15 +173,18 @@ def _draft(
         nxt, q = pick(out[:, -1], i)
         return (cache, nxt), (nxt, q)
 
-    if behind is not None:  # a loop of 0 or 1 trips (XLA updates a loop's carry in place; a cond copies)
-        d_cache = lax.fori_loop(
-            0, behind.astype(jnp.int32), lambda _, c: _catch_up(draft, d_weights, c, context, start), d_cache
-        )
-    logits, d_cache = draft.forward(d_weights, d_cache, jnp.stack([prev, last], axis=1), start - 1, 1)
-    x0, q0 = pick(logits[:, -1], 0)
-    (d_cache, _), (xs, qs) = lax.scan(one, (d_cache, x0), jnp.arange(1, g, dtype=jnp.int32))
-    tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)
-    return tokens, (q0, *(qs[i] for i in range(g - 1))), d_cache
+    def drafted(cache: Any) -> tuple[Any, jax.Array, jax.Array]:
+        if behind is not None:  # a loop of 0 or 1 trips (XLA updates a loop's carry in place; a cond copies)
+            cache = lax.fori_loop(
+                0, behind.astype(jnp.int32), lambda _, c: _catch_up(draft, d_weights, c, context, start), cache
+            )
+        logits, cache = draft.forward(d_weights, cache, jnp.stack([prev, last], axis=1), start - 1, 1)
+        x0, q0 = pick(logits[:, -1], 0)
+        (cache, _), (xs, qs) = lax.scan(one, (cache, x0), jnp.arange(1, g, dtype=jnp.int32))
+        return cache, jnp.concatenate([x0[:, None], xs.T], axis=1), jnp.concatenate([q0[None], qs], axis=0)
+
+    d_cache, tokens, q = _unless_plain(go, drafted, d_cache, last)
+    return tokens, tuple(q[i] for i in range(g)), d_cache
 
 
 # Recompiles when a model, B, G, the cache's length or params' static fields change; never per step.
@@ -187,6 +205,7 @@ def draft_and_verify(
     k: jax.Array,
     forced: jax.Array | None,
     use: jax.Array | None,
+    go: jax.Array | None = None,
     context: jax.Array | None = None,
     behind: jax.Array | None = None,
     *,
@@ -206,6 +225,8 @@ def draft_and_verify(
         as point masses instead of the draft model's draws; the acceptance step takes ``use`` as its
         ``point_mass_rows``, the CPU hybrid's rule. Both None for the model drafter (every row drawn; a
         separate compilation, and the acceptance step's paths for draft logits alone).
+      go: bool[] or None: False runs no draft (the schedule's plain step; ``k`` is then 0 for every row).
+        None: always drafts (the per-step path).
       context, behind: i32[B, W] and bool[] (the device-resident loop): each row's committed tokens, and
         whether plain steps came before this one (the draft cache then catches up first: :func:`_catch_up`).
       g: G; vocab: the target's vocabulary size V.
@@ -215,7 +236,22 @@ def draft_and_verify(
       accepted draft tokens, the emitted one, then -1).
     """
     x, q, d_cache = _draft(
-        draft, d_weights, d_cache, prev, last, start, row_keys, step, params, forced, use, g, vocab, context, behind
+        draft,
+        d_weights,
+        d_cache,
+        prev,
+        last,
+        start,
+        row_keys,
+        step,
+        params,
+        forced,
+        use,
+        g,
+        vocab,
+        go,
+        context,
+        behind,
     )
     logits, t_cache = target.forward(t_weights, t_cache, jnp.concatenate([last[:, None], x], axis=1), start, None)
     out = steps.verify_step(x, q, logits, row_keys, step, params, k, use)
@@ -272,6 +308,7 @@ def eagle_and_verify(
     step: jax.Array,
     params: SamplingParams,
     k: jax.Array,
+    go: jax.Array | None = None,
     *,
     g: int,
     vocab: int,
@@ -280,6 +317,8 @@ def eagle_and_verify(
     drawn by :func:`specjax.kernels.steps.draft_draw` from its logits over the scored tokens (the CPU
     drafter's; greedy: their argmax), the drafted pairs ``(predicted feature, E x_i)`` at the row's next pair
     numbers; the target's forward with its hidden states; the acceptance step.
+
+    ``go`` (bool[] or None) as :func:`draft_and_verify`'s: False (a plain step) drafts nothing.
 
     Returns ``(num_accepted i32[B], tokens i32[B, G+1], t_cache, state, hidden f[B, G+1, k·d])``, hidden the
     target's states at ``[last, x_0 .. x_{G-1}]`` (for :func:`eagle_commit`).
@@ -295,13 +334,16 @@ def eagle_and_verify(
         nxt = pick(q, i)
         return (cache, out[:, 0], nxt), (nxt, q)
 
-    q0 = head.logits(h_weights, state.feature)
-    x0 = pick(q0, 0)
-    (cache, _, _), (xs, qs) = lax.scan(one, (state.cache, state.feature, x0), jnp.arange(1, g, dtype=jnp.int32))
-    x = jnp.concatenate([x0[:, None], xs.T], axis=1)
+    def drafted(cache):
+        q0 = head.logits(h_weights, state.feature)
+        x0 = pick(q0, 0)
+        (cache, _, _), (xs, qs) = lax.scan(one, (cache, state.feature, x0), jnp.arange(1, g, dtype=jnp.int32))
+        return cache, jnp.concatenate([x0[:, None], xs.T], axis=1), jnp.concatenate([q0[None], qs], axis=0)
+
+    cache, x, q = _unless_plain(go, drafted, state.cache, last)  # a plain step drafts nothing
     tokens_in = jnp.concatenate([last[:, None], x], axis=1)
     logits, t_cache, hidden = target.forward_hidden(t_weights, t_cache, tokens_in, start, None, head.layers)
-    out = steps.verify_step(x, (q0, *(qs[i] for i in range(g - 1))), logits, row_keys, step, params, k)
+    out = steps.verify_step(x, tuple(q[i] for i in range(g)), logits, row_keys, step, params, k)
     return out.num_accepted, out.tokens, t_cache, state._replace(cache=cache), hidden
 
 
@@ -499,12 +541,11 @@ def resident_steps(
     steps (custom lookups, processors) cannot run here.
 
     ``ratio`` (f32[]): a drafted step's cost in plain steps; each step drafts or not by :func:`drafts_next`.
-    A plain step is the target's forward over each row's last token alone and the acceptance step testing
-    nothing (``k_b = 0`` for every row, the logits standing at every position): the token emitted is the one
-    a drafted step testing nothing would draw (the same keys and uniforms). The draft model does not run (the
-    next drafted step first catches its cache up on the tokens the plain steps committed, one forward:
-    :func:`_catch_up`); the eagle head drafts nothing and commits the step's pair as ever. The two kinds run
-    as loops of 0 or 1 trips, not a ``lax.cond`` (which copied the caches).
+    A plain step is a drafted step with ``k_b = 0`` for every row and no drafting: the draft model does not
+    run (the next drafted step first catches its cache up on the tokens the plain steps committed, one
+    forward: :func:`_catch_up`); the eagle head drafts nothing and commits the step's pair as ever. The
+    target's forward covers the same G + 1 positions (on an accelerator a forward over G + 1 positions costs
+    what one costs), and the token emitted is the one a plain decoding step draws.
     """
 
     def go_on(s: Resident) -> jax.Array:
@@ -515,65 +556,32 @@ def resident_steps(
         caps = jnp.where(active, jnp.minimum(g, jnp.maximum(max_new - s.length - 1, 0)), 0).astype(jnp.int32)
         # a drafted step, or a plain one (k = 0)
         now = drafts_next(s.tested, s.passed, s.idle, ratio, g, caps, jnp.where(active, max_new - s.length, 0))
-        k, x, use = jnp.where(now, caps, 0), None, None
+        k, x, use, hidden = jnp.where(now, caps, 0), None, None, None
         if lookup is not None:  # the per-step path's propose() on the device
             found_x, found = jax_lookup(s.context, s.context_len, k, min_n=lookup[0], max_n=lookup[1], g=g)
             x, k, use = lookup_inputs(jnp, found_x, found, s.last, k, draft is not None)
-        if isinstance(draft, JaxHead):
+        if draft is None:
+            n, tokens, t_cache = lookup_and_verify(
+                target, t_weights, s.t_cache, x, s.last, s.start, row_keys, s.step, params, k
+            )
+            d_state = s.draft
+        elif isinstance(draft, JaxHead):
+            assert d_weights is not None
             k = jnp.where(s.draft.has_feature, k, 0)  # a row drafts once the head has a feature (a pair)
-        none = jnp.zeros((), jnp.float32)  # the hidden states' place for drafters other than the eagle head
-
-        def drafted(t_cache: KVCache, d_state: Any) -> tuple[Any, ...]:
-            if draft is None:
-                n, tokens, t_cache = lookup_and_verify(
-                    target, t_weights, t_cache, x, s.last, s.start, row_keys, s.step, params, k
-                )
-                return t_cache, d_state, n, tokens, none
-            if isinstance(draft, JaxHead):
-                assert d_weights is not None
-                n, tokens, t_cache, d_state, hidden = eagle_and_verify(
-                    target, draft, t_weights, d_weights, t_cache, d_state, s.last, s.start, row_keys, s.step,
-                    params, k, g=g, vocab=vocab,
-                )  # fmt: skip
-                return t_cache, d_state, n, tokens, hidden
-            n, tokens, t_cache, d_state = draft_and_verify(
-                target, draft, t_weights, d_weights, t_cache, d_state, s.prev, s.last, s.start, row_keys,
-                s.step, params, k, x, use, s.context, s.idle > 0, g=g, vocab=vocab,
+            n, tokens, t_cache, d_state, hidden = eagle_and_verify(
+                target, draft, t_weights, d_weights, s.t_cache, s.draft, s.last, s.start, row_keys, s.step, params,
+                k, now, g=g, vocab=vocab,
             )  # fmt: skip
-            return t_cache, d_state, n, tokens, none
-
-        def plain(t_cache: KVCache, d_state: Any) -> tuple[Any, ...]:
-            # the target's forward over the last token alone; its logits stand at every position of the
-            # acceptance step, which tests nothing (k = 0) and draws the emitted token from position 0
-            # exactly as a drafted step testing nothing would (the same keys and uniforms)
-            one_token = s.last[:, None]
-            if isinstance(draft, JaxHead):
-                logits, t_cache, h = target.forward_hidden(t_weights, t_cache, one_token, s.start, None, draft.layers)
-                hidden = jnp.pad(h, ((0, 0), (0, g), (0, 0)))  # the commit reads the first pair alone (e = 1)
-            else:
-                (logits, t_cache), hidden = target.forward(t_weights, t_cache, one_token, s.start, None), none
-            wide = jnp.broadcast_to(logits, (logits.shape[0], g + 1, logits.shape[2]))
-            filler = jnp.broadcast_to(s.last[:, None], (s.last.shape[0], g)).astype(jnp.int32)
-            out = steps.verify_step(filler, None, wide, row_keys, s.step, params, jnp.zeros_like(caps))
-            return t_cache, d_state, out.num_accepted, out.tokens, hidden
-
-        # one of the two runs: loops of 0 or 1 trips (XLA updates a loop's carry, the caches, in place; a
-        # lax.cond copied them)
-        b = s.last.shape[0]
-        if isinstance(draft, JaxHead):  # the target's states at the G + 1 positions, the layers the head reads
-            width = len(draft.layers) * draft.config.hidden_size
-            hidden0 = jnp.zeros((b, g + 1, width), np.dtype(target.dtype))
         else:
-            hidden0 = none
-        carry = (s.t_cache, s.draft, jnp.zeros(b, jnp.int32), jnp.zeros((b, g + 1), jnp.int32), hidden0)
-        drafts = now.astype(jnp.int32)
-        carry = lax.fori_loop(0, drafts, lambda _, c: drafted(c[0], c[1]), carry)
-        t_cache, d_state, n, tokens, hidden = lax.fori_loop(0, 1 - drafts, lambda _, c: plain(c[0], c[1]), carry)
+            n, tokens, t_cache, d_state = draft_and_verify(
+                target, draft, t_weights, d_weights, s.t_cache, s.draft, s.prev, s.last, s.start, row_keys,
+                s.step, params, k, x, use, now, s.context, s.idle > 0, g=g, vocab=vocab,
+            )  # fmt: skip
         k = k.astype(jnp.int32)
         e, ends = emitted_lengths(jnp, tokens, n, active, s.length, max_new, eos)
         e = e.astype(jnp.int32)
         if isinstance(draft, JaxHead):
-            assert d_weights is not None
+            assert d_weights is not None and hidden is not None
             d_state = eagle_commit(draft, d_weights, d_state, hidden, tokens, e)
         context, context_len = s.context, s.context_len
         if context is not None:
