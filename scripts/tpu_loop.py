@@ -539,6 +539,23 @@ def section_profile(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
     return rows
 
 
+def draft_cost_ratios(pair: dict[str, Any], name: str, batch: int) -> list[float]:
+    """The device-resident schedule's measured cost of a drafted step in plain steps (``jax_loop._calibrated``,
+    once per program) for drafter ``name`` at ``batch`` rows, one per cache shape measured (prompt groups)."""
+    from specjax.generate import jax_loop
+    from specjax.generate.jax_model import JaxModel, jax_model
+
+    def kind(d: Any, lookup: Any) -> str:
+        if d is None:
+            return "ngram"
+        if not isinstance(d, JaxModel):
+            return "eagle"
+        return "model" if lookup is None else "hybrid"
+
+    known = jax_loop._RATIOS.get(jax_model("target", pair["target_j"]), {})
+    return sorted(r for key, r in known.items() if key[2] == batch and kind(key[0], key[1]) == name)
+
+
 def _median_time(fn: Any, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -590,6 +607,11 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 for name, path, t in cases
             ]
         prewarm(warm, args.threads)
+        # a program whose compilation came from JAX's persistent cache measured its step costs in the warm-up,
+        # beside other programs on the device: measured again, alone, by each cell's first call
+        from specjax.generate import jax_loop
+
+        jax_loop._RATIOS.clear()
     for category, batch in ((c, b) for c in categories for b in args.batches):
         ids, mask = prompts(tokenizer, batch, vocab, seed=batch, category=category)
 
@@ -630,6 +652,7 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 "ms_per_step": 1e3 * spec_s / max(stats[-1].steps, 1),
                 "target_only_ms_per_token": 1e3 * base_s[temp] / args.max_new,
                 "adapter_copies": stats[-1].adapter_copies,
+                "draft_cost_ratios": draft_cost_ratios(pair, name, batch) if path == "device" else [],
                 "loop_s": spec_s,
                 "target_only_s": base_s[temp],
             }
@@ -640,7 +663,9 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 f"{category or '-'} {name:6s} {path:8s} B={batch:3d} T={temp}: loop {row['loop_tok_s']:9.1f} tok/s, "
                 f"target-only {row['target_only_tok_s']:9.1f} tok/s, ratio {row['ratio']:.2f}x, "
                 f"acceptance {row['acceptance']:.3f}, tau {row['mean_accepted_length']:.2f}, "
-                f"{row['ms_per_step']:.2f} ms/step (target-only {row['target_only_ms_per_token']:.2f} ms/token)"
+                f"{row['ms_per_step']:.2f} ms/step (target-only {row['target_only_ms_per_token']:.2f} ms/token), "
+                f"drafted {row['draft_steps']}/{row['steps']} steps at a measured cost ratio "
+                f"{', '.join(f'{r:.2f}' for r in row['draft_cost_ratios']) or '-'}"
             )
         here = [r for r in rows if (r["category"], r["batch"]) == (category, batch)]
         for name, temp in sorted({(r["drafter"], r["temperature"]) for r in here}):
