@@ -399,13 +399,16 @@ def table_vllm_plugin(rows: list[Row]) -> str:
 
 def table_tpu_loop_grid(rows: list[Row]) -> str:
     """The loop on the chip: one line per prompt group, B and T (the target alone's ms a token), one column per
-    drafter: the ratio to the target alone, (tokens a step, ms a step)."""
+    drafter: the ratio to the target alone, (tokens a step, ms a step, drafted steps / steps)."""
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))
     lines = list(dict.fromkeys((r["category"], r["batch"], r["temperature"]) for r in rows))
     by = {(r["category"], r["batch"], r["temperature"], r["drafter"]): r for r in rows}
 
     def cell(r: Row | None) -> str:
-        return "" if r is None else f"{r['ratio']:.2f}× ({r['mean_accepted_length']:.2f}, {r['ms_per_step']:.2f} ms)"
+        if r is None:
+            return ""
+        steps = f", {r['draft_steps']}/{r['steps']}" if "draft_steps" in r else ""
+        return f"{r['ratio']:.2f}× ({r['mean_accepted_length']:.2f}, {r['ms_per_step']:.2f} ms{steps})"
 
     def base(line: tuple) -> str:
         r = next(r for r in rows if (r["category"], r["batch"], r["temperature"]) == line)
@@ -435,6 +438,7 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "tpu-loop-grid-grounded": table_tpu_loop_grid,
     "tpu-loop-grid-setup": table_tpu_loop_grid,
     "tpu-loop-grid-copies": table_tpu_loop_grid,
+    "tpu-loop-grid-plain1": table_tpu_loop_grid,
 }
 
 
@@ -757,6 +761,7 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "tpu-loop-grid": verdict_tpu_loop_grid,
     "tpu-loop-grid-setup": verdict_tpu_loop_run,
     "tpu-loop-grid-copies": verdict_tpu_loop_run,
+    "tpu-loop-grid-plain1": verdict_tpu_loop_run,
 }
 
 
