@@ -433,6 +433,21 @@ def test_in_a_batch_the_schedule_prices_a_draft_by_the_calls_last_row():
     assert bool(one) and not bool(many)
 
 
+def test_the_measured_cost_ratio_leaves_out_a_chunks_fixed_cost():
+    """step_cost_ratio: chunks of 8 steps at 3 and 2 ms a step, each with 10 ms of dispatch and host read (what
+    a chunk of no steps takes): a drafted step costs 1.5 plain steps, not the chunks' 34 / 26 ms (1.31, the
+    ratio that made the chip's batch draft where drafting lost). The fastest chunk of each kind counts; no
+    chunk of a kind, or no time beyond the fixed cost, measures nothing."""
+    from specjax.generate.jax_loop import step_cost_ratio
+
+    drafted, plain, fixed = [(0.034, 8), (0.036, 8)], [(0.026, 8), (0.0261, 8)], [0.0101, 0.010]
+    assert step_cost_ratio(drafted, plain, fixed) == pytest.approx(1.5)
+    assert step_cost_ratio([(0.010 + 0.003 * 5, 5)], [(0.010 + 0.002 * 3, 3)], [0.010]) == pytest.approx(1.5)
+    assert step_cost_ratio(drafted, [], fixed) is None
+    assert step_cost_ratio(drafted, plain, []) is None
+    assert step_cost_ratio(drafted, [(0.009, 8)], fixed) is None
+
+
 def test_the_schedule_measures_its_costs_once_per_program(models, prompts):
     """adaptive=True (the default): the first call that does not compile times drafted and plain steps and
     keeps their ratio for the program; later calls use it. Greedy output is the target's throughout."""

@@ -673,26 +673,45 @@ _RATIOS: weakref.WeakKeyDictionary[JaxModel, dict[tuple[Any, ...], float]] = wea
 
 def _calibrated(run: _JaxRun, state: Resident) -> tuple[Resident, float | None]:
     """The ratio of a drafted step's cost to a plain step's for ``run``'s program: measured once (the first
-    call that neither traces nor compiles it: twice :data:`_CALIBRATE_STEPS` drafted steps then as many plain
-    ones, each chunk timed to its host read, the faster of each kind's two), then served from a cache.
-    Returns the state after the steps it ran, and the ratio (None when this call could not measure it)."""
+    call that neither traces nor compiles it: twice a chunk of no steps, :data:`_CALIBRATE_STEPS` drafted steps
+    and as many plain ones, each chunk timed to its host read; :func:`step_cost_ratio`), then served from a
+    cache. Returns the state after the steps it ran, and the ratio (None when this call could not measure it)."""
     key = (run.d, run.lookup, run.batch, run.g, state.t_cache[0][0].shape, state.out.shape)
     known = _RATIOS.setdefault(run.t, {})
     if key in known:
         return state, known[key]
-    per_step: dict[float, list[float]] = {0.0: [], float("inf"): []}  # ratio 0: drafted steps; inf: plain ones
+    # ratio 0: drafted steps; inf: plain ones; None: a chunk of no steps (the dispatch and host read alone)
+    chunks: dict[float | None, list[tuple[float, int]]] = {None: [], 0.0: [], float("inf"): []}
     with measure_compiles() as compiles:
-        for ratio in (0.0, float("inf")) * 2:
+        for ratio in (None, 0.0, float("inf")) * 2:
             if not run.active():
                 break
             first, t0 = run.step, time.perf_counter()
-            state = run.run_resident(state, run.step + _CALIBRATE_STEPS, ratio)
-            if run.step > first:
-                per_step[ratio].append((time.perf_counter() - t0) / (run.step - first))
-    if compiles.seconds > 0 or not all(per_step.values()):
+            state = run.run_resident(state, run.step + (0 if ratio is None else _CALIBRATE_STEPS), ratio or 0.0)
+            if ratio is None or run.step > first:
+                chunks[ratio].append((time.perf_counter() - t0, run.step - first))
+    measured = step_cost_ratio(chunks[0.0], chunks[float("inf")], [t for t, _ in chunks[None]])
+    if compiles.seconds > 0 or measured is None:
         return state, None  # the times include tracing or compilation (or too few steps): measure on a later call
-    known[key] = ratio = min(per_step[0.0]) / min(per_step[float("inf")])
-    return state, ratio
+    known[key] = measured
+    return state, measured
+
+
+def step_cost_ratio(
+    drafted: list[tuple[float, int]], plain: list[tuple[float, int]], fixed: list[float]
+) -> float | None:
+    """A drafted step's cost in plain steps from timed chunks of each kind (``(seconds, steps)``) and of none
+    (``fixed``: seconds of a chunk that runs no step: its dispatch and host read). Each kind's cost a step is
+    its fastest chunk's time less the fastest fixed time, over its steps: a chunk's fixed cost, tens of
+    steps' worth on an accelerator at small B, would otherwise pull the ratio towards 1. None when a kind
+    has no chunk or no time beyond the fixed cost (measure again later)."""
+    if not drafted or not plain or not fixed:
+        return None
+    base = min(fixed)
+    per_step = [min((t - base) / n for t, n in chunks) for chunks in (drafted, plain)]
+    if min(per_step) <= 0:
+        return None
+    return per_step[0] / per_step[1]
 
 
 def host_ids(name: str, x: torch.Tensor) -> torch.Tensor:
