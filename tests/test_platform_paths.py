@@ -323,3 +323,31 @@ def test_an_all_greedy_batch_off_cpu_gives_the_cpu_tokens(case, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     if g:
         assert 0 < int(np.asarray(want.num_accepted).sum()) < int(np.asarray(k).sum())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_one_read_argmax_keeps_the_rule(dtype, monkeypatch):
+    """core.first_argmax's TPU form (a max and jnp.argmax of one read) gives vocab_argmax(x, vocab_max(x)) bit
+    for bit: ties (the first index), -0 beside +0, +inf, rows all -inf, NaN anywhere (V - 1), one entry."""
+    rng = np.random.default_rng(7)
+    v = 300
+    x = np.round(rng.normal(size=(12, v)) * 2) / 2  # many ties
+    x[1, [4, 9]] = x[1].max() + 1  # a tie at the max: index 4
+    x[2, :] = -0.0
+    x[2, 17] = 0.0  # ±0 tie: index 0 (-0 == +0)
+    x[3, [30, 40]] = np.inf
+    x[4, :] = -np.inf
+    x[5, 0] = np.nan
+    x[6, v - 1] = np.nan
+    x[7, [50, 60]] = [np.inf, np.nan]
+    x[8, :] = np.nan
+    xs = jnp.asarray(x, dtype)
+    want = jax.jit(lambda x: core.vocab_argmax(x, core.vocab_max(x)))(xs)
+    plain = jax.jit(core.first_argmax)(xs)  # the CPU lowers the two passes
+    monkeypatch.setattr(core.lax, "platform_dependent", _tpu_branch)
+    got = jax.jit(lambda x: core.first_argmax(x))(xs)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.asarray(want)[[1, 2, 3, 4, 5, 6, 7, 8]].tolist() == [4, 0, 30, 0, v - 1, v - 1, v - 1, v - 1]
+    one = jnp.asarray([[2.5]], dtype)
+    assert int(jax.jit(lambda x: core.first_argmax(x))(one)[0]) == 0

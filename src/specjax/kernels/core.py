@@ -44,6 +44,7 @@ __all__ = [
     "block_sums",
     "compute_dtype",
     "cutoff",
+    "first_argmax",
     "inverse_cdf",
     "is_positive",
     "num_accepted_from_ratios",
@@ -228,6 +229,23 @@ def vocab_argmax(
         return jnp.minimum(first, size - 1) + offset
     big = jnp.iinfo(jnp.int32).max
     return lax.pmin(jnp.where(first < size, first + offset, big), axis_name)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """i32[...]: ``vocab_argmax(x, vocab_max(x))`` of ``x`` (f[..., V]) on one device: the first index of each
+    row's max, ``V - 1`` for a row with a NaN.
+
+    That rule reads ``x`` twice (the max, then its first index). On a TPU the max and ``jnp.argmax`` (a
+    first-index reduction of its own) are two reductions of one read, and a NaN row is told by its max;
+    elsewhere the two passes (XLA:CPU vectorises a plain max, not a reduction over pairs).
+    tests/test_platform_paths.py holds the TPU form to the rule bit for bit (ties, ±0, ±inf, NaN rows).
+    """
+
+    def one_read(x: jax.Array) -> jax.Array:
+        first = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        return jnp.where(jnp.isnan(jnp.max(x, axis=-1)), jnp.int32(x.shape[-1] - 1), first)
+
+    return lax.platform_dependent(x, tpu=one_read, default=lambda x: vocab_argmax(x, vocab_max(x)))
 
 
 def take(x: jax.Array, index: jax.Array, axis: int) -> jax.Array:

@@ -56,6 +56,7 @@ from specjax.kernels.core import (
     AxisName,
     assemble_tokens,
     cutoff,
+    first_argmax,
     inverse_cdf,
     num_accepted_from_ratios,
     point_mass,
@@ -438,7 +439,7 @@ def verify_core(
         # NaN; so test i passes iff x_i = argmax p_i, and the token after the accepted
         # prefix is argmax p_n. One argmax over the target's G+1 rows decides the step;
         # the draft logits are not read. The same rule as :func:`num_accepted_from_ratios`.
-        am = row_stats(target_logits, temperature[row]).argmax
+        am = first_argmax(target_logits.astype(jnp.float32))  # on a TPU one read (core.first_argmax)
         p_x = (x == am[:, :g]).astype(jnp.float32)
         n = num_accepted_from_ratios(p_x, jnp.ones_like(p_x), accept_uniforms, draft_lengths)
         return AcceptanceResult(n, assemble_tokens(x, n, jnp.take_along_axis(am, n[:, None], axis=1)[:, 0]))
