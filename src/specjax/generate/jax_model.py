@@ -272,6 +272,34 @@ def _grouped_attention(module: Any) -> Iterator[None]:
             c._attn_implementation_internal = name
 
 
+#: Widest write done as selects over the cache (a step's G + 1 tokens, the draft's catch-up); wider ones (a
+#: prompt) as one slice update per row.
+_SELECT_WIDTH = 8
+
+
+def write_slots(cache: jax.Array, new: jax.Array, first: jax.Array) -> jax.Array:
+    """``cache`` (f[B, H, S, D]) with each row's ``new`` (f[B, H, W, D]) at slots ``first[b] .. first[b] + W - 1``
+    (i32[B], in range).
+
+    Up to :data:`_SELECT_WIDTH` tokens: W selects against the slot index, fused into one pass over the cache.
+    XLA lowers a per-row slice update (``vmap`` of ``dynamic_update_slice``, a scatter) to a loop over the
+    rows on a TPU, each trip a few microseconds: at B = 32 the 60 such loops of the default target (a key and
+    a value array a layer) took 6 of its 6.75 ms a token (benchmarks/results/tpu-loop/profile-399f863.log),
+    where one pass over a B = 32 cache of 129 slots is about 8 µs. Wider writes (a prompt) keep the slice
+    update (W selects a pass would cost more than the loop; once a call).
+    """
+    new = new.astype(cache.dtype)
+    w = new.shape[2]
+    if w > _SELECT_WIDTH:
+        row = lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0))  # noqa: E731
+        return jax.vmap(row)(cache, new, first)
+    slot = jnp.arange(cache.shape[2], dtype=jnp.int32)[None, None, :, None] - first[:, None, None, None]
+    out = cache
+    for j in range(w):
+        out = jnp.where(slot == j, new[:, :, j : j + 1], out)
+    return out
+
+
 def _row_layer_class() -> Any:
     """A transformers cache layer that writes each row's new keys/values at its own slots (a scatter)."""
     from transformers.cache_utils import CacheLayerMixin
@@ -289,15 +317,12 @@ def _row_layer_class() -> Any:
             pass
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            # a row's W slots are consecutive (slots[b, 0] ..): one dynamic_update_slice per row, not an
-            # element-wise scatter (XLA's scatter over B·H·W·D indices is slow on a TPU)
             from torchax.interop import jax_view, torch_view
 
-            first = jax_view(self.slots)[:, 0]
+            first = jax_view(self.slots)[:, 0]  # a row's W slots are consecutive: first[b] ..
 
             def put(cache: Any, new: Any) -> Any:
-                row = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (0, s, 0))  # noqa: E731
-                return torch_view(jax.vmap(row)(jax_view(cache), jax_view(new), first))
+                return torch_view(write_slots(jax_view(cache), jax_view(new), first))
 
             self.keys, self.values = put(self.keys, key_states), put(self.values, value_states)
             return self.keys, self.values
