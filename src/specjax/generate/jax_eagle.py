@@ -116,6 +116,8 @@ class JaxHead:
         Returns:
           ``(predicted features f[B, W, d] after the final norm, cache)``.
         """
+        from specjax.generate.jax_model import write_slots  # the target's cache writes, one rule
+
         cfg = self.config
         b, width, _ = features.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -137,7 +139,6 @@ class JaxHead:
             return _rms(x, cfg.rms_norm_eps) * weight
 
         x = jnp.concatenate([features, embeds], axis=-1) @ w["fc.weight"].T + w["fc.bias"]
-        rows = jnp.arange(b)[:, None]
         new_cache = []
         for i, (keys, values) in enumerate(cache):
             p = "" if i == 0 else f"deeper.{i - 1}."
@@ -145,8 +146,7 @@ class JaxHead:
             q = rope((h @ w[p + "q_proj.weight"].T).reshape(b, width, nh, hd).transpose(0, 2, 1, 3))
             k = rope((h @ w[p + "k_proj.weight"].T).reshape(b, width, nkv, hd).transpose(0, 2, 1, 3))
             v = (h @ w[p + "v_proj.weight"].T).reshape(b, width, nkv, hd).transpose(0, 2, 1, 3)
-            keys = keys.at[rows, :, slots].set(k.transpose(0, 2, 1, 3).astype(keys.dtype))
-            values = values.at[rows, :, slots].set(v.transpose(0, 2, 1, 3).astype(values.dtype))
+            keys, values = write_slots(keys, k, slots[:, 0]), write_slots(values, v, slots[:, 0])
             new_cache.append((keys, values))
             # query head h = g·rep + j reads key/value head g: the groups' queries as rows over the cache as
             # it lies (repeating the heads, jnp.repeat, would copy the head's whole cache every forward)
