@@ -433,6 +433,29 @@ def test_in_a_batch_the_schedule_prices_a_draft_by_the_calls_last_row():
     assert bool(one) and not bool(many)
 
 
+def test_appending_to_the_device_buffers_is_a_scatter_with_drops():
+    """jax_loop._append writes each row's first e[b] tokens from length[b] on, dropping slots past the
+    buffer, exactly as a scatter with mode="drop" does (it is written as selects: a TPU loops over a
+    scatter's indices)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.generate.jax_loop import _append
+
+    rng = np.random.default_rng(0)
+    b, w, g1 = 6, 12, 5
+    buffer = jnp.asarray(rng.integers(0, 100, (b, w)), jnp.int32)
+    tokens = jnp.asarray(rng.integers(100, 200, (b, g1)), jnp.int32)
+    length = jnp.asarray([0, 3, 7, 9, 12, 11], jnp.int32)  # rows 3-5 run past the buffer's end
+    e = jnp.asarray([5, 1, 5, 5, 2, 0], jnp.int32)
+    j = jnp.arange(g1)[None, :]
+    slot = jnp.where(j < e[:, None], length[:, None] + j, w)
+    want = buffer.at[jnp.arange(b)[:, None], slot].set(tokens, mode="drop")
+    got = jax.jit(_append)(buffer, length, tokens, e)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(np.asarray(got), np.asarray(buffer))
+
+
 def test_the_measured_cost_ratio_leaves_out_a_chunks_fixed_cost():
     """step_cost_ratio: chunks of 8 steps at 3 and 2 ms a step, each with 10 ms of dispatch and host read (what
     a chunk of no steps takes): a drafted step costs 1.5 plain steps, not the chunks' 34 / 26 ms (1.31, the

@@ -495,10 +495,13 @@ def drafts_next(
 
 def _append(buffer: jax.Array, length: jax.Array, tokens: jax.Array, e: jax.Array) -> jax.Array:
     """``buffer`` (i32[B, W]) with each row's first ``e[b]`` of ``tokens`` (i32[B, G+1]) written from
-    ``length[b]`` on (slots past W dropped)."""
-    j = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    slot = jnp.where(j < e[:, None], length[:, None] + j, buffer.shape[1])
-    return buffer.at[jnp.arange(tokens.shape[0])[:, None], slot].set(tokens, mode="drop")
+    ``length[b]`` on (slots past W dropped). G + 1 selects against the column, one pass over the buffer: a
+    TPU runs a scatter (B·(G+1) indices) as a loop over its indices."""
+    col = jnp.arange(buffer.shape[1], dtype=jnp.int32)[None, :] - length[:, None]
+    out = buffer
+    for j in range(tokens.shape[1]):
+        out = jnp.where((col == j) & (j < e[:, None]), tokens[:, j : j + 1], out)
+    return out
 
 
 # Recompiles when a model, B, G, E, the cache's length, M' (M in blocks), the context buffer's width, the
