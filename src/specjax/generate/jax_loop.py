@@ -705,9 +705,9 @@ def step_cost_ratio(
 ) -> float | None:
     """A drafted step's cost in plain steps from timed chunks of each kind (``(seconds, steps)``) and of none
     (``fixed``: seconds of a chunk that runs no step: its dispatch and host read). Each kind's cost a step is
-    its fastest chunk's time less the fastest fixed time, over its steps: a chunk's fixed cost, tens of
-    steps' worth on an accelerator at small B, would otherwise pull the ratio towards 1. None when a kind
-    has no chunk or no time beyond the fixed cost (measure again later)."""
+    its fastest chunk's time less the fastest fixed time, over its steps: a chunk's fixed cost (milliseconds,
+    where a step at small B on an accelerator takes about one) would otherwise pull the ratio towards 1. None
+    when a kind has no chunk or no time beyond the fixed cost (measure again later)."""
     if not drafted or not plain or not fixed:
         return None
     base = min(fixed)
