@@ -433,6 +433,27 @@ def test_in_a_batch_the_schedule_prices_a_draft_by_the_calls_last_row():
     assert bool(one) and not bool(many)
 
 
+@pytest.mark.parametrize("name", ["close", "ngram", "hybrid"])
+def test_the_device_resident_step_has_no_scatter(name, models, prompts, monkeypatch):
+    """The device-resident program writes caches, buffers and records by selects and slice updates: no
+    scatter, which a TPU runs as a loop over its indices (the per-row cache writes took 6 of a B = 32 token's
+    6.75 ms on the chip; benchmarks/results/tpu-loop/profile-399f863.log). The program is lowered as it runs
+    (the call goes through)."""
+    _, jx = models
+    ids, mask = prompts
+    texts = []
+    run = jax_loop.resident_steps
+
+    def lowered(*args, **kwargs):
+        texts.append(run.lower(*args, **kwargs).as_text())
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(jax_loop, "resident_steps", lowered)
+    speculative_generate(jx["target"], make_drafter(name, jx), ids, mask, max_new_tokens=8, num_draft_tokens=G)
+    assert texts and all("stablehlo.while" in t for t in texts)  # the resident program, lowered
+    assert not [t for t in texts if "stablehlo.scatter" in t]
+
+
 def test_appending_to_the_device_buffers_is_a_scatter_with_drops():
     """jax_loop._append writes each row's first e[b] tokens from length[b] on, dropping slots past the
     buffer, exactly as a scatter with mode="drop" does (it is written as selects: a TPU loops over a

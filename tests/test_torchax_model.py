@@ -89,28 +89,28 @@ def test_the_cache_is_written_without_a_scatter_loop(forward):
     batched dynamic_update_slice, one index per row), never an element-wise scatter (B·H·W·D indices, about
     3x slower a forward on a TPU v5e chip: docs/tpu.md). The pieces test above checks the values."""
     m = jax_model("target", tiny_llama(seed=3))
-    cache = m.init_cache(2, 24)
+    cache = m.init_cache(2, 48)
 
     def scatters(width: int) -> list[str]:
         tokens, start = jnp.zeros((2, width), jnp.int32), jnp.array([4, 0], jnp.int32)
         hlo = forward.lower(m, m.weights, cache, tokens, start, None).as_text()
         return [line for line in hlo.splitlines() if '"stablehlo.scatter"' in line]
 
-    assert scatters(1) == [] and scatters(5) == []
-    wide = scatters(10)
+    assert scatters(1) == [] and scatters(5) == [] and scatters(17) == []  # 17: the draft's catch-up
+    wide = scatters(40)
     assert len(wide) == 2 * m.num_layers  # keys and values of each layer
     for line in wide:
         assert "update_window_dims = [1, 2, 3]" in line and "inserted_window_dims" not in line, line
 
 
-@pytest.mark.parametrize("width", [1, 2, 5, 8, 9, 12])
+@pytest.mark.parametrize("width", [1, 2, 5, 17, 32, 33, 40])
 def test_written_slots_are_each_rows_slice_update(width):
     """write_slots puts each row's W new entries at its own slots, as a dynamic_update_slice per row does, bit
-    for bit (selects up to 8 wide, the slice update beyond); nothing else in the cache changes."""
+    for bit (selects up to 32 wide, the slice update beyond); nothing else in the cache changes."""
     from specjax.generate.jax_model import write_slots
 
     rng = np.random.default_rng(width)
-    b, h, s, d = 3, 2, 20, 4
+    b, h, s, d = 3, 2, 48, 4
     cache = jnp.asarray(rng.normal(size=(b, h, s, d)), jnp.float32)
     new = jnp.asarray(rng.normal(size=(b, h, width, d)), jnp.float32)
     first = jnp.asarray([0, 3, s - width], jnp.int32)

@@ -599,9 +599,11 @@ def resident_steps(
             out=_append(s.out, s.length, tokens, e),
             context=context,
             context_len=context_len,
-            rec_n=s.rec_n.at[s.step].set(n_active),
-            rec_k=s.rec_k.at[s.step].set(k),
-            rec_e=s.rec_e.at[s.step].set(e),
+            # row s.step of each record (s.step < M: a step emits a token a row), a slice update, not the scatter
+            # .at[step].set makes (a TPU loops over a scatter's indices)
+            rec_n=lax.dynamic_update_index_in_dim(s.rec_n, n_active.astype(s.rec_n.dtype), s.step, 0),
+            rec_k=lax.dynamic_update_index_in_dim(s.rec_k, k.astype(s.rec_k.dtype), s.step, 0),
+            rec_e=lax.dynamic_update_index_in_dim(s.rec_e, e.astype(s.rec_e.dtype), s.step, 0),
             step=s.step + 1,
             tested=jnp.where(now, _DECAY * s.tested + tested, s.tested),
             passed=jnp.where(now, _DECAY * s.passed + jnp.sum(n_active).astype(jnp.float32), s.passed),

@@ -272,9 +272,9 @@ def _grouped_attention(module: Any) -> Iterator[None]:
             c._attn_implementation_internal = name
 
 
-#: Widest write done as selects over the cache (a step's G + 1 tokens, the draft's catch-up); wider ones (a
-#: prompt) as one slice update per row.
-_SELECT_WIDTH = 8
+#: Widest write done as selects over the cache (a step's G + 1 tokens, the draft's catch-up of 17); wider ones
+#: (a prompt) as one slice update per row.
+_SELECT_WIDTH = 32
 
 
 def write_slots(cache: jax.Array, new: jax.Array, first: jax.Array) -> jax.Array:
@@ -285,8 +285,8 @@ def write_slots(cache: jax.Array, new: jax.Array, first: jax.Array) -> jax.Array
     XLA lowers a per-row slice update (``vmap`` of ``dynamic_update_slice``, a scatter) to a loop over the
     rows on a TPU, each trip a few microseconds: at B = 32 the 60 such loops of the default target (a key and
     a value array a layer) took 6 of its 6.75 ms a token (benchmarks/results/tpu-loop/profile-399f863.log),
-    where one pass over a B = 32 cache of 129 slots is about 8 µs. Wider writes (a prompt) keep the slice
-    update (W selects a pass would cost more than the loop; once a call).
+    where one pass over a B = 32 cache of 129 slots is about 8 µs. Wider writes (a prompt, once a call) keep
+    the slice update.
     """
     new = new.astype(cache.dtype)
     w = new.shape[2]
