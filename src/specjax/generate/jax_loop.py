@@ -1135,7 +1135,7 @@ def _decode_steps(
             token = jax.random.categorical(keys[i], scores / temperature, axis=-1).astype(jnp.int32)
         else:
             token = jnp.argmax(scores, axis=-1).astype(jnp.int32)
-        return cache, token, start + 1, out.at[:, i].set(token)
+        return cache, token, start + 1, lax.dynamic_update_index_in_dim(out, token, i, 1)  # not a scatter
 
     out = jnp.zeros((last.shape[0], steps), jnp.int32)
     return jax.lax.fori_loop(0, steps, one, (cache, last, start, out))[3]
