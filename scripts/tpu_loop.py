@@ -432,9 +432,13 @@ def loop_call(
     """One timed loop call: ``speculative_generate`` with drafter ``name`` on ``path`` (device, per-step),
     ``--max-new`` tokens a row and no EOS (as the reference: both sides make B · max_new tokens)."""
     from specjax.generate import speculative_generate
-    from specjax.generate.jax_loop import per_step_loop
+    from specjax.generate.jax_loop import draft_cost_ratio, per_step_loop
 
-    with per_step_loop() if path == "per-step" else contextlib.nullcontext():
+    fixed = args.draft_cost_ratio
+    with (
+        per_step_loop() if path == "per-step" else contextlib.nullcontext(),
+        draft_cost_ratio(fixed) if fixed is not None else contextlib.nullcontext(),
+    ):
         out = speculative_generate(
             pair["target_j"], make_drafter(pair, name), ids, mask, max_new_tokens=args.max_new,
             num_draft_tokens=args.draft_tokens, temperature=temp, seed=1, eos_token_id=[],
@@ -652,7 +656,14 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 "ms_per_step": 1e3 * spec_s / max(stats[-1].steps, 1),
                 "target_only_ms_per_token": 1e3 * base_s[temp] / args.max_new,
                 "adapter_copies": stats[-1].adapter_copies,
-                "draft_cost_ratios": draft_cost_ratios(pair, name, batch) if path == "device" else [],
+                "draft_cost_ratios": (
+                    [args.draft_cost_ratio]
+                    if args.draft_cost_ratio is not None
+                    else draft_cost_ratios(pair, name, batch)
+                    if path == "device"
+                    else []
+                ),
+                "draft_cost_ratio_fixed": args.draft_cost_ratio is not None,
                 "loop_s": spec_s,
                 "target_only_s": base_s[temp],
             }
@@ -664,7 +675,8 @@ def section_timings(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 f"target-only {row['target_only_tok_s']:9.1f} tok/s, ratio {row['ratio']:.2f}x, "
                 f"acceptance {row['acceptance']:.3f}, tau {row['mean_accepted_length']:.2f}, "
                 f"{row['ms_per_step']:.2f} ms/step (target-only {row['target_only_ms_per_token']:.2f} ms/token), "
-                f"drafted {row['draft_steps']}/{row['steps']} steps at a measured cost ratio "
+                f"drafted {row['draft_steps']}/{row['steps']} steps at a "
+                f"{'fixed' if row['draft_cost_ratio_fixed'] else 'measured'} cost ratio "
                 f"{', '.join(f'{r:.2f}' for r in row['draft_cost_ratios']) or '-'}"
             )
         here = [r for r in rows if (r["category"], r["batch"]) == (category, batch)]
@@ -730,6 +742,13 @@ def main(argv: list[str] | None = None) -> int:
         default="on",
         help="the timed loop's schedule: on (plain or drafted steps, the cost measured once per program: the "
         "call after the warm-up measures it), off (every step drafts)",
+    )
+    parser.add_argument(
+        "--draft-cost-ratio",
+        type=float,
+        default=None,
+        help="with --adaptive on: the schedule's cost of a drafted step in plain steps, fixed (jax_loop."
+        "draft_cost_ratio) instead of measured: how the schedule decides at a given cost",
     )
     parser.add_argument(
         "--threads",
