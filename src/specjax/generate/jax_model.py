@@ -301,7 +301,7 @@ def write_slots(cache: jax.Array, new: jax.Array, first: jax.Array) -> jax.Array
 
 
 def _row_layer_class() -> Any:
-    """A transformers cache layer that writes each row's new keys/values at its own slots (a scatter)."""
+    """A transformers cache layer that writes each row's new keys/values at its own slots (:func:`write_slots`)."""
     from transformers.cache_utils import CacheLayerMixin
 
     class RowSlotLayer(CacheLayerMixin):
