@@ -439,6 +439,8 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "tpu-loop-grid-setup": table_tpu_loop_grid,
     "tpu-loop-grid-copies": table_tpu_loop_grid,
     "tpu-loop-grid-plain1": table_tpu_loop_grid,
+    "tpu-loop-grid-slots-open": table_tpu_loop_grid,
+    "tpu-loop-grid-slots-grounded": table_tpu_loop_grid,
 }
 
 
@@ -698,6 +700,11 @@ def verdict_tpu_loop_grid(rows: list[Row]) -> str:
     )
 
 
+def verdict_tpu_loop_slots(rows: list[Row]) -> str:
+    """Issue 55's speed targets over 64265a3's two runs (open prompts, then these grounded ones)."""
+    return _loop_verdict(load("tpu-loop-grid-slots-open") + rows)
+
+
 def verdict_tpu_loop_run(rows: list[Row]) -> str:
     """Issue 55's speed targets over one run of the grid (the prompt groups and cells it measured)."""
     groups = ", ".join(dict.fromkeys(r["category"] for r in rows))
@@ -762,6 +769,7 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "tpu-loop-grid-setup": verdict_tpu_loop_run,
     "tpu-loop-grid-copies": verdict_tpu_loop_run,
     "tpu-loop-grid-plain1": verdict_tpu_loop_run,
+    "tpu-loop-grid-slots-grounded": verdict_tpu_loop_slots,
 }
 
 
