@@ -181,10 +181,16 @@ def section_logits(target: Any, target_j: Any, ids: torch.Tensor, mask: torch.Te
             ref = target(row).logits[0].float().numpy()
         for precision in ("default", "highest"):
             fwd = jax.jit(lambda w, c, t, s: m.forward(w, c, t, s, None))
+            tokens, start = jnp.asarray(row.numpy(), jnp.int32), jnp.zeros(1, jnp.int32)
             with jax.default_matmul_precision(precision):
-                cache = m.init_cache(1, row.shape[1] + 1)
-                logits, _ = fwd(m.weights, cache, jnp.asarray(row.numpy(), jnp.int32), jnp.zeros(1, jnp.int32))
+                cache = m.init_cache(1, row.shape[1] + 1)  # in jax_model.cache_dtype's dtype
+                logits, _ = fwd(m.weights, cache, tokens, start)
+                # the same forward through a cache of the weights' dtype: where cache_dtype narrows the cache
+                # (a TPU at the default precision), the same arithmetic, so the same bits
+                wide = tuple((k.astype(m.dtype), v.astype(m.dtype)) for k, v in cache)
+                wide_logits, _ = fwd(m.weights, wide, tokens, start)
             got = np.asarray(jax.device_get(logits))[0].astype(np.float32)
+            wide_gap = float(np.abs(got - np.asarray(jax.device_get(wide_logits))[0].astype(np.float32)).max())
             diff = float(np.abs(got - ref).max())
             agree = float((got.argmax(-1) == ref.argmax(-1)).mean())
             rows.append(
@@ -195,11 +201,14 @@ def section_logits(target: Any, target_j: Any, ids: torch.Tensor, mask: torch.Te
                     "argmax_agreement": agree,
                     "max_abs_logit": float(np.abs(ref).max()),
                     "positions": int(row.shape[1]),
+                    "cache_dtype": str(cache[0][0].dtype),
+                    "vs_weights_dtype_cache_max_abs_diff": wide_gap,
                 }
             )
             log(
                 f"logits row {b} ({row.shape[1]} positions) precision={precision}: max|diff| {diff:.3g} "
-                f"(|logits| <= {np.abs(ref).max():.3g}), argmax agreement {agree:.3f}"
+                f"(|logits| <= {np.abs(ref).max():.3g}), argmax agreement {agree:.3f}; cache "
+                f"{cache[0][0].dtype}, against a {m.dtype} cache max|diff| {wide_gap:.3g}"
             )
     return {"rows": rows}
 

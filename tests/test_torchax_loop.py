@@ -9,13 +9,14 @@ keys meet the same distributions and sampled outputs agree draw for draw).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from torchax_models import on_jax, perturbed, ragged_prompts, target_greedy, tiny_llama
 
 from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Proposal
-from specjax.generate import jax_loop, speculative_generate
+from specjax.generate import jax_loop, jax_model, speculative_generate
 from specjax.generate.checks import PluginOutputError
 from specjax.generate.compile_time import measure_compiles
 from specjax.generate.jax_loop import greedy_decode, per_step_loop
@@ -451,6 +452,21 @@ def test_the_device_resident_step_has_no_scatter(models, prompts, monkeypatch):
     speculative_generate(jx["target"], make_drafter("hybrid", jx), ids, mask, max_new_tokens=8, num_draft_tokens=G)
     assert texts and all("stablehlo.while" in t for t in texts)  # the resident program, lowered
     assert not [t for t in texts if "stablehlo.scatter" in t]
+
+
+@pytest.mark.parametrize("draft", ["close", "ngram"])
+def test_greedy_holds_with_the_tpus_bfloat16_caches(models, prompts, monkeypatch, draft):
+    """With the caches kept in bfloat16 (a TPU's choice at its default precision, ``jax_model.cache_dtype``,
+    forced here), the loop's greedy output is still the target alone's with the same caches."""
+    _, jx = models
+    ids, mask = prompts
+    monkeypatch.setattr(jax_model, "cache_dtype", lambda *args: np.dtype(jnp.bfloat16))
+    want = greedy_decode(jx["target"], ids, mask, MAX_NEW).tolist()
+    out = speculative_generate(
+        jx["target"], make_drafter(draft, jx), ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=G
+    )
+    assert out.sequences[:, ids.shape[1] :].tolist() == want
+    assert out.stats.draft_tokens_proposed > 0
 
 
 def test_appending_to_the_device_buffers_is_a_scatter_with_drops():

@@ -16,7 +16,8 @@ from torchax.interop import jax_view
 from torchax_models import on_jax, tiny_llama
 from transformers import MistralConfig, MistralForCausalLM
 
-from specjax.generate.jax_model import jax_model
+from specjax.generate import jax_model as jm
+from specjax.generate.jax_model import cache_dtype, jax_model
 
 # torchax registers torch's "jax" device in this process, which breaks accelerate's
 # offloading elsewhere: these run in their own pytest session (make test-torchax).
@@ -213,3 +214,51 @@ def test_threads_tracing_one_model_at_once_get_the_sequential_results():
         got = list(pool.map(together, widths))
     for width, logits in zip(widths, got, strict=True):
         np.testing.assert_allclose(logits, run(width), rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("weights", "platform", "precision", "want"),
+    [
+        ("float32", "tpu", None, "bfloat16"),
+        ("float32", "tpu", "default", "bfloat16"),
+        ("float32", "tpu", "bfloat16", "bfloat16"),
+        ("float32", "tpu", "fastest", "bfloat16"),
+        ("float32", "tpu", "high", "float32"),
+        ("float32", "tpu", "highest", "float32"),
+        ("float32", "tpu", "float32", "float32"),
+        ("float32", "tpu", "tensorfloat32", "float32"),
+        ("float32", "cpu", None, "float32"),
+        ("float32", "gpu", None, "float32"),
+        ("bfloat16", "tpu", None, "bfloat16"),
+        ("float16", "tpu", None, "float16"),
+        ("float16", "tpu", "highest", "float16"),
+    ],
+)
+def test_the_cache_is_bfloat16_only_where_a_tpus_products_read_bfloat16(weights, platform, precision, want):
+    assert cache_dtype(jnp.dtype(weights), platform, precision) == jnp.dtype(want)
+
+
+def test_a_float32_model_on_this_backend_keeps_a_float32_cache():
+    m = jax_model("target", tiny_llama())
+    assert {a.dtype for layer in m.init_cache(1, 4) for a in layer} == {jnp.dtype("float32")}
+
+
+def test_a_bfloat16_cache_holds_the_rounded_keys_and_feeds_float32_attention(forward, monkeypatch):
+    """The TPU's choice (:func:`cache_dtype`) forced on this backend: the first layer's keys and values (which
+    no cache read precedes) are the float32 cache's rounded to bfloat16, bit for bit; the attention reads
+    them back as float32 (the logits stay float32 and close to the float32 cache's, yet differ: the
+    narrower cache is what later layers read)."""
+    m = jax_model("target", tiny_llama())
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 256, (2, 7)), jnp.int32)
+    start = jnp.zeros(2, jnp.int32)
+    wide, wide_cache = forward(m, m.weights, m.init_cache(2, 16), tokens, start, None)
+    monkeypatch.setattr(jm, "cache_dtype", lambda *args: np.dtype(jnp.bfloat16))
+    narrow_cache = m.init_cache(2, 16)
+    assert narrow_cache[0][0].dtype == jnp.bfloat16
+    narrow, narrow_cache = forward(m, m.weights, narrow_cache, tokens, start, None)
+    assert narrow.dtype == jnp.float32 and narrow_cache[-1][1].dtype == jnp.bfloat16
+    for a, b in zip(narrow_cache[0], wide_cache[0], strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b.astype(jnp.bfloat16), np.float32))
+    gap = np.abs(np.asarray(narrow) - np.asarray(wide)).max()
+    assert 0 < gap < 0.05, gap

@@ -1037,8 +1037,11 @@ def _contexts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[lis
 
 
 def _positions(contexts: list[list[int]], more: int) -> int:
-    """The cache's positions: the longest prompt plus ``more``, rounded up to a block."""
-    return _blocks(max(len(c) for c in contexts) + more)
+    """The cache's positions: at least the longest prompt plus ``more``, with the ``positions + 1`` slots
+    (the scratch slot first) a whole number of blocks. A TPU lays a cache's slot axis along its 128 lanes:
+    129 slots (128 positions and the scratch slot) took the bytes of 256 in every pass over the cache
+    (benchmarks/results/tpu-loop/run-64265a3.log: ``f32[32,3,129,64]{2,3,1,0:T(8,128)}``)."""
+    return _blocks(max(len(c) for c in contexts) + more + 1) - 1
 
 
 def _blocks(n: int) -> int:

@@ -51,7 +51,7 @@ from specjax.adapters.jax_view import torchax_array
 from specjax.generate.module_tensors import named_tensors
 from specjax.slots import attention_layout, cache_argument
 
-__all__ = ["JaxModel", "KVCache", "check_supported", "is_jax_model", "jax_model", "to_jax_device"]
+__all__ = ["JaxModel", "KVCache", "cache_dtype", "check_supported", "is_jax_model", "jax_model", "to_jax_device"]
 
 #: One ``(keys, values)`` pair per layer, each f[B, H_kv, S, D].
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]
@@ -94,7 +94,7 @@ class JaxModel:
       module: the torch module (its code and config; its own weights are not read by :meth:`forward`).
       weights: name → ``jax.Array``, every parameter and buffer (tied weights once).
       num_layers, kv_heads, head_dim: the KV cache's layout.
-      dtype: the weights' floating dtype (the cache's).
+      dtype: the weights' floating dtype (the cache's, but for :func:`cache_dtype`'s one exception).
       input_vocab: ids >= this (which the model cannot embed) are fed as id 0.
     """
 
@@ -109,10 +109,12 @@ class JaxModel:
 
     def init_cache(self, batch: int, positions: int) -> KVCache:
         """A zero cache for ``batch`` rows of ``positions`` positions (``positions + 1`` slots), on the
-        weights' device."""
+        weights' device, in :func:`cache_dtype` (read when called: the matmul precision in force then)."""
         shape = (batch, self.kv_heads, positions + 1, self.head_dim)
         device = next(iter(next(iter(self.weights.values())).devices()))
-        arrays = zeros(2 * self.num_layers, shape, self.dtype, device)
+        precision = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]  # the thread's own
+        dtype = cache_dtype(self.dtype, device.platform, precision)
+        arrays = zeros(2 * self.num_layers, shape, dtype, device)
         return tuple((arrays[2 * i], arrays[2 * i + 1]) for i in range(self.num_layers))
 
     def forward(
@@ -272,6 +274,28 @@ def _grouped_attention(module: Any) -> Iterator[None]:
             c._attn_implementation_internal = name
 
 
+#: JAX's matmul precisions under which a TPU multiplies float32 operands as bfloat16 (one pass).
+_BFLOAT16_PASS = (None, "default", "bfloat16", "fastest")
+
+
+def cache_dtype(weights_dtype: Any, platform: str, precision: str | None) -> np.dtype:
+    """The dtype a KV cache is kept in: bfloat16 for float32 weights on a TPU whose matrix products run at
+    one bfloat16 pass (``precision``: ``jax.config.jax_default_matmul_precision``, None or ``"default"``
+    there), the weights' dtype otherwise.
+
+    Every read of the cache is an attention product, which on a TPU at that precision takes its float32
+    operands as bfloat16: keys and values kept so are the same arithmetic at half the bytes. XLA does this
+    itself to a cache that lives and dies inside one program (the target alone's decoding: its 30 write
+    passes took 22 µs each at B = 32 against 42 µs for the loop's float32 cache, which outlives a chunk's
+    program; benchmarks/results/tpu-loop/run-64265a3.log). At ``highest``, on other platforms, and for
+    weights already 16-bit, the cache keeps the weights' dtype.
+    """
+    dtype = np.dtype(weights_dtype)
+    if dtype == np.float32 and platform == "tpu" and precision in _BFLOAT16_PASS:
+        return np.dtype(jnp.bfloat16)
+    return dtype
+
+
 #: Widest write done as selects over the cache (a step's G + 1 tokens, the draft's catch-up of 17); wider ones
 #: (a prompt) as one slice update per row.
 _SELECT_WIDTH = 32
@@ -324,8 +348,11 @@ def _row_layer_class() -> Any:
             def put(cache: Any, new: Any) -> Any:
                 return torch_view(write_slots(jax_view(cache), jax_view(new), first))
 
+            def read(cache: Any, like: Any) -> Any:  # a narrower cache (cache_dtype) read in the model's dtype
+                return cache if cache.dtype == like.dtype else torch_view(jax_view(cache).astype(jax_view(like).dtype))
+
             self.keys, self.values = put(self.keys, key_states), put(self.values, value_states)
-            return self.keys, self.values
+            return read(self.keys, key_states), read(self.values, value_states)
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
             return int(self.keys.shape[2]), 0
