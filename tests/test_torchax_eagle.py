@@ -16,7 +16,7 @@ from torchax_models import on_jax, ragged_prompts, target_greedy, tiny_llama
 
 from specjax.drafters.eagle import CONTEXT_TOKENS, EagleDrafter
 from specjax.drafters.eagle_head import EagleConfig, EagleHead, FeatureCache, init_weights
-from specjax.generate import jax_loop, speculative_generate
+from specjax.generate import jax_loop, jax_model, speculative_generate
 from specjax.generate.jax_eagle import jax_head, scored_ids
 
 pytestmark = pytest.mark.torchax
@@ -103,6 +103,20 @@ def test_eagle_greedy_equals_the_targets_own_greedy_decoding(pair, prompts, head
     )  # fmt: skip
     assert out.sequences[:, ids.shape[1] :].tolist() == want
     assert out.stats.adapter_copies == 0
+    assert out.stats.draft_tokens_proposed > 0
+
+
+def test_eagle_greedy_holds_with_the_tpus_bfloat16_caches(pair, prompts, monkeypatch):
+    """With the target's and the head's caches in bfloat16 (a TPU's choice at its default precision,
+    ``jax_model.cache_dtype``, forced here), greedy output is the target alone's with the same caches."""
+    _, target_j, heads = pair
+    ids, mask = prompts
+    monkeypatch.setattr(jax_model, "cache_dtype", lambda *args: np.dtype(jnp.bfloat16))
+    want = jax_loop.greedy_decode(target_j, ids, mask, MAX_NEW).tolist()
+    out = speculative_generate(
+        target_j, EagleDrafter(heads["eagle3"], 0), ids, mask, max_new_tokens=MAX_NEW, num_draft_tokens=3
+    )
+    assert out.sequences[:, ids.shape[1] :].tolist() == want
     assert out.stats.draft_tokens_proposed > 0
 
 

@@ -71,13 +71,15 @@ class JaxHead:
         return (*self.config.feature_layers, -1)
 
     def init_cache(self, batch: int, positions: int) -> HeadCache:
-        """A zero feature cache for ``batch`` rows of ``positions`` pairs (``positions + 1`` slots)."""
+        """A zero feature cache for ``batch`` rows of ``positions`` pairs (``positions + 1`` slots), in
+        ``jax_model.cache_dtype`` (the target's rule: bfloat16 on a TPU at the default precision)."""
         cfg = self.config
-        dtype = self.weights["fc.weight"].dtype
+        weight = self.weights["fc.weight"]
         shape = (batch, cfg.num_key_value_heads, positions + 1, cfg.head_dim)
-        from specjax.generate.jax_model import zeros
+        from specjax.generate.jax_model import cache_dtype_on, zeros
 
-        arrays = zeros(2 * cfg.num_layers, shape, dtype, next(iter(self.weights["fc.weight"].devices())))
+        device = next(iter(weight.devices()))
+        arrays = zeros(2 * cfg.num_layers, shape, cache_dtype_on(weight.dtype, device), device)
         return tuple((arrays[2 * i], arrays[2 * i + 1]) for i in range(cfg.num_layers))
 
     def fuse(self, w: dict[str, jax.Array], hidden: jax.Array) -> jax.Array:
@@ -151,9 +153,10 @@ class JaxHead:
             # query head h = g·rep + j reads key/value head g: the groups' queries as rows over the cache as
             # it lies (repeating the heads, jnp.repeat, would copy the head's whole cache every forward)
             qg = q.reshape(b, nkv, nh // nkv, width, hd)
-            att = jnp.einsum("bgrwd,bgsd->bgrws", qg, keys) / np.sqrt(hd)
+            att = jnp.einsum("bgrwd,bgsd->bgrws", qg, keys.astype(qg.dtype)) / np.sqrt(hd)  # cache_dtype's
             att = jnp.where(visible[:, None, None], att, -jnp.inf)
-            out = jnp.einsum("bgrws,bgsd->bgrwd", jax.nn.softmax(att, axis=-1), values).reshape(b, nh, width, hd)
+            probs = jax.nn.softmax(att, axis=-1)
+            out = jnp.einsum("bgrws,bgsd->bgrwd", probs, values.astype(qg.dtype)).reshape(b, nh, width, hd)
             x = x + out.transpose(0, 2, 1, 3).reshape(b, width, nh * hd) @ w[p + "o_proj.weight"].T
             h = norm(x, w[p + "post_norm.weight"])
             mlp = jax.nn.silu(h @ w[p + "gate_proj.weight"].T) * (h @ w[p + "up_proj.weight"].T)

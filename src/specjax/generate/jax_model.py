@@ -112,9 +112,7 @@ class JaxModel:
         weights' device, in :func:`cache_dtype` (read when called: the matmul precision in force then)."""
         shape = (batch, self.kv_heads, positions + 1, self.head_dim)
         device = next(iter(next(iter(self.weights.values())).devices()))
-        precision = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]  # the thread's own
-        dtype = cache_dtype(self.dtype, device.platform, precision)
-        arrays = zeros(2 * self.num_layers, shape, dtype, device)
+        arrays = zeros(2 * self.num_layers, shape, cache_dtype_on(self.dtype, device), device)
         return tuple((arrays[2 * i], arrays[2 * i + 1]) for i in range(self.num_layers))
 
     def forward(
@@ -294,6 +292,12 @@ def cache_dtype(weights_dtype: Any, platform: str, precision: str | None) -> np.
     if dtype == np.float32 and platform == "tpu" and precision in _BFLOAT16_PASS:
         return np.dtype(jnp.bfloat16)
     return dtype
+
+
+def cache_dtype_on(weights_dtype: Any, device: Any) -> np.dtype:
+    """:func:`cache_dtype` on ``device`` at the matmul precision in force in this thread now."""
+    precision = jax.config.jax_default_matmul_precision  # type: ignore[attr-defined]  # the thread's own
+    return cache_dtype(weights_dtype, device.platform, precision)
 
 
 #: Widest write done as selects over the cache (a step's G + 1 tokens, the draft's catch-up of 17); wider ones
