@@ -220,8 +220,9 @@ def topk_cutoff() -> Iterator[None]:
 
 def bench_verify(batches, drafts, dtypes, reps, device, trivial_s, sink, budget, compare) -> None:
     v = VERIFY_VOCAB
-    limits = {"sampled": 3.0, "sampled-topk": 3.0, "greedy": 1.5}
-    modes = ("sampled", "sampled-topk", "greedy") if compare else ("sampled", "greedy")
+    limits = {"sampled": 3.0, "sampled-topk": 3.0, "sampled-t": None, "greedy": 1.5}
+    # sampled-t: T = 0.7 alone, the loop's sampling (the acceptance walks the positions in order off the CPU)
+    modes = ("sampled", "sampled-topk", "sampled-t", "greedy") if compare else ("sampled", "sampled-t", "greedy")
     print(HEADER_LINE)
     for g in drafts:
         for dtype in dtypes:
@@ -315,6 +316,8 @@ def _params(b: int, mode: str) -> SamplingParams:
     ones = jnp.ones((b,), jnp.float32)
     if mode == "greedy":
         return SamplingParams(ones * 0, jnp.zeros((b,), jnp.int32), ones * 0, False, False, "xla")
+    if mode == "sampled-t":
+        return SamplingParams(ones * 0.7, jnp.zeros((b,), jnp.int32), ones * 0, False, False, "xla")
     return SamplingParams(ones * 0.7, jnp.full((b,), 50, jnp.int32), ones * 0.1, True, True, "xla")
 
 
