@@ -61,3 +61,28 @@ def target_greedy(target, ids, mask, max_new):
             out = target.generate(row, attention_mask=torch.ones_like(row), max_new_tokens=max_new, do_sample=False)
             rows.append(out[0, row.shape[1] :].tolist())
     return rows
+
+
+LOOP_MAX_NEW = 20  # the loop tests' new tokens a row
+LOOP_G = 3  # one draft length for most cases: each (drafter, G, sampling mode) traces and compiles its step once
+
+
+def loop_models():
+    """The loop tests' CPU target and drafts, and their copies on the jax device: a close draft (accepts
+    often), a random one (rarely)."""
+    target = tiny_llama(seed=0)
+    close = perturbed(target, 0.002)
+    far = tiny_llama(seed=7, layers=1, hidden=32)
+    cpu = {"target": target, "close": close, "far": far}
+    return cpu, {k: on_jax(v) for k, v in cpu.items()}
+
+
+def make_drafter(name, models):
+    """``close`` / ``far``: the model drafter; ``ngram``; ``hybrid``: ngram where it matches, else ``close``."""
+    from specjax.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "hybrid":
+        return HybridDrafter(NgramDrafter(), ModelDrafter(models["close"]))
+    return models[name]
