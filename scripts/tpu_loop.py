@@ -547,8 +547,8 @@ def section_profile(pair: dict[str, Any], tokenizer: Any, vocab: int, args: argp
                 log(f"  {line_name}: {line['total_us']:.0f} us; by category " + ", ".join(
                     f"{c} {us:.0f}" for c, us in list(line["by_category_us"].items())[:8]))  # fmt: skip
                 for op in line["top"][: min(12, args.profile_top)]:
-                    name, category = op["name"][:60], op.get("hlo_category", "")
-                    log(f"    {op['us']:9.0f} us  x{op['count']:<5d} {name:60s} {category}")
+                    op_name, op_kind = op["name"][:60], op.get("hlo_category", "")
+                    log(f"    {op['us']:9.0f} us  x{op['count']:<5d} {op_name:60s} {op_kind}")
     return rows
 
 
