@@ -280,10 +280,12 @@ def test_verify_with_the_tpu_cutoff_gives_the_same_tokens(dtype, monkeypatch):
 GREEDY_CASES = ["draft-logits", "point-masses", "mixed-point-mass-rows", "top-k-top-p", "nan-rows", "ragged", "g0"]
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["at-run-time", "static"])
 @pytest.mark.parametrize("case", GREEDY_CASES)
-def test_an_all_greedy_batch_off_cpu_gives_the_cpu_tokens(case, monkeypatch):
+def test_an_all_greedy_batch_off_cpu_gives_the_cpu_tokens(case, static, monkeypatch):
     """Off CPU an all-greedy batch takes one argmax over the target's rows (verify_core's
-    ``greedy_batch``); traced on the CPU, it gives the CPU path's counts and tokens."""
+    ``greedy_batch``); traced on the CPU, it gives the CPU path's counts and tokens. Known all greedy
+    (``SamplingParams.all_greedy``, static) the off-CPU step has no branch at all."""
     from specjax.kernels.types import SamplingParams
 
     rng = np.random.default_rng(GREEDY_CASES.index(case))
@@ -302,6 +304,7 @@ def test_an_all_greedy_batch_off_cpu_gives_the_cpu_tokens(case, monkeypatch):
         filtered,
         filtered,
         "xla",
+        static,
     )
     if case == "nan-rows":
         d = d.at[0].set(jnp.nan).at[1, 0, 7].set(jnp.nan)
@@ -323,6 +326,39 @@ def test_an_all_greedy_batch_off_cpu_gives_the_cpu_tokens(case, monkeypatch):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     if g:
         assert 0 < int(np.asarray(want.num_accepted).sum()) < int(np.asarray(k).sum())
+    branches = str(jax.make_jaxpr(lambda *a: verify(*a))(x, draft, t, u, s, params, k)).count("cond[")
+    assert (branches == 0) == static, branches
+
+
+@pytest.mark.parametrize("case", ["plain", "nan-rows", "short-draft-vocab"])
+def test_a_known_all_greedy_draft_draw_off_cpu_is_the_draws_argmax(case, monkeypatch):
+    """steps.draft_draw with ``all_greedy`` (static) takes the argmax alone off the CPU: the tokens the
+    statistics' branch draws, NaN rows and a draft vocabulary padded to the target's included."""
+    from specjax.kernels import steps
+    from specjax.kernels.types import SamplingParams
+
+    rng = np.random.default_rng(len(case))
+    b, v = 6, 300
+    logits = rng.normal(size=(b, 200 if case == "short-draft-vocab" else v)).astype(np.float32) * 3
+    logits[1, 17] = logits[1].max()  # a tie: the first maximum
+    if case == "nan-rows":
+        logits[2, 5] = np.nan
+        logits[3] = -np.inf
+    keys = jax.random.split(jax.random.key(0), b)
+
+    def draw(static):
+        params = SamplingParams(jnp.zeros((b,), jnp.float32), all_greedy=static)
+        return jax.jit(lambda lg: steps.draft_draw(lg, keys, jnp.int32(3), 1, params, vocab=v))(jnp.asarray(logits))
+
+    want = np.asarray(draw(False))
+    monkeypatch.setattr(core.lax, "platform_dependent", _tpu_branch)
+    got = jax.jit(
+        lambda lg: steps.draft_draw(
+            lg, keys, jnp.int32(3), 1, SamplingParams(jnp.zeros((b,)), all_greedy=True), vocab=v
+        )
+    )(jnp.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(want[:2], np.nanargmax(np.where(np.isnan(logits[:2]), -np.inf, logits[:2]), -1))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -8,6 +8,7 @@ two workers share the loop's tests.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -389,3 +390,61 @@ def test_draft_forwards_count_the_steps_that_drafted(models, prompts):
         plain = speculative_generate(jx["target"], jx["far"], ids, mask, **kw)
     assert every.stats.draft_forwards == G * every.stats.steps + 1  # + the prefill
     assert plain.stats.draft_forwards == 1  # the prefill alone
+
+
+@pytest.mark.parametrize(
+    ("temperatures", "want"), [([0.0, 0.0], True), ([0.0, 0.7], False), ([1.0], False), ([], False)]
+)
+def test_a_call_is_marked_all_greedy_only_when_every_row_is(temperatures, want):
+    """jax_loop.known_greedy sets the static ``all_greedy`` exactly for a call whose every row is greedy (a
+    sampled row marked so would be verified by the argmax off the CPU)."""
+    from specjax.drafters.base import SamplingState
+    from specjax.kernels.types import SamplingParams
+
+    sampling = SamplingState(SamplingParams(jnp.asarray(temperatures, jnp.float32)), jnp.zeros((len(temperatures),)))
+    marked = jax_loop.known_greedy(sampling)
+    assert marked.params.all_greedy is want
+    assert np.array_equal(np.asarray(marked.params.temperature), np.asarray(sampling.params.temperature))
+
+
+@pytest.mark.parametrize("draft", ["close", "ngram", "hybrid"])
+def test_greedy_holds_with_the_tpus_branches_of_an_all_greedy_call(models, prompts, monkeypatch, draft):
+    """Traced as a TPU lowers it (every ``lax.platform_dependent`` on its TPU or default branch), an all-greedy
+    call (``SamplingParams.all_greedy``, static) draws the draft's tokens and verifies by the argmax alone, with
+    no branch for sampled rows, and gives the target alone's tokens with the acceptance of the CPU's branches
+    (the same drafts). The jit caches are cleared around the TPU-branch call, so that it traces anew and
+    leaves nothing behind (the last test of the file: later ones here would trace again)."""
+    from jax import lax
+
+    from specjax.kernels import steps
+
+    _, jx = models
+    ids, mask = prompts
+    want = greedy_decode(jx["target"], ids, mask, MAX_NEW).tolist()
+    kw = dict(max_new_tokens=MAX_NEW, num_draft_tokens=5)
+    on_cpu = speculative_generate(jx["target"], make_drafter(draft, jx), ids, mask, **kw)  # the CPU's branches
+    argmaxes = []
+
+    def tpu_branch(*args, default, **platforms):
+        return platforms["tpu"](*args) if "tpu" in platforms else default(*args)
+
+    def counted(x):
+        argmaxes.append(x.shape)
+        return first_argmax(x)
+
+    first_argmax = steps.first_argmax
+    monkeypatch.setattr(lax, "platform_dependent", tpu_branch)
+    monkeypatch.setattr(steps, "first_argmax", counted)
+    jax.clear_caches()
+    try:
+        out = speculative_generate(jx["target"], make_drafter(draft, jx), ids, mask, **kw)
+    finally:
+        jax.clear_caches()
+    assert out.sequences[:, ids.shape[1] :].tolist() == want
+    assert out.stats.draft_tokens_proposed > 0
+    # the same drafts, the same acceptance: the static argmax draws what the statistics' branch draws
+    assert (out.stats.steps, out.stats.draft_tokens_accepted) == (
+        on_cpu.stats.steps,
+        on_cpu.stats.draft_tokens_accepted,
+    )
+    assert bool(argmaxes) == (draft != "ngram")  # the draft model's draws took the static argmax

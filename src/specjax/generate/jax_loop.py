@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import time
 import weakref
@@ -676,6 +677,19 @@ _CALIBRATE_STEPS = 8  # steps a timed chunk of a program's first measured call r
 _RATIOS: weakref.WeakKeyDictionary[JaxModel, dict[tuple[Any, ...], float]] = weakref.WeakKeyDictionary()
 
 
+def known_greedy(sampling: SamplingState) -> SamplingState:
+    """``sampling`` with ``params.all_greedy`` set when every row's temperature is 0 (B numbers read once a
+    call; a call compiles its own programs anyway). Off the CPU the steps then trace the argmax rule alone,
+    with no branch for sampled rows: on a TPU the loop's target logits were otherwise made in float32 for
+    that branch and read again by its argmax, where the target alone's argmax fuses into the output
+    projection (benchmarks/results/tpu-loop/run-4fa2176.log). The public entry points leave it unset: a
+    new temperature never recompiles them."""
+    t = np.asarray(jax.device_get(sampling.params.temperature))
+    if sampling.params.all_greedy or not t.size or not bool(np.all(t <= 0)):
+        return sampling
+    return dataclasses.replace(sampling, params=dataclasses.replace(sampling.params, all_greedy=True))
+
+
 def _calibrated(run: _JaxRun, state: Resident) -> tuple[Resident, float | None]:
     """The ratio of a drafted step's cost to a plain step's for ``run``'s program: measured once (the first
     call that neither traces nor compiles it: twice a chunk of no steps, :data:`_CALIBRATE_STEPS` drafted steps
@@ -782,7 +796,7 @@ class _JaxRun:
     commit; arguments as :func:`run_jax_loop`'s."""
 
     def __init__(self, target, drafter, input_ids, attention_mask, sampling: SamplingState, config: LoopConfig) -> None:
-        self.drafter, self.sampling, self.on_tokens = drafter, sampling, config.on_tokens
+        self.drafter, self.sampling, self.on_tokens = drafter, known_greedy(sampling), config.on_tokens
         self.eos = np.array(sorted(config.eos_ids), np.int32)  # i32[E]
         self.max_new_tokens, self.g, self.vocab = config.max_new_tokens, config.num_draft_tokens, config.target_vocab
         self.contexts = _contexts(input_ids, attention_mask)

@@ -460,7 +460,12 @@ def verify_core(
         def off_cpu() -> AcceptanceResult:
             # On an accelerator the per-position passes read strided slices of the
             # (B, G+1, V) tiles (several reads of the input); an all-greedy batch needs
-            # one argmax (docs/tpu.md). XLA:CPU keeps its programs.
+            # one argmax (docs/tpu.md). XLA:CPU keeps its programs. Known all greedy
+            # (params.all_greedy, static): no branch, so nothing but the argmax reads
+            # the logits (on a TPU the loop's were materialised in float32 for the
+            # cond: benchmarks/results/tpu-loop/run-4fa2176.log).
+            if params.all_greedy:
+                return greedy_batch()
             return lax.cond(jnp.all(temperature <= 0), greedy_batch, jax_path)
 
         if cpu_kernels.require(params.impl) and not (point_masses or point_mass_rows is not None):

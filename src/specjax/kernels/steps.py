@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.kernels.compile_options import vector_jit
-from specjax.kernels.core import inverse_cdf, point_mass
+from specjax.kernels.core import first_argmax, inverse_cdf, point_mass
 from specjax.kernels.frontend import _uniforms, row_probs, row_stats, verify_core
 from specjax.kernels.types import AcceptanceResult, SamplingParams
 
@@ -57,16 +57,22 @@ def draft_draw(logits, row_keys, step, purpose, params: SamplingParams, *, vocab
       :func:`specjax.verify_from_logits` will recompute from the same logits.
     """
     x = fit_vocab(logits, vocab)
-    stats = row_stats(x, params.temperature, params.active_top_k, params.active_one_minus_top_p, impl=params.impl)
 
-    def draw() -> jax.Array:
-        probs = row_probs(stats, x, params.impl)
-        keys = step_keys(row_keys, step, purpose)
-        return inverse_cdf(probs, _uniforms(keys, x.shape[0], 1)[:, 0])
+    def drawn(x: jax.Array) -> jax.Array:
+        stats = row_stats(x, params.temperature, params.active_top_k, params.active_one_minus_top_p, impl=params.impl)
 
-    # An all-greedy batch draws argmax (what the inverse CDF of its one-hot rows
-    # returns) without the probability and CDF passes over V.
-    return lax.cond(jnp.all(stats.greedy), lambda: stats.argmax, draw)
+        def draw() -> jax.Array:
+            probs = row_probs(stats, x, params.impl)
+            keys = step_keys(row_keys, step, purpose)
+            return inverse_cdf(probs, _uniforms(keys, x.shape[0], 1)[:, 0])
+
+        # An all-greedy batch draws argmax (what the inverse CDF of its one-hot rows
+        # returns) without the probability and CDF passes over V.
+        return lax.cond(jnp.all(stats.greedy), lambda: stats.argmax, draw)
+
+    if params.all_greedy:  # static: off the CPU the argmax alone (the same rule), no statistics, no branch
+        return lax.platform_dependent(x, cpu=drawn, default=lambda x: first_argmax(x.astype(jnp.float32)))
+    return drawn(x)
 
 
 def sampling_uniform(u: jax.Array, draft_lengths: jax.Array) -> jax.Array:

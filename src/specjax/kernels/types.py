@@ -36,7 +36,7 @@ Array = Any
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_k", "one_minus_top_p"],
-    meta_fields=["use_top_k", "use_top_p", "impl"],
+    meta_fields=["use_top_k", "use_top_p", "impl", "all_greedy"],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
 class SamplingParams:
@@ -54,9 +54,17 @@ class SamplingParams:
         CPU kernels where the function is lowered for a CPU;
         :mod:`specjax.kernels.cpu_kernels`). The boundary resolves its
         ``impl="auto"`` to one of them before tracing.
+      all_greedy: static: a promise that every row's temperature is <= 0
+        (greedy). Off the CPU the steps then trace the argmax rule alone, with
+        no branch for sampled rows, so nothing else reads the logits. With it
+        False (the default; the public entry points leave it so, since a
+        static field recompiles) an all-greedy batch takes the same rule at
+        run time. The device loop sets it for an all-greedy call
+        (:func:`specjax.generate.jax_loop.known_greedy`).
 
     Recompiles (as an argument of a jitted function): when B or a dtype changes,
-    or when ``use_top_k`` / ``use_top_p`` / ``impl`` change; never for new values.
+    or when ``use_top_k`` / ``use_top_p`` / ``impl`` / ``all_greedy`` change;
+    never for other new values.
     """
 
     temperature: Array
@@ -65,6 +73,7 @@ class SamplingParams:
     use_top_k: bool = False
     use_top_p: bool = False
     impl: str = "xla"
+    all_greedy: bool = False
 
     @property
     def active_top_k(self) -> Array | None:
