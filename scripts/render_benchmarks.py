@@ -442,6 +442,7 @@ TABLES: dict[str, Callable[[list[Row]], str]] = {
     "tpu-loop-grid-slots-open": table_tpu_loop_grid,
     "tpu-loop-grid-slots-grounded": table_tpu_loop_grid,
     "tpu-loop-grid-bf16-open": table_tpu_loop_grid,
+    "tpu-loop-grid-greedy-open": table_tpu_loop_grid,
 }
 
 
@@ -772,6 +773,7 @@ VERDICTS: dict[str, Callable[[list[Row]], str]] = {
     "tpu-loop-grid-plain1": verdict_tpu_loop_run,
     "tpu-loop-grid-slots-grounded": verdict_tpu_loop_slots,
     "tpu-loop-grid-bf16-open": verdict_tpu_loop_run,
+    "tpu-loop-grid-greedy-open": verdict_tpu_loop_run,
 }
 
 
