@@ -1,6 +1,8 @@
 """What a step's KV-cache writes cost on an accelerator, by the form of the write (docs/tpu.md §6).
 
-Usage (on a TPU host; JAX alone, the project need not be installed)::
+Usage (on a TPU host with JAX and torch, as docs/tpu.md §1 sets one up: the rule
+it compares with, ``jax_model.write_slots``, lives beside the torchax model code,
+which imports torch; the project need not be installed)::
 
     PYTHONPATH=src:benchmarks:$PYTHONPATH python3 benchmarks/bench_tpu_cache_writes.py \\
         [--out benchmarks/results] [--batches 8 32] [--slots 128 512] [--widths 1 5] [--quick]
