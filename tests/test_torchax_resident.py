@@ -135,6 +135,76 @@ def test_device_loop_repeats_the_per_step_path_exactly(models, prompts, monkeypa
         assert got.stats.draft_tokens_proposed > 0
 
 
+@pytest.mark.parametrize(
+    "draft, sampling, max_new, eos_at",
+    [("close", {}, MAX_NEW, None), ("far", _SAMPLED, MAX_NEW, 2), ("ngram", {}, 13, 4), ("hybrid", _SAMPLED_07, 7, 2)],
+    ids=["greedy", "sampled-eos", "ngram-eos-max13", "hybrid-t0.7-eos"],
+)
+def test_without_a_callback_the_steps_bookkeeping_is_the_streamed_ones(
+    models, prompts, draft, sampling, max_new, eos_at
+):
+    """With no ``on_tokens`` the host accounts for a chunk's steps at once (``account_steps``, NumPy); the outputs
+    and every stat are those of the per-row replay a callback gets (rows ending at EOS and at max_new, rows idle
+    in later steps, plain and drafted steps)."""
+    _, jx = models
+    ids, mask = prompts
+    kw = dict(max_new_tokens=max_new, num_draft_tokens=G, pad_token_id=0, **sampling)
+
+    def run(**extra):
+        with jax_loop.draft_cost_ratio(1.3):  # the same schedule for every call: plain and drafted steps
+            out = speculative_generate(jx["target"], make_drafter(draft, jx), ids, mask, **kw, **extra)
+        return out, {k: v for k, v in out.stats.as_dict().items() if k not in _TIMINGS}
+
+    if eos_at is not None:  # an EOS id from row 0's own output under the same schedule
+        kw["eos_token_id"] = int(run()[0].sequences[0, ids.shape[1] + eos_at])
+    at_once, at_once_stats = run()
+    streamed, streamed_stats = run(on_tokens=lambda b, t: None)
+    assert at_once.sequences.tolist() == streamed.sequences.tolist()
+    assert at_once.num_new_tokens.tolist() == streamed.num_new_tokens.tolist()
+    assert at_once_stats == streamed_stats
+    assert len(set(at_once.num_new_tokens.tolist())) > 1 or eos_at is None  # rows ended apart
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_accounting_steps_at_once_is_accounting_them_one_by_one(seed):
+    """``_JaxRun.account_steps`` (a chunk's S steps in NumPy) against :meth:`account` per active row and
+    :meth:`end_step` per step (the streamed replay), on random records: plain and drafted steps, rows idle
+    from some step on, every count in [0, G]; the stats, per-position counts and outputs are the same."""
+    from specjax.generate.loop import SpeculativeStats, _Row
+
+    rng = np.random.default_rng(seed)
+    b, steps, g = 6, 20, G
+
+    def fresh():
+        run = object.__new__(jax_loop._JaxRun)  # the bookkeeping's state alone
+        run.stats, run.g, run.on_tokens = SpeculativeStats(drafter="x"), g, None
+        run.tested, run.passed = np.zeros(g, np.int64), np.zeros(g, np.int64)
+        run.gained = run.row_steps = run.step = 0
+        run.rows = [_Row(i) for i in range(b)]
+        return run
+
+    k = np.where(rng.random((steps, 1)) < 0.6, rng.integers(1, g + 1, (steps, b)), 0)
+    n = np.minimum(rng.integers(0, g + 1, (steps, b)), k)
+    e = n + 1 - (rng.random((steps, b)) < 0.2) * n  # an EOS or max_new may cut a step's tokens short
+    e[rng.integers(1, steps, b)[None, :] <= np.arange(steps)[:, None]] = 0  # each row idle from its own step on
+    out = rng.integers(0, 1000, (b, steps * (g + 1))).astype(np.int32)
+    one, many = fresh(), fresh()
+    offset = np.zeros(b, np.int64)
+    for s in range(steps):
+        for row in np.nonzero(e[s] > 0)[0]:
+            one.account(
+                int(row), int(k[s, row]), int(n[s, row]), out[row, offset[row] : offset[row] + e[s, row]].tolist()
+            )
+            offset[row] += e[s, row]
+        one.end_step(k[s])
+    many.account_steps(out, np.zeros(b, np.int64), k, n, e)
+    assert many.stats.as_dict() == one.stats.as_dict()
+    assert (many.tested.tolist(), many.passed.tolist()) == (one.tested.tolist(), one.passed.tolist())
+    assert [r.generated for r in many.rows] == [r.generated for r in one.rows]
+    assert (many.gained, many.row_steps, many.step) == (one.gained, one.row_steps, one.step)
+    assert one.stats.draft_tokens_accepted > 0 and one.tested.sum() > 0  # not vacuous
+
+
 class _OwnNgram(NgramDrafter):
     """The built-in rule under another type: the loop cannot know it still is the rule, so it asks the host."""
 
