@@ -31,8 +31,9 @@ the same bookkeeping on the device (per-row positions, emitted lengths, EOS,
 ``max_new_tokens``, an i32[B, max_new_tokens] output buffer, per-step counts,
 and for the n-gram lookups each row's prompt and emitted tokens) until every
 row is done; the host then reads the int32 tokens and per-step counts once and
-replays each step's stats and ``on_tokens`` calls (with ``on_tokens``, every
-:data:`STREAM_STEPS` steps, so the callback streams). The two paths give the
+accounts for the steps' stats at once, or with ``on_tokens`` replays each step's
+stats and calls (reading every :data:`STREAM_STEPS` steps, so the callback
+streams). The two paths give the
 same outputs and stats; :func:`per_step_loop` selects the per-step path for
 those drafters. The eagle head runs device-resident only
 (:func:`eagle_and_verify`, :func:`eagle_commit`; docs/torchax.md says how it
