@@ -215,13 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'B':>3} {'S':>4} {'W':>2} {'form':>7} {'step_us':>9} {'write_us':>9} {'x_select':>9} {'x_shared':>9}  same"
     )
-    rows = []
     for b in args.batches:
         for slots in args.slots:
             for w in args.widths:
-                rows += measure(b, slots, w, args, interpret)
-    if args.out:
-        append_jsonl(os.path.join(args.out, "tpu-cache-writes.jsonl"), rows)
+                rows = measure(b, slots, w, args, interpret)
+                if args.out:  # each case's rows as they come (a device call may end at its time limit)
+                    append_jsonl(os.path.join(args.out, "tpu-cache-writes.jsonl"), rows)
     return 0
 
 
